@@ -1,0 +1,29 @@
+"""recomp: activation checkpointing that keeps chosen regions out of the recompute.
+
+This package imports no framework. The framework APIs are ``recomp.torch``
+and ``recomp.mindspore``; what is here is shared by both: the recompute state
+that code inside a checkpoint can read, and the errors recomp raises.
+"""
+
+from ._state import RecomputeState, get_recompute_state, is_recomputing
+from .errors import (
+    CachedValueMutatedError,
+    NestedExclusionError,
+    OutputNotSavedError,
+    RecompError,
+    ReplayMismatchError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CachedValueMutatedError",
+    "NestedExclusionError",
+    "OutputNotSavedError",
+    "RecompError",
+    "RecomputeState",
+    "ReplayMismatchError",
+    "__version__",
+    "get_recompute_state",
+    "is_recomputing",
+]

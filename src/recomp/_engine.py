@@ -1,0 +1,524 @@
+"""The exclusion engine, shared by every framework backend.
+
+NOTE [ How an excluded region is kept out of the replay ]
+
+A recomp checkpoint is the framework's own non-reentrant checkpoint: in the
+forward, a saved-tensors hook replaces every tensor that autograd saves by a
+placeholder; in backward, the first unpack replays the forward and takes the
+tensors from the replay, position by position. recomp adds a recompute state
+(``_state``) that tells code which invocation it belongs to and whether it is
+the forward or a replay.
+
+An excluded region, in the forward of an invocation:
+  1. runs under an inner saved-tensors hook, which takes precedence over the
+     checkpoint's, so the tensors its autograd nodes save are kept for real
+     (``_Kept``) instead of being dropped and replayed;
+  2. appends a ``CacheEntry`` to the invocation holding its outputs, detached
+     (the region's own graph is kept alive by the caller's graph, not by us);
+  3. passes its differentiable outputs through an autograd *boundary*
+     (see NOTE [ Deferred inputs ]).
+In a replay, the region is not called: the entry at the replay cursor gives
+the outputs back, with the same ``requires_grad`` so that the recomputed code
+after it saves exactly what it saved in the forward (the checkpoint matches
+saved tensors by position, so the replay must save the same sequence).
+
+Invariants the code relies on:
+  * Entries are consumed in call order and never removed; each replay starts
+    from the first entry (``PhaseContext``), so ``retain_graph`` and repeated
+    backwards see the same cache. The cache belongs to the invocation, which the
+    checkpoint frame holds through the replay context: it dies with the graph.
+  * Nothing the cache holds refers back to the autograd graph (outputs are
+    detached, inputs are bound detached), so no reference cycle that the
+    garbage collector cannot see keeps a graph alive.
+  * A region that fails leaves nothing behind: the entry is appended only after
+    the region returned, and the context variables are reset in ``finally``.
+
+NOTE [ Deferred inputs ]
+
+A region input that was computed inside the checkpoint by recomputed code
+(say ``norm(h)`` fed to an excluded matmul) is reproduced by the replay anyway.
+Keeping it in the region's saved tensors would hold a second copy of an
+activation the checkpoint deliberately dropped. So the inner pack hook saves a
+``_Deferred`` handle for any saved tensor whose storage is the storage of such
+an input (storage, not identity: ``linear`` saves a 2-D view of a 3-D input),
+recording how to rebuild the view from the input. When the replay reaches the
+region, the engine binds each handle's ``_InputSlot`` to the replay's tensor at
+the same input path.
+
+For that binding to happen before the region's own backward unpacks the
+handles, the region's outputs go through the boundary: an autograd function
+that saves the deferred inputs *under the checkpoint's hook* and reads them in
+its backward. Gradients reach the region's nodes only through the boundary, so
+the boundary's backward runs first, its unpack triggers the replay, the replay
+binds the slots, and only then do the region's nodes unpack their handles. The
+replay applies the boundary again to keep the sequence of saved tensors equal.
+
+Not deferred: parameters; tensors whose storage is a checkpoint input (the
+checkpoint keeps those); outputs of earlier excluded regions in the same
+invocation (cached already, or deliberately not cached with
+``save_output=False``, in which case the consumer's saved tensors are the one
+copy). Saving those as they are costs no memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, Protocol
+
+from . import _pytree
+from ._state import Invocation, PhaseContext, get_recompute_state
+from .errors import (
+    CachedValueMutatedError,
+    NestedExclusionError,
+    ReplayMismatchError,
+)
+
+
+class Backend(Protocol):
+    """The questions the engine asks a framework. One small object per framework."""
+
+    name: str
+
+    def is_tensor(self, x: Any) -> bool: ...
+    def is_parameter(self, x: Any) -> bool: ...
+    def requires_grad(self, t: Any) -> bool: ...
+    def grad_enabled(self) -> bool: ...
+    def storage_key(self, t: Any) -> Hashable | None:
+        """Identity of the memory behind ``t``, equal for all views of it; None if unknown."""
+
+    def version(self, t: Any) -> int | None:
+        """In-place modification counter of ``t``, or None if the framework has none."""
+
+    def saved_tensors_hooks(
+        self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]
+    ) -> Any: ...
+    def region_context(self) -> Any:
+        """Context entered around a region's forward (hides op-level checkpoint caches)."""
+
+    def detach(self, t: Any) -> Any:
+        """An alias of ``t`` without autograd history, sharing memory and version counter."""
+
+    def replay_alias(self, t: Any, requires_grad: bool) -> Any:
+        """A fresh alias of cached ``t`` to hand to the replay."""
+
+    def stub(self, requires_grad: bool) -> Any:
+        """A zero-element tensor standing in for an output that was not saved."""
+
+    def placeholder(self, t: Any, region_name: str) -> Any:
+        """Turn ``t`` into a stand-in that raises ``OutputNotSavedError`` when used."""
+
+    def layout(self, t: Any) -> Hashable:
+        """What must match between a forward input and its replay (shape, strides, dtype)."""
+
+    def view_spec(self, t: Any, base: Any) -> Any:
+        """How to rebuild ``t`` from ``base`` (same storage); ``NOT_A_VIEW`` if impossible."""
+
+    def apply_view(self, spec: Any, base: Any) -> Any: ...
+    def boundary(self, saved: list[Any], outputs: list[Any]) -> list[Any]:
+        """Apply the boundary function: aliases of ``outputs`` whose backward first
+        unpacks ``saved`` (packed by the enclosing checkpoint's hook)."""
+
+    def get_rng_state(self) -> Any: ...
+    def set_rng_state(self, state: Any) -> None: ...
+
+
+NOT_A_VIEW = object()
+IDENTITY = None  # a view_spec meaning "the input itself"
+
+# The excluded region whose forward is running in this context, if any.
+_active_region: contextvars.ContextVar[ExcludedRegion | None] = contextvars.ContextVar(
+    "recomp_active_region", default=None
+)
+
+
+# --------------------------------------------------------------------------- saved tensors
+
+
+class _Kept:
+    """A tensor a region saved, kept for real, with its version for the mutation check."""
+
+    __slots__ = ("region", "tensor", "version")
+
+    def __init__(self, tensor: Any, version: int | None, region: ExcludedRegion) -> None:
+        self.tensor = tensor
+        self.version = version
+        self.region = region
+
+    def unpack(self) -> Any:
+        backend = self.region.backend
+        now = backend.version(self.tensor)
+        if self.version is not None and now != self.version:
+            raise CachedValueMutatedError(
+                f"A tensor saved by excluded region {self.region.name!r} was modified in place "
+                f"after the region ran (version {self.version} -> {now}). Its backward would use "
+                "the changed value. Make the in-place operation out-of-place (e.g. `y = y + 1` "
+                "instead of `y.add_(1)`), or clone the region's output before changing it."
+            )
+        return self.tensor
+
+
+class _InputSlot:
+    """One region input that the replay will supply; bound when the replay reaches the region."""
+
+    __slots__ = ("__weakref__", "bound", "index", "layout", "path", "region")
+
+    def __init__(self, region: ExcludedRegion, index: int, path: str, layout: Hashable) -> None:
+        self.region = region
+        self.index = index
+        self.path = path
+        self.layout = layout
+        self.bound: Any = None
+
+    def bind(self, replayed: Any) -> None:
+        backend = self.region.backend
+        if not backend.is_tensor(replayed) or backend.layout(replayed) != self.layout:
+            got = (
+                backend.layout(replayed) if backend.is_tensor(replayed) else type(replayed).__name__
+            )
+            raise ReplayMismatchError(
+                f"The replay passed excluded region {self.region.name!r} a different input at "
+                f"{self.path}: {got} instead of {self.layout}. The checkpointed code must compute "
+                "the same inputs in the replay as in the forward (no data-dependent control flow "
+                "that changes between the two)."
+            )
+        self.bound = backend.detach(replayed)
+
+
+class _Deferred:
+    """Stands in for a saved tensor that is (a view of) a region input the replay reproduces."""
+
+    __slots__ = ("slot", "view")
+
+    def __init__(self, slot: _InputSlot, view: Any) -> None:
+        self.slot = slot
+        self.view = view
+
+    def unpack(self) -> Any:
+        slot = self.slot
+        if slot.bound is None:
+            raise ReplayMismatchError(
+                f"Excluded region {slot.region.name!r} needs its input {slot.path} from the "
+                "checkpoint's replay, but the replay has not reached the region. This happens "
+                "when the region's output is used outside the autograd graph of its checkpoint "
+                "(for example through .detach() and re-attached). Pass the output on unchanged, "
+                "or exclude the region from a recomp checkpoint only."
+            )
+        if self.view is IDENTITY:
+            return slot.bound
+        return slot.region.backend.apply_view(self.view, slot.bound)
+
+
+def _unpack(packed: Any) -> Any:
+    return packed.unpack()
+
+
+# --------------------------------------------------------------------------- cache
+
+
+class _CachedOutput:
+    __slots__ = ("requires_grad", "tensor", "version")
+
+    def __init__(self, tensor: Any, requires_grad: bool, version: int | None) -> None:
+        self.tensor = tensor  # detached alias, or None when save_output=False
+        self.requires_grad = requires_grad
+        self.version = version
+
+
+class CacheEntry:
+    """One call of an excluded region in one invocation."""
+
+    __slots__ = (
+        "boundary_inputs",
+        "in_spec",
+        "out_leaves",
+        "out_spec",
+        "outputs",
+        "region",
+        "rng_state",
+        "slots",
+    )
+
+    def __init__(self, region: ExcludedRegion, in_spec: _pytree.TreeSpec) -> None:
+        self.region = region
+        self.in_spec = in_spec
+        self.out_spec: _pytree.TreeSpec | None = None
+        # Output leaves with each tensor replaced by an index into ``outputs``.
+        self.out_leaves: list[Any] = []
+        self.outputs: list[_CachedOutput] = []
+        # Input leaf indices saved by the boundary (empty: no boundary).
+        self.boundary_inputs: list[int] = []
+        # Weak: a slot lives as long as some saved handle of the region needs it.
+        self.slots: list[weakref.ref[_InputSlot]] = []
+        self.rng_state: Any = None
+
+
+class _OutputIndex(int):
+    """Marks a tensor's position in ``CacheEntry.out_leaves``."""
+
+
+# --------------------------------------------------------------------------- the region
+
+
+class ExcludedRegion:
+    """The engine behind ``checkpoint_exclude_wrapper``: one per wrapper.
+
+    ``runs`` counts executions of the wrapped callable, ``skips`` the replays
+    that returned the cached output instead.
+    """
+
+    def __init__(self, backend: Backend, name: str, save_output: bool) -> None:
+        self.backend = backend
+        self.name = name
+        self.save_output = save_output
+        self.runs = 0
+        self.skips = 0
+
+    def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Call ``fn`` (the wrapped module) as this region; see NOTE [ How an excluded region... ]."""
+        state = get_recompute_state()
+        if state is None or not self.backend.grad_enabled():
+            out = fn(*args, **kwargs)
+            self.runs += 1
+            return out
+        invocation = state._invocation
+        if state.is_recomputing:
+            return self._replay(invocation, args, kwargs)
+        return self._record(invocation, fn, args, kwargs)
+
+    # -- forward -------------------------------------------------------------
+
+    def _record(
+        self,
+        inv: Invocation,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        outer = _active_region.get()
+        if outer is not None:
+            raise NestedExclusionError(
+                f"Excluded region {self.name!r} was called inside excluded region {outer.name!r}. "
+                f"Excluding {outer.name!r} already keeps everything inside it out of the replay: "
+                f"remove the inner checkpoint_exclude_wrapper (around {self.name!r})."
+            )
+        backend = self.backend
+        leaves, in_spec = _pytree.flatten((args, kwargs))
+        entry = CacheEntry(self, in_spec)
+
+        # Storage of each input the replay will reproduce -> its leaf index.
+        deferrable: dict[Hashable, int] = {}
+        for i, leaf in enumerate(leaves):
+            if not backend.is_tensor(leaf) or backend.is_parameter(leaf):
+                continue
+            key = backend.storage_key(leaf)
+            if key is None or key in inv.checkpoint_input_keys or key in inv.excluded_output_keys:
+                continue
+            deferrable.setdefault(key, i)
+        slots: dict[int, _InputSlot] = {}
+        paths: list[str] = []
+
+        def pack(t: Any) -> Any:
+            index = deferrable.get(backend.storage_key(t)) if deferrable else None
+            if index is not None:
+                view = backend.view_spec(t, leaves[index])
+                if view is not NOT_A_VIEW:
+                    slot = slots.get(index)
+                    if slot is None:
+                        if not paths:
+                            paths.extend(_pytree.leaf_paths(in_spec))
+                        slot = _InputSlot(
+                            self, index, _input_path(paths[index]), backend.layout(leaves[index])
+                        )
+                        slots[index] = slot
+                    return _Deferred(slot, view)
+            return _Kept(t, backend.version(t), self)
+
+        token = _active_region.set(self)
+        try:
+            with backend.saved_tensors_hooks(pack, _unpack), backend.region_context():
+                out = fn(*args, **kwargs)
+        finally:
+            _active_region.reset(token)
+        self.runs += 1
+
+        if inv.align_rng:
+            entry.rng_state = backend.get_rng_state()
+        out_leaves, entry.out_spec = _pytree.flatten(out)
+        differentiable: list[int] = []  # positions in out_leaves
+        for pos, leaf in enumerate(out_leaves):
+            if not backend.is_tensor(leaf):
+                entry.out_leaves.append(leaf)
+                continue
+            requires_grad = backend.requires_grad(leaf)
+            cached = backend.detach(leaf) if self.save_output else None
+            entry.outputs.append(_CachedOutput(cached, requires_grad, backend.version(leaf)))
+            entry.out_leaves.append(_OutputIndex(len(entry.outputs) - 1))
+            key = backend.storage_key(leaf)
+            if key is not None:
+                inv.excluded_output_keys.add(key)
+            if requires_grad:
+                differentiable.append(pos)
+
+        if slots and differentiable:
+            entry.boundary_inputs = sorted(slots)
+            passed = backend.boundary(
+                [leaves[i] for i in entry.boundary_inputs], [out_leaves[p] for p in differentiable]
+            )
+            for pos, alias in zip(differentiable, passed):
+                out_leaves[pos] = alias
+        entry.slots = [weakref.ref(slot) for slot in slots.values()]
+        inv.entries.append(entry)
+        return _pytree.unflatten(out_leaves, entry.out_spec)
+
+    # -- replay --------------------------------------------------------------
+
+    def _replay(self, inv: Invocation, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        backend = self.backend
+        cursor = inv.replay_cursor
+        if cursor >= len(inv.entries):
+            raise ReplayMismatchError(
+                f"The checkpoint's replay called excluded region {self.name!r}, but its forward "
+                f"recorded only {len(inv.entries)} excluded call(s), all already replayed. The "
+                "checkpointed function must call its excluded regions in the same order and "
+                "number in the forward and in the replay (no control flow that depends on "
+                "is_recomputing() or on values that change between the two)."
+            )
+        entry = inv.entries[cursor]
+        if entry.region is not self:
+            raise ReplayMismatchError(
+                f"The checkpoint's replay called excluded region {self.name!r} where its forward "
+                f"called {entry.region.name!r} (excluded call #{cursor + 1}). The checkpointed "
+                "function must call its excluded regions in the same order in the forward and in "
+                "the replay."
+            )
+        inv.replay_cursor = cursor + 1
+        leaves, in_spec = _pytree.flatten((args, kwargs))
+        if in_spec != entry.in_spec:
+            raise ReplayMismatchError(
+                f"The replay called excluded region {self.name!r} with arguments shaped "
+                f"{in_spec!r}, the forward with {entry.in_spec!r}. The checkpointed code must pass "
+                "the same structure of arguments in both."
+            )
+        for ref in entry.slots:
+            slot = ref()
+            if slot is not None:  # None: the region's backward no longer needs it
+                slot.bind(leaves[slot.index])
+        for cached in entry.outputs:
+            if cached.tensor is not None and backend.version(cached.tensor) != cached.version:
+                raise CachedValueMutatedError(
+                    f"The output of excluded region {self.name!r} was modified in place after "
+                    "the region returned. The replay would hand the changed value to the code "
+                    "after the region. Make the in-place operation out-of-place (e.g. "
+                    "`y = y * 2` instead of `y.mul_(2)`), or clone the output before changing it."
+                )
+        if entry.rng_state is not None:
+            backend.set_rng_state(entry.rng_state)
+
+        values = [
+            backend.replay_alias(c.tensor, c.requires_grad)
+            if c.tensor is not None
+            else backend.stub(c.requires_grad)
+            for c in entry.outputs
+        ]
+        if entry.boundary_inputs:
+            grad_idx = [i for i, c in enumerate(entry.outputs) if c.requires_grad]
+            passed = backend.boundary(
+                [leaves[i] for i in entry.boundary_inputs], [values[i] for i in grad_idx]
+            )
+            for i, alias in zip(grad_idx, passed):
+                values[i] = alias
+        if not self.save_output:
+            values = [backend.placeholder(v, self.name) for v in values]
+        self.skips += 1
+        out_leaves = [
+            values[leaf] if isinstance(leaf, _OutputIndex) else leaf for leaf in entry.out_leaves
+        ]
+        assert entry.out_spec is not None
+        return _pytree.unflatten(out_leaves, entry.out_spec)
+
+
+def _input_path(path: str) -> str:
+    """'[0][1]' of the flattened (args, kwargs) pair -> 'args[1]'; '[1]['x']' -> "kwargs['x']"."""
+    if path.startswith("[0]"):
+        return "args" + path[3:]
+    if path.startswith("[1]"):
+        return "kwargs" + path[3:]
+    return path
+
+
+# --------------------------------------------------------------------------- checkpoint
+
+
+class _ComposedContext:
+    """Enter recomp's phase context, then the user's; re-enterable like the phase context."""
+
+    def __init__(self, ours: PhaseContext, theirs: Any) -> None:
+        self.ours = ours
+        self.theirs = theirs
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.ours)
+        try:
+            stack.enter_context(self.theirs)
+        except BaseException:
+            stack.close()
+            raise
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        return bool(self._stacks.pop().__exit__(*exc_info))
+
+
+def make_context_fn(
+    invocation: Invocation, user_context_fn: Callable[[], tuple[Any, Any]] | None
+) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` handed to the framework's checkpoint: recomp's state outermost."""
+
+    def context_fn() -> tuple[Any, Any]:
+        forward = PhaseContext(invocation, is_recomputing=False)
+        replay = PhaseContext(invocation, is_recomputing=True)
+        if user_context_fn is None:
+            return forward, replay
+        user_forward, user_replay = user_context_fn()
+        return _ComposedContext(forward, user_forward), _ComposedContext(replay, user_replay)
+
+    return context_fn
+
+
+def new_invocation(
+    backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any], *, align_rng: bool
+) -> Invocation:
+    """An invocation for one checkpoint call, knowing which tensors the checkpoint keeps."""
+    invocation = Invocation(align_rng=align_rng)
+    for leaf in _iter_tensors(backend, (args, kwargs)):
+        key = backend.storage_key(leaf)
+        if key is not None:
+            invocation.checkpoint_input_keys.add(key)
+    return invocation
+
+
+def _iter_tensors(backend: Backend, tree: Any) -> Iterator[Any]:
+    leaves, _ = _pytree.flatten(tree)
+    return (leaf for leaf in leaves if backend.is_tensor(leaf))
+
+
+def check_use_reentrant(use_reentrant: Any, framework: str) -> None:
+    if use_reentrant:
+        raise ValueError(
+            "recomp checkpoints are non-reentrant: excluded regions rely on saved-tensor hooks, "
+            "which a reentrant checkpoint bypasses. Drop use_reentrant=True (or pass "
+            f"use_reentrant=False) when calling recomp.{framework}.checkpoint."
+        )
+
+
+def check_save_output(save_output: Any) -> None:
+    if not isinstance(save_output, bool):
+        raise ValueError(
+            f"save_output must be True or False, got {save_output!r} "
+            f"({type(save_output).__name__})."
+        )

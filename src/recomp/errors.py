@@ -1,0 +1,31 @@
+"""Errors raised by recomp. Each message names the region involved and the fix."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CachedValueMutatedError",
+    "NestedExclusionError",
+    "OutputNotSavedError",
+    "RecompError",
+    "ReplayMismatchError",
+]
+
+
+class RecompError(RuntimeError):
+    """Base class of recomp's run-time errors."""
+
+
+class NestedExclusionError(RecompError):
+    """An excluded region was called while another excluded region was running."""
+
+
+class ReplayMismatchError(RecompError):
+    """The replay of a checkpoint did not call its excluded regions as the forward did."""
+
+
+class CachedValueMutatedError(RecompError):
+    """A cached output or saved tensor of an excluded region was changed in place."""
+
+
+class OutputNotSavedError(RecompError):
+    """A ``save_output=False`` placeholder reached code other than an excluded region."""
