@@ -215,6 +215,57 @@ def _unpack(packed: Any) -> Any:
     return packed.unpack()
 
 
+class _Packer:
+    """The inner pack hook of one region call: keeps saved tensors, or defers region inputs.
+
+    The autograd graph keeps a reference to the pack hook of every tensor it
+    saved (not only to the unpack hook), so ``close()`` drops the references to
+    the region's inputs once the region has returned; otherwise the graph would
+    pin exactly the inputs that deferral is meant to release.
+    """
+
+    def __init__(
+        self, region: ExcludedRegion, inv: Invocation, leaves: list[Any], in_spec: _pytree.TreeSpec
+    ) -> None:
+        backend = region.backend
+        self.region = region
+        self.leaves: list[Any] = leaves
+        self.in_spec = in_spec
+        self.slots: dict[int, _InputSlot] = {}
+        # Storage of each input the replay will reproduce -> its leaf index.
+        self.deferrable: dict[Hashable, int] = {}
+        for i, leaf in enumerate(leaves):
+            if not backend.is_tensor(leaf) or backend.is_parameter(leaf):
+                continue
+            key = backend.storage_key(leaf)
+            if key is None or key in inv.checkpoint_input_keys or key in inv.excluded_output_keys:
+                continue
+            self.deferrable.setdefault(key, i)
+
+    def pack(self, t: Any) -> Any:
+        region = self.region
+        backend = region.backend
+        index = self.deferrable.get(backend.storage_key(t)) if self.deferrable else None
+        if index is not None:
+            base = self.leaves[index]
+            view = backend.view_spec(t, base)
+            if view is not NOT_A_VIEW:
+                slot = self.slots.get(index)
+                if slot is None:
+                    path = _input_path(_pytree.leaf_paths(self.in_spec)[index])
+                    slot = self.slots[index] = _InputSlot(region, index, path, backend.layout(base))
+                return _Deferred(slot, view)
+        return _Kept(t, backend.version(t), region)
+
+    def close(self) -> dict[int, _InputSlot]:
+        """Forget the inputs (see the class docstring); return the slots that were created."""
+        slots = self.slots
+        self.leaves = []
+        self.deferrable = {}
+        self.slots = {}
+        return slots
+
+
 # --------------------------------------------------------------------------- cache
 
 
@@ -308,40 +359,14 @@ class ExcludedRegion:
         leaves, in_spec = _pytree.flatten((args, kwargs))
         entry = CacheEntry(self, in_spec)
 
-        # Storage of each input the replay will reproduce -> its leaf index.
-        deferrable: dict[Hashable, int] = {}
-        for i, leaf in enumerate(leaves):
-            if not backend.is_tensor(leaf) or backend.is_parameter(leaf):
-                continue
-            key = backend.storage_key(leaf)
-            if key is None or key in inv.checkpoint_input_keys or key in inv.excluded_output_keys:
-                continue
-            deferrable.setdefault(key, i)
-        slots: dict[int, _InputSlot] = {}
-        paths: list[str] = []
-
-        def pack(t: Any) -> Any:
-            index = deferrable.get(backend.storage_key(t)) if deferrable else None
-            if index is not None:
-                view = backend.view_spec(t, leaves[index])
-                if view is not NOT_A_VIEW:
-                    slot = slots.get(index)
-                    if slot is None:
-                        if not paths:
-                            paths.extend(_pytree.leaf_paths(in_spec))
-                        slot = _InputSlot(
-                            self, index, _input_path(paths[index]), backend.layout(leaves[index])
-                        )
-                        slots[index] = slot
-                    return _Deferred(slot, view)
-            return _Kept(t, backend.version(t), self)
-
+        packer = _Packer(self, inv, leaves, in_spec)
         token = _active_region.set(self)
         try:
-            with backend.saved_tensors_hooks(pack, _unpack), backend.region_context():
+            with backend.saved_tensors_hooks(packer.pack, _unpack), backend.region_context():
                 out = fn(*args, **kwargs)
         finally:
             _active_region.reset(token)
+            slots = packer.close()
         self.runs += 1
 
         if inv.align_rng:
