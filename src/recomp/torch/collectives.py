@@ -1,0 +1,270 @@
+"""Count ``torch.distributed`` collectives per training phase.
+
+:func:`count_collectives` is a context manager that records every collective
+communication call issued while it is active and attributes it to one of
+three phases:
+
+``forward``
+    the ordinary forward pass;
+``replay``
+    the forward code that a recomp checkpoint re-runs during backward
+    (:func:`recomp.is_recomputing` is true);
+``backward``
+    everything else that runs inside an autograd backward pass (gradient
+    all-reduces of tensor-parallel layers, FSDP reduce-scatters, the backward
+    of an all-to-all, ...).
+
+A collective that shows up in ``replay`` is communication paid twice, and a
+source of deadlocks when ranks replay differently; the usual cure is to put it
+in an excluded region (``recomp.torch.checkpoint_exclude_wrapper``).
+
+Example::
+
+    import torch.distributed as dist
+    from recomp.torch.collectives import count_collectives
+
+    with count_collectives() as counts:
+        loss = model(batch).sum()
+        loss.backward()          # backward must run inside the block too
+    print(counts)                # forward: all_reduce=4 | replay: - | backward: all_reduce=4
+    assert counts.total("replay") == 0
+    assert counts.forward["all_reduce"] == 4
+
+How it works: the counter is a :class:`~torch.utils._python_dispatch.TorchDispatchMode`.
+In PyTorch 2.x every collective reaches the dispatcher as an operator, whichever
+API issued it: ``torch.distributed.all_reduce`` and the other classic calls and
+``ProcessGroup`` methods become ``c10d.*`` ops (``c10d.allreduce_``,
+``c10d._allgather_base_``, ``c10d.alltoall_base_``, ...), and functional
+collectives -- the path DTensor redistribution takes -- become
+``_c10d_functional.*`` ops.  The mode counts each of those once, on plain
+tensors; for an operation on a tensor subclass such as ``DTensor`` it lets the
+subclass run first, so the collectives it issues on local shards are counted
+too.  ``wait_tensor`` and other bookkeeping operators are not collectives and
+are not counted.
+
+Importing this module needs neither an initialised process group nor a
+distributed build of PyTorch; counting needs a build with ``torch.distributed``.
+Dispatch modes are thread local: the forward and the ``backward()`` call must
+both run inside the ``with`` block, on the thread that entered it (the autograd
+engine carries the mode to its own worker threads).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["PHASES", "CollectiveCounts", "CollectiveEvent", "collective_kind", "count_collectives"]
+
+#: The phases a collective is attributed to, in order.
+PHASES = ("forward", "replay", "backward")
+
+# Operator namespaces that hold collectives: the classic process-group ops and
+# the functional collectives (native, legacy Python and autograd variants).
+_NAMESPACES = frozenset(
+    {"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"}
+)
+
+# Operator name (without overload) -> kind.  Names not listed (wait_tensor,
+# _wrap_tensor_autograd, monitored_barrier bookkeeping, ...) are not counted.
+_KINDS: dict[str, str] = {}
+for _kind, _names in {
+    "all_reduce": (
+        "allreduce_",
+        "allreduce_coalesced_",
+        "all_reduce",
+        "all_reduce_",
+        "all_reduce_coalesced",
+        "all_reduce_coalesced_",
+    ),
+    "all_gather": (
+        "allgather_",
+        "_allgather_base_",
+        "allgather_coalesced_",
+        "allgather_into_tensor_coalesced_",
+        "all_gather_into_tensor",
+        "all_gather_into_tensor_out",
+        "all_gather_into_tensor_coalesced",
+    ),
+    "reduce_scatter": (
+        "reduce_scatter_",
+        "_reduce_scatter_base_",
+        "reduce_scatter_tensor_coalesced_",
+        "reduce_scatter_tensor",
+        "reduce_scatter_tensor_coalesced",
+    ),
+    "all_to_all": ("alltoall_", "alltoall_base_", "all_to_all_single"),
+    "broadcast": ("broadcast_", "broadcast"),
+    "reduce": ("reduce_",),
+    "gather": ("gather_",),
+    "scatter": ("scatter_",),
+    "send": ("send",),
+    "recv": ("recv_", "recv_any_source_"),
+    "barrier": ("barrier",),
+}.items():
+    for _name in _names:
+        _KINDS[_name] = _kind
+del _kind, _names, _name
+
+
+def collective_kind(op: Any) -> str | None:
+    """Return the kind of collective ``op`` is (``"all_reduce"``, ``"all_to_all"``, ...).
+
+    ``op`` is an operator overload such as ``torch.ops.c10d.allreduce_.default``;
+    the answer is ``None`` for anything that is not a collective.
+    """
+    namespace = getattr(op, "namespace", None)
+    if namespace not in _NAMESPACES:
+        return None
+    name = op._schema.name.split("::", 1)[-1] if hasattr(op, "_schema") else str(op)
+    return _KINDS.get(name)
+
+
+class CollectiveEvent(NamedTuple):
+    """One counted collective call."""
+
+    phase: str
+    """``"forward"``, ``"replay"`` or ``"backward"``."""
+    kind: str
+    """Normalised kind: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``, ``"all_to_all"``, ..."""
+    op: str
+    """The dispatcher operator, e.g. ``"c10d.allreduce_.default"``."""
+    numel: int
+    """Elements in the operator's tensor arguments (inputs and outputs alike)."""
+
+
+@dataclass
+class CollectiveCounts:
+    """Collective calls per phase, filled in by :func:`count_collectives`.
+
+    ``forward``, ``replay`` and ``backward`` are :class:`collections.Counter`
+    objects keyed by kind (``counts.replay["all_to_all"]``); ``events`` lists
+    every call in order.
+    """
+
+    forward: collections.Counter[str] = field(default_factory=collections.Counter)
+    replay: collections.Counter[str] = field(default_factory=collections.Counter)
+    backward: collections.Counter[str] = field(default_factory=collections.Counter)
+    events: list[CollectiveEvent] = field(default_factory=list)
+
+    def phase(self, name: str) -> collections.Counter[str]:
+        """The counter of one phase, by name."""
+        if name not in PHASES:
+            raise ValueError(f"unknown phase {name!r}; expected one of {PHASES}")
+        return getattr(self, name)
+
+    def total(self, phase: str | None = None, kind: str | None = None) -> int:
+        """Number of calls, optionally restricted to one phase and/or one kind."""
+        phases = PHASES if phase is None else (phase,)
+        total = 0
+        for p in phases:
+            counter = self.phase(p)
+            total += counter[kind] if kind is not None else sum(counter.values())
+        return total
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        """``{phase: {kind: count}}`` with every phase present; JSON-serialisable."""
+        return {p: dict(sorted(self.phase(p).items())) for p in PHASES}
+
+    def record(self, phase: str, kind: str, op: str, numel: int = 0) -> None:
+        """Add one call (used by the counter; public so that other backends can feed it)."""
+        self.phase(phase)[kind] += 1
+        self.events.append(CollectiveEvent(phase, kind, op, numel))
+
+    def __str__(self) -> str:
+        parts = []
+        for p in PHASES:
+            counter = self.phase(p)
+            body = " ".join(f"{k}={v}" for k, v in sorted(counter.items())) or "-"
+            parts.append(f"{p}: {body}")
+        return " | ".join(parts)
+
+
+def _default_is_replaying() -> Callable[[], bool]:
+    try:
+        from recomp import is_recomputing
+    except ImportError:  # pragma: no cover - the core is always there in a release
+        return lambda: False
+    return is_recomputing
+
+
+def _in_backward() -> bool:
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    if task_id is not None:
+        return task_id() != -1
+    return torch._C._current_autograd_node() is not None  # pragma: no cover - older torch
+
+
+def _is_wrapper_subclass(t: type) -> bool:
+    # DTensor and friends: tensor subclasses that wrap local tensors.  FakeTensor
+    # is a subclass but not a wrapper; deferring to it would break its own mode.
+    return t is not torch.Tensor and hasattr(t, "__tensor_flatten__")
+
+
+def _numel(args: Any, kwargs: dict[str, Any]) -> int:
+    n = 0
+    stack = [args, kwargs]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            n += x.numel()
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    return n
+
+
+class _CollectiveCounterMode(TorchDispatchMode):
+    def __init__(self, counts: CollectiveCounts, is_replaying: Callable[[], bool]) -> None:
+        super().__init__()
+        self.counts = counts
+        self.is_replaying = is_replaying
+
+    def _phase(self) -> str:
+        if self.is_replaying():
+            return "replay"
+        if _in_backward():
+            return "backward"
+        return "forward"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if any(_is_wrapper_subclass(t) for t in types):
+            # Let DTensor (or another wrapper subclass) handle the op with this
+            # mode still active: the collectives it issues on its local tensors
+            # come back through here as plain-tensor ops and are counted then.
+            return NotImplemented
+        kind = collective_kind(func)
+        if kind is not None:
+            self.counts.record(self._phase(), kind, str(func), _numel(args, kwargs))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def count_collectives(
+    *, is_replaying: Callable[[], bool] | None = None
+) -> Iterator[CollectiveCounts]:
+    """Count collective calls per phase while the block runs.
+
+    Yields a :class:`CollectiveCounts` that fills in as collectives are issued.
+    ``is_replaying`` decides what counts as the ``replay`` phase; it defaults to
+    :func:`recomp.is_recomputing`.  Pass another predicate to attribute the
+    replay of a different checkpoint implementation.
+
+    Example::
+
+        with count_collectives() as counts:
+            model(x).sum().backward()
+        assert counts.total("replay") == 0, counts
+    """
+    counts = CollectiveCounts()
+    mode = _CollectiveCounterMode(counts, is_replaying or _default_is_replaying())
+    with mode:
+        yield counts

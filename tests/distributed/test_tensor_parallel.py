@@ -1,0 +1,91 @@
+"""Megatron-style tensor parallelism on 2 gloo ranks (examples/tp.py).
+
+Each checkpointed layer has two row-parallel linears whose all-reduce (the
+``g`` autograd function) is an excluded region. The test fails if the replay
+issues any collective with the exclusion, if it does not issue the expected
+all-reduces without it (so the counter demonstrably sees replayed
+collectives), or if any gradient differs from the non-checkpointed
+tensor-parallel model by a single bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def reports(launcher):
+    return launcher("tp:run")
+
+
+def test_runs_on_two_ranks(reports):
+    assert [r["rank"] for r in reports] == [0, 1]
+
+
+@pytest.mark.parametrize("variant", ["recomp", "recomp_full_replay"])
+def test_excluded_all_reduce_is_not_replayed(reports, variant):
+    layers = reports[0]["layers"]
+    for r in reports:
+        v = r["variants"][variant]
+        assert v["counts"]["replay"] == {}, v["counts"]
+        # Forward: one all-reduce per row-parallel linear; backward: one per f.
+        assert v["counts"]["forward"] == {"all_reduce": 2 * layers}
+        assert v["counts"]["backward"] == {"all_reduce": 2 * layers}
+        # Every excluded all-reduce ran exactly once, in the forward.
+        assert len(v["exclusions"]) == 2 * layers
+        assert all(s["runs"] == 1 for s in v["exclusions"].values()), v["exclusions"]
+
+
+def test_exclusions_are_skipped_in_the_replay(reports):
+    for r in reports:
+        full = r["variants"]["recomp_full_replay"]["exclusions"]
+        assert all(s["skips"] == 1 for s in full.values()), full
+        # With torch's early stop the replay ends at fc2's input: the MLP
+        # all-reduce after it is never reached, the attention one is skipped.
+        early = r["variants"]["recomp"]["exclusions"]
+        assert {n: s["skips"] for n, s in early.items()} == {
+            n: (1 if ".attn." in n else 0) for n in early
+        }
+
+
+def test_without_exclusion_the_replay_all_reduces(reports):
+    layers = reports[0]["layers"]
+    for r in reports:
+        v = r["variants"]
+        # Early stop: the attention all-reduce of every layer is replayed.
+        assert v["recomp_no_exclusion"]["counts"]["replay"] == {"all_reduce": layers}
+        # Full replay: both row-parallel all-reduces of every layer.
+        assert v["recomp_full_replay_no_exclusion"]["counts"]["replay"] == {
+            "all_reduce": 2 * layers
+        }
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["recomp", "recomp_no_exclusion", "recomp_full_replay", "recomp_full_replay_no_exclusion"],
+)
+def test_gradients_equal_the_non_checkpointed_model(reports, variant):
+    for r in reports:
+        v = r["variants"][variant]
+        g = v["grads_vs_reference"]
+        assert g["same_names"] and g["bitwise_equal"], g
+        assert v["output_equal"]
+        # Recomp does not add or remove communication outside the replay.
+        assert v["counts"]["forward"] == r["variants"]["reference"]["counts"]["forward"]
+        assert v["counts"]["backward"] == r["variants"]["reference"]["counts"]["backward"]
+
+
+def test_tensor_parallel_model_matches_dense(reports):
+    # Validates the TP model itself: float32 sums in another order, so a
+    # tolerance (1e-5 relative to the largest value; rounding is ~1e-7).
+    for r in reports:
+        d = r["dense"]
+        assert d["output_max_rel_diff"] < d["rtol"], d
+        assert d["grad_max_rel_diff"] < d["rtol"], d
+
+
+def test_all_checks_pass(reports):
+    for r in reports:
+        assert r["ok"], r["checks"]
