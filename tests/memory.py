@@ -18,8 +18,16 @@ class _Mallinfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)
         for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-            "fsmblks", "uordblks", "fordblks", "keepcost",
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
         )
     ]
 
@@ -38,7 +46,9 @@ def run_measured(code: str, timeout: float = 300) -> dict:
     The child has ``heap_bytes`` in scope.
     """
     prelude = "from memory import heap_bytes\n"
-    script = prelude + textwrap.dedent(code) + "\nimport json; print('RESULT' + json.dumps(result))\n"
+    script = (
+        prelude + textwrap.dedent(code) + "\nimport json; print('RESULT' + json.dumps(result))\n"
+    )
     env = dict(os.environ, MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(__file__), *filter(None, [env.get("PYTHONPATH")])]
@@ -49,4 +59,4 @@ def run_measured(code: str, timeout: float = 300) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"measured child failed:\n{proc.stdout}\n{proc.stderr}")
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):])
+    return json.loads(line[len("RESULT") :])

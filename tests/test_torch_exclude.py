@@ -14,10 +14,10 @@ from collections import namedtuple
 import pytest
 import torch
 from torch import nn
-from torch_models import Block, assert_same_grads, grads_of, stack, twin
 
 import recomp
 import recomp.torch as rt
+from torch_models import Block, assert_same_grads, grads_of, stack, twin
 
 
 def square_sum(out):
@@ -282,7 +282,9 @@ def test_cache_is_freed_with_the_graph():
     wrapped = rt.checkpoint_exclude_wrapper(Capture())
     for do_backward in (True, False):
         captured.clear()
-        out = rt.checkpoint(lambda t: torch.relu(wrapped(torch.tanh(t))), torch.randn(4, 8, requires_grad=True))
+        out = rt.checkpoint(
+            lambda t: torch.relu(wrapped(torch.tanh(t))), torch.randn(4, 8, requires_grad=True)
+        )
         if do_backward:
             out.sum().backward()
         del out

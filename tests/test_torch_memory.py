@@ -7,6 +7,7 @@ Each measurement runs in a child process (see memory.py). Activations are
 from __future__ import annotations
 
 import pytest
+
 from memory import run_measured
 
 LAYERS = 4

@@ -24,7 +24,7 @@ class TreeSpec:
         self.kind = kind
         self.context = context
         self.children = children
-        self.num_leaves = 1 if kind == "leaf" else sum(c.num_leaves for c in children)
+        self.num_leaves: int = 1 if kind == "leaf" else sum(c.num_leaves for c in children)
 
     def __eq__(self, other: object) -> bool:
         return (

@@ -1,0 +1,133 @@
+"""Wrappers are transparent: attributes, state_dict keys, loading both ways, model-wide wrapping."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import recomp.torch as rt
+from torch_models import Block, assert_same_grads, grads_of, stack, twin
+
+
+def wrapped_stack():
+    ref = stack(2)
+    model = twin(ref)
+    for i, blk in enumerate(model):
+        blk.attn = rt.checkpoint_exclude_wrapper(blk.attn)
+        model[i] = rt.checkpoint_wrapper(blk)
+    return ref, model
+
+
+def test_attributes_fall_through():
+    ref, model = wrapped_stack()
+    assert model[0].attn.in_features == 8
+    assert (
+        model[0].attn.weight
+        is model[0]._checkpoint_wrapped_module.attn._checkpoint_wrapped_module.weight
+    )
+    assert isinstance(model[0].norm, nn.LayerNorm)
+    assert model[0].mlp[0] is model[0]._checkpoint_wrapped_module.mlp[0]
+    seq = rt.checkpoint_wrapper(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    assert isinstance(seq[1], nn.ReLU)  # indexing falls through too
+
+
+def test_state_dict_keys_are_those_of_the_unwrapped_model():
+    ref, model = wrapped_stack()
+    assert list(model.state_dict().keys()) == list(ref.state_dict().keys())
+    assert [n for n, _ in model[0].named_parameters()] == [n for n, _ in ref[0].named_parameters()]
+
+
+def test_state_dict_loads_both_ways():
+    ref, model = wrapped_stack()
+    fresh_ref = stack(2, seed=7)
+    fresh_ref.load_state_dict(model.state_dict())  # wrapped -> plain
+    for a, b in zip(fresh_ref.state_dict().values(), ref.state_dict().values()):
+        assert torch.equal(a, b)
+    _, fresh_model = wrapped_stack()
+    with torch.no_grad():
+        for p in fresh_model.parameters():
+            p.add_(1.0)
+    fresh_model.load_state_dict(ref.state_dict())  # plain -> wrapped, strict
+    for a, b in zip(fresh_model.state_dict().values(), ref.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_distributed_state_dict_utilities_round_trip():
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    ref, model = wrapped_stack()
+    sd = get_model_state_dict(model)
+    assert list(sd.keys()) == list(ref.state_dict().keys())
+    target = stack(2, seed=3)
+    set_model_state_dict(target, sd)
+    back = wrapped_stack()[1]
+    with torch.no_grad():
+        for p in back.parameters():
+            p.zero_()
+    set_model_state_dict(back, get_model_state_dict(target))
+    for a, b in zip(back.state_dict().values(), ref.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+class Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(Block(8) for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_apply_activation_checkpointing_in_two_lines():
+    torch.manual_seed(0)
+    ref = Decoder()
+    model = twin(ref)
+    out = rt.apply_activation_checkpointing(
+        model,
+        checkpoint_fn=lambda m: isinstance(m, Block),
+        exclude_fn=lambda m: (
+            m.__class__ is nn.Linear and m.out_features == 8 and m.in_features == 8
+        ),
+    )
+    assert out is model
+    assert all(isinstance(layer, rt.CheckpointWrapper) for layer in model.layers)
+    # exclusions only inside checkpointed modules: embed is untouched
+    assert type(model.embed) is nn.Linear and type(model.head) is nn.Linear
+    attn = model.layers[1].attn
+    assert isinstance(attn, rt.ExcludeWrapper) and attn.region.name == "layers.1.attn"
+    assert list(model.state_dict()) == list(ref.state_dict())
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    _, g_ref = grads_of(ref, lambda o: o.pow(2).sum(), x)
+    _, g = grads_of(model, lambda o: o.pow(2).sum(), x)
+    assert_same_grads(g_ref, g)
+    assert [layer.attn.region_runs for layer in model.layers] == [1, 1, 1]
+    assert [layer.attn.region_skips for layer in model.layers] == [1, 1, 1]
+    # applying again changes nothing
+    rt.apply_activation_checkpointing(
+        model,
+        checkpoint_fn=lambda m: isinstance(m, Block),
+        exclude_fn=lambda m: isinstance(m, nn.Linear),
+    )
+    assert isinstance(
+        model.layers[0]._checkpoint_wrapped_module.attn._checkpoint_wrapped_module, nn.Linear
+    )
+
+
+def test_apply_activation_checkpointing_on_the_root_returns_the_wrapper():
+    block = Block(8)
+    out = rt.apply_activation_checkpointing(block, checkpoint_fn=lambda m: m is block)
+    assert isinstance(out, rt.CheckpointWrapper) and out._checkpoint_wrapped_module is block
+
+
+def test_checkpoint_kwargs_pass_through_the_wrapper():
+    block = Block(8)
+    wrapped = rt.checkpoint_wrapper(block, preserve_rng_state=False, determinism_check="none")
+    assert wrapped.checkpoint_kwargs == {"preserve_rng_state": False, "determinism_check": "none"}
+    x = torch.randn(2, 8, requires_grad=True)
+    wrapped(x).sum().backward()
+    assert x.grad is not None
