@@ -58,5 +58,5 @@ def run_measured(code: str, timeout: float = 300) -> dict:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"measured child failed:\n{proc.stdout}\n{proc.stderr}")
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
     return json.loads(line[len("RESULT") :])

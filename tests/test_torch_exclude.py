@@ -231,7 +231,7 @@ def test_replay_that_calls_regions_differently_raises():
         return torch.tanh(y)
 
     out = rt.checkpoint(diverging, torch.randn(2, 4, requires_grad=True))
-    with pytest.raises(recomp.ReplayMismatchError, match="'lin'.*recorded only 1"):
+    with pytest.raises(recomp.ReplayMismatchError, match=r"'lin'.*recorded only 1"):
         out.sum().backward()
 
 

@@ -19,7 +19,7 @@ def wrapped_stack():
 
 
 def test_attributes_fall_through():
-    ref, model = wrapped_stack()
+    _, model = wrapped_stack()
     assert model[0].attn.in_features == 8
     assert (
         model[0].attn.weight
