@@ -194,10 +194,22 @@ def test_save_output_false_chain_gives_same_gradients():
     assert (second.region_runs, second.region_skips) == (1, 1)
 
 
-def test_save_output_false_output_used_by_recomputed_code_raises():
+def test_save_output_false_output_that_feeds_no_excluded_region_raises_in_forward():
     first = rt.checkpoint_exclude_wrapper(nn.Linear(4, 4), save_output=False, name="proj")
     x = torch.randn(2, 4, requires_grad=True)
-    out = rt.checkpoint(lambda t: torch.tanh(first(t)) * 2, x)
+    with pytest.raises(recomp.OutputNotSavedError, match=r"'proj'.*save_output=True"):
+        rt.checkpoint(lambda t: torch.tanh(first(t)) * 2, x)
+
+
+def test_save_output_false_output_also_used_by_recomputed_code_raises_in_replay():
+    first = rt.checkpoint_exclude_wrapper(nn.Linear(4, 4), save_output=False, name="proj")
+    second = rt.checkpoint_exclude_wrapper(nn.Linear(4, 4))
+
+    def body(t):
+        y = first(t)
+        return second(y) + torch.tanh(y)  # tanh is recomputed and needs y
+
+    out = rt.checkpoint(body, torch.randn(2, 4, requires_grad=True))
     with pytest.raises(recomp.OutputNotSavedError, match=r"'proj'.*save_output=True"):
         out.sum().backward()
 

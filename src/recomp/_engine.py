@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Protocol
@@ -72,6 +73,7 @@ from . import _pytree
 from ._state import Invocation, PhaseContext, get_recompute_state
 from .errors import (
     CachedValueMutatedError,
+    ForeignCheckpointWarning,
     NestedExclusionError,
     ReplayMismatchError,
 )
@@ -86,6 +88,9 @@ class Backend(Protocol):
     def is_parameter(self, x: Any) -> bool: ...
     def requires_grad(self, t: Any) -> bool: ...
     def grad_enabled(self) -> bool: ...
+    def in_backward(self) -> bool:
+        """True while the framework's autograd engine is running a backward."""
+
     def storage_key(self, t: Any) -> Hashable | None:
         """Identity of the memory behind ``t``, equal for all views of it; None if unknown."""
 
@@ -124,6 +129,8 @@ class Backend(Protocol):
     def get_rng_state(self) -> Any: ...
     def set_rng_state(self, state: Any) -> None: ...
 
+
+_FOREIGN_CHECKPOINT = {"torch": "torch.utils.checkpoint", "mindspore": "mindspore.recompute"}
 
 NOT_A_VIEW = object()
 IDENTITY = None  # a view_spec meaning "the input itself"
@@ -238,7 +245,10 @@ class _Packer:
             if not backend.is_tensor(leaf) or backend.is_parameter(leaf):
                 continue
             key = backend.storage_key(leaf)
-            if key is None or key in inv.checkpoint_input_keys or key in inv.excluded_output_keys:
+            if key is None or key in inv.checkpoint_input_keys:
+                continue
+            if key in inv.excluded_output_keys:
+                inv.consumed_keys.add(key)
                 continue
             self.deferrable.setdefault(key, i)
 
@@ -326,11 +336,18 @@ class ExcludedRegion:
         self.save_output = save_output
         self.runs = 0
         self.skips = 0
+        self._warned_foreign = False
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call ``fn`` (the wrapped module) as this region; see NOTE [ How an excluded region... ]."""
         state = get_recompute_state()
-        if state is None or not self.backend.grad_enabled():
+        grad = self.backend.grad_enabled()
+        if grad and self.backend.in_backward() and (state is None or not state.is_recomputing):
+            # Running during backward, but not in a recomp replay: a checkpoint that
+            # recomp does not control is replaying this region (or a recomp checkpoint
+            # around it), so the exclusion cannot take effect.
+            self._warn_foreign_replay()
+        if state is None or not grad:
             out = fn(*args, **kwargs)
             self.runs += 1
             return out
@@ -338,6 +355,21 @@ class ExcludedRegion:
         if state.is_recomputing:
             return self._replay(invocation, args, kwargs)
         return self._record(invocation, fn, args, kwargs)
+
+    def _warn_foreign_replay(self) -> None:
+        if self._warned_foreign:
+            return
+        self._warned_foreign = True
+        framework = self.backend.name
+        warnings.warn(
+            f"Excluded region {self.name!r} is being executed again during backward by a "
+            f"checkpoint that recomp does not control (for example a plain "
+            f"{_FOREIGN_CHECKPOINT.get(framework, 'checkpoint')} or a reentrant checkpoint), so "
+            "its exclusion is not in effect and it is replayed. Checkpoint the enclosing block "
+            f"with recomp.{framework}.checkpoint or recomp.{framework}.checkpoint_wrapper instead.",
+            ForeignCheckpointWarning,
+            stacklevel=4,
+        )
 
     # -- forward -------------------------------------------------------------
 
@@ -384,6 +416,8 @@ class ExcludedRegion:
             key = backend.storage_key(leaf)
             if key is not None:
                 inv.excluded_output_keys.add(key)
+                if not self.save_output:
+                    inv.unsaved_outputs[key] = self.name
             if requires_grad:
                 differentiable.append(pos)
 
@@ -478,53 +512,105 @@ def _input_path(path: str) -> str:
 
 
 class _ComposedContext:
-    """Enter recomp's phase context, then the user's; re-enterable like the phase context."""
+    """Enter several contexts in order, exit in reverse; re-enterable like ``PhaseContext``."""
 
-    def __init__(self, ours: PhaseContext, theirs: Any) -> None:
-        self.ours = ours
-        self.theirs = theirs
+    def __init__(self, *contexts: Any) -> None:
+        self.contexts = contexts
         self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> None:
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.ours)
-        try:
-            stack.enter_context(self.theirs)
-        except BaseException:
-            stack.close()
-            raise
-        self._stacks.append(stack)
+        with contextlib.ExitStack() as stack:
+            for context in self.contexts:
+                stack.enter_context(context)
+            self._stacks.append(stack.pop_all())
 
     def __exit__(self, *exc_info: Any) -> bool:
         return bool(self._stacks.pop().__exit__(*exc_info))
 
 
+class _ReplayRng:
+    """For frameworks whose checkpoint does not restore the RNG fully: the replay starts
+    from the random state the forward started from, and leaves it as it found it."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.forward_state = backend.get_rng_state()
+        self._saved: list[Any] = []
+
+    def __enter__(self) -> None:
+        self._saved.append(self.backend.get_rng_state())
+        self.backend.set_rng_state(self.forward_state)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.backend.set_rng_state(self._saved.pop())
+
+
 def make_context_fn(
-    invocation: Invocation, user_context_fn: Callable[[], tuple[Any, Any]] | None
+    invocation: Invocation,
+    user_context_fn: Callable[[], tuple[Any, Any]] | None,
+    *,
+    forward_replays: bool = False,
+    rng_backend: Backend | None = None,
 ) -> Callable[[], tuple[Any, Any]]:
-    """The ``context_fn`` handed to the framework's checkpoint: recomp's state outermost."""
+    """The ``context_fn`` handed to the framework's checkpoint: recomp's state outermost.
+
+    ``forward_replays``: this checkpoint call re-runs, inside the replay of an
+    enclosing checkpoint, a call whose forward already ran (see ``begin``);
+    its excluded regions must then return their cached outputs.
+    ``rng_backend``: restore the RNG for the replay here (see ``_ReplayRng``).
+    """
 
     def context_fn() -> tuple[Any, Any]:
-        forward = PhaseContext(invocation, is_recomputing=False)
-        replay = PhaseContext(invocation, is_recomputing=True)
-        if user_context_fn is None:
-            return forward, replay
-        user_forward, user_replay = user_context_fn()
-        return _ComposedContext(forward, user_forward), _ComposedContext(replay, user_replay)
+        forward: list[Any] = [PhaseContext(invocation, is_recomputing=forward_replays)]
+        replay: list[Any] = [PhaseContext(invocation, is_recomputing=True)]
+        if rng_backend is not None:
+            replay.append(_ReplayRng(rng_backend))
+        if user_context_fn is not None:
+            user_forward, user_replay = user_context_fn()
+            forward.append(user_forward)
+            replay.append(user_replay)
+        return (
+            forward[0] if len(forward) == 1 else _ComposedContext(*forward),
+            replay[0] if len(replay) == 1 else _ComposedContext(*replay),
+        )
 
     return context_fn
 
 
-def new_invocation(
-    backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any], *, align_rng: bool
-) -> Invocation:
-    """An invocation for one checkpoint call, knowing which tensors the checkpoint keeps."""
-    invocation = Invocation(align_rng=align_rng)
-    for leaf in _iter_tensors(backend, (args, kwargs)):
-        key = backend.storage_key(leaf)
-        if key is not None:
-            invocation.checkpoint_input_keys.add(key)
-    return invocation
+def begin(
+    backend: Backend,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    user_context_fn: Callable[[], tuple[Any, Any]] | None,
+    *,
+    align_rng: bool,
+    restore_rng: bool = False,
+) -> Callable[[], tuple[Any, Any]]:
+    """Start one checkpoint call; return the ``context_fn`` for the framework's checkpoint.
+
+    A checkpoint called inside the replay of another recomp checkpoint is a
+    re-run of a call that already ran in that checkpoint's forward: it gets
+    the same invocation back, so its excluded regions are not executed again.
+    """
+    parent = get_recompute_state()
+    if parent is not None and parent.is_recomputing:
+        invocation = parent._invocation.next_child()
+        replaying = True
+    else:
+        invocation = Invocation(align_rng=align_rng)
+        for leaf in _iter_tensors(backend, (args, kwargs)):
+            key = backend.storage_key(leaf)
+            if key is not None:
+                invocation.checkpoint_input_keys.add(key)
+        if parent is not None:
+            parent._invocation.children.append(invocation)
+        replaying = False
+    return make_context_fn(
+        invocation,
+        user_context_fn,
+        forward_replays=replaying,
+        rng_backend=backend if restore_rng else None,
+    )
 
 
 def _iter_tensors(backend: Backend, tree: Any) -> Iterator[Any]:

@@ -16,6 +16,8 @@ import itertools
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
+from .errors import OutputNotSavedError, ReplayMismatchError
+
 __all__ = ["RecomputeState", "get_recompute_state", "is_recomputing"]
 
 T = TypeVar("T")
@@ -34,12 +36,16 @@ class Invocation:
         "__weakref__",
         "align_rng",
         "checkpoint_input_keys",
+        "child_cursor",
+        "children",
+        "consumed_keys",
         "entries",
         "excluded_output_keys",
         "forward_done",
         "id",
         "replay_cursor",
         "resources",
+        "unsaved_outputs",
     )
 
     def __init__(self, *, align_rng: bool = True) -> None:
@@ -57,6 +63,37 @@ class Invocation:
         # elsewhere, so a region saves them as they are instead of deferring.
         self.checkpoint_input_keys: set[Hashable] = set()
         self.excluded_output_keys: set[Hashable] = set()
+        # save_output=False outputs (storage -> region name) and the storages that
+        # later excluded regions took as inputs: each of the former must be among the latter.
+        self.unsaved_outputs: dict[Hashable, str] = {}
+        self.consumed_keys: set[Hashable] = set()
+        # Recomp checkpoints called inside this one's forward, in call order. The
+        # replay re-runs those calls; each reuses its invocation (see next_child).
+        self.children: list[Invocation] = []
+        self.child_cursor = 0
+
+    def next_child(self) -> Invocation:
+        """The invocation of the nested checkpoint that this replay is re-running."""
+        if self.child_cursor >= len(self.children):
+            raise ReplayMismatchError(
+                f"The replay of a checkpoint called a nested recomp checkpoint that its forward "
+                f"did not ({len(self.children)} nested call(s) recorded). The checkpointed "
+                "function must make the same checkpoint calls in the forward and the replay."
+            )
+        child = self.children[self.child_cursor]
+        self.child_cursor += 1
+        return child
+
+    def finish_forward(self) -> None:
+        self.forward_done = True
+        for key, name in self.unsaved_outputs.items():
+            if key not in self.consumed_keys:
+                raise OutputNotSavedError(
+                    f"The output of excluded region {name!r} was created with save_output=False "
+                    "but did not go into another excluded region of the same checkpoint. Without "
+                    "a cached copy the replay cannot hand it to other code. Use save_output=True "
+                    "for this region."
+                )
 
 
 class RecomputeState:
@@ -126,10 +163,11 @@ class PhaseContext:
     def __enter__(self) -> RecomputeState:
         if self._state.is_recomputing:
             self._state._invocation.replay_cursor = 0
+            self._state._invocation.child_cursor = 0
         self._tokens.append(_current.set(self._state))
         return self._state
 
     def __exit__(self, *exc_info: object) -> None:
         _current.reset(self._tokens.pop())
         if not self._state.is_recomputing and exc_info[0] is None:
-            self._state._invocation.forward_done = True
+            self._state._invocation.finish_forward()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "CachedValueMutatedError",
+    "ForeignCheckpointWarning",
     "NestedExclusionError",
     "OutputNotSavedError",
     "RecompError",
@@ -29,3 +30,7 @@ class CachedValueMutatedError(RecompError):
 
 class OutputNotSavedError(RecompError):
     """A ``save_output=False`` placeholder reached code other than an excluded region."""
+
+
+class ForeignCheckpointWarning(UserWarning):
+    """An excluded region is replayed by a checkpoint that recomp does not control."""

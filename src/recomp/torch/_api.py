@@ -35,14 +35,14 @@ def checkpoint(
     and are skipped when the forward is replayed during backward.
     """
     _engine.check_use_reentrant(use_reentrant, "torch")
-    invocation = _engine.new_invocation(
-        BACKEND, args, kwargs, align_rng=kwargs.get("preserve_rng_state", True)
+    context = _engine.begin(
+        BACKEND, args, kwargs, context_fn, align_rng=kwargs.get("preserve_rng_state", True)
     )
     return torch.utils.checkpoint.checkpoint(
         function,
         *args,
         use_reentrant=False,
-        context_fn=_engine.make_context_fn(invocation, context_fn),
+        context_fn=context,
         **kwargs,
     )
 

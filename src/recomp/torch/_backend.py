@@ -118,6 +118,9 @@ class TorchBackend:
     def grad_enabled(self) -> bool:
         return torch.is_grad_enabled()
 
+    def in_backward(self) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
     def storage_key(self, t: torch.Tensor) -> Hashable | None:
         if t.layout is not torch.strided or t.is_meta:
             return None

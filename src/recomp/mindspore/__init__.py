@@ -1,0 +1,35 @@
+"""recomp for MindSpore PyNative: checkpoints whose excluded regions are not replayed.
+
+Same names as ``recomp.torch``::
+
+    from recomp.mindspore import checkpoint_wrapper, checkpoint_exclude_wrapper
+
+    layer.attn = checkpoint_exclude_wrapper(layer.attn)   # runs once, never replayed
+    layer = checkpoint_wrapper(layer)                      # everything else is recomputed
+"""
+
+try:
+    import mindspore as _mindspore  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised in a MindSpore-less environment
+    raise ImportError(
+        "recomp.mindspore needs MindSpore, which is not installed. Install it with "
+        "`pip install recomp[mindspore]`."
+    ) from exc
+
+from ._api import (
+    CheckpointWrapper,
+    ExcludeWrapper,
+    apply_activation_checkpointing,
+    checkpoint,
+    checkpoint_exclude_wrapper,
+    checkpoint_wrapper,
+)
+
+__all__ = [
+    "CheckpointWrapper",
+    "ExcludeWrapper",
+    "apply_activation_checkpointing",
+    "checkpoint",
+    "checkpoint_exclude_wrapper",
+    "checkpoint_wrapper",
+]
