@@ -80,6 +80,18 @@ def max_rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.double() - want.double()).abs().max().item() / scale
 
 
+def max_scaled_diff(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Largest |got - want| over many tensors, relative to the largest |want| among them all.
+
+    One scale for the whole model: a gradient that is zero in exact arithmetic
+    (the key bias of attention) is rounding noise, which a per-tensor relative
+    measure would blow up.
+    """
+    pairs = list(pairs)
+    scale = max(w.double().abs().max().item() for _, w in pairs) or 1.0
+    return max((g.double() - w.double()).abs().max().item() for g, w in pairs) / scale
+
+
 def exclude_stats(model: nn.Module) -> dict[str, dict[str, int]]:
     """``region_runs`` / ``region_skips`` of every recomp exclusion wrapper in ``model``."""
     stats = {}

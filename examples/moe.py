@@ -32,7 +32,15 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _dist_common import compare, exclude_stats, main, max_rel_diff, named_grads, seeded
+from _dist_common import (
+    compare,
+    exclude_stats,
+    main,
+    max_rel_diff,
+    max_scaled_diff,
+    named_grads,
+    seeded,
+)
 from torch import nn
 
 import recomp
@@ -281,9 +289,8 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
             dist.all_reduce(g)
     report["dense"] = {
         "output_max_rel_diff": max_rel_diff(outputs["reference"], dense_out.detach()),
-        "grad_max_rel_diff": max(
-            max_rel_diff(grads["reference"][n], shard(n, g, rank, world_size))
-            for n, g in dense_grads.items()
+        "grad_max_rel_diff": max_scaled_diff(
+            (grads["reference"][n], shard(n, g, rank, world_size)) for n, g in dense_grads.items()
         ),
         "rtol": DENSE_RTOL,
     }

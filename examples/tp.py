@@ -34,7 +34,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _dist_common import compare, exclude_stats, main, max_rel_diff, named_grads, seeded
+from _dist_common import (
+    compare,
+    exclude_stats,
+    main,
+    max_rel_diff,
+    max_scaled_diff,
+    named_grads,
+    seeded,
+)
 from torch import nn
 
 from recomp.torch import apply_activation_checkpointing
@@ -268,9 +276,8 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
     dense_model = build("reference", 0, 1, dense)
     _, dense_out = train_step(dense_model, x)
     dense_grads = named_grads(dense_model)
-    grad_diff = max(
-        max_rel_diff(grads["reference"][n], shard(n, g, rank, world_size))
-        for n, g in dense_grads.items()
+    grad_diff = max_scaled_diff(
+        (grads["reference"][n], shard(n, g, rank, world_size)) for n, g in dense_grads.items()
     )
     report["dense"] = {
         "output_max_rel_diff": max_rel_diff(outputs["reference"], dense_out),
