@@ -1,0 +1,33 @@
+"""``python -m recomp`` / the ``recomp`` console script.
+
+Sub-commands are imported lazily, so ``import recomp`` stays free of framework imports.
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: recomp <command> [options]
+
+commands:
+  bench    measure activation memory, replayed FLOPs and step time of checkpointing
+           strategies side by side (`recomp bench --help`)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0
+    command, rest = args[0], args[1:]
+    if command == "bench":
+        from recomp.bench.cli import main as bench_main
+
+        return bench_main(rest)
+    print(f"recomp: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

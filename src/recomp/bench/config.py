@@ -1,0 +1,66 @@
+"""Benchmark configuration and model loading, shared by the parent and child processes."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+DEFAULT_MODEL = "recomp.bench.models:llama"
+
+
+@dataclass
+class BenchConfig:
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    seq: int = 256
+    batch: int = 2
+    steps: int = 10
+    warmup: int = 1
+    seed: int = 0
+    device: str = "cpu"
+    threads: int = 1
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchConfig:
+        return cls(**data)
+
+
+def load_factory(spec: str) -> Any:
+    """``"package.module:factory"`` -> the factory callable."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--model takes MODULE:FACTORY (e.g. mypkg.models:build), got {spec!r}")
+    module = importlib.import_module(module_name)
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise ValueError(f"{spec!r} is not callable")
+    return factory
+
+
+def call_factory(factory: Any, config: BenchConfig) -> Any:
+    """Call ``factory`` with the size options it declares (layers, hidden, heads, seq, batch)."""
+    options = {
+        "layers": config.layers,
+        "hidden": config.hidden,
+        "heads": config.heads,
+        "seq": config.seq,
+        "batch": config.batch,
+    }
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return factory()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return factory(**options)
+    return factory(**{k: v for k, v in options.items() if k in params})

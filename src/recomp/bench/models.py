@@ -1,0 +1,153 @@
+"""Built-in PyTorch models for ``recomp bench``.
+
+``llama``: a Llama-style decoder stack (RMSNorm, multi-head attention through
+``scaled_dot_product_attention``, SwiGLU MLP, pre-norm residual blocks). The input
+is a batch of hidden states, the loss the mean square of the output: the
+benchmark measures the layer stack, not an embedding or a vocabulary head.
+
+``norm_matmul_silu``: the deferred-input scenario of issue 5, target 2. Each layer is
+``silu(norm(x) @ W)`` with the matmul as its own sub-module, so that a strategy can
+exclude it (``exclude-proj``).
+
+A user model (``--model module:factory``) follows the same protocol:
+
+* the factory takes any of the keyword arguments ``layers``, ``hidden``, ``seq``,
+  ``batch``, ``heads`` (only those it declares are passed) and returns an ``nn.Module``;
+* the module has ``layers``, an iterable of sub-modules: the checkpoint units;
+* strategy ``exclude-NAME`` excludes the child ``NAME`` of every layer (``attn`` also
+  finds ``self_attn`` / ``attention``, ``mlp`` also finds ``feed_forward`` / ``ffn``);
+* ``model.example_input(batch, seq, generator)`` returns the input, if defined;
+  otherwise a float tensor ``(batch, seq, hidden)`` is used;
+* ``model.loss(output)`` returns the loss, if defined; otherwise the mean of the
+  squared output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * scale * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden ({hidden}) must be a multiple of heads ({heads})")
+        self.heads = heads
+        self.head_dim = hidden // heads
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, hidden, bias=False)
+        self.v_proj = nn.Linear(hidden, hidden, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        shape = (b, s, self.heads, self.head_dim)
+        q = self.q_proj(x).view(shape).transpose(1, 2)
+        k = self.k_proj(x).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, h))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hidden: int, heads: int, intermediate: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(hidden)
+        self.attn = Attention(hidden, heads)
+        self.mlp_norm = RMSNorm(hidden)
+        self.mlp = SwiGLU(hidden, intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _intermediate(hidden: int) -> int:
+    """Llama's rule: 2/3 of 4*hidden, rounded up to a multiple of 64."""
+    return 64 * math.ceil(8 * hidden / 3 / 64)
+
+
+class Decoder(nn.Module):
+    """A stack of Llama decoder layers with a final RMSNorm."""
+
+    def __init__(self, layers: int, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.layers = nn.ModuleList(
+            DecoderLayer(hidden, heads, _intermediate(hidden)) for _ in range(layers)
+        )
+        self.norm = RMSNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+def llama(layers: int = 4, hidden: int = 256, heads: int = 4) -> Decoder:
+    """The built-in model (``--model recomp.bench.models:llama``, the default)."""
+    return Decoder(layers, hidden, heads)
+
+
+class Projection(nn.Module):
+    """A bare matmul as a module, so that it can be excluded."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(hidden, hidden) / math.sqrt(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+class NormMatmulSilu(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden)
+        self.proj = Projection(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self.proj(self.norm(x)))
+
+
+class NormMatmulSiluStack(nn.Module):
+    def __init__(self, layers: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.layers = nn.ModuleList(NormMatmulSilu(hidden) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def norm_matmul_silu(layers: int = 4, hidden: int = 256) -> NormMatmulSiluStack:
+    """Scenario model: per layer RMSNorm, a matmul (child ``proj``), SiLU."""
+    return NormMatmulSiluStack(layers, hidden)

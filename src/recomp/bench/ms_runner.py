@@ -1,0 +1,289 @@
+"""MindSpore (PyNative) measurements: the counterpart of ``runner`` for strategies
+``none``, ``full`` (``mindspore.recompute``, non-reentrant, per layer) and ``exclude-R``
+(recomp.mindspore).
+
+Memory: MindSpore takes CPU memory for tensors from its own pool (1 GiB reserved at the
+first op), so ``mallinfo2`` does not see tensors come and go, and
+``mindspore.runtime.memory_allocated`` is 0 on CPU. The readings come instead from the
+pool's own allocation record, which MindSpore's profiler writes with
+``profile_memory=True`` (``FRAMEWORK/cpu_ms_memory_record_0.txt``: time stamp, bytes
+allocated); the step is marked with ``time.time_ns()`` under ``launch_blocking`` so
+that the marks and the record use the same clock and the same order. FLOPs are not
+counted (MindSpore has no FLOP counter); the JSON holds ``null`` for them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import glob
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn
+
+from .config import BenchConfig, call_factory, load_factory
+
+MS_STRATEGIES = ("none", "full", "exclude-attn")
+MS_DEFAULT_MODEL = "recomp.bench.ms_models:llama"
+
+ALIASES = {"attn": ("attn", "self_attn", "attention"), "mlp": ("mlp", "feed_forward", "ffn")}
+
+
+def setup(config: BenchConfig) -> None:
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    # MindSpore's CPU kernels use 25 threads by default; match PyTorch's setting instead.
+    with contextlib.suppress(RuntimeError, ValueError):
+        ms.device_context.cpu.op_tuning.threads_num(max(1, config.threads))
+
+
+def build(config: BenchConfig) -> tuple[nn.Cell, Tensor]:
+    ms.set_seed(config.seed)
+    spec = config.model if config.model.startswith("recomp.bench.ms_") else MS_DEFAULT_MODEL
+    if config.extra.get("ms_model"):
+        spec = config.extra["ms_model"]
+    model = call_factory(load_factory(spec), config)
+    if not isinstance(model, nn.Cell):
+        raise ValueError(f"{spec} returned {type(model).__name__}, not a mindspore.nn.Cell")
+    hidden = getattr(model, "hidden", config.hidden)
+    rng = np.random.default_rng(config.seed + 1)
+    x = Tensor(rng.standard_normal((config.batch, config.seq, hidden)).astype(np.float32))
+    return model, x
+
+
+class FullRecompute(nn.Cell):
+    """``mindspore.recompute(layer, x, use_reentrant=False)``."""
+
+    def __init__(self, inner: nn.Cell) -> None:
+        super().__init__(auto_prefix=False)
+        self.inner = inner
+
+    def construct(self, *args: Any) -> Any:
+        return ms.recompute(self.inner, *args, use_reentrant=False)
+
+
+def _child(layer: nn.Cell, region: str) -> tuple[str, nn.Cell]:
+    for name in ALIASES.get(region, (region,)):
+        child = getattr(layer, name, None)
+        if isinstance(child, nn.Cell):
+            return name, child
+    raise ValueError(f"layer {type(layer).__name__} has no child cell {region!r}")
+
+
+class Prepared:
+    def __init__(self, model: nn.Cell) -> None:
+        self.model = model
+        self.regions: dict[str, nn.Cell] = {}
+        self.exclude_wrappers: dict[str, Any] = {}
+
+
+def prepare(strategy: str, model: nn.Cell) -> Prepared:
+    prepared = Prepared(model)
+    layers = model.layers
+    if strategy == "none":
+        return prepared
+    if strategy == "full":
+        for i in range(len(layers)):
+            layers[i] = FullRecompute(layers[i])
+        return prepared
+    if strategy.startswith("exclude-"):
+        from recomp.mindspore import apply_activation_checkpointing
+
+        region = strategy[len("exclude-") :]
+        units = {id(layer) for layer in layers}
+        kept: dict[int, str] = {}
+        for i, layer in enumerate(layers):
+            cname, child = _child(layer, region)
+            kept[id(child)] = f"layers.{i}.{cname}"
+            prepared.regions[f"layers.{i}.{cname}"] = child
+        apply_activation_checkpointing(
+            model,
+            checkpoint_fn=lambda c: id(c) in units,
+            exclude_fn=lambda c: id(c) in kept,
+        )
+        for cell in model.cells_and_names():
+            wrapper = cell[1]
+            inner = getattr(wrapper, "_checkpoint_wrapped_module", None)
+            if inner is not None and id(inner) in kept and hasattr(wrapper, "region_runs"):
+                prepared.exclude_wrappers[kept[id(inner)]] = wrapper
+        return prepared
+    raise ValueError(f"unknown MindSpore strategy {strategy!r}: use none, full or exclude-REGION")
+
+
+class Trainer:
+    def __init__(self, config: BenchConfig, strategy: str) -> None:
+        model, self.x = build(config)
+        self.prepared = prepare(strategy, model)
+        self.model = self.prepared.model
+        self.params = self.model.trainable_params()
+        self.marks: list[int] | None = None
+
+        def loss_fn(x: Tensor) -> Tensor:
+            out = self.model(x)
+            loss = (out * out).mean()
+            if self.marks is not None:
+                self.marks.append(time.time_ns())
+            return loss
+
+        self.grad_fn = ms.value_and_grad(loss_fn, None, weights=self.params)
+        self.optimizer = nn.SGD(self.params, learning_rate=1e-4)
+
+    def grads(self) -> Any:
+        _, grads = self.grad_fn(self.x)
+        return grads
+
+    def step(self) -> None:
+        loss, grads = self.grad_fn(self.x)
+        self.optimizer(grads)
+        loss.asnumpy()  # wait for the step to finish
+
+
+def _region_counts(prepared: Prepared) -> tuple[dict[str, int], dict[str, int]]:
+    runs = {n: int(w.region_runs) for n, w in prepared.exclude_wrappers.items()}
+    skips = {n: int(w.region_skips) for n, w in prepared.exclude_wrappers.items()}
+    return runs, skips
+
+
+class _CallCounter:
+    def __init__(self, cells: dict[str, nn.Cell]) -> None:
+        self.calls = dict.fromkeys(cells, 0)
+        self._handles = []
+        for name, cell in cells.items():
+            self._handles.append(cell.register_forward_pre_hook(self._hook(name)))
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(cell: Any, inputs: Any) -> None:
+            self.calls[name] += 1
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _profiled(directory: str) -> Iterator[Callable[[], list[tuple[int, int]]]]:
+    """Profile memory in ``directory``; yields a function that reads the record."""
+    from mindspore.profiler import ProfilerActivity, profile
+
+    previous = os.getcwd()
+    os.chdir(directory)
+    try:
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        prof.start()
+        try:
+            yield lambda: _read_record(directory)
+        finally:
+            prof.stop()
+    finally:
+        os.chdir(previous)
+
+
+def _read_record(directory: str) -> list[tuple[int, int]]:
+    paths = glob.glob(os.path.join(directory, "**", "cpu_ms_memory_record_*.txt"), recursive=True)
+    rows: list[tuple[int, int]] = []
+    for path in paths:
+        with open(path) as f:
+            next(f, None)
+            for line in f:
+                parts = line.strip().split(",")
+                if len(parts) >= 2:
+                    rows.append((int(parts[0]), int(parts[1])))
+    rows.sort()
+    return rows
+
+
+def _allocated_at(rows: list[tuple[int, int]], t: int) -> int:
+    i = bisect.bisect_right(rows, (t, 1 << 62)) - 1
+    if i < 0:
+        raise RuntimeError("MindSpore's memory record starts after the measured step")
+    return rows[i][1]
+
+
+def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
+    setup(config)
+    reference = Trainer(config, "none").grads()
+    ref = [g.asnumpy() for g in reference]
+    trainer = Trainer(config, strategy)
+    grads = trainer.grads()
+    grad_diff = max(
+        (float(np.abs(g.asnumpy() - r).max()) for g, r in zip(grads, ref, strict=True)),
+        default=0.0,
+    )
+    del grads, reference
+    for _ in range(max(1, config.warmup)):
+        trainer.step()
+
+    runs_before, skips_before = _region_counts(trainer.prepared)
+    counter = _CallCounter(trainer.prepared.regions)
+    ms.runtime.launch_blocking()
+    with tempfile.TemporaryDirectory(prefix="recomp-bench-ms-") as tmp:
+        with _profiled(tmp):
+            # A tensor made and dropped before the step puts a reading into the record.
+            (Tensor(np.ones(16, np.float32)) * 2).asnumpy()
+            trainer.marks = []
+            start = time.time_ns()
+            trainer.step()
+            end = time.time_ns()
+            forward_end = trainer.marks[0]
+            trainer.marks = None
+        rows = _read_record(tmp)
+    counter.remove()
+    runs_after, skips_after = _region_counts(trainer.prepared)
+    if not rows:
+        raise RuntimeError("MindSpore's profiler wrote no memory record")
+    base = _allocated_at(rows, start)
+    in_step = [a for t, a in rows if start <= t <= end]
+    return {
+        "framework": "mindspore",
+        "strategy": strategy,
+        "device": "cpu",
+        "memory_source": "mindspore profiler memory record",
+        "activation_bytes": _allocated_at(rows, forward_end) - base,
+        "peak_bytes": max(in_step, default=base) - base,
+        "retained_after_step_bytes": _allocated_at(rows, end) - base,
+        "forward_flops": None,
+        "replay_flops": None,
+        "backward_flops": None,
+        "excluded_flops": None,
+        "region_runs": {k: v - runs_before.get(k, 0) for k, v in runs_after.items()},
+        "region_skips": {k: v - skips_before.get(k, 0) for k, v in skips_after.items()},
+        "region_calls": dict(counter.calls),
+        "max_grad_diff": grad_diff,
+        "num_layers": len(trainer.model.layers),
+        "config": config.to_dict(),
+    }
+
+
+def time_strategies(
+    config: BenchConfig,
+    strategies: list[str],
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, list[float]]:
+    setup(config)
+    trainers = {s: Trainer(config, s) for s in strategies}
+    for _ in range(max(1, config.warmup)):
+        for trainer in trainers.values():
+            trainer.step()
+    times: dict[str, list[float]] = {s: [] for s in strategies}
+    for r in range(config.steps):
+        order = strategies if r % 2 == 0 else list(reversed(strategies))
+        for s in order:
+            t0 = time.perf_counter()
+            trainers[s].step()
+            times[s].append(time.perf_counter() - t0)
+        if progress is not None:
+            progress(r + 1, config.steps)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)

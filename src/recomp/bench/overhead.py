@@ -1,0 +1,93 @@
+"""Cost of ``checkpoint_exclude_wrapper`` itself, on a tiny op (issue 5, target 3).
+
+Two figures, each the median over repeated trials:
+
+* ``outside_us``: a wrapped call minus a plain call, outside any checkpoint (the
+  wrapper is then a pass-through);
+* ``in_checkpoint_us``: per wrapped call, a recomp-checkpointed forward and backward of
+  ``calls`` wrapped tiny ops minus the same with plain tiny ops. This includes recording
+  the call in the forward and returning the cached output in the replay, and it is
+  credited with the tiny op the replay no longer runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.5
+
+
+def _chain(ops: list[Callable[[torch.Tensor], torch.Tensor]]) -> Callable[[torch.Tensor], Any]:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for op in ops:
+            x = op(x)
+        return x
+
+    return run
+
+
+def _median_time(fn: Callable[[], Any], repeats: int, inner: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+def measure_overhead(calls: int = 20, repeats: int = 15, inner: int = 20) -> dict[str, Any]:
+    from recomp.torch import checkpoint, checkpoint_exclude_wrapper
+
+    torch.set_num_threads(1)
+    x = torch.randn(16, requires_grad=True)
+    plain_ops: list[Callable[[torch.Tensor], torch.Tensor]] = [Tiny() for _ in range(calls)]
+    wrapped_ops: list[Callable[[torch.Tensor], torch.Tensor]] = [
+        checkpoint_exclude_wrapper(Tiny()) for _ in range(calls)
+    ]
+    plain, wrapped = _chain(plain_ops), _chain(wrapped_ops)
+
+    def step(fn: Callable[[torch.Tensor], Any]) -> Callable[[], None]:
+        def run() -> None:
+            checkpoint(fn, x).sum().backward()
+
+        return run
+
+    # Warm up both paths, then interleave the trials.
+    for _ in range(3):
+        step(plain)()
+        step(wrapped)()
+        plain(x)
+        wrapped(x)
+    outside, inside = [], []
+    for _ in range(3):
+        outside.append(
+            (
+                _median_time(lambda: wrapped(x), repeats, inner)
+                - _median_time(lambda: plain(x), repeats, inner)
+            )
+            / calls
+        )
+        inside.append(
+            (
+                _median_time(step(wrapped), repeats, inner)
+                - _median_time(step(plain), repeats, inner)
+            )
+            / calls
+        )
+    return {
+        "op": "x * 1.5 on a 16-element tensor",
+        "calls_per_checkpoint": calls,
+        "outside_us": statistics.median(outside) * 1e6,
+        "in_checkpoint_us": statistics.median(inside) * 1e6,
+        "plain_op_us": _median_time(lambda: plain(x), repeats, inner) / calls * 1e6,
+    }

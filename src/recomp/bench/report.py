@@ -1,0 +1,246 @@
+"""Table, targets, JSON and plot of a benchmark run (no framework imports)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+MiB = float(1 << 20)
+
+
+def _fmt_bytes(v: Any) -> str:
+    return "-" if v is None else f"{v / MiB:.2f}"
+
+
+def _fmt_flops(v: Any) -> str:
+    return "-" if v is None else f"{v / 1e9:.3f}"
+
+
+def _fmt_ms(v: Any) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 1e3:.1f}"
+
+
+def _runs(r: dict[str, Any]) -> str:
+    runs = r.get("region_runs") or {}
+    if not runs:
+        calls = r.get("region_calls") or {}
+        if not calls:
+            return "-"
+        values = sorted(set(calls.values()))
+        return "calls " + "/".join(str(v) for v in values)
+    values = sorted(set(runs.values()))
+    return "/".join(str(v) for v in values)
+
+
+COLUMNS = (
+    ("framework", "framework"),
+    ("strategy", "strategy"),
+    ("act MiB", "activation"),
+    ("peak MiB", "peak"),
+    ("fwd GFLOP", "forward"),
+    ("replay GFLOP", "replay"),
+    ("excl GFLOP", "excluded"),
+    ("runs/step", "runs"),
+    ("step ms", "time"),
+    ("spread ms", "spread"),
+    ("max grad diff", "grad"),
+)
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    if "error" in r:
+        return [r["framework"], r["strategy"], "error"] + ["-"] * (len(COLUMNS) - 3)
+    grad = r.get("max_grad_diff")
+    return [
+        r["framework"],
+        r["strategy"],
+        _fmt_bytes(r.get("activation_bytes")),
+        _fmt_bytes(r.get("peak_bytes")),
+        _fmt_flops(r.get("forward_flops")),
+        _fmt_flops(r.get("replay_flops")),
+        _fmt_flops(r.get("excluded_flops")),
+        _runs(r),
+        _fmt_ms(r.get("step_time_s")),
+        _fmt_ms(r.get("step_time_spread_s")),
+        "-" if grad is None else f"{grad:.1e}",
+    ]
+
+
+def table(results: list[dict[str, Any]], markdown: bool = False) -> str:
+    header = [c[0] for c in COLUMNS]
+    rows = [_row(r) for r in results]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        )
+
+    lines = [line(header), line(["-" * w for w in widths]), *map(line, rows)]
+    errors = [f"  {r['framework']} {r['strategy']}: {r['error']}" for r in results if "error" in r]
+    if errors:
+        lines += ["errors:", *errors]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def _find(results: list[dict[str, Any]], framework: str, strategy: str) -> dict[str, Any] | None:
+    for r in results:
+        if r.get("framework") == framework and r.get("strategy") == strategy and "error" not in r:
+            return r
+    return None
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("met" if ok else "MISSED")
+
+
+def evaluate_targets(
+    results: list[dict[str, Any]],
+    scenario: list[dict[str, Any]] | None = None,
+    overhead: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Issue 5's targets, each with the measured figures and met / MISSED / n/a."""
+    out: list[dict[str, Any]] = []
+    full = _find(results, "torch", "full")
+    excl = _find(results, "torch", "exclude-attn")
+    sac = _find(results, "torch", "sac")
+    remat = _find(results, "torch", "torch-remat")
+
+    # 1. replay(exclude-attn) == replay(full) - excluded forward FLOPs, within 0.5 %.
+    t1: dict[str, Any] = {"target": "1 replay FLOPs: exclude-attn = full - excluded (0.5%)"}
+    if full and excl and full.get("replay_flops") is not None:
+        expected = full["replay_flops"] - excl["excluded_flops"]
+        got = excl["replay_flops"]
+        rel = abs(got - expected) / expected if expected else float("inf")
+        t1.update(expected=expected, measured=got, relative_error=rel, ok=rel <= 0.005)
+    out.append(t1)
+
+    # 2a. activation memory of exclude-attn <= sac and torch-remat (within 2 %).
+    t2: dict[str, Any] = {"target": "2a activation: exclude-attn <= sac, torch-remat (2%)"}
+    if excl:
+        ratios = {}
+        for other in (sac, remat):
+            if other:
+                ratios[other["strategy"]] = excl["activation_bytes"] / other["activation_bytes"]
+        if ratios:
+            t2.update(ratios=ratios, ok=all(v <= 1.02 for v in ratios.values()))
+    out.append(t2)
+
+    # 2b. deferred inputs: exclude keeps one activation per layer less than keep.
+    t2b: dict[str, Any] = {
+        "target": "2b norm->excluded matmul->silu: one activation per layer less than keep"
+    }
+    if scenario:
+        ex = _find(scenario, "torch", "exclude-proj")
+        keep = _find(scenario, "torch", "keep-proj")
+        if ex and keep:
+            cfg = ex["config"]
+            one = cfg["batch"] * cfg["seq"] * cfg["hidden"] * 4
+            per_layer = (keep["activation_bytes"] - ex["activation_bytes"]) / ex["num_layers"] / one
+            t2b.update(activations_per_layer_saved=per_layer, ok=abs(per_layer - 1.0) <= 0.02)
+    out.append(t2b)
+
+    # 3a. step time of exclude-attn <= 1.02 x sac, torch-remat, and < full.
+    t3: dict[str, Any] = {"target": "3a step time: exclude-attn <= 1.02 x sac, torch-remat; < full"}
+    if excl and excl.get("step_time_s"):
+        ratios = {}
+        for other in (sac, remat, full):
+            if other and other.get("step_time_s"):
+                ratios[other["strategy"]] = excl["step_time_s"] / other["step_time_s"]
+        ok = all(v <= 1.02 for k, v in ratios.items() if k != "full")
+        if "full" in ratios:
+            ok = ok and ratios["full"] < 1.0
+        t3.update(ratios=ratios, ok=ok if ratios else None)
+    out.append(t3)
+
+    # 3b. wrapper overhead on a tiny op <= 30 us per call.
+    t3b: dict[str, Any] = {"target": "3b wrapper overhead on a tiny op <= 30 us/call"}
+    if overhead and "in_checkpoint_us" in overhead:
+        t3b.update(
+            in_checkpoint_us=overhead["in_checkpoint_us"],
+            outside_us=overhead["outside_us"],
+            ok=overhead["in_checkpoint_us"] <= 30.0,
+        )
+    out.append(t3b)
+    for t in out:
+        t.setdefault("ok", None)
+        t["verdict"] = _verdict(t["ok"])
+    return out
+
+
+def targets_text(targets: list[dict[str, Any]]) -> str:
+    lines = []
+    for t in targets:
+        detail = {k: v for k, v in t.items() if k not in ("target", "ok", "verdict")}
+        shown = ", ".join(f"{k}={_short(v)}" for k, v in detail.items())
+        lines.append(f"  [{t['verdict']:>6}] {t['target']}" + (f": {shown}" if shown else ""))
+    return "\n".join(lines)
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_short(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def write_json(path: str, report: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def write_plot(path: str, results: list[dict[str, Any]]) -> None:
+    """Memory vs step time per strategy (one panel per framework) and replay FLOPs bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if "error" not in r]
+    frameworks = [f for f in ("torch", "mindspore") if any(r["framework"] == f for r in ok)]
+    flops = [r for r in ok if r.get("replay_flops") is not None]
+    panels = len(frameworks) + (1 if flops else 0)
+    fig, axes = plt.subplots(1, max(1, panels), figsize=(5.5 * max(1, panels), 4.5))
+    axes = list(axes) if panels > 1 else [axes]
+    for ax, fw in zip(axes, frameworks):
+        rows = [r for r in ok if r["framework"] == fw and r.get("step_time_s") is not None]
+        for r in rows:
+            x, y = r["step_time_s"] * 1e3, r["activation_bytes"] / MiB
+            xerr = (r.get("step_time_spread_s") or 0.0) * 1e3 / 2
+            ax.errorbar(x, y, xerr=xerr, fmt="o", capsize=3)
+            ax.annotate(
+                r["strategy"], (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8
+            )
+        ax.set_xlabel("step time, median (ms)")
+        ax.set_ylabel("activation memory after forward (MiB)")
+        ax.set_title(f"{fw}: memory vs step time")
+        ax.grid(alpha=0.3)
+    if flops:
+        ax = axes[-1]
+        labels = [f"{r['framework'][:2]}:{r['strategy']}" for r in flops]
+        ax.bar(labels, [r["replay_flops"] / 1e9 for r in flops], color="tab:orange")
+        ax.set_ylabel("replay FLOPs per step (GFLOP)")
+        ax.set_title("work repeated in the replay")
+        ax.tick_params(axis="x", rotation=45)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,217 @@
+"""PyTorch measurements of one strategy, and interleaved step timing of several.
+
+``measure_strategy`` and ``time_strategies`` run inside a child process (see ``worker``):
+memory readings need a process of their own, started with ``MALLOC_ARENA_MAX=1``.
+They are plain functions so that tests can call them in-process too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import BenchConfig, call_factory, load_factory
+from .measure import RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader
+from .strategies import Prepared, prepare
+
+
+def build(config: BenchConfig) -> tuple[nn.Module, Any, Callable[[Any], torch.Tensor]]:
+    """Model, input and loss function for ``config`` (same weights for the same seed)."""
+    device = torch.device(config.device)
+    dtype = getattr(torch, config.dtype)
+    torch.manual_seed(config.seed)
+    model = call_factory(load_factory(config.model), config)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{config.model} returned {type(model).__name__}, not an nn.Module")
+    model = model.to(device=device, dtype=dtype)
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    example_input = getattr(model, "example_input", None)
+    if callable(example_input):
+        x = example_input(config.batch, config.seq, generator)
+    else:
+        hidden = getattr(model, "hidden", config.hidden)
+        x = torch.randn(config.batch, config.seq, hidden, generator=generator, dtype=dtype)
+    x = _to(x, device)
+    loss_fn = getattr(model, "loss", None) or _mean_square
+    return model, x, loss_fn
+
+
+def _mean_square(out: Any) -> torch.Tensor:
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return out.float().pow(2).mean()
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x
+
+
+def _call(model: nn.Module, x: Any) -> Any:
+    if isinstance(x, dict):
+        return model(**x)
+    if isinstance(x, tuple):
+        return model(*x)
+    return model(x)
+
+
+class Trainer:
+    """One strategy's model, its SGD optimizer, and a step function."""
+
+    def __init__(self, config: BenchConfig, strategy: str) -> None:
+        model, self.x, self.loss_fn = build(config)
+        self.prepared: Prepared = prepare(strategy, model)
+        self.model = self.prepared.model
+        self.params = list(self.model.parameters())
+        self.optimizer = torch.optim.SGD(self.params, lr=1e-4)
+        self.device = torch.device(config.device)
+
+    def forward(self) -> torch.Tensor:
+        return self.loss_fn(_call(self.model, self.x))
+
+    def step(self) -> None:
+        loss = self.forward()
+        loss.backward()
+        self.optimizer.step()
+        # Keep the gradient buffers: readings are taken against a baseline that holds them.
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def reference_grads(config: BenchConfig) -> list[torch.Tensor | None]:
+    """Gradients of the first step without checkpointing."""
+    trainer = Trainer(config, "none")
+    loss = trainer.forward()
+    loss.backward()
+    return [None if p.grad is None else p.grad.detach().clone() for p in trainer.params]
+
+
+def _region_counts(prepared: Prepared) -> tuple[dict[str, int], dict[str, int]]:
+    runs = {n: w.region_runs for n, w in prepared.exclude_wrappers.items()}
+    skips = {n: w.region_skips for n, w in prepared.exclude_wrappers.items()}
+    return runs, skips
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
+    """Memory, FLOPs, region runs and gradient difference of ``strategy`` (one process)."""
+    torch.set_num_threads(max(1, config.threads))
+    reference = reference_grads(config)
+    trainer = Trainer(config, strategy)
+    memory = memory_reader(trainer.device)
+
+    # Step 1 (warm-up) gives the gradients to compare; it also allocates kernel caches.
+    loss = trainer.forward()
+    loss.backward()
+    grad_diff = max_grad_diff(trainer.params, reference)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=False)
+    del loss
+    for _ in range(max(0, config.warmup - 1)):
+        trainer.step()
+
+    # Activation memory: heap in use after the forward (and loss) minus before it.
+    runs_before, skips_before = _region_counts(trainer.prepared)
+    trainer.sync()
+    before = memory.read()
+    loss = trainer.forward()
+    after_forward = memory.read()
+    loss.backward()
+    del loss
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=False)
+    after_step = memory.read()
+    runs_after, skips_after = _region_counts(trainer.prepared)
+
+    # Peak of a whole step, above the same baseline.
+    base = memory.read()
+    memory.reset_peak()
+    with memory.peak_context():
+        trainer.step()
+    peak = memory.peak() - base
+
+    # FLOPs, split by phase, and module calls of the regions.
+    regions = RegionTracker()
+    regions.track(trainer.prepared.regions)
+    layers = RegionTracker()
+    layers.track(trainer.prepared.units)
+    counter = SplitFlopCounter(regions, layers)
+    with counter:
+        with counter.in_phase("forward"):
+            loss = trainer.forward()
+        with counter.in_phase("backward"):
+            loss.backward()
+        del loss
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=False)
+    regions.remove()
+    layers.remove()
+    split = counter.split
+
+    return {
+        "framework": "torch",
+        "strategy": strategy,
+        "device": str(trainer.device),
+        "memory_source": memory.source,
+        "activation_bytes": after_forward - before,
+        "peak_bytes": peak,
+        "retained_after_step_bytes": after_step - before,
+        "forward_flops": split["forward"],
+        "replay_flops": split["replay"],
+        "replay_flops_recomp_state": split["replay_recomp"],
+        "backward_flops": split["backward"],
+        "excluded_flops": split["excluded"],
+        "layer_forward_flops": split["layers"],
+        "total_flops": int(counter.get_total_flops()),
+        "flops_by_op": {k: v for k, v in counter.ops.items() if v},
+        "region_runs": _delta(runs_after, runs_before),
+        "region_skips": _delta(skips_after, skips_before),
+        "region_calls": dict(regions.calls),
+        "max_grad_diff": grad_diff,
+        "num_layers": len(trainer.prepared.units),
+        "config": config.to_dict(),
+    }
+
+
+def time_strategies(
+    config: BenchConfig,
+    strategies: list[str],
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, list[float]]:
+    """Step times of all ``strategies`` in one process, interleaved: round ``r`` times one
+    step of each strategy in turn, so that drifts of the machine hit them alike."""
+    torch.set_num_threads(max(1, config.threads))
+    # Same seed, same weights: every trainer starts from the same model.
+    trainers = {s: Trainer(config, s) for s in strategies}
+    for _ in range(max(1, config.warmup)):
+        for trainer in trainers.values():
+            trainer.step()
+    times: dict[str, list[float]] = {s: [] for s in strategies}
+    for r in range(config.steps):
+        # Alternate the order so no strategy always follows the same one.
+        order = strategies if r % 2 == 0 else list(reversed(strategies))
+        for s in order:
+            trainer = trainers[s]
+            trainer.sync()
+            t0 = time.perf_counter()
+            trainer.step()
+            trainer.sync()
+            times[s].append(time.perf_counter() - t0)
+        if progress is not None:
+            progress(r + 1, config.steps)
+    return times

@@ -1,0 +1,273 @@
+"""Checkpointing strategies for PyTorch models, all applied per layer (``model.layers``).
+
+========================  ==============================================================
+``none``                  no checkpointing
+``full``                  ``torch.utils.checkpoint`` (non-reentrant) around every layer
+``sac[-R]``               PyTorch selective checkpointing: every layer checkpointed, the
+                          outputs of the non-view ops inside region ``R`` (default
+                          ``attn``) saved: the tensors an exclusion of ``R`` keeps
+``torch-remat[-R]``       torch-remat 0.2.2: ``remat.checkpoint`` per layer,
+                          ``remat.region(R, recompute=False)``, and
+                          ``remat.recompute_needs_tensor`` on its output
+``exclude-R``             recomp: ``apply_activation_checkpointing`` with every layer
+                          checkpointed and its child ``R`` excluded
+``keep-R``                reference design without deferred inputs: like ``exclude-R``,
+                          but the region keeps every tensor it saves, its inputs
+                          included (written here, 40 lines, for target 2)
+========================  ==============================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as tuc
+from torch import nn
+
+from .measure import RegionTracker
+
+ALIASES = {
+    "attn": ("attn", "self_attn", "attention"),
+    "mlp": ("mlp", "feed_forward", "ffn"),
+}
+
+TORCH_STRATEGIES = ("none", "full", "sac", "torch-remat", "exclude-attn", "exclude-mlp")
+
+
+@dataclass
+class Prepared:
+    """A model with a strategy applied, and what the measurements need to know about it."""
+
+    strategy: str
+    model: nn.Module
+    # Checkpoint units and kept regions, by name, as the original (unwrapped) modules.
+    units: dict[str, nn.Module] = field(default_factory=dict)
+    regions: dict[str, nn.Module] = field(default_factory=dict)
+    # recomp ExcludeWrapper objects, by region name (their region_runs / region_skips).
+    exclude_wrappers: dict[str, Any] = field(default_factory=dict)
+    # Shared region tracker that a strategy's policy reads (SAC), if any.
+    tracker: RegionTracker | None = None
+
+
+def parse(strategy: str) -> tuple[str, str | None]:
+    """``"sac"`` -> ``("sac", "attn")``, ``"exclude-mlp"`` -> ``("exclude", "mlp")``."""
+    if strategy in ("none", "full"):
+        return strategy, None
+    for kind, default in (
+        ("torch-remat", "attn"),
+        ("sac", "attn"),
+        ("exclude", None),
+        ("keep", None),
+    ):
+        if strategy == kind and default is not None:
+            return kind, default
+        if strategy.startswith(kind + "-") and len(strategy) > len(kind) + 1:
+            return kind, strategy[len(kind) + 1 :]
+    raise ValueError(
+        f"unknown strategy {strategy!r}: use none, full, sac[-REGION], torch-remat[-REGION], "
+        "exclude-REGION or keep-REGION"
+    )
+
+
+def layers_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"{type(model).__name__} has no attribute `layers`: the benchmark checkpoints "
+            "each module of `model.layers` (an nn.ModuleList or a list of modules)."
+        )
+    return [(f"layers.{i}", layer) for i, layer in enumerate(layers)]
+
+
+def child_of(layer: nn.Module, region: str) -> tuple[str, nn.Module]:
+    for name in ALIASES.get(region, (region,)):
+        child = getattr(layer, name, None)
+        if isinstance(child, nn.Module):
+            return name, child
+    children = ", ".join(n for n, _ in layer.named_children())
+    raise ValueError(
+        f"layer {type(layer).__name__} has no child module {region!r} "
+        f"(children: {children}); name a child for exclude-/sac-/torch-remat-/keep-REGION"
+    )
+
+
+def prepare(strategy: str, model: nn.Module) -> Prepared:
+    kind, region = parse(strategy)
+    layers = layers_of(model)
+    prepared = Prepared(strategy, model, units=dict(layers))
+    if region is not None:
+        for lname, layer in layers:
+            cname, child = child_of(layer, region)
+            prepared.regions[f"{lname}.{cname}"] = child
+    if kind == "none":
+        return prepared
+    if kind == "full":
+        _wrap_units(model, lambda name, layer: TorchCheckpoint(layer))
+    elif kind == "sac":
+        tracker = RegionTracker()
+        tracker.track(prepared.regions)
+        prepared.tracker = tracker
+        policy = partial(_sac_policy, tracker)
+        context_fn = partial(tuc.create_selective_checkpoint_contexts, policy)
+        _wrap_units(model, lambda name, layer: TorchCheckpoint(layer, context_fn=context_fn))
+    elif kind == "torch-remat":
+        _apply_torch_remat(model, layers, region or "attn")
+    elif kind == "exclude":
+        _apply_recomp(model, prepared)
+    elif kind == "keep":
+        for _lname, layer in layers:
+            cname, child = child_of(layer, region or "")
+            setattr(layer, cname, NaiveKeep(child))
+        _wrap_units(model, lambda name, layer: TorchCheckpoint(layer, context_fn=_naive_contexts))
+    return prepared
+
+
+def _wrap_units(model: nn.Module, wrap: Callable[[str, nn.Module], nn.Module]) -> None:
+    layers: Any = model.layers
+    for i, layer in enumerate(list(layers)):
+        layers[i] = wrap(f"layers.{i}", layer)
+
+
+class TorchCheckpoint(nn.Module):
+    """``torch.utils.checkpoint.checkpoint(layer, ..., use_reentrant=False)``."""
+
+    def __init__(self, inner: nn.Module, context_fn: Callable[[], Any] | None = None) -> None:
+        super().__init__()
+        self.inner = inner
+        self.context_fn = context_fn
+
+    def forward(self, *args: Any) -> Any:
+        kwargs: dict[str, Any] = {"use_reentrant": False}
+        if self.context_fn is not None:
+            kwargs["context_fn"] = self.context_fn
+        return tuc.checkpoint(self.inner, *args, **kwargs)
+
+
+def _sac_policy(tracker: RegionTracker, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    # Inside the kept region, save every op output that is not a view (views of saved
+    # tensors cost nothing to recompute and no memory to keep); elsewhere recompute.
+    if tracker.depth > 0 and not getattr(op, "is_view", False):
+        return tuc.CheckpointPolicy.MUST_SAVE
+    return tuc.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# --------------------------------------------------------------------------- torch-remat
+
+
+class RematCheckpoint(nn.Module):
+    def __init__(self, inner: nn.Module, name: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.region_name = name
+
+    def forward(self, *args: Any) -> Any:
+        import torch_remat as remat
+
+        return remat.checkpoint(region_name=self.region_name)(self.inner)(*args)
+
+
+class RematRegion(nn.Module):
+    """``remat.region(child, name, recompute=False)``, then ``recompute_needs_tensor`` on the
+    output: the residual add after it is a bare op that reads it in the replay."""
+
+    def __init__(self, inner: nn.Module, name: str) -> None:
+        super().__init__()
+        import torch_remat as remat
+
+        self.inner = inner
+        call = self.inner.__call__
+        # A region is a function, not a module: keep it out of nn.Module attributes.
+        object.__setattr__(
+            self, "_region", remat.region(lambda *a: call(*a), name, recompute=False)
+        )
+
+    def forward(self, *args: Any) -> Any:
+        import torch_remat as remat
+
+        out = self._region(*args)  # type: ignore[operator]
+        remat.recompute_needs_tensor(out)
+        return out
+
+
+def _apply_torch_remat(model: nn.Module, layers: list[tuple[str, nn.Module]], region: str) -> None:
+    for _lname, layer in layers:
+        cname, child = child_of(layer, region)
+        setattr(layer, cname, RematRegion(child, cname))
+    _wrap_units(model, lambda name, layer: RematCheckpoint(layer, name))
+
+
+# --------------------------------------------------------------------------- recomp
+
+
+def _apply_recomp(model: nn.Module, prepared: Prepared) -> None:
+    from recomp.torch import ExcludeWrapper, apply_activation_checkpointing
+
+    units = set(prepared.units.values())
+    kept = set(prepared.regions.values())
+    apply_activation_checkpointing(
+        model, checkpoint_fn=lambda m: m in units, exclude_fn=lambda m: m in kept
+    )
+    by_module = {id(m): name for name, m in prepared.regions.items()}
+    for module in model.modules():
+        if isinstance(module, ExcludeWrapper):
+            inner = module._checkpoint_wrapped_module
+            prepared.exclude_wrappers[by_module[id(inner)]] = module
+
+
+# --------------------------------------------------------------------------- keep-R
+
+
+class _NaiveInvocation:
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor] = []
+        self.cursor = 0
+        self.replaying = False
+
+
+_naive: contextvars.ContextVar[_NaiveInvocation | None] = contextvars.ContextVar(
+    "bench_naive_keep", default=None
+)
+
+
+@contextlib.contextmanager
+def _naive_phase(inv: _NaiveInvocation, replaying: bool) -> Iterator[None]:
+    inv.replaying, inv.cursor = replaying, 0
+    token = _naive.set(inv)
+    try:
+        yield
+    finally:
+        _naive.reset(token)
+
+
+def _naive_contexts() -> tuple[Any, Any]:
+    inv = _NaiveInvocation()
+    return _naive_phase(inv, False), _naive_phase(inv, True)
+
+
+class NaiveKeep(nn.Module):
+    """An excluded region without deferred inputs: in the forward it keeps everything its
+    autograd nodes save (its input included) under an identity saved-tensors hook; in the
+    replay it returns its cached output without running."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inv = _naive.get()
+        if inv is None:
+            return self.inner(x)
+        if inv.replaying:
+            cached = inv.outputs[inv.cursor]
+            inv.cursor += 1
+            return cached.detach().requires_grad_(cached.requires_grad)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            out = self.inner(x)
+        inv.outputs.append(out.detach().requires_grad_(out.requires_grad))
+        return out
