@@ -94,6 +94,12 @@ class Backend(Protocol):
     def storage_key(self, t: Any) -> Hashable | None:
         """Identity of the memory behind ``t``, equal for all views of it; None if unknown."""
 
+    def parameters_of(self, fn: Any) -> list[Any]:
+        """The parameters of a module (empty for a plain function)."""
+
+    def storage_nbytes(self, t: Any) -> int:
+        """Size of the memory behind ``t`` (all of it, for a view)."""
+
     def version(self, t: Any) -> int | None:
         """In-place modification counter of ``t``, or None if the framework has none."""
 
@@ -232,13 +238,23 @@ class _Packer:
     """
 
     def __init__(
-        self, region: ExcludedRegion, inv: Invocation, leaves: list[Any], in_spec: _pytree.TreeSpec
+        self,
+        region: ExcludedRegion,
+        inv: Invocation,
+        fn: Callable[..., Any],
+        leaves: list[Any],
+        in_spec: _pytree.TreeSpec,
     ) -> None:
         backend = region.backend
         self.region = region
+        # Parameters may be saved through an alias (a transpose, a cast view):
+        # recognise them by storage so that saved_bytes counts activations only.
+        self.parameter_keys = {backend.storage_key(p) for p in backend.parameters_of(fn)}
         self.leaves: list[Any] = leaves
         self.in_spec = in_spec
         self.slots: dict[int, _InputSlot] = {}
+        # Storages kept for real (parameters aside) -> bytes, for ExcludedRegion.saved_bytes.
+        self.kept: dict[Hashable, int] = {}
         # Storage of each input the replay will reproduce -> its leaf index.
         self.deferrable: dict[Hashable, int] = {}
         for i, leaf in enumerate(leaves):
@@ -265,6 +281,9 @@ class _Packer:
                     path = _input_path(_pytree.leaf_paths(self.in_spec)[index])
                     slot = self.slots[index] = _InputSlot(region, index, path, backend.layout(base))
                 return _Deferred(slot, view)
+        key = backend.storage_key(t)
+        if not backend.is_parameter(t) and key not in self.parameter_keys:
+            self.kept[key] = backend.storage_nbytes(t)
         return _Kept(t, backend.version(t), region)
 
     def close(self) -> dict[int, _InputSlot]:
@@ -273,6 +292,7 @@ class _Packer:
         self.leaves = []
         self.deferrable = {}
         self.slots = {}
+        self.parameter_keys = set()
         return slots
 
 
@@ -336,6 +356,9 @@ class ExcludedRegion:
         self.save_output = save_output
         self.runs = 0
         self.skips = 0
+        # Activation bytes the last call inside a checkpoint keeps until backward: saved
+        # tensors kept for real and the cached output, each storage once, parameters aside.
+        self.saved_bytes = 0
         self._warned_foreign = False
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -391,13 +414,14 @@ class ExcludedRegion:
         leaves, in_spec = _pytree.flatten((args, kwargs))
         entry = CacheEntry(self, in_spec)
 
-        packer = _Packer(self, inv, leaves, in_spec)
+        packer = _Packer(self, inv, fn, leaves, in_spec)
         token = _active_region.set(self)
         try:
             with backend.saved_tensors_hooks(packer.pack, _unpack), backend.region_context():
                 out = fn(*args, **kwargs)
         finally:
             _active_region.reset(token)
+            kept = packer.kept
             slots = packer.close()
         self.runs += 1
 
@@ -416,7 +440,9 @@ class ExcludedRegion:
             key = backend.storage_key(leaf)
             if key is not None:
                 inv.excluded_output_keys.add(key)
-                if not self.save_output:
+                if self.save_output:
+                    kept[key] = backend.storage_nbytes(leaf)
+                else:
                     inv.unsaved_outputs[key] = self.name
             if requires_grad:
                 differentiable.append(pos)
@@ -430,6 +456,7 @@ class ExcludedRegion:
                 out_leaves[pos] = alias
         entry.slots = [weakref.ref(slot) for slot in slots.values()]
         inv.entries.append(entry)
+        self.saved_bytes = sum(kept.values())
         return _pytree.unflatten(out_leaves, entry.out_spec)
 
     # -- replay --------------------------------------------------------------

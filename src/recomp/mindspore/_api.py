@@ -113,7 +113,8 @@ class ExcludeWrapper(_TransparentWrapper):
     Inside a recomp checkpoint, it runs once in the forward, keeps its saved
     tensors and output, and returns the cached output when the forward is
     replayed. Anywhere else it is a plain call. ``region_runs`` and
-    ``region_skips`` count executions and skipped replays.
+    ``region_skips`` count executions and skipped replays; ``region_saved_bytes``
+    is what the last call keeps for backward.
     """
 
     def __init__(self, module: Any, *, save_output: bool = True, name: str | None = None) -> None:
@@ -130,6 +131,11 @@ class ExcludeWrapper(_TransparentWrapper):
     @property
     def region_skips(self) -> int:
         return self.region.skips
+
+    @property
+    def region_saved_bytes(self) -> int:
+        """Activation bytes the last call keeps until backward (saved tensors + cached output)."""
+        return self.region.saved_bytes
 
     def construct(self, *args: Any, **kwargs: Any) -> Any:
         check_pynative("checkpoint_exclude_wrapper")

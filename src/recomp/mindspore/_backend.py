@@ -52,7 +52,9 @@ class MindSporeBackend:
     def requires_grad(self, t: Any) -> bool:
         if isinstance(t, mindspore.Parameter):
             return bool(t.requires_grad)
-        return bool(getattr(t, "_requires_grad", False)) and t.dtype in _FLOAT_TYPES
+        # Integer outputs of recorded ops are marked too; the replay must mirror the
+        # flag exactly, since it decides what the ops after the region save.
+        return bool(getattr(t, "_requires_grad", False))
 
     def grad_enabled(self) -> bool:
         return bool(_pynative_executor.enable_grad())
@@ -65,6 +67,15 @@ class MindSporeBackend:
             return t.untyped_storage().data_ptr()
         except (RuntimeError, TypeError, AttributeError):
             return None
+
+    def parameters_of(self, fn: Any) -> list[Any]:
+        return list(fn.get_parameters()) if isinstance(fn, mindspore.nn.Cell) else []
+
+    def storage_nbytes(self, t: Any) -> int:
+        try:
+            return int(t.untyped_storage().nbytes())
+        except (RuntimeError, TypeError, AttributeError):
+            return int(t.nbytes)
 
     def version(self, t: Any) -> int | None:
         return getattr(t, "_version", None)
@@ -131,9 +142,6 @@ class MindSporeBackend:
         mindspore.set_rng_state(generator)
         _seed_module._KERNEL_SEED.clear()
         _seed_module._KERNEL_SEED.update(kernel_seeds)
-
-
-_FLOAT_TYPES = (mindspore.float16, mindspore.float32, mindspore.float64, mindspore.bfloat16)
 
 
 def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:

@@ -129,6 +129,15 @@ class TorchBackend:
         except (RuntimeError, NotImplementedError):  # wrapper subclasses have no storage
             return None
 
+    def parameters_of(self, fn: Any) -> list[Any]:
+        return list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+
+    def storage_nbytes(self, t: torch.Tensor) -> int:
+        try:
+            return int(t.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):
+            return int(t.numel() * t.element_size())
+
     def version(self, t: torch.Tensor) -> int | None:
         try:
             return t._version

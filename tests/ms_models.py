@@ -1,0 +1,65 @@
+"""Small MindSpore models and gradient helpers shared by the tests (PyNative, CPU)."""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn, ops
+
+ms.set_device("CPU")
+ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+class Block(nn.Cell):
+    """Pre-norm residual block: attention-like dense layer, then an MLP."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm((d,))
+        self.attn = nn.Dense(d, d)
+        self.mlp = nn.SequentialCell([nn.Dense(d, 2 * d), nn.SiLU(), nn.Dense(2 * d, d)])
+
+    def construct(self, x):
+        h = x + self.attn(self.norm(x))
+        return h + self.mlp(h)
+
+
+class Stack(nn.Cell):
+    def __init__(self, n: int = 3, d: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.CellList([Block(d) for _ in range(n)])
+
+    def construct(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def copy_params(src: nn.Cell, dst: nn.Cell) -> None:
+    """Give ``dst`` the values of ``src`` (matched by Parameter.name)."""
+    values = {p.name: ms.Parameter(p.value().copy(), name=p.name) for p in src.get_parameters()}
+    _, not_loaded = ms.load_param_into_net(dst, values, strict_load=True)
+    assert not not_loaded, not_loaded
+
+
+def tensor(*shape: int, seed: int = 0) -> ms.Tensor:
+    return ms.Tensor(np.random.RandomState(seed).randn(*shape).astype(np.float32))
+
+
+def grads(cell_or_fn, params, *inputs, loss=lambda out: (out**2).sum()):
+    """Gradients of ``loss(f(*inputs))`` w.r.t. every input and ``params``, as numpy arrays."""
+    positions = tuple(range(len(inputs)))
+    fn = ms.grad(lambda *xs: loss(cell_or_fn(*xs)), positions, params)
+    g_inputs, g_params = fn(*inputs)
+    if not isinstance(g_inputs, (tuple, list)):
+        g_inputs = (g_inputs,)
+    return [g.asnumpy() for g in g_inputs] + [g.asnumpy() for g in g_params]
+
+
+def assert_same(expected, actual) -> None:
+    assert len(expected) == len(actual)
+    for i, (a, b) in enumerate(zip(expected, actual)):
+        assert np.array_equal(a, b), f"gradient {i}: max diff {np.abs(a - b).max()}"
+
+
+__all__ = ["Block", "Stack", "assert_same", "copy_params", "grads", "nn", "ops", "tensor"]
