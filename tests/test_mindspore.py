@@ -13,10 +13,10 @@ from collections import namedtuple
 import mindspore as ms
 import numpy as np
 import pytest
-from ms_models import Block, Stack, assert_same, copy_params, grads, nn, ops, tensor
 
 import recomp
 import recomp.mindspore as rm
+from ms_models import Block, Stack, assert_same, copy_params, grads, nn, ops, tensor
 
 
 @pytest.fixture
