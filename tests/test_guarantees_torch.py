@@ -103,7 +103,7 @@ def test_in_place_change_of_the_cached_output_raises_naming_the_region():
         return torch.tanh(y)
 
     out = rt.checkpoint(body, torch.randn(2, 4, requires_grad=True))
-    with pytest.raises(recomp.CachedValueMutatedError, match="'proj'.*modified in place"):
+    with pytest.raises(recomp.CachedValueMutatedError, match=r"'proj'.*modified in place"):
         out.sum().backward()
 
 
@@ -150,7 +150,7 @@ def test_recomp_checkpoint_inside_a_foreign_one_warns():
 
 
 def test_no_warning_under_recomp():
-    region, body = block_with_region()
+    _, body = block_with_region()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rt.checkpoint(body, torch.randn(2, 4, requires_grad=True)).sum().backward()
