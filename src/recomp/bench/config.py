@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -32,6 +33,11 @@ class BenchConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchConfig:
         return cls(**data)
+
+
+def intermediate_size(hidden: int) -> int:
+    """Llama's MLP width: 2/3 of 4 * hidden, rounded up to a multiple of 64."""
+    return 64 * math.ceil(8 * hidden / 3 / 64)
 
 
 def load_factory(spec: str) -> Any:

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import intermediate_size
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float = 1e-6) -> None:
@@ -88,11 +90,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def _intermediate(hidden: int) -> int:
-    """Llama's rule: 2/3 of 4*hidden, rounded up to a multiple of 64."""
-    return 64 * math.ceil(8 * hidden / 3 / 64)
-
-
 class Decoder(nn.Module):
     """A stack of Llama decoder layers with a final RMSNorm."""
 
@@ -100,7 +97,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.hidden = hidden
         self.layers = nn.ModuleList(
-            DecoderLayer(hidden, heads, _intermediate(hidden)) for _ in range(layers)
+            DecoderLayer(hidden, heads, intermediate_size(hidden)) for _ in range(layers)
         )
         self.norm = RMSNorm(hidden)
 

@@ -12,7 +12,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from .models import _intermediate
+from .config import intermediate_size
 
 
 class RMSNorm(nn.Cell):
@@ -69,7 +69,7 @@ class DecoderLayer(nn.Cell):
         self.attn_norm = RMSNorm(hidden)
         self.attn = Attention(hidden, heads, seq)
         self.mlp_norm = RMSNorm(hidden)
-        self.mlp = SwiGLU(hidden, _intermediate(hidden))
+        self.mlp = SwiGLU(hidden, intermediate_size(hidden))
 
     def construct(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x))

@@ -1,0 +1,384 @@
+"""Tests of ``recomp bench``'s measuring code: FLOP accounting, the memory reader, strategy
+set-up, the JSON it writes, and the target verdicts. Tiny configurations only."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from recomp.bench.config import BenchConfig  # noqa: E402
+from recomp.bench.memory import child_env  # noqa: E402
+from recomp.bench.report import evaluate_targets, table  # noqa: E402
+from recomp.bench.runner_stats import summarize_times  # noqa: E402
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+TINY = BenchConfig(layers=2, hidden=32, heads=2, seq=16, batch=2, steps=2)
+B, S, H, L = TINY.batch, TINY.seq, TINY.hidden, TINY.layers
+
+
+def _intermediate() -> int:
+    from recomp.bench.config import intermediate_size
+
+    return intermediate_size(H)
+
+
+def _mm(m: int, k: int, n: int) -> int:
+    return 2 * m * k * n
+
+
+# Forward FLOPs of one layer of the built-in model, by PyTorch's conventions
+# (matmuls and attention; causal masking not discounted).
+ATTN_FLOPS = 4 * _mm(B * S, H, H) + 2 * _mm(B * S, S, H)
+DOWN_FLOPS = _mm(B * S, _intermediate(), H)
+MLP_FLOPS = 2 * _mm(B * S, H, _intermediate()) + DOWN_FLOPS
+LAYER_FLOPS = ATTN_FLOPS + MLP_FLOPS
+
+
+def _env() -> dict[str, str]:
+    env = child_env(1)
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _run_child(code: str, timeout: int = 120) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, dict]:
+    """Every PyTorch strategy on the tiny configuration, in this process (FLOPs and
+    gradients do not need a clean heap)."""
+    from recomp.bench.runner import measure_strategy
+
+    names = ["none", "full", "sac", "torch-remat", "exclude-attn", "exclude-mlp", "keep-attn"]
+    return {s: measure_strategy(TINY, s) for s in names}
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+def test_forward_flops_match_the_model(measured):
+    for r in measured.values():
+        assert r["forward_flops"] == L * LAYER_FLOPS
+        assert r["layer_forward_flops"] == L * LAYER_FLOPS
+
+
+def test_cpu_attention_is_counted(measured):
+    per_op = measured["none"]["flops_by_op"]["forward"]
+    attention = [v for k, v in per_op.items() if "scaled_dot_product" in k]
+    assert attention == [L * 2 * _mm(B * S, S, H)]
+    assert measured["none"]["backward_flops"] > 2 * measured["none"]["forward_flops"] - 1
+
+
+def test_no_replay_without_checkpoint(measured):
+    assert measured["none"]["replay_flops"] == 0
+
+
+def test_full_replays_the_layers_up_to_early_stop(measured):
+    # torch.utils.checkpoint stops the replay once the last saved tensor is rebuilt:
+    # the last matmul (down_proj) saved only its input, so it is not rerun.
+    assert measured["full"]["replay_flops"] == L * (LAYER_FLOPS - DOWN_FLOPS)
+
+
+def test_full_replay_equals_layer_forward_without_early_stop():
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    from recomp.bench.runner import measure_strategy
+
+    with set_checkpoint_early_stop(False):
+        r = measure_strategy(TINY, "full")
+    assert r["replay_flops"] == r["layer_forward_flops"] == L * LAYER_FLOPS
+
+
+def test_exclude_attn_replay_is_full_minus_excluded_exactly(measured):
+    full, excl = measured["full"], measured["exclude-attn"]
+    assert excl["excluded_flops"] == L * ATTN_FLOPS
+    assert excl["replay_flops"] == full["replay_flops"] - excl["excluded_flops"]
+
+
+def test_replay_attribution_agrees_with_recomp_state(measured):
+    # Grad mode during backward (the bench's criterion) and recomp.is_recomputing()
+    # must pick the same ops for recomp's checkpoints ...
+    for name in ("exclude-attn", "exclude-mlp"):
+        r = measured[name]
+        assert r["replay_flops"] == r["replay_flops_recomp_state"] > 0
+    # ... and recomp's state stays off under other libraries' checkpoints.
+    assert measured["full"]["replay_flops_recomp_state"] == 0
+
+
+def test_kept_regions_are_not_replayed(measured):
+    sac, remat, keep = measured["sac"], measured["torch-remat"], measured["keep-attn"]
+    assert sac["replay_flops"] == measured["exclude-attn"]["replay_flops"]
+    assert keep["replay_flops"] == measured["exclude-attn"]["replay_flops"]
+    # torch-remat replays the whole layer body but the kept region (no early stop).
+    assert remat["replay_flops"] == L * (LAYER_FLOPS - ATTN_FLOPS)
+    assert measured["exclude-mlp"]["replay_flops"] == L * ATTN_FLOPS
+
+
+def test_region_runs(measured):
+    excl = measured["exclude-attn"]
+    assert excl["region_runs"] == {f"layers.{i}.attn": 1 for i in range(L)}
+    assert excl["region_skips"] == {f"layers.{i}.attn": 1 for i in range(L)}
+    assert excl["region_calls"] == {f"layers.{i}.attn": 1 for i in range(L)}
+    # SAC runs the region's Python code in the replay too (its ops come from a cache).
+    assert set(measured["sac"]["region_calls"].values()) == {2}
+    assert set(measured["torch-remat"]["region_calls"].values()) == {1}
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+def test_every_strategy_gives_the_gradient_of_none(measured):
+    for name, r in measured.items():
+        assert r["max_grad_diff"] <= 1e-6, name
+
+
+def test_strategy_names():
+    from recomp.bench.strategies import parse
+
+    assert parse("sac") == ("sac", "attn")
+    assert parse("torch-remat-mlp") == ("torch-remat", "mlp")
+    assert parse("exclude-proj") == ("exclude", "proj")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        parse("exclude")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        parse("selective")
+
+
+def test_missing_region_is_reported():
+    from recomp.bench.models import llama
+    from recomp.bench.strategies import prepare
+
+    with pytest.raises(ValueError, match="no child module 'moe'"):
+        prepare("exclude-moe", llama(layers=1, hidden=32, heads=2))
+
+
+def test_user_model_factory_gets_only_declared_options():
+    from recomp.bench.config import call_factory, load_factory
+
+    factory = load_factory("recomp.bench.models:norm_matmul_silu")
+    model = call_factory(factory, BenchConfig(layers=3, hidden=16))
+    assert len(model.layers) == 3 and model.hidden == 16
+    with pytest.raises(ValueError, match="MODULE:FACTORY"):
+        load_factory("recomp.bench.models")
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_memory_reader_sees_a_known_tensor():
+    sizes = [1 << 16, 1 << 20, 3 << 20]
+    got = _run_child(
+        f"""
+        import json, torch
+        from recomp.bench.memory import malloc_in_use
+        out = []
+        for n in {sizes}:
+            before = malloc_in_use()
+            t = torch.ones(n, dtype=torch.uint8)
+            during = malloc_in_use()
+            del t
+            after = malloc_in_use()
+            out.append([during - before, after - before])
+        print(json.dumps(out))
+        """
+    )
+    for n, (held, left) in zip(sizes, got):
+        assert abs(held - n) <= 4096 + n // 100, (n, held)
+        assert abs(left) <= 4096, (n, left)
+
+
+def test_activation_readings_count_kept_tensors():
+    # Scenario model: each layer is silu(norm(x) @ W); one activation is B*S*H*4 bytes.
+    # full keeps the layer inputs and the output (L activations); exclude-proj adds the
+    # matmul output per layer; keep-proj (no deferred inputs) also the norm output.
+    cfg = BenchConfig(
+        layers=4, hidden=256, seq=256, batch=2, model="recomp.bench.models:norm_matmul_silu"
+    )
+    got = _run_child(
+        f"""
+        import json
+        from recomp.bench.config import BenchConfig
+        from recomp.bench.runner import measure_strategy
+        cfg = BenchConfig.from_dict({cfg.to_dict()!r})
+        print(json.dumps({{s: measure_strategy(cfg, s)["activation_bytes"]
+                          for s in ("full", "exclude-proj", "keep-proj")}}))
+        """
+    )
+    one = cfg.batch * cfg.seq * cfg.hidden * 4
+    a = {k: v / one for k, v in got.items()}
+    # Beyond the tensors (512 KiB each): per checkpoint and per excluded call, a saved
+    # CPU RNG state (5 KiB) and Python objects.
+    assert 4 <= a["full"] <= 4.1, a
+    assert a["exclude-proj"] - a["full"] == pytest.approx(4, abs=0.1), a
+    assert a["keep-proj"] - a["exclude-proj"] == pytest.approx(4, abs=0.1), a
+
+
+# --------------------------------------------------------------------------- output
+
+
+FIELDS = {
+    "framework",
+    "strategy",
+    "activation_bytes",
+    "peak_bytes",
+    "forward_flops",
+    "replay_flops",
+    "excluded_flops",
+    "step_time_s",
+    "step_time_spread_s",
+    "max_grad_diff",
+    "region_runs",
+    "config",
+}
+
+
+def _bench(tmp_path, *args: str) -> dict:
+    out = tmp_path / "bench.json"
+    png = tmp_path / "bench.png"
+    size = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "1"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recomp",
+            "bench",
+            *size,
+            "--steps",
+            "2",
+            "--no-overhead",
+            "--no-scenario",
+            "--quiet",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads(out.read_text())
+    assert "strategy" in proc.stdout and "Targets" in proc.stdout
+    return report
+
+
+def test_json_schema_torch(tmp_path):
+    report = _bench(tmp_path, "--strategies", "none,full,exclude-attn")
+    results = report["results"]
+    assert [r["strategy"] for r in results] == ["none", "full", "exclude-attn"]
+    for r in results:
+        assert r.keys() >= FIELDS, FIELDS - r.keys()
+        assert r["framework"] == "torch"
+        assert r["config"]["hidden"] == 32 and r["config"]["layers"] == 1
+        assert r["step_time_s"] > 0 and len(r["step_times_s"]) == 2
+        assert r["activation_bytes"] > 0 and r["peak_bytes"] > 0
+    none, full, excl = results
+    assert full["activation_bytes"] < excl["activation_bytes"] < none["activation_bytes"]
+    assert excl["region_runs"] == {"layers.0.attn": 1}
+    assert {t["verdict"] for t in report["targets"]} <= {"met", "MISSED", "n/a"}
+
+
+def _mindspore_ready() -> bool:
+    if importlib.util.find_spec("mindspore") is None:
+        return False
+    try:
+        import recomp.mindspore  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _mindspore_ready(), reason="recomp.mindspore not importable")
+def test_json_schema_mindspore(tmp_path):
+    report = _bench(tmp_path, "--framework", "mindspore")
+    results = report["results"]
+    assert [r["strategy"] for r in results] == ["none", "full", "exclude-attn"]
+    for r in results:
+        assert r.keys() >= FIELDS, r
+        assert r["framework"] == "mindspore"
+        assert r["forward_flops"] is None  # not counted for MindSpore
+        assert r["max_grad_diff"] <= 1e-6
+    none, full, excl = results
+    assert full["activation_bytes"] < excl["activation_bytes"] < none["activation_bytes"]
+    assert excl["region_runs"] == {"layers.0.attn": 1}
+
+
+def test_import_recomp_and_cli_stay_framework_free():
+    code = (
+        "import sys, recomp, recomp.__main__, recomp.bench.cli;"
+        "print(sorted(m for m in ('torch', 'mindspore') if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _result(strategy: str, **kw) -> dict:
+    base = {
+        "framework": "torch",
+        "strategy": strategy,
+        "activation_bytes": 100,
+        "replay_flops": 0,
+        "excluded_flops": 0,
+        "step_time_s": 1.0,
+    }
+    base.update(kw)
+    return base
+
+
+def test_target_verdicts():
+    results = [
+        _result("full", replay_flops=1000, step_time_s=1.2),
+        _result("exclude-attn", replay_flops=600, excluded_flops=400, activation_bytes=101),
+        _result("sac", activation_bytes=100, step_time_s=0.99),
+        _result("torch-remat", activation_bytes=90, step_time_s=1.1),
+    ]
+    targets = {
+        t["target"][:2]: t
+        for t in evaluate_targets(results, None, {"in_checkpoint_us": 31, "outside_us": 2})
+    }
+    assert targets["1 "]["verdict"] == "met"
+    assert targets["2a"]["verdict"] == "MISSED"  # 101 / 90 > 1.02
+    assert targets["2b"]["verdict"] == "n/a"
+    assert targets["3a"]["verdict"] == "met"  # 1 / 0.99 <= 1.02, < full
+    assert targets["3b"]["verdict"] == "MISSED"
+    results[1]["replay_flops"] = 610
+    assert evaluate_targets(results)[0]["verdict"] == "MISSED"
+
+
+def test_table_lists_errors_below():
+    text = table([_result("full"), {"framework": "torch", "strategy": "sac", "error": "Boom: x"}])
+    assert "torch sac: Boom: x" in text
+
+
+def test_summarize_times():
+    assert summarize_times([3.0, 1.0, 2.0]) == (2.0, 2.0)
+    median, spread = summarize_times([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert median == 3.0 and 0 < spread < 99
