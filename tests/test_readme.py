@@ -1,0 +1,30 @@
+"""The README's framework examples run as written and print what they say."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pathlib
+import re
+
+import pytest
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def examples() -> dict[str, str]:
+    text = README.read_text()
+    found = {}
+    for heading in ("## PyTorch", "## MindSpore (PyNative)"):
+        section = text.split(heading, 1)[1]
+        found[heading] = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return found
+
+
+@pytest.mark.parametrize("heading", ["## PyTorch", "## MindSpore (PyNative)"])
+def test_readme_example_runs(heading):
+    code = examples()[heading]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, f"README {heading}", "exec"), {})
+    assert out.getvalue().split() == ["1", "1"]
