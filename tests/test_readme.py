@@ -26,5 +26,5 @@ def test_readme_example_runs(heading):
     code = examples()[heading]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, f"README {heading}", "exec"), {})
+        exec(compile(code, f"README {heading}", "exec"), {"__name__": "readme_example"})
     assert out.getvalue().split() == ["1", "1"]
