@@ -340,11 +340,13 @@ def _collect(
     from .runner_stats import summarize_times
 
     times: dict[str, dict[str, list[float]]] = {}
+    cpu_times: dict[str, dict[str, list[float]]] = {}
     time_errors: dict[str, str] = {}
     for job in time_jobs:
         fw = job.task["framework"]
         if job.result:
-            times[fw] = job.result["times"]
+            times[fw] = job.result["times"]["wall"]
+            cpu_times[fw] = job.result["times"]["cpu"]
         else:
             time_errors[fw] = job.error or "timing failed"
     results: list[dict[str, Any]] = []
@@ -364,6 +366,8 @@ def _collect(
                 if samples:
                     median, spread = summarize_times(samples)
                     r.update(step_time_s=median, step_time_spread_s=spread, step_times_s=samples)
+                    cpu = cpu_times[fw][s]
+                    r.update(step_cpu_time_s=summarize_times(cpu)[0], step_cpu_times_s=cpu)
                 else:
                     r.update(step_time_s=None, step_time_spread_s=None)
                     if fw in time_errors:

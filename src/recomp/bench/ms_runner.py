@@ -135,14 +135,23 @@ class Trainer:
         self.grad_fn = ms.value_and_grad(loss_fn, None, weights=self.params)
         self.optimizer = nn.SGD(self.params, learning_rate=1e-4)
 
-    def grads(self) -> Any:
-        _, grads = self.grad_fn(self.x)
-        return grads
+    def grads(self) -> tuple[float, Any]:
+        loss, grads = self.grad_fn(self.x)
+        return float(loss.asnumpy()), grads
 
     def step(self) -> None:
         loss, grads = self.grad_fn(self.x)
         self.optimizer(grads)
         loss.asnumpy()  # wait for the step to finish
+
+
+def _saved_bytes(wrappers: dict[str, Any]) -> dict[str, int]:
+    """Bytes each excluded region keeps (recomp's ``region_saved_bytes``), where available."""
+    return {
+        name: int(w.region_saved_bytes)
+        for name, w in wrappers.items()
+        if hasattr(w, "region_saved_bytes")
+    }
 
 
 def _region_counts(prepared: Prepared) -> tuple[dict[str, int], dict[str, int]]:
@@ -210,10 +219,10 @@ def _allocated_at(rows: list[tuple[int, int]], t: int) -> int:
 
 def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
     setup(config)
-    reference = Trainer(config, "none").grads()
+    _, reference = Trainer(config, "none").grads()
     ref = [g.asnumpy() for g in reference]
     trainer = Trainer(config, strategy)
-    grads = trainer.grads()
+    first_loss, grads = trainer.grads()
     grad_diff = max(
         (float(np.abs(g.asnumpy() - r).max()) for g, r in zip(grads, ref, strict=True)),
         default=0.0,
@@ -257,7 +266,9 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
         "region_runs": {k: v - runs_before.get(k, 0) for k, v in runs_after.items()},
         "region_skips": {k: v - skips_before.get(k, 0) for k, v in skips_after.items()},
         "region_calls": dict(counter.calls),
+        "region_saved_bytes": _saved_bytes(trainer.prepared.exclude_wrappers),
         "max_grad_diff": grad_diff,
+        "loss": first_loss,
         "num_layers": len(trainer.model.layers),
         "config": config.to_dict(),
     }
@@ -267,22 +278,24 @@ def time_strategies(
     config: BenchConfig,
     strategies: list[str],
     progress: Callable[[int, int], None] | None = None,
-) -> dict[str, list[float]]:
+) -> dict[str, dict[str, list[float]]]:
     setup(config)
     trainers = {s: Trainer(config, s) for s in strategies}
     for _ in range(max(1, config.warmup)):
         for trainer in trainers.values():
             trainer.step()
     times: dict[str, list[float]] = {s: [] for s in strategies}
+    cpu: dict[str, list[float]] = {s: [] for s in strategies}
     for r in range(config.steps):
         order = strategies if r % 2 == 0 else list(reversed(strategies))
         for s in order:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             trainers[s].step()
             times[s].append(time.perf_counter() - t0)
+            cpu[s].append(time.process_time() - c0)
         if progress is not None:
             progress(r + 1, config.steps)
-    return times
+    return {"wall": times, "cpu": cpu}
 
 
 def median(values: list[float]) -> float:

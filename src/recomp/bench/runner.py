@@ -98,6 +98,15 @@ def reference_grads(config: BenchConfig) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.detach().clone() for p in trainer.params]
 
 
+def _saved_bytes(wrappers: dict[str, Any]) -> dict[str, int]:
+    """Bytes each excluded region keeps (recomp's ``region_saved_bytes``), where available."""
+    return {
+        name: int(w.region_saved_bytes)
+        for name, w in wrappers.items()
+        if hasattr(w, "region_saved_bytes")
+    }
+
+
 def _region_counts(prepared: Prepared) -> tuple[dict[str, int], dict[str, int]]:
     runs = {n: w.region_runs for n, w in prepared.exclude_wrappers.items()}
     skips = {n: w.region_skips for n, w in prepared.exclude_wrappers.items()}
@@ -117,6 +126,7 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
 
     # Step 1 (warm-up) gives the gradients to compare; it also allocates kernel caches.
     loss = trainer.forward()
+    first_loss = float(loss.item())
     loss.backward()
     grad_diff = max_grad_diff(trainer.params, reference)
     trainer.optimizer.step()
@@ -182,7 +192,9 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
         "region_runs": _delta(runs_after, runs_before),
         "region_skips": _delta(skips_after, skips_before),
         "region_calls": dict(regions.calls),
+        "region_saved_bytes": _saved_bytes(trainer.prepared.exclude_wrappers),
         "max_grad_diff": grad_diff,
+        "loss": first_loss,
         "num_layers": len(trainer.prepared.units),
         "config": config.to_dict(),
     }
@@ -192,7 +204,7 @@ def time_strategies(
     config: BenchConfig,
     strategies: list[str],
     progress: Callable[[int, int], None] | None = None,
-) -> dict[str, list[float]]:
+) -> dict[str, dict[str, list[float]]]:
     """Step times of all ``strategies`` in one process, interleaved: round ``r`` times one
     step of each strategy in turn, so that drifts of the machine hit them alike."""
     torch.set_num_threads(max(1, config.threads))
@@ -202,16 +214,18 @@ def time_strategies(
         for trainer in trainers.values():
             trainer.step()
     times: dict[str, list[float]] = {s: [] for s in strategies}
+    cpu: dict[str, list[float]] = {s: [] for s in strategies}
     for r in range(config.steps):
         # Alternate the order so no strategy always follows the same one.
         order = strategies if r % 2 == 0 else list(reversed(strategies))
         for s in order:
             trainer = trainers[s]
             trainer.sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             trainer.step()
             trainer.sync()
             times[s].append(time.perf_counter() - t0)
+            cpu[s].append(time.process_time() - c0)
         if progress is not None:
             progress(r + 1, config.steps)
-    return times
+    return {"wall": times, "cpu": cpu}
