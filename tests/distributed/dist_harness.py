@@ -143,12 +143,15 @@ def launch_ranks(
     *,
     world_size: int = 2,
     timeout: float = DEFAULT_TIMEOUT,
+    peer_grace: float = 10.0,
     **kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Run ``target`` ("module:function") on ``world_size`` ranks; return each rank's result.
 
     The function is called as ``function(rank, world_size, **kwargs)`` inside a
     gloo process group; modules are found on src/, examples/ and this folder.
+    The run fails after ``timeout`` seconds, or ``peer_grace`` seconds after a
+    rank failed while another still runs (it is likely waiting for the dead one).
     """
     run_dir = tmp_path / f"ranks-{target.replace(':', '-')}"
     run_dir.mkdir()
@@ -191,7 +194,7 @@ def launch_ranks(
                 failure = f"timed out after {timeout:.0f}s"
                 break
             # A rank that failed leaves its peer waiting in a collective: stop it.
-            if first_failure_at is not None and now - first_failure_at > 10:
+            if first_failure_at is not None and now - first_failure_at > peer_grace:
                 failure = "a rank failed; its peer did not finish"
                 break
             time.sleep(0.2)

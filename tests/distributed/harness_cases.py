@@ -1,0 +1,43 @@
+"""Worker side of test_harness.py: ranks that hang or fail, and leave children behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+
+def _leave_a_grandchild(pid_file: str, rank: int) -> None:
+    # In a session of its own, as launchers do with their workers: the
+    # harness must find and kill it all the same.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
+    )
+    with open(f"{pid_file}.{rank}", "w") as f:
+        f.write(str(child.pid))
+
+
+def hang(rank: int, world: int, pid_file: str) -> dict[str, Any]:
+    _leave_a_grandchild(pid_file, rank)
+    if rank == 1:
+        time.sleep(600)
+    dist.barrier()
+    return {}
+
+
+def crash(rank: int, world: int, pid_file: str) -> dict[str, Any]:
+    _leave_a_grandchild(pid_file, rank)
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    dist.barrier()  # rank 0 waits for a peer that is gone
+    return {}
+
+
+def ok(rank: int, world: int) -> dict[str, Any]:
+    t = [rank]
+    out = [None] * world
+    dist.all_gather_object(out, t)
+    return {"rank": rank, "gathered": out}
