@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     if overhead:
         print(
             f"\nWrapper overhead on a tiny op ({overhead['op']}): "
-            f"{overhead['in_checkpoint_us']:.1f} us/call in a checkpointed step, "
+            f"{overhead['in_checkpoint_us']:.1f} us/call in a checkpointed step "
+            f"(CPU time {overhead['in_checkpoint_cpu_us']:.1f} us), "
             f"{overhead['outside_us']:.1f} us/call outside a checkpoint "
             f"(the op itself: {overhead['plain_op_us']:.1f} us)"
         )

@@ -37,14 +37,16 @@ def _chain(ops: list[Callable[[torch.Tensor], torch.Tensor]]) -> Callable[[torch
     return run
 
 
-def _median_time(fn: Callable[[], Any], repeats: int, inner: int) -> float:
-    samples = []
+def _median_time(fn: Callable[[], Any], repeats: int, inner: int) -> tuple[float, float]:
+    """Median wall time and median process CPU time of one ``fn()`` call."""
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(inner):
             fn()
-        samples.append((time.perf_counter() - t0) / inner)
-    return statistics.median(samples)
+        wall.append((time.perf_counter() - t0) / inner)
+        cpu.append((time.process_time() - c0) / inner)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def measure_overhead(calls: int = 20, repeats: int = 15, inner: int = 20) -> dict[str, Any]:
@@ -63,6 +65,10 @@ def measure_overhead(calls: int = 20, repeats: int = 15, inner: int = 20) -> dic
 
         return run
 
+    def per_call(a: Callable[[], Any], b: Callable[[], Any]) -> tuple[float, float]:
+        (wa, ca), (wb, cb) = _median_time(a, repeats, inner), _median_time(b, repeats, inner)
+        return (wa - wb) / calls, (ca - cb) / calls
+
     # Warm up both paths, then interleave the trials.
     for _ in range(3):
         step(plain)()
@@ -71,27 +77,18 @@ def measure_overhead(calls: int = 20, repeats: int = 15, inner: int = 20) -> dic
         wrapped(x)
     outside, inside = [], []
     for _ in range(3):
-        outside.append(
-            (
-                _median_time(lambda: wrapped(x), repeats, inner)
-                - _median_time(lambda: plain(x), repeats, inner)
-            )
-            / calls
-        )
-        inside.append(
-            (
-                _median_time(step(wrapped), repeats, inner)
-                - _median_time(step(plain), repeats, inner)
-            )
-            / calls
-        )
+        outside.append(per_call(lambda: wrapped(x), lambda: plain(x)))
+        inside.append(per_call(step(wrapped), step(plain)))
     skips = sum(w.region_skips for w in wrappers)
     if skips == 0:
         raise RuntimeError("the overhead benchmark's checkpoint never replayed its regions")
+    op_wall, _ = _median_time(lambda: plain(x), repeats, inner)
     return {
         "op": "x * 1.5 on a 16-element tensor",
         "calls_per_checkpoint": calls,
-        "outside_us": statistics.median(outside) * 1e6,
-        "in_checkpoint_us": statistics.median(inside) * 1e6,
-        "plain_op_us": _median_time(lambda: plain(x), repeats, inner) / calls * 1e6,
+        "outside_us": statistics.median(w for w, _ in outside) * 1e6,
+        "in_checkpoint_us": statistics.median(w for w, _ in inside) * 1e6,
+        "outside_cpu_us": statistics.median(c for _, c in outside) * 1e6,
+        "in_checkpoint_cpu_us": statistics.median(c for _, c in inside) * 1e6,
+        "plain_op_us": op_wall / calls * 1e6,
     }

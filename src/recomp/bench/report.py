@@ -177,6 +177,7 @@ def evaluate_targets(
     if overhead and "in_checkpoint_us" in overhead:
         t3b.update(
             in_checkpoint_us=overhead["in_checkpoint_us"],
+            in_checkpoint_cpu_us=overhead.get("in_checkpoint_cpu_us"),
             outside_us=overhead["outside_us"],
             ok=overhead["in_checkpoint_us"] <= 30.0,
         )
