@@ -329,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, report)
         print(f"wrote {args.json}")
     if args.plot:
-        write_plot(args.plot, results)
-        print(f"wrote {args.plot}")
+        try:
+            write_plot(args.plot, results)
+            print(f"wrote {args.plot}")
+        except ImportError:
+            print("no plot: matplotlib is not installed (pip install recomp[bench])")
     failed = [r for r in results + scenario if "error" in r]
     return 1 if failed and len(failed) == len(results + scenario) else 0
 
