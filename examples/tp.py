@@ -19,11 +19,17 @@ attention but reuses the all-reduced outputs instead of communicating again.
 ``f`` needs no exclusion: its forward does not communicate, and a replay only
 re-runs forwards, so its backward all-reduce happens once either way.
 
-The script trains one step in three variants from the same weights and data
-(no checkpoint; recomp with the exclusion; recomp without it), prints the
-collectives each issues per phase, and checks the gradients: equal bit for bit
-between the variants, and equal to a dense single-process model up to float32
-rounding.
+Without the exclusion, the default replay (``early_stop=True``) repeats the
+attention all-reduce of every layer but stops before the MLP one, after which
+nothing is saved for backward; ``early_stop=False`` repeats both. With the
+exclusion neither is repeated.
+
+The script trains one step from the same weights and data without checkpoints
+and with recomp, with and without the exclusion, with torch's default early
+stop and with ``early_stop=False`` (which replays each layer to its end).
+It prints the collectives each variant issues per phase and checks the
+gradients: equal bit for bit between the variants, and equal to a dense
+single-process model up to float32 rounding.
 """
 
 from __future__ import annotations
