@@ -398,3 +398,34 @@ def test_block_with_every_kind_of_region():
     _, g_ref = grads_of(ref, square_sum, x)
     _, g = grads_of(model, square_sum, x)
     assert_same_grads(g_ref, g)
+
+
+class ResidualTail(nn.Module):
+    """The excluded projection is the last thing before a residual add (which saves nothing)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.proj(self.norm(x))
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_output_that_no_replayed_code_needs_is_not_kept(early_stop):
+    """With early stop the replay ends in the region's boundary: its cached output is dropped."""
+    torch.manual_seed(0)
+    ref = ResidualTail()
+    model = twin(ref)
+    model.proj = rt.checkpoint_exclude_wrapper(model.proj)
+    model = rt.checkpoint_wrapper(model, early_stop=early_stop)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    out = model(x)
+    output_bytes = 2 * 3 * 8 * 4
+    assert model.proj.region_saved_bytes == (0 if early_stop else output_bytes)
+    _, g_ref = grads_of(ref, square_sum, x)
+    _, g = grads_of(model, square_sum, x)
+    assert_same_grads(g_ref, g)
+    del out
+    assert model.proj.region_runs == 2  # once per forward above, never in a replay

@@ -118,3 +118,22 @@ model = nn.Sequential(*[rt.checkpoint_wrapper(Chain(SAVE)) for _ in range(4)])
     # per layer: output, b's saved scaled input, b's cached output; plus a's output if cached
     assert kept == pytest.approx(4 * LAYERS, abs=0.3)
     assert chained == pytest.approx(3 * LAYERS, abs=0.3)
+
+
+def test_region_before_a_residual_add_keeps_nothing_beyond_the_layer_output():
+    # x + proj(norm(x)): the replay stops in the region's boundary (it still binds the
+    # deferred input there), so neither norm(x) nor proj's output is kept
+    residual = f"""
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = RMSNorm()
+        self.proj = rt.checkpoint_exclude_wrapper(nn.Linear(D, D, bias=False))
+
+    def forward(self, x):
+        return x + self.proj(self.norm(x))
+
+
+model = nn.Sequential(*[rt.checkpoint_wrapper(Residual()) for _ in range({LAYERS})])
+"""
+    assert measure(residual) == pytest.approx(LAYERS, abs=0.25)

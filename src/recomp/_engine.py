@@ -70,7 +70,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Protocol
 
 from . import _pytree
-from ._state import Invocation, PhaseContext, get_recompute_state
+from ._state import UNSET, Invocation, PhaseContext, get_recompute_state
 from .errors import (
     CachedValueMutatedError,
     ForeignCheckpointWarning,
@@ -134,6 +134,9 @@ class Backend(Protocol):
 
     def get_rng_state(self) -> Any: ...
     def set_rng_state(self, state: Any) -> None: ...
+    def save_counter(self) -> Callable[[], int] | None:
+        """If the innermost checkpoint's replay stops after its last saved tensor: a
+        function returning how many tensors it has saved so far. Otherwise None."""
 
 
 _FOREIGN_CHECKPOINT = {"torch": "torch.utils.checkpoint", "mindspore": "mindspore.recompute"}
@@ -300,12 +303,13 @@ class _Packer:
 
 
 class _CachedOutput:
-    __slots__ = ("requires_grad", "tensor", "version")
+    __slots__ = ("nbytes", "requires_grad", "tensor", "version")
 
-    def __init__(self, tensor: Any, requires_grad: bool, version: int | None) -> None:
+    def __init__(self, tensor: Any, requires_grad: bool, version: int | None, nbytes: int) -> None:
         self.tensor = tensor  # detached alias, or None when save_output=False
         self.requires_grad = requires_grad
         self.version = version
+        self.nbytes = nbytes
 
 
 class CacheEntry:
@@ -319,7 +323,9 @@ class CacheEntry:
         "outputs",
         "region",
         "rng_state",
+        "saves_after",
         "slots",
+        "unreachable",
     )
 
     def __init__(self, region: ExcludedRegion, in_spec: _pytree.TreeSpec) -> None:
@@ -334,6 +340,19 @@ class CacheEntry:
         # Weak: a slot lives as long as some saved handle of the region needs it.
         self.slots: list[weakref.ref[_InputSlot]] = []
         self.rng_state: Any = None
+        # Tensors the checkpoint had saved when this call returned (None: unknown).
+        self.saves_after: int | None = None
+        self.unreachable = False
+
+    def drop_cache(self) -> None:
+        """Called when the checkpoint saved nothing after this call: an early-stopping
+        replay ends before the code after it runs (at the latest in the boundary,
+        which still binds the deferred inputs), so its outputs need not be kept."""
+        self.unreachable = True
+        for cached in self.outputs:
+            if cached.tensor is not None:
+                self.region.saved_bytes -= cached.nbytes
+                cached.tensor = None
 
 
 class _OutputIndex(int):
@@ -435,15 +454,18 @@ class ExcludedRegion:
                 continue
             requires_grad = backend.requires_grad(leaf)
             cached = backend.detach(leaf) if self.save_output else None
-            entry.outputs.append(_CachedOutput(cached, requires_grad, backend.version(leaf)))
-            entry.out_leaves.append(_OutputIndex(len(entry.outputs) - 1))
             key = backend.storage_key(leaf)
+            new_bytes = 0
             if key is not None:
                 inv.excluded_output_keys.add(key)
-                if self.save_output:
-                    kept[key] = backend.storage_nbytes(leaf)
-                else:
+                if not self.save_output:
                     inv.unsaved_outputs[key] = self.name
+                elif key not in kept:
+                    new_bytes = kept[key] = backend.storage_nbytes(leaf)
+            entry.outputs.append(
+                _CachedOutput(cached, requires_grad, backend.version(leaf), new_bytes)
+            )
+            entry.out_leaves.append(_OutputIndex(len(entry.outputs) - 1))
             if requires_grad:
                 differentiable.append(pos)
 
@@ -455,6 +477,10 @@ class ExcludedRegion:
             for pos, alias in zip(differentiable, passed):
                 out_leaves[pos] = alias
         entry.slots = [weakref.ref(slot) for slot in slots.values()]
+        if inv.save_counter is UNSET:
+            inv.save_counter = backend.save_counter()
+        if callable(inv.save_counter):
+            entry.saves_after = inv.save_counter()
         inv.entries.append(entry)
         self.saved_bytes = sum(kept.values())
         return _pytree.unflatten(out_leaves, entry.out_spec)
@@ -516,6 +542,12 @@ class ExcludedRegion:
             )
             for i, alias in zip(grad_idx, passed):
                 values[i] = alias
+        if entry.unreachable:  # the replay should have stopped in the boundary or before
+            raise ReplayMismatchError(
+                f"The checkpoint's replay went past excluded region {self.name!r}, although "
+                "its forward saved no tensor after the region, so an early-stopping replay "
+                "ends there. The replay must run the same code as the forward."
+            )
         if not self.save_output:
             values = [backend.placeholder(v, self.name) for v in values]
         self.skips += 1

@@ -24,6 +24,8 @@ T = TypeVar("T")
 
 _invocation_ids = itertools.count(1)
 
+UNSET = object()
+
 
 class Invocation:
     """Everything one checkpoint call shares between its forward and its replays.
@@ -45,6 +47,7 @@ class Invocation:
         "id",
         "replay_cursor",
         "resources",
+        "save_counter",
         "unsaved_outputs",
     )
 
@@ -71,6 +74,10 @@ class Invocation:
         # replay re-runs those calls; each reuses its invocation (see next_child).
         self.children: list[Invocation] = []
         self.child_cursor = 0
+        # How many tensors the framework's checkpoint has saved so far, when its
+        # replay stops after the last of them (early stop); None if unknown.
+        # Set by the first excluded region recorded (see _engine).
+        self.save_counter: Any = UNSET
 
     def next_child(self) -> Invocation:
         """The invocation of the nested checkpoint that this replay is re-running."""
@@ -86,6 +93,13 @@ class Invocation:
 
     def finish_forward(self) -> None:
         self.forward_done = True
+        if callable(self.save_counter):
+            # A replay that stops at the last saved tensor never reaches the regions
+            # recorded after it: their cached outputs would only take memory.
+            total = self.save_counter()
+            for entry in self.entries:
+                if entry.saves_after == total:
+                    entry.drop_cache()
         for key, name in self.unsaved_outputs.items():
             if key not in self.consumed_keys:
                 raise OutputNotSavedError(

@@ -134,6 +134,9 @@ class MindSporeBackend:
         out = _Boundary.apply(len(saved), *saved, *outputs)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
+    def save_counter(self) -> Callable[[], int] | None:
+        return None  # every cache entry is kept (see the torch backend for the pruning)
+
     def get_rng_state(self) -> Any:
         return mindspore.get_rng_state(), dict(_seed_module._KERNEL_SEED)
 

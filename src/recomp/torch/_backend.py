@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -186,6 +187,29 @@ class TorchBackend:
 
     def boundary(self, saved: list[Any], outputs: list[Any]) -> list[Any]:
         return list(_Boundary.apply(len(saved), *saved, *outputs))
+
+    def save_counter(self) -> Callable[[], int] | None:
+        # The pack hook on top of the stack is the enclosing non-reentrant
+        # checkpoint's; its closure holds the checkpoint frame, whose weak_holders
+        # grow by one per saved tensor. Private to torch.utils.checkpoint: if it is
+        # not found as expected, answer None and every cache entry is kept.
+        from torch.utils.checkpoint import _CheckpointFrame
+
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        cells = getattr(hooks[0], "__closure__", None) if hooks is not None else None
+        frame = next(
+            (c.cell_contents for c in cells or () if isinstance(c.cell_contents, _CheckpointFrame)),
+            None,
+        )
+        if frame is None or not frame.early_stop or not isinstance(frame.weak_holders, list):
+            return None
+        frame_ref = weakref.ref(frame)
+
+        def saved_so_far() -> int:
+            live = frame_ref()
+            return -1 if live is None else len(live.weak_holders)
+
+        return saved_so_far
 
     def get_rng_state(self) -> Any:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
