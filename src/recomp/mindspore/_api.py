@@ -8,11 +8,9 @@ from typing import Any
 import mindspore
 from mindspore import nn
 
-from .. import _engine
+from .. import _engine, _wrapping
+from .._wrapping import WRAPPED, RegionCounters, check_callable, default_name
 from ._backend import BACKEND, check_pynative
-
-# Same attribute name as recomp.torch (and PyTorch's own checkpoint_wrapper).
-WRAPPED = "_checkpoint_wrapped_module"
 
 
 def checkpoint(
@@ -98,7 +96,7 @@ class CheckpointWrapper(_TransparentWrapper):
     """Runs every call of the wrapped Cell as a recomp :func:`checkpoint`."""
 
     def __init__(self, module: Any, **checkpoint_kwargs: Any) -> None:
-        _check_callable(module, "checkpoint_wrapper")
+        check_callable(module, "checkpoint_wrapper", "Cell")
         _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), "mindspore")
         super().__init__(module)
         self.checkpoint_kwargs = checkpoint_kwargs
@@ -107,7 +105,7 @@ class CheckpointWrapper(_TransparentWrapper):
         return checkpoint(getattr(self, WRAPPED), *args, **self.checkpoint_kwargs, **kwargs)
 
 
-class ExcludeWrapper(_TransparentWrapper):
+class ExcludeWrapper(RegionCounters, _TransparentWrapper):
     """Keeps the wrapped Cell or function out of the replay of recomp checkpoints.
 
     Inside a recomp checkpoint, it runs once in the forward, keeps its saved
@@ -118,24 +116,11 @@ class ExcludeWrapper(_TransparentWrapper):
     """
 
     def __init__(self, module: Any, *, save_output: bool = True, name: str | None = None) -> None:
-        _check_callable(module, "checkpoint_exclude_wrapper")
+        check_callable(module, "checkpoint_exclude_wrapper", "Cell")
         _engine.check_save_output(save_output)
         super().__init__(module)
         self.save_output = save_output
-        self.region = _engine.ExcludedRegion(BACKEND, name or _default_name(module), save_output)
-
-    @property
-    def region_runs(self) -> int:
-        return self.region.runs
-
-    @property
-    def region_skips(self) -> int:
-        return self.region.skips
-
-    @property
-    def region_saved_bytes(self) -> int:
-        """Activation bytes the last call keeps until backward (saved tensors + cached output)."""
-        return self.region.saved_bytes
+        self.region = _engine.ExcludedRegion(BACKEND, name or default_name(module), save_output)
 
     def construct(self, *args: Any, **kwargs: Any) -> Any:
         check_pynative("checkpoint_exclude_wrapper")
@@ -172,51 +157,15 @@ def apply_activation_checkpointing(
     ``Parameter.name``, and returns the model (a new wrapper if ``model`` itself
     is checkpointed). Checkpoints are not nested; cells already wrapped are left alone.
     """
-    if not isinstance(model, nn.Cell):
-        raise ValueError(
-            f"apply_activation_checkpointing needs a mindspore.nn.Cell, got {type(model).__name__}."
-        )
-
-    def children(cell: Any) -> list[tuple[str, Any]]:
-        return list(cell.name_cells().items())
-
-    def exclude_inside(cell: Any, path: str) -> None:
-        if exclude_fn is None:
-            return
-        for child_name, child in children(cell):
-            child_path = f"{path}.{child_name}" if path else child_name
-            if isinstance(child, ExcludeWrapper):
-                continue
-            if exclude_fn(child):
-                cell.insert_child_to_cell(child_name, ExcludeWrapper(child, name=child_path))
-            else:
-                exclude_inside(child, child_path)
-
-    def visit(cell: Any, path: str) -> Any:
-        if isinstance(cell, ExcludeWrapper):
-            return cell
-        if isinstance(cell, CheckpointWrapper):
-            exclude_inside(getattr(cell, WRAPPED), path)
-            return cell
-        if checkpoint_fn(cell):
-            exclude_inside(cell, path)
-            return CheckpointWrapper(cell, **checkpoint_kwargs)
-        for child_name, child in children(cell):
-            wrapped = visit(child, f"{path}.{child_name}" if path else child_name)
-            if wrapped is not child:
-                cell.insert_child_to_cell(child_name, wrapped)
-        return cell
-
-    return visit(model, "")
+    return _wrapping.apply_activation_checkpointing(
+        _MODEL_OPS, model, checkpoint_fn, exclude_fn, checkpoint_kwargs
+    )
 
 
-def _check_callable(module: Any, api: str) -> None:
-    if not callable(module):
-        raise ValueError(
-            f"{api} needs a Cell or a callable, got {type(module).__name__} ({module!r}). "
-            "Pass the mindspore.nn.Cell (or function) itself."
-        )
-
-
-def _default_name(module: Any) -> str:
-    return getattr(module, "__name__", None) or type(module).__name__
+_MODEL_OPS = _wrapping.ModelOps(
+    module_type=nn.Cell,
+    checkpoint_wrapper=CheckpointWrapper,
+    exclude_wrapper=ExcludeWrapper,
+    children=lambda c: list(c.name_cells().items()),
+    replace_child=lambda c, name, child: c.insert_child_to_cell(name, child),
+)

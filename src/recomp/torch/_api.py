@@ -9,13 +9,10 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .. import _engine
+from .. import _engine, _wrapping
+from .._wrapping import WRAPPED, RegionCounters, check_callable, default_name
 from ._backend import BACKEND
 
-# The attribute PyTorch's own checkpoint_wrapper uses for the inner module.
-# torch.distributed.checkpoint.state_dict strips it from keys, so using the same
-# name makes recomp-wrapped models work with those utilities unchanged.
-WRAPPED = "_checkpoint_wrapped_module"
 _PREFIX = WRAPPED + "."
 
 
@@ -111,7 +108,7 @@ class CheckpointWrapper(_TransparentWrapper):
     """Runs every call of the wrapped module as a recomp :func:`checkpoint`."""
 
     def __init__(self, module: nn.Module, **checkpoint_kwargs: Any) -> None:
-        _check_callable(module, "checkpoint_wrapper")
+        check_callable(module, "checkpoint_wrapper", "module")
         _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), "torch")
         super().__init__(module)
         self.checkpoint_kwargs = checkpoint_kwargs
@@ -120,7 +117,7 @@ class CheckpointWrapper(_TransparentWrapper):
         return checkpoint(getattr(self, WRAPPED), *args, **self.checkpoint_kwargs, **kwargs)
 
 
-class ExcludeWrapper(_TransparentWrapper):
+class ExcludeWrapper(RegionCounters, _TransparentWrapper):
     """Keeps the wrapped module or function out of the replay of recomp checkpoints.
 
     Inside a recomp checkpoint, it runs once in the forward, keeps its saved
@@ -131,24 +128,11 @@ class ExcludeWrapper(_TransparentWrapper):
     """
 
     def __init__(self, module: Any, *, save_output: bool = True, name: str | None = None) -> None:
-        _check_callable(module, "checkpoint_exclude_wrapper")
+        check_callable(module, "checkpoint_exclude_wrapper", "module")
         _engine.check_save_output(save_output)
         super().__init__(module)
         self.save_output = save_output
-        self.region = _engine.ExcludedRegion(BACKEND, name or _default_name(module), save_output)
-
-    @property
-    def region_runs(self) -> int:
-        return self.region.runs
-
-    @property
-    def region_skips(self) -> int:
-        return self.region.skips
-
-    @property
-    def region_saved_bytes(self) -> int:
-        """Activation bytes the last call keeps until backward (saved tensors + cached output)."""
-        return self.region.saved_bytes
+        self.region = _engine.ExcludedRegion(BACKEND, name or default_name(module), save_output)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.region.call(getattr(self, WRAPPED), args, kwargs)
@@ -197,48 +181,15 @@ def apply_activation_checkpointing(
     Checkpoints are not nested: below a checkpointed module only exclusions are
     applied. Modules already wrapped by recomp are left as they are.
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(
-            f"apply_activation_checkpointing needs an nn.Module, got {type(model).__name__}."
-        )
-
-    def exclude_inside(module: nn.Module, path: str) -> None:
-        if exclude_fn is None:
-            return
-        for child_name, child in list(module.named_children()):
-            child_path = f"{path}.{child_name}" if path else child_name
-            if isinstance(child, ExcludeWrapper):
-                continue
-            if exclude_fn(child):
-                setattr(module, child_name, ExcludeWrapper(child, name=child_path))
-            else:
-                exclude_inside(child, child_path)
-
-    def visit(module: nn.Module, path: str) -> nn.Module:
-        if isinstance(module, ExcludeWrapper):
-            return module
-        if isinstance(module, CheckpointWrapper):
-            exclude_inside(getattr(module, WRAPPED), path)
-            return module
-        if checkpoint_fn(module):
-            exclude_inside(module, path)
-            return CheckpointWrapper(module, **checkpoint_kwargs)
-        for child_name, child in list(module.named_children()):
-            wrapped = visit(child, f"{path}.{child_name}" if path else child_name)
-            if wrapped is not child:
-                setattr(module, child_name, wrapped)
-        return module
-
-    return visit(model, "")
+    return _wrapping.apply_activation_checkpointing(
+        _MODEL_OPS, model, checkpoint_fn, exclude_fn, checkpoint_kwargs
+    )
 
 
-def _check_callable(module: Any, api: str) -> None:
-    if not callable(module):
-        raise ValueError(
-            f"{api} needs a module or a callable, got {type(module).__name__} ({module!r}). "
-            "Pass the nn.Module (or function) itself."
-        )
-
-
-def _default_name(module: Any) -> str:
-    return getattr(module, "__name__", None) or type(module).__name__
+_MODEL_OPS = _wrapping.ModelOps(
+    module_type=nn.Module,
+    checkpoint_wrapper=CheckpointWrapper,
+    exclude_wrapper=ExcludeWrapper,
+    children=lambda m: list(m.named_children()),
+    replace_child=setattr,
+)
