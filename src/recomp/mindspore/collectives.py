@@ -42,18 +42,24 @@ The wrapping is removed when the block exits.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import importlib
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
+
+from .._collectives import (
+    DEFAULT_IS_REPLAYING,
+    PHASES,
+    CollectiveCounts,
+    CollectiveEvent,
+    current_phase,
+)
+from ._backend import BACKEND
 
 __all__ = ["PHASES", "CollectiveCounts", "CollectiveEvent", "count_collectives"]
 
-PHASES = ("forward", "replay", "backward")
 
 # Communication primitives (mindspore.ops.operations.comm_ops) -> kind.
 _PRIMITIVES = {
@@ -114,62 +120,6 @@ _FUNCTION_MODULES = (
 )
 
 
-class CollectiveEvent(NamedTuple):
-    """One counted collective call."""
-
-    phase: str
-    kind: str
-    op: str
-    """The entry point, e.g. ``"AllReduce"`` or ``"mint.distributed.all_reduce"``."""
-
-
-@dataclass
-class CollectiveCounts:
-    """Collective calls per phase; ``forward``/``replay``/``backward`` are Counters keyed by kind."""
-
-    forward: collections.Counter[str] = field(default_factory=collections.Counter)
-    replay: collections.Counter[str] = field(default_factory=collections.Counter)
-    backward: collections.Counter[str] = field(default_factory=collections.Counter)
-    events: list[CollectiveEvent] = field(default_factory=list)
-
-    def phase(self, name: str) -> collections.Counter[str]:
-        if name not in PHASES:
-            raise ValueError(f"unknown phase {name!r}; expected one of {PHASES}")
-        return getattr(self, name)
-
-    def total(self, phase: str | None = None, kind: str | None = None) -> int:
-        """Number of calls, optionally restricted to one phase and/or one kind."""
-        total = 0
-        for p in PHASES if phase is None else (phase,):
-            counter = self.phase(p)
-            total += counter[kind] if kind is not None else sum(counter.values())
-        return total
-
-    def as_dict(self) -> dict[str, dict[str, int]]:
-        """``{phase: {kind: count}}`` with every phase present; JSON-serialisable."""
-        return {p: dict(sorted(self.phase(p).items())) for p in PHASES}
-
-    def record(self, phase: str, kind: str, op: str) -> None:
-        self.phase(phase)[kind] += 1
-        self.events.append(CollectiveEvent(phase, kind, op))
-
-    def __str__(self) -> str:
-        parts = []
-        for p in PHASES:
-            body = " ".join(f"{k}={v}" for k, v in sorted(self.phase(p).items())) or "-"
-            parts.append(f"{p}: {body}")
-        return " | ".join(parts)
-
-
-def _in_backward() -> bool:
-    try:
-        from mindspore.graph.api import _pynative_executor
-
-        return bool(_pynative_executor.get_current_autodiff_engine_id() != -1)
-    except (ImportError, AttributeError):  # pragma: no cover - other MindSpore versions
-        return False
-
-
 class _Counter:
     """The active counters (a stack: blocks may nest) and the wrapped entry points."""
 
@@ -183,13 +133,7 @@ class _Counter:
         if not self.active:
             return
         counts, is_replaying = self.active[-1]
-        if is_replaying():
-            phase = "replay"
-        elif _in_backward():
-            phase = "backward"
-        else:
-            phase = "forward"
-        counts.record(phase, kind, op)
+        counts.record(current_phase(is_replaying, BACKEND.in_backward), kind, op)
 
     def wrap(self, fn: Callable[..., Any], kind: str, op: str) -> Callable[..., Any]:
         counter = self
@@ -249,12 +193,6 @@ class _Counter:
 _COUNTER = _Counter()
 
 
-def _default_is_replaying() -> Callable[[], bool]:
-    from recomp import is_recomputing
-
-    return is_recomputing
-
-
 @contextlib.contextmanager
 def count_collectives(
     *, is_replaying: Callable[[], bool] | None = None
@@ -266,7 +204,7 @@ def count_collectives(
     nest; the innermost one counts.
     """
     counts = CollectiveCounts()
-    entry = (counts, is_replaying or _default_is_replaying())
+    entry = (counts, is_replaying or DEFAULT_IS_REPLAYING)
     with _COUNTER.lock:
         if not _COUNTER.active:
             _COUNTER.install()

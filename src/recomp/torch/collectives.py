@@ -51,19 +51,23 @@ engine carries the mode to its own worker threads).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["PHASES", "CollectiveCounts", "CollectiveEvent", "collective_kind", "count_collectives"]
+from .._collectives import (
+    DEFAULT_IS_REPLAYING,
+    PHASES,
+    CollectiveCounts,
+    CollectiveEvent,
+    current_phase,
+)
+from ._backend import BACKEND
 
-#: The phases a collective is attributed to, in order.
-PHASES = ("forward", "replay", "backward")
+__all__ = ["PHASES", "CollectiveCounts", "CollectiveEvent", "collective_kind", "count_collectives"]
 
 # Operator namespaces that hold collectives: the classic process-group ops and
 # the functional collectives (native, legacy Python and autograd variants).
@@ -126,81 +130,6 @@ def collective_kind(op: Any) -> str | None:
     return _KINDS.get(name)
 
 
-class CollectiveEvent(NamedTuple):
-    """One counted collective call."""
-
-    phase: str
-    """``"forward"``, ``"replay"`` or ``"backward"``."""
-    kind: str
-    """Normalised kind: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``, ``"all_to_all"``, ..."""
-    op: str
-    """The dispatcher operator, e.g. ``"c10d.allreduce_.default"``."""
-    numel: int
-    """Elements in the operator's tensor arguments (inputs and outputs alike)."""
-
-
-@dataclass
-class CollectiveCounts:
-    """Collective calls per phase, filled in by :func:`count_collectives`.
-
-    ``forward``, ``replay`` and ``backward`` are :class:`collections.Counter`
-    objects keyed by kind (``counts.replay["all_to_all"]``); ``events`` lists
-    every call in order.
-    """
-
-    forward: collections.Counter[str] = field(default_factory=collections.Counter)
-    replay: collections.Counter[str] = field(default_factory=collections.Counter)
-    backward: collections.Counter[str] = field(default_factory=collections.Counter)
-    events: list[CollectiveEvent] = field(default_factory=list)
-
-    def phase(self, name: str) -> collections.Counter[str]:
-        """The counter of one phase, by name."""
-        if name not in PHASES:
-            raise ValueError(f"unknown phase {name!r}; expected one of {PHASES}")
-        return getattr(self, name)
-
-    def total(self, phase: str | None = None, kind: str | None = None) -> int:
-        """Number of calls, optionally restricted to one phase and/or one kind."""
-        phases = PHASES if phase is None else (phase,)
-        total = 0
-        for p in phases:
-            counter = self.phase(p)
-            total += counter[kind] if kind is not None else sum(counter.values())
-        return total
-
-    def as_dict(self) -> dict[str, dict[str, int]]:
-        """``{phase: {kind: count}}`` with every phase present; JSON-serialisable."""
-        return {p: dict(sorted(self.phase(p).items())) for p in PHASES}
-
-    def record(self, phase: str, kind: str, op: str, numel: int = 0) -> None:
-        """Add one call (used by the counter; public so that other backends can feed it)."""
-        self.phase(phase)[kind] += 1
-        self.events.append(CollectiveEvent(phase, kind, op, numel))
-
-    def __str__(self) -> str:
-        parts = []
-        for p in PHASES:
-            counter = self.phase(p)
-            body = " ".join(f"{k}={v}" for k, v in sorted(counter.items())) or "-"
-            parts.append(f"{p}: {body}")
-        return " | ".join(parts)
-
-
-def _default_is_replaying() -> Callable[[], bool]:
-    try:
-        from recomp import is_recomputing
-    except ImportError:  # pragma: no cover - the core is always there in a release
-        return lambda: False
-    return is_recomputing
-
-
-def _in_backward() -> bool:
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    if task_id is not None:
-        return task_id() != -1
-    return torch._C._current_autograd_node() is not None  # pragma: no cover - older torch
-
-
 def _is_wrapper_subclass(t: type) -> bool:
     # DTensor and friends: tensor subclasses that wrap local tensors.  FakeTensor
     # is a subclass but not a wrapper; deferring to it would break its own mode.
@@ -227,13 +156,6 @@ class _CollectiveCounterMode(TorchDispatchMode):
         self.counts = counts
         self.is_replaying = is_replaying
 
-    def _phase(self) -> str:
-        if self.is_replaying():
-            return "replay"
-        if _in_backward():
-            return "backward"
-        return "forward"
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         if any(_is_wrapper_subclass(t) for t in types):
@@ -243,7 +165,12 @@ class _CollectiveCounterMode(TorchDispatchMode):
             return NotImplemented
         kind = collective_kind(func)
         if kind is not None:
-            self.counts.record(self._phase(), kind, str(func), _numel(args, kwargs))
+            self.counts.record(
+                current_phase(self.is_replaying, BACKEND.in_backward),
+                kind,
+                str(func),
+                _numel(args, kwargs),
+            )
         return func(*args, **kwargs)
 
 
@@ -265,6 +192,6 @@ def count_collectives(
         assert counts.total("replay") == 0, counts
     """
     counts = CollectiveCounts()
-    mode = _CollectiveCounterMode(counts, is_replaying or _default_is_replaying())
+    mode = _CollectiveCounterMode(counts, is_replaying or DEFAULT_IS_REPLAYING)
     with mode:
         yield counts
