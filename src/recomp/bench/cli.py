@@ -56,7 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=BenchConfig.seq)
     p.add_argument("--batch", type=int, default=BenchConfig.batch)
     p.add_argument("--steps", type=int, default=BenchConfig.steps, help="timed steps per strategy")
-    p.add_argument("--ms-steps", type=int, help="timed steps for MindSpore (default: --steps)")
+    p.add_argument(
+        "--ms-steps",
+        type=int,
+        help="timed steps for MindSpore (default: --steps, at most 5: a MindSpore step on CPU "
+        "takes about five times as long as a PyTorch one)",
+    )
     p.add_argument("--warmup", type=int, default=BenchConfig.warmup)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (PyTorch only)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = replace(
                 base,
                 device="cpu",
-                steps=args.ms_steps or base.steps,
+                steps=args.ms_steps or min(base.steps, 5),
                 extra={"ms_model": args.ms_model} if args.ms_model else {},
             )
             wanted = _split(args.strategies, MS_STRATEGIES)
