@@ -352,3 +352,24 @@ result = {"growth": heap_bytes() - base, "runs": model[0]._checkpoint_wrapped_mo
     )
     assert result["runs"] == 2200
     assert result["growth"] < 1 << 20, result
+
+
+def test_nested_checkpoint_whose_outer_replay_runs_in_full():
+    """The outer replay (no early stop) re-runs the inner checkpoint to the end; the inner
+    region's output, which the inner replay alone would never need, must still be there."""
+    region = rt.checkpoint_exclude_wrapper(nn.Linear(6, 6))
+    ref = twin(region._checkpoint_wrapped_module)
+
+    def inner(t):
+        return region(torch.sin(t))  # nothing saved after the region in the inner checkpoint
+
+    def outer(t):
+        return torch.tanh(rt.checkpoint(inner, t, early_stop=True))
+
+    x = torch.randn(3, 6, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    torch.tanh(ref(torch.sin(x))).sum().backward()
+    rt.checkpoint(outer, x2, early_stop=False).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    assert torch.equal(ref.weight.grad, region.weight.grad)
+    assert region.region_runs == 1

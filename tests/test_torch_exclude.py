@@ -429,3 +429,26 @@ def test_output_that_no_replayed_code_needs_is_not_kept(early_stop):
     assert_same_grads(g_ref, g)
     del out
     assert model.proj.region_runs == 2  # once per forward above, never in a replay
+
+
+def test_output_that_gets_no_gradient_leaves_parameters_without_grad():
+    """The boundary passes "no gradient" on as such, not as zeros (optimizers tell them apart)."""
+    used, unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def pair(t):
+        return used(t), unused(t)
+
+    region = rt.checkpoint_exclude_wrapper(pair)
+    x = torch.randn(2, 4, requires_grad=True)
+    a, _ = rt.checkpoint(lambda t: region(torch.sin(t)), x)
+    a.sum().backward()
+    assert used.weight.grad is not None
+    assert unused.weight.grad is None and unused.bias.grad is None
+
+
+def test_save_output_false_view_of_the_checkpoint_input_counts_as_consumed():
+    first = rt.checkpoint_exclude_wrapper(lambda t: t.view(-1), save_output=False)
+    second = rt.checkpoint_exclude_wrapper(torch.sin)
+    x = torch.randn(2, 3, requires_grad=True)
+    rt.checkpoint(lambda t: second(first(t)), x).sum().backward()
+    assert torch.equal(x.grad, torch.cos(x.detach()).view(-1).view(2, 3))

@@ -264,12 +264,12 @@ class _Packer:
             if not backend.is_tensor(leaf) or backend.is_parameter(leaf):
                 continue
             key = backend.storage_key(leaf)
-            if key is None or key in inv.checkpoint_input_keys:
+            if key is None:
                 continue
             if key in inv.excluded_output_keys:
                 inv.consumed_keys.add(key)
-                continue
-            self.deferrable.setdefault(key, i)
+            elif key not in inv.checkpoint_input_keys:
+                self.deferrable.setdefault(key, i)
 
     def pack(self, t: Any) -> Any:
         region = self.region
@@ -663,6 +663,9 @@ def begin(
                 invocation.checkpoint_input_keys.add(key)
         if parent is not None:
             parent._invocation.children.append(invocation)
+            # The parent's replay re-runs this call in full (see above) and needs
+            # every cached output then, even those this checkpoint's own replay skips.
+            invocation.save_counter = None
         replaying = False
     return make_context_fn(
         invocation,

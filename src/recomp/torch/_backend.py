@@ -26,6 +26,9 @@ class _Boundary(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, n_saved: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.n_saved = n_saved
+        # An output that receives no gradient must pass none on (not zeros): the
+        # parameters behind it then keep grad None, as without recomp.
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors[:n_saved])
         # detach(): a new tensor object on the same memory and version counter,
         # so autograd treats it as a fresh output rather than a returned input.
