@@ -250,9 +250,8 @@ class _Packer:
     ) -> None:
         backend = region.backend
         self.region = region
-        # Parameters may be saved through an alias (a transpose, a cast view):
-        # recognise them by storage so that saved_bytes counts activations only.
-        self.parameter_keys = {backend.storage_key(p) for p in backend.parameters_of(fn)}
+        self.fn: Callable[..., Any] | None = fn
+        self._parameter_keys: set[Hashable] | None = None
         self.leaves: list[Any] = leaves
         self.in_spec = in_spec
         self.slots: dict[int, _InputSlot] = {}
@@ -285,9 +284,19 @@ class _Packer:
                     slot = self.slots[index] = _InputSlot(region, index, path, backend.layout(base))
                 return _Deferred(slot, view)
         key = backend.storage_key(t)
-        if not backend.is_parameter(t) and key not in self.parameter_keys:
+        if not backend.is_parameter(t) and key not in self.parameter_keys():
             self.kept[key] = backend.storage_nbytes(t)
         return _Kept(t, backend.version(t), region)
+
+    def parameter_keys(self) -> set[Hashable]:
+        """Storages of the wrapped module's parameters. A parameter may be saved through
+        an alias (a transpose, a cast view): recognised by storage, it is not counted
+        in saved_bytes, which is about activations. Computed on first need."""
+        if self._parameter_keys is None:
+            backend = self.region.backend
+            params = backend.parameters_of(self.fn)
+            self._parameter_keys = {backend.storage_key(p) for p in params}
+        return self._parameter_keys
 
     def close(self) -> dict[int, _InputSlot]:
         """Forget the inputs (see the class docstring); return the slots that were created."""
@@ -295,7 +304,8 @@ class _Packer:
         self.leaves = []
         self.deferrable = {}
         self.slots = {}
-        self.parameter_keys = set()
+        self.fn = None
+        self._parameter_keys = None
         return slots
 
 
@@ -383,8 +393,10 @@ class ExcludedRegion:
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call ``fn`` (the wrapped module) as this region; see NOTE [ How an excluded region... ]."""
         state = get_recompute_state()
+        if state is not None and state.is_recomputing:
+            return self._replay(state._invocation, args, kwargs)
         grad = self.backend.grad_enabled()
-        if grad and self.backend.in_backward() and (state is None or not state.is_recomputing):
+        if grad and not self._warned_foreign and self.backend.in_backward():
             # Running during backward, but not in a recomp replay: a checkpoint that
             # recomp does not control is replaying this region (or a recomp checkpoint
             # around it), so the exclusion cannot take effect.
@@ -393,14 +405,9 @@ class ExcludedRegion:
             out = fn(*args, **kwargs)
             self.runs += 1
             return out
-        invocation = state._invocation
-        if state.is_recomputing:
-            return self._replay(invocation, args, kwargs)
-        return self._record(invocation, fn, args, kwargs)
+        return self._record(state._invocation, fn, args, kwargs)
 
     def _warn_foreign_replay(self) -> None:
-        if self._warned_foreign:
-            return
         self._warned_foreign = True
         framework = self.backend.name
         warnings.warn(
@@ -529,6 +536,7 @@ class ExcludedRegion:
         if entry.rng_state is not None:
             backend.set_rng_state(entry.rng_state)
 
+        self.skips += 1
         values = [
             backend.replay_alias(c.tensor, c.requires_grad)
             if c.tensor is not None
@@ -550,7 +558,6 @@ class ExcludedRegion:
             )
         if not self.save_output:
             values = [backend.placeholder(v, self.name) for v in values]
-        self.skips += 1
         out_leaves = [
             values[leaf] if isinstance(leaf, _OutputIndex) else leaf for leaf in entry.out_leaves
         ]

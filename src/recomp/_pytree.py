@@ -24,7 +24,13 @@ class TreeSpec:
         self.kind = kind
         self.context = context
         self.children = children
-        self.num_leaves: int = 1 if kind == "leaf" else sum(c.num_leaves for c in children)
+        if kind == "leaf":
+            self.num_leaves = 1
+        else:
+            n = 0
+            for child in children:
+                n += child.num_leaves
+            self.num_leaves = n
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -52,10 +58,6 @@ class TreeSpec:
 _LEAF = TreeSpec("leaf")
 
 
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
-
-
 def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
     """Return the leaves of ``tree`` in a fixed order and the spec to rebuild it."""
     leaves: list[Any] = []
@@ -64,15 +66,24 @@ def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
 
 
 def _flatten_into(tree: Any, leaves: list[Any]) -> TreeSpec:
-    if _is_namedtuple(tree):
-        return TreeSpec("namedtuple", type(tree), tuple(_flatten_into(v, leaves) for v in tree))
+    kind = type(tree)
+    # Exact types first: this runs on every excluded call, twice.
+    if kind is tuple:
+        return TreeSpec("tuple", None, tuple([_flatten_into(v, leaves) for v in tree]))
+    if kind is dict:
+        keys = tuple(tree)
+        return TreeSpec("dict", keys, tuple([_flatten_into(tree[k], leaves) for k in keys]))
+    if kind is list:
+        return TreeSpec("list", None, tuple([_flatten_into(v, leaves) for v in tree]))
     if isinstance(tree, tuple):
-        return TreeSpec("tuple", None, tuple(_flatten_into(v, leaves) for v in tree))
+        if hasattr(kind, "_fields"):
+            return TreeSpec("namedtuple", kind, tuple([_flatten_into(v, leaves) for v in tree]))
+        return TreeSpec("tuple", None, tuple([_flatten_into(v, leaves) for v in tree]))
     if isinstance(tree, list):
-        return TreeSpec("list", None, tuple(_flatten_into(v, leaves) for v in tree))
+        return TreeSpec("list", None, tuple([_flatten_into(v, leaves) for v in tree]))
     if isinstance(tree, dict):
-        keys = tuple(tree.keys())
-        return TreeSpec("dict", keys, tuple(_flatten_into(tree[k], leaves) for k in keys))
+        keys = tuple(tree)
+        return TreeSpec("dict", keys, tuple([_flatten_into(tree[k], leaves) for k in keys]))
     leaves.append(tree)
     return _LEAF
 

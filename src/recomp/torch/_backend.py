@@ -76,6 +76,8 @@ def _hide_selective_checkpoint_modes() -> contextlib.AbstractContextManager[None
     them in the same order in the replay; a region that runs in the forward but
     is skipped in the replay would shift that order. Other modes stay.
     """
+    if not torch._C._len_torch_dispatch_stack():
+        return contextlib.nullcontext()
     stack = _python_dispatch._get_current_dispatch_mode_stack()
     if not any(_is_sac_mode(m) for m in stack):
         return contextlib.nullcontext()
