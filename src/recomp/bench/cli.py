@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{overhead['outside_us']:.1f} us/call outside a checkpoint "
             f"(the op itself: {overhead['plain_op_us']:.1f} us)"
         )
-    print("\nTargets (issue 5):")
+    print("\nTargets:")
     print(targets_text(targets))
     for note in notes:
         print("note: " + note)

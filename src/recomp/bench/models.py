@@ -5,7 +5,7 @@
 is a batch of hidden states, the loss the mean square of the output: the
 benchmark measures the layer stack, not an embedding or a vocabulary head.
 
-``norm_matmul_silu``: the deferred-input scenario of issue 5, target 2. Each layer is
+``norm_matmul_silu``: the deferred-input scenario (memory target 2). Each layer is
 ``silu(norm(x) @ W)`` with the matmul as its own sub-module, so that a strategy can
 exclude it (``exclude-proj``).
 

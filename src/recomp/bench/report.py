@@ -110,7 +110,7 @@ def evaluate_targets(
     scenario: list[dict[str, Any]] | None = None,
     overhead: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Issue 5's targets, each with the measured figures and met / MISSED / n/a."""
+    """The benchmark's targets, each with the measured figures and met / MISSED / n/a."""
     out: list[dict[str, Any]] = []
     full = _find(results, "torch", "full")
     excl = _find(results, "torch", "exclude-attn")
