@@ -37,6 +37,7 @@ def _runs(r: dict[str, Any]) -> str:
 COLUMNS = (
     ("framework", "framework"),
     ("strategy", "strategy"),
+    ("loss", "loss"),
     ("act MiB", "activation"),
     ("peak MiB", "peak"),
     ("fwd GFLOP", "forward"),
@@ -54,9 +55,11 @@ def _row(r: dict[str, Any]) -> list[str]:
     if "error" in r:
         return [r["framework"], r["strategy"], "error"] + ["-"] * (len(COLUMNS) - 3)
     grad = r.get("max_grad_diff")
+    loss = r.get("loss")
     return [
         r["framework"],
         r["strategy"],
+        "-" if loss is None else f"{loss:.5f}",
         _fmt_bytes(r.get("activation_bytes")),
         _fmt_bytes(r.get("peak_bytes")),
         _fmt_flops(r.get("forward_flops")),
