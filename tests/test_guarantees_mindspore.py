@@ -1,4 +1,4 @@
-"""Issue 3 on MindSpore 2.10 (PyNative, CPU): what stays correct when an excluded
+"""Guarantees on MindSpore 2.10 (PyNative, CPU): what stays correct when an excluded
 region is skipped in the replay.
 
 Each test fails without the guarantee it names; the controls show that the test
@@ -28,11 +28,11 @@ What cannot hold on MindSpore 2.10, and why (all checked on this machine):
    region's input was computed inside the checkpoint, its outputs pass through the
    boundary, a custom Function, and MindSpore itself rejects ``copy_`` on them at the
    call site ("A view of base is being inplace modified ..."), before recomp could.
-   BUG (strict xfail): ``checkpoint_exclude_wrapper`` caches
-   ``ops.stop_gradient(out)``, which has its *own* version counter, so (a) a
-   ``copy_`` on the output is never seen and the replay silently hands the changed
-   value on (wrong gradients), and (b) a region that writes its own output with
-   ``copy_`` before returning gets a false CachedValueMutatedError.
+   The cache holds ``ops.stop_gradient(out)``, which has a version counter of its
+   own, so recomp also checks the original output's counter: at the end of the
+   forward (it holds the output until then) and in the replay (while it lives).
+   Tested both ways: a ``copy_`` on the output raises, a region that writes its
+   own output with ``copy_`` before returning does not.
 4. Foreign checkpoints: bare ``mindspore.recompute`` (both modes) and
    ``Cell.recompute()`` warn once per wrapper.
 6. Nested recomp checkpoints, ``early_stop`` on and off, and
@@ -51,7 +51,7 @@ What cannot hold on MindSpore 2.10, and why (all checked on this machine):
    no LayerNorm.
 8. Leaks. After a gradient step everything recomp kept is freed, and training steps
    add no heap growth over a bare ``mindspore.recompute`` (``LEAK_STEPS`` steps,
-   bound below; ``RECOMP_LEAK_STEPS=2000`` runs the issue's 2,000). BUG (strict
+   bound below; ``RECOMP_LEAK_STEPS=2000`` runs 2,000). Known limit (strict
    xfail): when a checkpoint's output gets no backward inside ``ms.grad`` (unused,
    or returned as ``has_aux``) or a ``vjp_fn`` is never called, and the region
    computes an op that saves its own output (tanh, softmax, ...), the region's kept
@@ -60,7 +60,9 @@ What cannot hold on MindSpore 2.10, and why (all checked on this machine):
    handle, the recomp invocation and its cache stay too. Cause: a saved_tensors_hooks
    pack that holds a tensor saved as its op's *output* makes a C++ cycle (node ->
    packed object -> tensor -> node) that only a backward breaks (plain MindSpore
-   does the same with such a hook); recomp's ``_Kept`` holds the tensor itself.
+   does the same with such a hook); recomp keeps the tensor itself because MindSpore's
+   higher-order gradients need its graph (an alias without it gave wrong second
+   derivatives), where PyTorch re-attaches the graph to an unpacked alias.
    MindSpore itself keeps the graph of an uncalled ``vjp_fn`` until ``clear_res()``
    (without recomp too), and its heap grows by several KB per ``value_and_grad``
    step with no checkpoint at all, hence the baseline.
@@ -350,13 +352,6 @@ def mutation_case(region_op):
     return w, project, body
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="recomp bug: the MindSpore backend caches ops.stop_gradient(out), whose version "
-    "counter is not the output's, so a copy_ on the output is never seen (silently wrong "
-    "gradients with early_stop=True; MindSpore's 'leaf tensor ... inplace' error in the "
-    "replay with early_stop=False).",
-)
 @pytest.mark.parametrize("early_stop", [True, False])
 def test_copy_into_cached_output_raises_naming_region(recover_mindspore, early_stop):
     w, project, body = mutation_case(lambda m: m)  # matmul saves no output: only the cache
@@ -383,12 +378,6 @@ def test_copy_into_output_behind_the_boundary_is_rejected_by_mindspore(recover_m
         ms.grad(lambda t: rm.checkpoint(body, region, t, True).sum(), 0, [w])(tensor(3, 6))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="recomp bug: the version recorded for the cached output is the output's (1 after "
-    "the region's own copy_), the one checked in the replay is the stop_gradient alias's (0): "
-    "a false CachedValueMutatedError.",
-)
 def test_region_that_writes_its_own_output_in_place_is_not_a_mutation(recover_mindspore):
     w = ms.Parameter(ms.Tensor(np.random.RandomState(1).randn(6, 6).astype(np.float32)), name="w")
 
@@ -677,7 +666,7 @@ def tracked_checkpoint(monkeypatch, x, computed_input=True):
             and not BACKEND.is_parameter(t)
             and BACKEND.storage_key(t) != outside
         ):
-            refs.append(weakref.ref(packed.tensor))
+            refs.append(weakref.ref(packed.snapshot.value))
         return packed
 
     monkeypatch.setattr(engine._Packer, "pack", spy)
@@ -689,7 +678,7 @@ def tracked_checkpoint(monkeypatch, x, computed_input=True):
         if state is not None and not state.is_recomputing:
             invocation = state._invocation
             refs.append(weakref.ref(invocation))
-            refs.extend(weakref.ref(c.tensor) for c in invocation.entries[-1].outputs)
+            refs.extend(weakref.ref(c.snapshot.value) for c in invocation.entries[-1].outputs)
         return ops.sin(y) * t
 
     return region, body, refs

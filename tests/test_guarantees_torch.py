@@ -102,9 +102,19 @@ def test_in_place_change_of_the_cached_output_raises_naming_the_region():
         y.add_(1)  # the replay would add 1 to the cached value a second time
         return torch.tanh(y)
 
-    out = rt.checkpoint(body, torch.randn(2, 4, requires_grad=True))
+    # caught at the end of the checkpoint's forward already
     with pytest.raises(recomp.CachedValueMutatedError, match=r"'proj'.*modified in place"):
-        out.sum().backward()
+        rt.checkpoint(body, torch.randn(2, 4, requires_grad=True))
+
+
+def test_in_place_change_of_a_returned_cached_output_raises_in_the_replay():
+    lin = rt.checkpoint_exclude_wrapper(nn.Linear(4, 4), name="proj")
+    x = torch.randn(2, 4, requires_grad=True)
+    out = rt.checkpoint(lambda t: (lin(torch.sin(t)), torch.tanh(t) * 2), x)
+    region_out, other = out
+    region_out.mul_(2)  # after the checkpoint; the replay would hand on the changed value
+    with pytest.raises(recomp.CachedValueMutatedError, match=r"'proj'.*modified in place"):
+        (torch.tanh(region_out).sum() + other.sum()).backward()
 
 
 def test_in_place_change_of_a_saved_tensor_raises_naming_the_region():

@@ -112,6 +112,11 @@ class Backend(Protocol):
     def detach(self, t: Any) -> Any:
         """An alias of ``t`` without autograd history, sharing memory and version counter."""
 
+    def keep_saved(self, t: Any) -> Any:
+        """What a region keeps for a tensor its autograd saved: ``detach(t)`` where the
+        framework re-attaches the graph edge on unpack (then an op that saves its own
+        output forms no reference cycle), else ``t`` itself."""
+
     def replay_alias(self, t: Any, requires_grad: bool) -> Any:
         """A fresh alias of cached ``t`` to hand to the replay."""
 
@@ -153,27 +158,55 @@ _active_region: contextvars.ContextVar[ExcludedRegion | None] = contextvars.Cont
 # --------------------------------------------------------------------------- saved tensors
 
 
+class _Snapshot:
+    """A tensor kept by recomp, and a way to tell whether it was changed in place since.
+
+    ``value`` is what is kept: an alias without autograd history where the
+    framework allows it (see ``Backend.keep_saved``). The version counters of
+    the original and of ``value`` are both checked: some frameworks give an
+    alias a counter of its own. The original is referenced weakly, except that
+    a cached output holds it (``hold=True``) until the end of its checkpoint's
+    forward, when the first check runs (``release``): holding it longer would
+    tie the cache to the autograd graph in a cycle the collector cannot see.
+    """
+
+    __slots__ = ("held", "origin", "origin_version", "value", "value_version")
+
+    def __init__(self, backend: Backend, tensor: Any, value: Any, hold: bool = False) -> None:
+        self.value = value
+        self.value_version = backend.version(self.value)
+        self.origin_version = backend.version(tensor)
+        self.origin = weakref.ref(tensor) if self.origin_version is not None else None
+        self.held = tensor if hold else None
+
+    def changed(self, backend: Backend) -> bool:
+        origin = self.held if self.held is not None else self.origin and self.origin()
+        if origin is not None and backend.version(origin) != self.origin_version:
+            return True
+        return backend.version(self.value) != self.value_version
+
+    def release(self) -> None:
+        self.held = None
+
+
 class _Kept:
-    """A tensor a region saved, kept for real, with its version for the mutation check."""
+    """A tensor a region saved, kept for real, with the mutation check on unpack."""
 
-    __slots__ = ("region", "tensor", "version")
+    __slots__ = ("region", "snapshot")
 
-    def __init__(self, tensor: Any, version: int | None, region: ExcludedRegion) -> None:
-        self.tensor = tensor
-        self.version = version
+    def __init__(self, tensor: Any, region: ExcludedRegion) -> None:
+        self.snapshot = _Snapshot(region.backend, tensor, region.backend.keep_saved(tensor))
         self.region = region
 
     def unpack(self) -> Any:
-        backend = self.region.backend
-        now = backend.version(self.tensor)
-        if self.version is not None and now != self.version:
+        if self.snapshot.changed(self.region.backend):
             raise CachedValueMutatedError(
                 f"A tensor saved by excluded region {self.region.name!r} was modified in place "
-                f"after the region ran (version {self.version} -> {now}). Its backward would use "
-                "the changed value. Make the in-place operation out-of-place (e.g. `y = y + 1` "
-                "instead of `y.add_(1)`), or clone the region's output before changing it."
+                "after the region ran. Its backward would use the changed value. Make the "
+                "in-place operation out-of-place (e.g. `y = y + 1` instead of `y.add_(1)`), or "
+                "clone the region's output before changing it."
             )
-        return self.tensor
+        return self.snapshot.value
 
 
 class _InputSlot:
@@ -286,7 +319,7 @@ class _Packer:
         key = backend.storage_key(t)
         if not backend.is_parameter(t) and key not in self.parameter_keys():
             self.kept[key] = backend.storage_nbytes(t)
-        return _Kept(t, backend.version(t), region)
+        return _Kept(t, region)
 
     def parameter_keys(self) -> set[Hashable]:
         """Storages of the wrapped module's parameters. A parameter may be saved through
@@ -313,12 +346,11 @@ class _Packer:
 
 
 class _CachedOutput:
-    __slots__ = ("nbytes", "requires_grad", "tensor", "version")
+    __slots__ = ("nbytes", "requires_grad", "snapshot")
 
-    def __init__(self, tensor: Any, requires_grad: bool, version: int | None, nbytes: int) -> None:
-        self.tensor = tensor  # detached alias, or None when save_output=False
+    def __init__(self, snapshot: _Snapshot | None, requires_grad: bool, nbytes: int) -> None:
+        self.snapshot = snapshot  # None when save_output=False or dropped
         self.requires_grad = requires_grad
-        self.version = version
         self.nbytes = nbytes
 
 
@@ -354,15 +386,37 @@ class CacheEntry:
         self.saves_after: int | None = None
         self.unreachable = False
 
+    def check_outputs_unchanged(self) -> None:
+        """Raise if a cached output was changed in place since the region returned.
+
+        Checked at the end of the forward (the original may be gone by the replay,
+        and some frameworks give the cached alias a version counter of its own) and
+        again in each replay."""
+        backend = self.region.backend
+        for cached in self.outputs:
+            if cached.snapshot is not None and cached.snapshot.changed(backend):
+                raise CachedValueMutatedError(
+                    f"The output of excluded region {self.region.name!r} was modified in place "
+                    "after the region returned. The replay would hand the changed value to the "
+                    "code after the region. Make the in-place operation out-of-place (e.g. "
+                    "`y = y * 2` instead of `y.mul_(2)`), or clone the output before changing it."
+                )
+
+    def release(self) -> None:
+        """The forward is over (or failed): stop holding the original outputs."""
+        for cached in self.outputs:
+            if cached.snapshot is not None:
+                cached.snapshot.release()
+
     def drop_cache(self) -> None:
         """Called when the checkpoint saved nothing after this call: an early-stopping
         replay ends before the code after it runs (at the latest in the boundary,
         which still binds the deferred inputs), so its outputs need not be kept."""
         self.unreachable = True
         for cached in self.outputs:
-            if cached.tensor is not None:
+            if cached.snapshot is not None:
                 self.region.saved_bytes -= cached.nbytes
-                cached.tensor = None
+                cached.snapshot = None
 
 
 class _OutputIndex(int):
@@ -460,7 +514,11 @@ class ExcludedRegion:
                 entry.out_leaves.append(leaf)
                 continue
             requires_grad = backend.requires_grad(leaf)
-            cached = backend.detach(leaf) if self.save_output else None
+            cached = (
+                _Snapshot(backend, leaf, backend.detach(leaf), hold=True)
+                if self.save_output
+                else None
+            )
             key = backend.storage_key(leaf)
             new_bytes = 0
             if key is not None:
@@ -469,9 +527,7 @@ class ExcludedRegion:
                     inv.unsaved_outputs[key] = self.name
                 elif key not in kept:
                     new_bytes = kept[key] = backend.storage_nbytes(leaf)
-            entry.outputs.append(
-                _CachedOutput(cached, requires_grad, backend.version(leaf), new_bytes)
-            )
+            entry.outputs.append(_CachedOutput(cached, requires_grad, new_bytes))
             entry.out_leaves.append(_OutputIndex(len(entry.outputs) - 1))
             if requires_grad:
                 differentiable.append(pos)
@@ -525,21 +581,14 @@ class ExcludedRegion:
             slot = ref()
             if slot is not None:  # None: the region's backward no longer needs it
                 slot.bind(leaves[slot.index])
-        for cached in entry.outputs:
-            if cached.tensor is not None and backend.version(cached.tensor) != cached.version:
-                raise CachedValueMutatedError(
-                    f"The output of excluded region {self.name!r} was modified in place after "
-                    "the region returned. The replay would hand the changed value to the code "
-                    "after the region. Make the in-place operation out-of-place (e.g. "
-                    "`y = y * 2` instead of `y.mul_(2)`), or clone the output before changing it."
-                )
+        entry.check_outputs_unchanged()
         if entry.rng_state is not None:
             backend.set_rng_state(entry.rng_state)
 
         self.skips += 1
         values = [
-            backend.replay_alias(c.tensor, c.requires_grad)
-            if c.tensor is not None
+            backend.replay_alias(c.snapshot.value, c.requires_grad)
+            if c.snapshot is not None
             else backend.stub(c.requires_grad)
             for c in entry.outputs
         ]

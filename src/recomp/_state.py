@@ -91,7 +91,12 @@ class Invocation:
         self.child_cursor += 1
         return child
 
-    def finish_forward(self) -> None:
+    def finish_forward(self, ok: bool = True) -> None:
+        """End of the checkpoint's forward: prune, check and release the cache."""
+        if not ok:
+            for entry in self.entries:
+                entry.release()
+            return
         self.forward_done = True
         if callable(self.save_counter):
             # A replay that stops at the last saved tensor never reaches the regions
@@ -100,6 +105,12 @@ class Invocation:
             for entry in self.entries:
                 if entry.saves_after == total:
                     entry.drop_cache()
+        try:
+            for entry in self.entries:
+                entry.check_outputs_unchanged()
+        finally:
+            for entry in self.entries:
+                entry.release()
         for key, name in self.unsaved_outputs.items():
             if key not in self.consumed_keys:
                 raise OutputNotSavedError(
@@ -183,5 +194,5 @@ class PhaseContext:
 
     def __exit__(self, *exc_info: object) -> None:
         _current.reset(self._tokens.pop())
-        if not self._state.is_recomputing and exc_info[0] is None:
-            self._state._invocation.finish_forward()
+        if not self._state.is_recomputing:
+            self._state._invocation.finish_forward(ok=exc_info[0] is None)

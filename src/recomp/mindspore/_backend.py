@@ -89,7 +89,16 @@ class MindSporeBackend:
         return contextlib.nullcontext()
 
     def detach(self, t: Any) -> Any:
+        # Same memory, no autograd history. Its version counter is its own: the
+        # engine also checks the original's (see _engine._Snapshot).
         return ops.stop_gradient(t)
+
+    def keep_saved(self, t: Any) -> Any:
+        # MindSpore's higher-order gradients need the saved tensor's own graph (an
+        # alias without it gives wrong second derivatives), so the tensor is kept as
+        # it is. Cost: an op that saves its own output (tanh) forms a cycle through
+        # C++ that only a backward through the region breaks.
+        return t
 
     def replay_alias(self, t: Any, requires_grad: bool) -> Any:
         alias = ops.stop_gradient(t)

@@ -161,6 +161,12 @@ class TorchBackend:
     def detach(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
+    def keep_saved(self, t: torch.Tensor) -> torch.Tensor:
+        # Autograd restores the graph edge of an unpacked saved tensor, so a detached
+        # alias loses nothing (double backward included) and, for an op that saves its
+        # own output, avoids the cycle node -> saved tensor -> grad_fn -> node.
+        return t.detach()
+
     def replay_alias(self, t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
         return t.detach().requires_grad_(requires_grad)
 
