@@ -51,20 +51,14 @@ What cannot hold on MindSpore 2.10, and why (all checked on this machine):
    no LayerNorm.
 8. Leaks. After a gradient step everything recomp kept is freed, and training steps
    add no heap growth over a bare ``mindspore.recompute`` (``LEAK_STEPS`` steps,
-   bound below; ``RECOMP_LEAK_STEPS=2000`` runs 2,000). Known limit (strict
-   xfail): when a checkpoint's output gets no backward inside ``ms.grad`` (unused,
-   or returned as ``has_aux``) or a ``vjp_fn`` is never called, and the region
-   computes an op that saves its own output (tanh, softmax, ...), the region's kept
-   saved tensors are never freed, not even by ``_pynative_executor.clear_res()``;
-   when the region's input was computed inside the checkpoint, the checkpoint's
-   handle, the recomp invocation and its cache stay too. Cause: a saved_tensors_hooks
-   pack that holds a tensor saved as its op's *output* makes a C++ cycle (node ->
-   packed object -> tensor -> node) that only a backward breaks (plain MindSpore
-   does the same with such a hook); recomp keeps the tensor itself because MindSpore's
-   higher-order gradients need its graph (an alias without it gave wrong second
-   derivatives), where PyTorch re-attaches the graph to an unpacked alias.
-   MindSpore itself keeps the graph of an uncalled ``vjp_fn`` until ``clear_res()``
-   (without recomp too), and its heap grows by several KB per ``value_and_grad``
+   bound below; ``RECOMP_LEAK_STEPS=2000`` runs 2,000). Also when a checkpoint's
+   output gets no backward inside ``ms.grad`` (unused, or returned as ``has_aux``) or
+   a ``vjp_fn`` is never called, with a region op that saves its own output (tanh):
+   a pack hook holding such a tensor itself would form a C++ cycle (node -> packed
+   object -> tensor -> node) that only a backward breaks, so recomp keeps a
+   ``stop_gradient`` alias. MindSpore itself keeps the graph of an uncalled ``vjp_fn``
+   until ``clear_res()`` (without recomp too), and its heap grows by several KB per
+   ``value_and_grad``
    step with no checkpoint at all, hence the baseline.
 
 MindSpore 2.10 bug, independent of recomp: after an exception escapes an
@@ -694,24 +688,14 @@ def test_cache_is_freed_after_the_gradient_step(monkeypatch):
     assert [r() is not None for r in refs] == [False] * len(refs)
 
 
-LEAKS = pytest.mark.xfail(
-    strict=True,
-    reason="recomp + MindSpore: with no backward through the checkpoint, a region op that "
-    "saves its own output (tanh) forms a C++ cycle (node -> _Kept -> tensor -> node) that "
-    "only a backward breaks: the region's saved tensors stay for good, even after "
-    "_pynative_executor.clear_res(); when the region's input was computed in the checkpoint, "
-    "the cycle also pins the checkpoint's handle and recomp's invocation with its cache.",
-)
-
-
 @pytest.mark.parametrize("computed_input", [True, False])
 @pytest.mark.parametrize(
     "how",
     [
         "forward_only",
-        pytest.param("unused_in_grad", marks=LEAKS),
-        pytest.param("has_aux", marks=LEAKS),
-        pytest.param("vjp_never_called", marks=LEAKS),
+        "unused_in_grad",
+        "has_aux",
+        "vjp_never_called",
     ],
 )
 def test_cache_is_freed_when_the_output_gets_no_backward(monkeypatch, how, computed_input):

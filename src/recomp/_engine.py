@@ -113,9 +113,9 @@ class Backend(Protocol):
         """An alias of ``t`` without autograd history, sharing memory and version counter."""
 
     def keep_saved(self, t: Any) -> Any:
-        """What a region keeps for a tensor its autograd saved: ``detach(t)`` where the
-        framework re-attaches the graph edge on unpack (then an op that saves its own
-        output forms no reference cycle), else ``t`` itself."""
+        """What a region keeps for a tensor its autograd saved: an alias without
+        autograd history, so that an op saving its own output (``tanh``) forms no
+        reference cycle node -> saved tensor -> node that only a backward breaks."""
 
     def replay_alias(self, t: Any, requires_grad: bool) -> Any:
         """A fresh alias of cached ``t`` to hand to the replay."""

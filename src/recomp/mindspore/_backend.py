@@ -78,6 +78,9 @@ class MindSporeBackend:
             return int(t.nbytes)
 
     def version(self, t: Any) -> int | None:
+        # In-place kernels run asynchronously and bump the counter when they run:
+        # read it only once the queue is drained.
+        _pynative_executor.sync()
         return getattr(t, "_version", None)
 
     def saved_tensors_hooks(
@@ -94,11 +97,9 @@ class MindSporeBackend:
         return ops.stop_gradient(t)
 
     def keep_saved(self, t: Any) -> Any:
-        # MindSpore's higher-order gradients need the saved tensor's own graph (an
-        # alias without it gives wrong second derivatives), so the tensor is kept as
-        # it is. Cost: an op that saves its own output (tanh) forms a cycle through
-        # C++ that only a backward through the region breaks.
-        return t
+        # Same memory, no graph: an op that saves its own output (tanh) would otherwise
+        # form a cycle through MindSpore's C++ graph that only a backward breaks.
+        return ops.stop_gradient(t)
 
     def replay_alias(self, t: Any, requires_grad: bool) -> Any:
         alias = ops.stop_gradient(t)
