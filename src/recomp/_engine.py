@@ -27,11 +27,19 @@ Invariants the code relies on:
     from the first entry (``PhaseContext``), so ``retain_graph`` and repeated
     backwards see the same cache. The cache belongs to the invocation, which the
     checkpoint frame holds through the replay context: it dies with the graph.
-  * Nothing the cache holds refers back to the autograd graph (outputs are
-    detached, inputs are bound detached), so no reference cycle that the
-    garbage collector cannot see keeps a graph alive.
+  * Nothing the cache or a saved-tensor handle holds refers back to the
+    autograd graph once the forward is over (outputs and kept saved tensors are
+    aliases without history, inputs are bound detached; a cached output's
+    original is held only until the end of the forward, see ``_Snapshot``), so
+    no reference cycle that the garbage collector cannot see keeps a graph alive.
+  * In-place changes are caught by version counters, of the original and of the
+    kept alias: at the end of the forward, in each replay, and on unpack.
   * A region that fails leaves nothing behind: the entry is appended only after
     the region returned, and the context variables are reset in ``finally``.
+  * With early stop, entries recorded after the checkpoint's last saved tensor
+    lose their cached outputs at the end of the forward (``CacheEntry.drop_cache``):
+    the replay stops before, or in the boundary of, such a region. Not for
+    checkpoints nested in another recomp checkpoint, whose replay re-runs them whole.
 
 NOTE [ Deferred inputs ]
 
