@@ -29,6 +29,7 @@ import numpy as np
 from mindspore import Tensor, nn
 
 from .config import BenchConfig, call_factory, load_factory
+from .runner_stats import count_delta, region_counts, saved_bytes
 
 MS_STRATEGIES = ("none", "full", "exclude-attn")
 MS_DEFAULT_MODEL = "recomp.bench.ms_models:llama"
@@ -145,21 +146,6 @@ class Trainer:
         loss.asnumpy()  # wait for the step to finish
 
 
-def _saved_bytes(wrappers: dict[str, Any]) -> dict[str, int]:
-    """Bytes each excluded region keeps (recomp's ``region_saved_bytes``), where available."""
-    return {
-        name: int(w.region_saved_bytes)
-        for name, w in wrappers.items()
-        if hasattr(w, "region_saved_bytes")
-    }
-
-
-def _region_counts(prepared: Prepared) -> tuple[dict[str, int], dict[str, int]]:
-    runs = {n: int(w.region_runs) for n, w in prepared.exclude_wrappers.items()}
-    skips = {n: int(w.region_skips) for n, w in prepared.exclude_wrappers.items()}
-    return runs, skips
-
-
 class _CallCounter:
     def __init__(self, cells: dict[str, nn.Cell]) -> None:
         self.calls = dict.fromkeys(cells, 0)
@@ -231,7 +217,7 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
     for _ in range(max(1, config.warmup)):
         trainer.step()
 
-    runs_before, skips_before = _region_counts(trainer.prepared)
+    runs_before, skips_before = region_counts(trainer.prepared.exclude_wrappers)
     counter = _CallCounter(trainer.prepared.regions)
     ms.runtime.launch_blocking()
     with tempfile.TemporaryDirectory(prefix="recomp-bench-ms-") as tmp:
@@ -246,7 +232,7 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
             trainer.marks = None
         rows = _read_record(tmp)
     counter.remove()
-    runs_after, skips_after = _region_counts(trainer.prepared)
+    runs_after, skips_after = region_counts(trainer.prepared.exclude_wrappers)
     if not rows:
         raise RuntimeError("MindSpore's profiler wrote no memory record")
     base = _allocated_at(rows, start)
@@ -263,10 +249,10 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
         "replay_flops": None,
         "backward_flops": None,
         "excluded_flops": None,
-        "region_runs": {k: v - runs_before.get(k, 0) for k, v in runs_after.items()},
-        "region_skips": {k: v - skips_before.get(k, 0) for k, v in skips_after.items()},
+        "region_runs": count_delta(runs_after, runs_before),
+        "region_skips": count_delta(skips_after, skips_before),
         "region_calls": dict(counter.calls),
-        "region_saved_bytes": _saved_bytes(trainer.prepared.exclude_wrappers),
+        "region_saved_bytes": saved_bytes(trainer.prepared.exclude_wrappers),
         "max_grad_diff": grad_diff,
         "loss": first_loss,
         "num_layers": len(trainer.model.layers),

@@ -16,6 +16,7 @@ from torch import nn
 
 from .config import BenchConfig, call_factory, load_factory
 from .measure import RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader
+from .runner_stats import count_delta, region_counts, saved_bytes
 from .strategies import Prepared, prepare
 
 
@@ -98,25 +99,6 @@ def reference_grads(config: BenchConfig) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.detach().clone() for p in trainer.params]
 
 
-def _saved_bytes(wrappers: dict[str, Any]) -> dict[str, int]:
-    """Bytes each excluded region keeps (recomp's ``region_saved_bytes``), where available."""
-    return {
-        name: int(w.region_saved_bytes)
-        for name, w in wrappers.items()
-        if hasattr(w, "region_saved_bytes")
-    }
-
-
-def _region_counts(prepared: Prepared) -> tuple[dict[str, int], dict[str, int]]:
-    runs = {n: w.region_runs for n, w in prepared.exclude_wrappers.items()}
-    skips = {n: w.region_skips for n, w in prepared.exclude_wrappers.items()}
-    return runs, skips
-
-
-def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    return {k: after[k] - before.get(k, 0) for k in after}
-
-
 def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
     """Memory, FLOPs, region runs and gradient difference of ``strategy`` (one process)."""
     torch.set_num_threads(max(1, config.threads))
@@ -136,7 +118,7 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
         trainer.step()
 
     # Activation memory: heap in use after the forward (and loss) minus before it.
-    runs_before, skips_before = _region_counts(trainer.prepared)
+    runs_before, skips_before = region_counts(trainer.prepared.exclude_wrappers)
     trainer.sync()
     before = memory.read()
     loss = trainer.forward()
@@ -146,7 +128,7 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=False)
     after_step = memory.read()
-    runs_after, skips_after = _region_counts(trainer.prepared)
+    runs_after, skips_after = region_counts(trainer.prepared.exclude_wrappers)
 
     # Peak of a whole step, above the same baseline.
     base = memory.read()
@@ -189,10 +171,10 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
         "layer_forward_flops": split["layers"],
         "total_flops": int(counter.get_total_flops()),
         "flops_by_op": {k: v for k, v in counter.ops.items() if v},
-        "region_runs": _delta(runs_after, runs_before),
-        "region_skips": _delta(skips_after, skips_before),
+        "region_runs": count_delta(runs_after, runs_before),
+        "region_skips": count_delta(skips_after, skips_before),
         "region_calls": dict(regions.calls),
-        "region_saved_bytes": _saved_bytes(trainer.prepared.exclude_wrappers),
+        "region_saved_bytes": saved_bytes(trainer.prepared.exclude_wrappers),
         "max_grad_diff": grad_diff,
         "loss": first_loss,
         "num_layers": len(trainer.prepared.units),
