@@ -10,6 +10,11 @@ from the parallelized model without recomp.
 from __future__ import annotations
 
 import pytest
+from report_checks import (
+    assert_all_checks_pass,
+    assert_parallel_model_matches_dense,
+    assert_replay_all_reduces_without_exclusion,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -34,18 +39,6 @@ def test_excluded_rowwise_linears_issue_nothing_in_replay(reports, variant):
         assert all(s["runs"] == 1 for s in v["exclusions"].values())
 
 
-def test_without_exclusion_the_replay_all_reduces(reports):
-    layers = reports[0]["layers"]
-    for r in reports:
-        v = r["variants"]
-        # Default early stop ends the replay at fc2's input: only the attention
-        # all-reduce is replayed; early_stop=False replays both.
-        assert v["recomp_no_exclusion"]["counts"]["replay"] == {"all_reduce": layers}
-        assert v["recomp_full_replay_no_exclusion"]["counts"]["replay"] == {
-            "all_reduce": 2 * layers
-        }
-
-
 @pytest.mark.parametrize(
     "variant",
     ["recomp", "recomp_no_exclusion", "recomp_full_replay", "recomp_full_replay_no_exclusion"],
@@ -61,14 +54,13 @@ def test_gradients_bit_equal(reports, variant):
         assert v["counts"]["backward"] == ref["backward"]
 
 
+def test_without_exclusion_the_replay_all_reduces(reports):
+    assert_replay_all_reduces_without_exclusion(reports)
+
+
 def test_dtensor_model_matches_dense(reports):
-    # Sharded float32 sums vs dense: 1e-5 of the largest value (rounding ~1e-7).
-    for r in reports:
-        d = r["dense"]
-        assert d["output_max_rel_diff"] < d["rtol"], d
-        assert d["grad_max_rel_diff"] < d["rtol"], d
+    assert_parallel_model_matches_dense(reports, "output_max_rel_diff")
 
 
 def test_all_checks_pass(reports):
-    for r in reports:
-        assert r["ok"], r["checks"]
+    assert_all_checks_pass(reports)

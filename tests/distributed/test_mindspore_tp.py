@@ -17,6 +17,11 @@ from pathlib import Path
 
 import pytest
 from dist_harness import EXAMPLES, child_env, free_port
+from report_checks import (
+    assert_all_checks_pass,
+    assert_parallel_model_matches_dense,
+    assert_replay_all_reduces_without_exclusion,
+)
 
 pytest.importorskip("mindspore")
 
@@ -77,18 +82,6 @@ def test_excluded_all_reduce_is_not_replayed(reports, variant):
         assert skips == [1] * (2 * layers)
 
 
-def test_without_exclusion_the_replay_all_reduces(reports):
-    layers = reports[0]["layers"]
-    for r in reports:
-        v = r["variants"]
-        # Early stop ends the replay at mlp2's last saved input, before its
-        # all-reduce: one replayed all-reduce per layer; both without early stop.
-        assert v["recomp_no_exclusion"]["counts"]["replay"] == {"all_reduce": layers}
-        assert v["recomp_full_replay_no_exclusion"]["counts"]["replay"] == {
-            "all_reduce": 2 * layers
-        }
-
-
 @pytest.mark.parametrize(
     "variant",
     ["recomp", "recomp_no_exclusion", "recomp_full_replay", "recomp_full_replay_no_exclusion"],
@@ -100,13 +93,13 @@ def test_gradients_bit_equal(reports, variant):
         assert v["loss_equal"]
 
 
+def test_without_exclusion_the_replay_all_reduces(reports):
+    assert_replay_all_reduces_without_exclusion(reports)
+
+
 def test_parallel_model_matches_dense(reports):
-    for r in reports:
-        d = r["dense"]
-        assert d["loss_rel_diff"] < d["rtol"], d
-        assert d["grad_max_rel_diff"] < d["rtol"], d
+    assert_parallel_model_matches_dense(reports, "loss_rel_diff")
 
 
 def test_all_checks_pass(reports):
-    for r in reports:
-        assert r["ok"], r["checks"]
+    assert_all_checks_pass(reports)

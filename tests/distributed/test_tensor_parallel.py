@@ -11,6 +11,11 @@ tensor-parallel model by a single bit.
 from __future__ import annotations
 
 import pytest
+from report_checks import (
+    assert_all_checks_pass,
+    assert_parallel_model_matches_dense,
+    assert_replay_all_reduces_without_exclusion,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -50,18 +55,6 @@ def test_exclusions_are_skipped_in_the_replay(reports):
         }
 
 
-def test_without_exclusion_the_replay_all_reduces(reports):
-    layers = reports[0]["layers"]
-    for r in reports:
-        v = r["variants"]
-        # Early stop: the attention all-reduce of every layer is replayed.
-        assert v["recomp_no_exclusion"]["counts"]["replay"] == {"all_reduce": layers}
-        # Full replay: both row-parallel all-reduces of every layer.
-        assert v["recomp_full_replay_no_exclusion"]["counts"]["replay"] == {
-            "all_reduce": 2 * layers
-        }
-
-
 @pytest.mark.parametrize(
     "variant",
     ["recomp", "recomp_no_exclusion", "recomp_full_replay", "recomp_full_replay_no_exclusion"],
@@ -77,15 +70,13 @@ def test_gradients_equal_the_non_checkpointed_model(reports, variant):
         assert v["counts"]["backward"] == r["variants"]["reference"]["counts"]["backward"]
 
 
+def test_without_exclusion_the_replay_all_reduces(reports):
+    assert_replay_all_reduces_without_exclusion(reports)
+
+
 def test_tensor_parallel_model_matches_dense(reports):
-    # Validates the TP model itself: float32 sums in another order, so a
-    # tolerance (1e-5 relative to the largest value; rounding is ~1e-7).
-    for r in reports:
-        d = r["dense"]
-        assert d["output_max_rel_diff"] < d["rtol"], d
-        assert d["grad_max_rel_diff"] < d["rtol"], d
+    assert_parallel_model_matches_dense(reports, "output_max_rel_diff")
 
 
 def test_all_checks_pass(reports):
-    for r in reports:
-        assert r["ok"], r["checks"]
+    assert_all_checks_pass(reports)
