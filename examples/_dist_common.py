@@ -164,6 +164,7 @@ def main(run: Callable[..., dict[str, Any]], description: str) -> None:
         ok = report.get("ok")
         if rank == 0 and ok is not None:
             print("OK" if ok else "FAILED", flush=True)
+        dist.barrier()  # both ranks done communicating before the group goes (see tests)
         if ok is False:
             sys.exit(1)
     finally:

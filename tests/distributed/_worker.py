@@ -42,6 +42,10 @@ def main() -> None:
         with open(path + ".tmp", "w") as f:
             json.dump(result, f)
         os.replace(path + ".tmp", path)
+        # Both ranks past their last collective before either tears the group down:
+        # a peer closing its gloo connections while the other still completes a
+        # send makes gloo's I/O thread abort ("terminate called ...").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -152,8 +153,44 @@ def launch_ranks(
     gloo process group; modules are found on src/, examples/ and this folder.
     The run fails after ``timeout`` seconds, or ``peer_grace`` seconds after a
     rank failed while another still runs (it is likely waiting for the dead one).
+    A run in which a rank was killed by a signal (seen: gloo's I/O thread aborting
+    on a loaded machine) is tried once more, with a warning; any other failure, or a
+    second one, fails the test.
     """
-    run_dir = tmp_path / f"ranks-{target.replace(':', '-')}"
+    for attempt in (1, 2):
+        failure, codes, logs, run_dir = _launch_once(
+            target, tmp_path / f"attempt{attempt}", world_size, timeout, peer_grace, kwargs
+        )
+        if failure is None:
+            break
+        killed = any(c is not None and c < 0 for c in codes) and "timed out" not in failure
+        if attempt == 1 and killed:
+            warnings.warn(
+                f"{target}: a rank died by a signal ({codes}); running it again", stacklevel=2
+            )
+            continue
+        details = "\n".join(
+            f"--- rank {r} log (tail) ---\n{_tail(log)}" for r, log in enumerate(logs)
+        )
+        pytest.fail(f"{target} on {world_size} ranks: {failure}\n{details}", pytrace=False)
+    results = []
+    for rank in range(world_size):
+        with open(run_dir / f"rank{rank}.json") as f:
+            results.append(json.load(f))
+    return results
+
+
+def _launch_once(
+    target: str,
+    base: Path,
+    world_size: int,
+    timeout: float,
+    peer_grace: float,
+    kwargs: dict[str, Any],
+) -> tuple[str | None, list[int | None], list[Path], Path]:
+    """One run of ``launch_ranks``: (failure or None, exit codes, log paths, run folder)."""
+    base.mkdir(parents=True, exist_ok=True)
+    run_dir = base / f"ranks-{target.replace(':', '-')}"
     run_dir.mkdir()
     env = child_env(
         WORLD_SIZE=str(world_size),
@@ -164,6 +201,7 @@ def launch_ranks(
     logs = [run_dir / f"rank{r}.log" for r in range(world_size)]
     tree = ProcessTree([])
     failure = None
+    codes: list[int | None] = []
     try:
         for rank in range(world_size):
             with open(logs[rank], "wb") as log:
@@ -209,16 +247,7 @@ def launch_ranks(
             p.wait()
         leftover = tree.alive()
     assert not leftover, f"processes left alive after the run: {leftover}"
-    if failure is not None:
-        details = "\n".join(
-            f"--- rank {r} log (tail) ---\n{_tail(log)}" for r, log in enumerate(logs)
-        )
-        pytest.fail(f"{target} on {world_size} ranks: {failure}\n{details}", pytrace=False)
-    results = []
-    for rank in range(world_size):
-        with open(run_dir / f"rank{rank}.json") as f:
-            results.append(json.load(f))
-    return results
+    return failure, codes, logs, run_dir
 
 
 def run_command(
