@@ -43,6 +43,7 @@ from _dist_common import (
     named_grads,
     seeded,
 )
+from _tp_checks import tensor_parallel_checks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -205,26 +206,14 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
         "rtol": DENSE_RTOL,
     }
 
-    v = report["variants"]
     report["layers"] = LAYERS
-    report["checks"] = checks = {
-        "replay issues no collective (with exclusion)": all(
-            v[k]["counts"]["replay"] == {} for k in ("recomp", "recomp_full_replay")
-        ),
-        "replay all-reduces without exclusion": v["recomp_no_exclusion"]["counts"]["replay"]
-        == {"all_reduce": LAYERS}
-        and v["recomp_full_replay_no_exclusion"]["counts"]["replay"] == {"all_reduce": 2 * LAYERS},
-        "forward/backward counts unchanged by recomp": all(
-            v[k]["counts"]["forward"] == v["reference"]["counts"]["forward"]
-            and v[k]["counts"]["backward"] == v["reference"]["counts"]["backward"]
-            for k in VARIANTS
-        ),
-        "local gradient shards bit-for-bit equal": all(
-            v[k]["grads_vs_reference"]["bitwise_equal"] and v[k]["output_equal"] for k in VARIANTS
-        ),
-        "DTensor TP matches the dense model": report["dense"]["output_max_rel_diff"] < DENSE_RTOL
-        and report["dense"]["grad_max_rel_diff"] < DENSE_RTOL,
-    }
+    report["checks"] = checks = tensor_parallel_checks(
+        report,
+        layers=LAYERS,
+        variants=VARIANTS,
+        equal_key="output_equal",
+        dense_key="output_max_rel_diff",
+    )
     report["ok"] = all(checks.values())
     return report
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import mindspore as ms
 import numpy as np
+from _tp_checks import tensor_parallel_checks
 from mindspore import nn, ops
 from mindspore.common._grad_function import _Function
 
@@ -219,26 +220,10 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
         "rtol": DENSE_RTOL,
     }
 
-    v = report["variants"]
     report["layers"] = LAYERS
-    report["checks"] = checks = {
-        "replay issues no collective (with exclusion)": all(
-            v[k]["counts"]["replay"] == {} for k in ("recomp", "recomp_full_replay")
-        ),
-        "replay all-reduces without exclusion": v["recomp_no_exclusion"]["counts"]["replay"]
-        == {"all_reduce": LAYERS}
-        and v["recomp_full_replay_no_exclusion"]["counts"]["replay"] == {"all_reduce": 2 * LAYERS},
-        "forward/backward counts unchanged by recomp": all(
-            v[k]["counts"]["forward"] == v["reference"]["counts"]["forward"]
-            and v[k]["counts"]["backward"] == v["reference"]["counts"]["backward"]
-            for k in VARIANTS
-        ),
-        "gradients bit-for-bit equal": all(
-            v[k]["grads_vs_reference"]["bitwise_equal"] and v[k]["loss_equal"] for k in VARIANTS
-        ),
-        "tensor parallel matches the dense model": report["dense"]["loss_rel_diff"] < DENSE_RTOL
-        and report["dense"]["grad_max_rel_diff"] < DENSE_RTOL,
-    }
+    report["checks"] = checks = tensor_parallel_checks(
+        report, layers=LAYERS, variants=VARIANTS, equal_key="loss_equal", dense_key="loss_rel_diff"
+    )
     report["ok"] = all(checks.values())
     return report
 

@@ -49,6 +49,7 @@ from _dist_common import (
     named_grads,
     seeded,
 )
+from _tp_checks import tensor_parallel_checks
 from torch import nn
 
 from recomp.torch import apply_activation_checkpointing
@@ -291,7 +292,6 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
         "rtol": DENSE_RTOL,
     }
 
-    v = report["variants"]
     # Two row-parallel linears per layer: the attention output projection and
     # MLP fc2. A replay with torch's default early_stop ends at the layer's last
     # saved tensor (fc2's input), before the MLP all-reduce: without the
@@ -302,30 +302,13 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
         "recomp_no_exclusion": LAYERS,
         "recomp_full_replay_no_exclusion": 2 * LAYERS,
     }
-    report["checks"] = checks = {
-        "replay issues no collective (with exclusion)": all(
-            sum(v[k]["counts"]["replay"].values()) == 0 for k in ("recomp", "recomp_full_replay")
-        ),
-        "replay all-reduces once per layer (without exclusion)": v["recomp_no_exclusion"]["counts"][
-            "replay"
-        ]
-        == {"all_reduce": LAYERS},
-        "full replay all-reduces twice per layer (without exclusion)": v[
-            "recomp_full_replay_no_exclusion"
-        ]["counts"]["replay"]
-        == {"all_reduce": 2 * LAYERS},
-        "forward/backward counts unchanged by recomp": all(
-            v[k]["counts"]["forward"] == v["reference"]["counts"]["forward"]
-            and v[k]["counts"]["backward"] == v["reference"]["counts"]["backward"]
-            for k in VARIANTS
-        ),
-        "gradients bit-for-bit equal to the non-checkpointed model": all(
-            v[k]["grads_vs_reference"]["bitwise_equal"] and v[k]["output_equal"] for k in VARIANTS
-        ),
-        "tensor parallel matches the dense model": report["dense"]["output_max_rel_diff"]
-        < DENSE_RTOL
-        and grad_diff < DENSE_RTOL,
-    }
+    report["checks"] = checks = tensor_parallel_checks(
+        report,
+        layers=LAYERS,
+        variants=VARIANTS,
+        equal_key="output_equal",
+        dense_key="output_max_rel_diff",
+    )
     report["ok"] = all(checks.values())
     return report
 
