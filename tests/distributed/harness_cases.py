@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -41,3 +42,12 @@ def ok(rank: int, world: int) -> dict[str, Any]:
     out = [None] * world
     dist.all_gather_object(out, t)
     return {"rank": rank, "gathered": out}
+
+
+def abort_once(rank: int, world: int, marker: str) -> dict[str, Any]:
+    """Rank 1 is killed by SIGABRT the first time (as gloo's I/O thread does), not after."""
+    dist.barrier()
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.abort()
+    return {"rank": rank}

@@ -22,7 +22,7 @@ TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or sh
 
 
 @pytest.mark.parametrize("name", ["tp", "moe", "fsdp2", "dtensor_tp"])
-def test_example_under_torchrun(name, command_runner, tmp_path):
+def test_example_under_torchrun(name, torchrun_runner, tmp_path):
     if TORCHRUN is None:
         pytest.skip("torchrun not found")
     cmd = [
@@ -32,7 +32,7 @@ def test_example_under_torchrun(name, command_runner, tmp_path):
         str(EXAMPLES / f"{name}.py"),
         "--json-dir", str(tmp_path),
     ]  # fmt: skip
-    rc, output = command_runner(cmd, name=f"torchrun-{name}", timeout=150)
+    rc, output = torchrun_runner(cmd, name=f"torchrun-{name}", timeout=150)
     assert rc == 0, output[-4000:]
     assert "OK" in output.splitlines(), output[-4000:]
     for rank in range(2):

@@ -4,10 +4,12 @@ time and leave no process behind (workers, and their children in other sessions)
 from __future__ import annotations
 
 import os
+import textwrap
 import time
 
 import pytest
-from dist_harness import launch_ranks
+from dist_harness import launch_ranks, run_torchrun
+from test_examples_torchrun import TORCHRUN
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -46,3 +48,47 @@ def test_failures_are_bounded_and_cleaned_up(tmp_path, case):
     children = _grandchildren(pid_file)
     assert children  # the ranks got as far as starting one (normally both)
     assert not [pid for pid in children if _alive(pid)]
+
+
+def test_rank_killed_by_a_signal_is_run_again_once(tmp_path):
+    marker = str(tmp_path / "aborted")
+    with pytest.warns(UserWarning, match="died by a signal"):
+        results = launch_ranks("harness_cases:abort_once", tmp_path, marker=marker)
+    assert results == [{"rank": 0}, {"rank": 1}]
+    assert os.path.exists(marker)  # the first run did abort
+
+
+# For torchrun: rank 1 ends as told the first time (abort: killed by SIGABRT, as
+# gloo's I/O thread does; exit: a plain non-zero exit), and exits 0 afterwards.
+_TORCHRUN_SCRIPT = """
+import os, sys
+marker = {marker!r}
+if os.environ["RANK"] == "1" and not os.path.exists(marker):
+    open(marker, "w").close()
+    os.abort() if {how!r} == "abort" else sys.exit(3)
+print("rank", os.environ["RANK"], "done", flush=True)
+"""
+
+
+def _torchrun_failing_once(tmp_path, how):
+    if TORCHRUN is None:
+        pytest.skip("torchrun not found")
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(_TORCHRUN_SCRIPT.format(marker=str(tmp_path / "marker"), how=how))
+    )
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", str(script)]
+    return run_torchrun(cmd, tmp_path / "runs", name=f"torchrun-{how}", timeout=90)
+
+
+def test_torchrun_worker_killed_by_a_signal_is_run_again_once(tmp_path):
+    with pytest.warns(UserWarning, match="died by a signal; running it again"):
+        rc, output = _torchrun_failing_once(tmp_path, "abort")
+    assert rc == 0, output[-3000:]
+    assert output.count(" done") == 2  # both ranks, and the output is the second run's
+
+
+def test_torchrun_plain_failure_is_not_run_again(tmp_path, recwarn):
+    rc, _ = _torchrun_failing_once(tmp_path, "exit")
+    assert rc != 0
+    assert not [w for w in recwarn if "running it again" in str(w.message)]
