@@ -57,6 +57,8 @@ def child_env(**extra: str) -> dict[str, str]:
     # Two ranks share two cores: one thread each keeps them from fighting.
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("MKL_NUM_THREADS", "1")
+    # A rank that dies by a signal prints every thread's Python stack into its log.
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update(extra)
     return env
 
