@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from dist_harness import launch_ranks, run_command, run_torchrun
+from dist_harness import launch_ranks, run_command
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -30,15 +30,5 @@ def command_runner(tmp_path_factory: pytest.TempPathFactory):
 
     def _run(cmd: list[str], **kwargs: Any) -> tuple[int, str]:
         return run_command(cmd, tmp_path_factory.mktemp(kwargs.get("name", "cmd")), **kwargs)
-
-    return _run
-
-
-@pytest.fixture(scope="session")
-def torchrun_runner(tmp_path_factory: pytest.TempPathFactory):
-    """Like ``command_runner``, for torchrun: a worker killed by a signal gets one rerun."""
-
-    def _run(cmd: list[str], *, name: str, **kwargs: Any) -> tuple[int, str]:
-        return run_torchrun(cmd, tmp_path_factory.mktemp(name), name=name, **kwargs)
 
     return _run

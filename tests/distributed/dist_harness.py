@@ -25,15 +25,16 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -43,6 +44,7 @@ EXAMPLES = REPO / "examples"
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_worker.py"
 PYTHON = sys.executable
+TORCHRUN = shutil.which("torchrun", path=str(Path(PYTHON).parent)) or shutil.which("torchrun")
 
 # Every launch is bounded by this many seconds unless a test asks otherwise.
 DEFAULT_TIMEOUT = float(os.environ.get("RECOMP_DIST_TIMEOUT", "150"))
@@ -144,6 +146,24 @@ def _tail(path: Path, n: int = 4000) -> str:
 
 # --------------------------------------------------------------------------- launchers
 
+_Run = TypeVar("_Run")
+
+
+def _rerun_once_if_killed(
+    run: Callable[[Path], _Run], killed: Callable[[_Run], bool], base: Path, label: str
+) -> _Run:
+    """``run(base / "attempt1")``, and once more if ``killed`` says a process died by a signal.
+
+    gloo's I/O thread now and then aborts a rank while the group is torn down, after
+    all the work is done ("terminate called without an active exception"); a second
+    run tells that apart from a real failure. Whatever the second run gives stands.
+    """
+    result = run(base / "attempt1")
+    if killed(result):
+        warnings.warn(f"{label}: a process died by a signal; running it again", stacklevel=3)
+        result = run(base / "attempt2")
+    return result
+
 
 def launch_ranks(
     target: str,
@@ -160,22 +180,22 @@ def launch_ranks(
     gloo process group; modules are found on src/, examples/ and this folder.
     The run fails after ``timeout`` seconds, or ``peer_grace`` seconds after a
     rank failed while another still runs (it is likely waiting for the dead one).
-    A run in which a rank was killed by a signal (seen: gloo's I/O thread aborting
-    on a loaded machine) is tried once more, with a warning; any other failure, or a
-    second one, fails the test.
+    A run in which a rank was killed by a signal is run once more (see
+    ``_rerun_once_if_killed``); any other failure, or a second one, fails the test.
     """
-    for attempt in (1, 2):
-        failure, codes, logs, run_dir = _launch_once(
-            target, tmp_path / f"attempt{attempt}", world_size, timeout, peer_grace, kwargs
-        )
-        if failure is None:
-            break
-        killed = any(c is not None and c < 0 for c in codes) and "timed out" not in failure
-        if attempt == 1 and killed:
-            warnings.warn(
-                f"{target}: a rank died by a signal ({codes}); running it again", stacklevel=2
-            )
-            continue
+
+    def killed(run: tuple[str | None, list[int | None], list[Path], Path]) -> bool:
+        failure, codes = run[0], run[1]
+        signalled = any(c is not None and c < 0 for c in codes)
+        return failure is not None and "timed out" not in failure and signalled
+
+    failure, _, logs, run_dir = _rerun_once_if_killed(
+        lambda base: _launch_once(target, base, world_size, timeout, peer_grace, kwargs),
+        killed,
+        tmp_path,
+        target,
+    )
+    if failure is not None:
         details = "\n".join(
             f"--- rank {r} log (tail) ---\n{_tail(log)}" for r, log in enumerate(logs)
         )
@@ -312,15 +332,10 @@ _TORCHRUN_SIGNAL_EXIT = re.compile(r"exitcode\s*:\s*-\d+")
 
 
 def run_torchrun(cmd: list[str], tmp_path: Path, *, name: str, **kwargs: Any) -> tuple[int, str]:
-    """``run_command`` for a ``torchrun`` command, with ``launch_ranks``' rerun policy.
-
-    A run that failed because a worker was killed by a signal (gloo's I/O thread
-    aborting during teardown, "terminate called without an active exception",
-    has been seen once in many runs, after every check had passed) is run once
-    more, with a warning. Any other failure, or a second one, is returned as it is.
-    """
-    rc, output = run_command(cmd, tmp_path / "attempt1", name=name, **kwargs)
-    if rc != 0 and _TORCHRUN_SIGNAL_EXIT.search(output):
-        warnings.warn(f"{name}: a worker died by a signal; running it again", stacklevel=2)
-        rc, output = run_command(cmd, tmp_path / "attempt2", name=name, **kwargs)
-    return rc, output
+    """``run_command`` for a ``torchrun`` command, with ``launch_ranks``' rerun policy."""
+    return _rerun_once_if_killed(
+        lambda base: run_command(cmd, base, name=name, **kwargs),
+        lambda run: run[0] != 0 and _TORCHRUN_SIGNAL_EXIT.search(run[1]) is not None,
+        tmp_path,
+        name,
+    )

@@ -44,10 +44,24 @@ def ok(rank: int, world: int) -> dict[str, Any]:
     return {"rank": rank, "gathered": out}
 
 
-def abort_once(rank: int, world: int, marker: str) -> dict[str, Any]:
-    """Rank 1 is killed by SIGABRT the first time (as gloo's I/O thread does), not after."""
-    dist.barrier()
+def end_rank1_once(rank: int, marker: str, how: str = "abort") -> None:
+    """The first time only (``marker`` not there yet), end rank 1: ``abort`` kills it by
+    SIGABRT, as gloo's I/O thread does at teardown; ``exit`` is a plain exit code 3."""
     if rank == 1 and not os.path.exists(marker):
         open(marker, "w").close()
-        os.abort()
+        if how == "abort":
+            os.abort()
+        sys.exit(3)
+
+
+def abort_once(rank: int, world: int, marker: str) -> dict[str, Any]:
+    dist.barrier()
+    end_rank1_once(rank, marker)
     return {"rank": rank}
+
+
+if __name__ == "__main__":
+    # Under torchrun (no process group): ``torchrun ... -m harness_cases MARKER HOW``.
+    rank = int(os.environ["RANK"])
+    end_rank1_once(rank, sys.argv[1], sys.argv[2])
+    print("rank", rank, "done", flush=True)

@@ -7,22 +7,15 @@ prints a report per rank, and exits non-zero if a check fails.
 from __future__ import annotations
 
 import json
-import shutil
-import sys
-from pathlib import Path
 
 import pytest
-from dist_harness import EXAMPLES
+from dist_harness import EXAMPLES, TORCHRUN, run_torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
-TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which(
-    "torchrun"
-)
-
 
 @pytest.mark.parametrize("name", ["tp", "moe", "fsdp2", "dtensor_tp"])
-def test_example_under_torchrun(name, torchrun_runner, tmp_path):
+def test_example_under_torchrun(name, tmp_path):
     if TORCHRUN is None:
         pytest.skip("torchrun not found")
     cmd = [
@@ -32,7 +25,7 @@ def test_example_under_torchrun(name, torchrun_runner, tmp_path):
         str(EXAMPLES / f"{name}.py"),
         "--json-dir", str(tmp_path),
     ]  # fmt: skip
-    rc, output = torchrun_runner(cmd, name=f"torchrun-{name}", timeout=150)
+    rc, output = run_torchrun(cmd, tmp_path / "runs", name=f"torchrun-{name}", timeout=150)
     assert rc == 0, output[-4000:]
     assert "OK" in output.splitlines(), output[-4000:]
     for rank in range(2):

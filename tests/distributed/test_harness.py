@@ -4,12 +4,10 @@ time and leave no process behind (workers, and their children in other sessions)
 from __future__ import annotations
 
 import os
-import textwrap
 import time
 
 import pytest
-from dist_harness import launch_ranks, run_torchrun
-from test_examples_torchrun import TORCHRUN
+from dist_harness import TORCHRUN, launch_ranks, run_torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -58,26 +56,12 @@ def test_rank_killed_by_a_signal_is_run_again_once(tmp_path):
     assert os.path.exists(marker)  # the first run did abort
 
 
-# For torchrun: rank 1 ends as told the first time (abort: killed by SIGABRT, as
-# gloo's I/O thread does; exit: a plain non-zero exit), and exits 0 afterwards.
-_TORCHRUN_SCRIPT = """
-import os, sys
-marker = {marker!r}
-if os.environ["RANK"] == "1" and not os.path.exists(marker):
-    open(marker, "w").close()
-    os.abort() if {how!r} == "abort" else sys.exit(3)
-print("rank", os.environ["RANK"], "done", flush=True)
-"""
-
-
 def _torchrun_failing_once(tmp_path, how):
+    """``harness_cases.end_rank1_once`` under torchrun: rank 1 ends as ``how`` says, once."""
     if TORCHRUN is None:
         pytest.skip("torchrun not found")
-    script = tmp_path / "script.py"
-    script.write_text(
-        textwrap.dedent(_TORCHRUN_SCRIPT.format(marker=str(tmp_path / "marker"), how=how))
-    )
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", str(script)]
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "harness_cases"]
+    cmd += [str(tmp_path / "marker"), how]
     return run_torchrun(cmd, tmp_path / "runs", name=f"torchrun-{how}", timeout=90)
 
 
