@@ -327,8 +327,10 @@ def run_command(
     return proc.returncode, output
 
 
-# torchrun's failure summary names each worker's exit code; a negative one is a signal.
-_TORCHRUN_SIGNAL_EXIT = re.compile(r"exitcode\s*:\s*-\d+")
+# torchrun's failure summary names the first worker that failed ("Root Cause") and its
+# exit code, negative for a signal. Only that one counts: torchrun stops the other
+# workers with SIGTERM, so theirs are negative whenever any worker fails.
+_TORCHRUN_SIGNAL_EXIT = re.compile(r"Root Cause .*?exitcode\s*:\s*-\d+", re.DOTALL)
 
 
 def run_torchrun(cmd: list[str], tmp_path: Path, *, name: str, **kwargs: Any) -> tuple[int, str]:

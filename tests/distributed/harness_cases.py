@@ -62,6 +62,10 @@ def abort_once(rank: int, world: int, marker: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     # Under torchrun (no process group): ``torchrun ... -m harness_cases MARKER HOW``.
-    rank = int(os.environ["RANK"])
-    end_rank1_once(rank, sys.argv[1], sys.argv[2])
+    rank, how = int(os.environ["RANK"]), sys.argv[2]
+    if rank == 0 and how == "exit":
+        # Still running when rank 1 fails: torchrun then stops it with SIGTERM, so a
+        # worker's negative exit code is in the failure summary, yet no rank aborted.
+        time.sleep(20)
+    end_rank1_once(rank, sys.argv[1], how)
     print("rank", rank, "done", flush=True)
