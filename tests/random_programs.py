@@ -755,7 +755,7 @@ class BoundaryMirror:
     mirrored reference, and within a tight tolerance against the plain one.
 
     Use: wrap each region body with :meth:`recording` and run the recomp program
-    under :meth:`spying` (which watches ``backend.boundary``); then build the
+    under :meth:`spying` (which watches where recomp applies its boundary); then build the
     reference's regions with :meth:`mirrored`.
     """
 
@@ -778,27 +778,17 @@ class BoundaryMirror:
 
         return call
 
-    def spying(self, backend: Any, is_recomputing: Callable[[], bool]) -> Any:
-        """Context manager: record where ``backend.boundary`` is applied in forwards."""
-        boundary = backend.boundary
-        mirror = self
+    def spying(self) -> Any:
+        """Context manager: record where recomp applies its boundary in forwards."""
+        from recomp import _testing
 
-        def spy(saved: list[Any], outputs: list[Any]) -> list[Any]:
-            if not is_recomputing():  # a replay re-applies a boundary the forward recorded
-                mirror.boundaries[mirror.calls] = (
-                    _positions(saved, mirror.leaves),
-                    _positions(outputs, mirror.out_leaves),
-                )
-            return boundary(saved, outputs)
+        def seen(saved: list[Any], outputs: list[Any]) -> None:
+            self.boundaries[self.calls] = (
+                _positions(saved, self.leaves),
+                _positions(outputs, self.out_leaves),
+            )
 
-        class _Spying:
-            def __enter__(self) -> None:
-                backend.boundary = spy
-
-            def __exit__(self, *exc: Any) -> None:
-                del backend.boundary  # the instance attribute hid the method
-
-        return _Spying()
+        return _testing.observe(boundary=seen)
 
     def mirrored(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:

@@ -68,7 +68,6 @@ MindSpore 2.10 bug, independent of recomp: after an exception escapes an
 
 from __future__ import annotations
 
-import contextvars
 import gc
 import os
 import sys
@@ -83,13 +82,11 @@ from mindspore.graph.api import _pynative_executor
 from mindspore.train.amp import auto_mixed_precision
 
 import recomp
-import recomp._engine as engine
-import recomp._state as state_module
 import recomp.mindspore as rm
 from memory import run_measured
 from ms_models import Block, assert_same, copy_params, grads, nn, ops, tensor
+from recomp import _testing
 from recomp._wrapping import WRAPPED
-from recomp.mindspore._backend import BACKEND
 
 _seed = sys.modules["mindspore.common.seed"]
 
@@ -194,21 +191,11 @@ def test_dropout_inside_and_after_region_matches_unwrapped(seeded, early_stop):
     assert (model.region.region_runs, model.region.region_skips) == (2, 2)
 
 
-def test_control_without_rng_fast_forward_dropout_after_region_differs(seeded, monkeypatch):
-    class NoFastForward(engine.CacheEntry):
-        # entry.rng_state stays None: the replay does not skip the region's draws
-        @property
-        def rng_state(self):
-            return None
-
-        @rng_state.setter
-        def rng_state(self, value):
-            pass
-
-    monkeypatch.setattr(engine, "CacheEntry", NoFastForward)
+def test_control_without_rng_fast_forward_dropout_after_region_differs(seeded):
     ref, model = drop_pair()
     expected, _ = train_steps(ref, checkpointed=False, steps=1)
-    actual, _ = train_steps(model, checkpointed=True, steps=1)
+    with _testing.without_rng_alignment():  # the replay does not skip the region's draws
+        actual, _ = train_steps(model, checkpointed=True, steps=1)
     assert not same(expected[0], actual[0])
     assert model.region.region_skips == 1  # the region was skipped, nothing else changed
 
@@ -273,7 +260,7 @@ def test_grad_of_grad_replays_twice_region_runs_once(early_stop):
     def tracked(reg, t):
         state = recomp.get_recompute_state()
         if not state.is_recomputing:
-            invocations.append(weakref.ref(state._invocation))
+            invocations.append(weakref.ref(_testing.record_of(state)))
         return body(reg, t)
 
     expected = grad_of_grad(lambda t: (body(project, t) ** 2).sum(), w, x)
@@ -289,21 +276,14 @@ def test_grad_of_grad_replays_twice_region_runs_once(early_stop):
     assert invocations[0]() is None  # the cache lived as long as the graph, no longer
 
 
-def test_control_second_replay_needs_the_cache_from_the_start(recover_mindspore, monkeypatch):
-    enter = state_module.PhaseContext.__enter__
-
-    def no_rewind(self):
-        # what a replay that does not start again from the first cached region would do
-        invocation = self._state._invocation
-        cursor = invocation.replay_cursor
-        result = enter(self)
-        invocation.replay_cursor = cursor
-        return result
-
-    monkeypatch.setattr(state_module.PhaseContext, "__enter__", no_rewind)
+def test_control_second_replay_needs_the_cache_from_the_start(recover_mindspore):
     w, project, body, x = float64_region()
     region = rm.checkpoint_exclude_wrapper(project, name="proj")
-    with pytest.raises(recomp.ReplayMismatchError, match=r"'proj'.*recorded only 1"):
+    # what a replay that does not start again from the first cached region would do
+    with (
+        _testing.without_replay_rewind(),
+        pytest.raises(recomp.ReplayMismatchError, match=r"'proj'.*recorded only 1"),
+    ):
         grad_of_grad(lambda t: (rm.checkpoint(body, region, t) ** 2).sum(), w, x)
 
 
@@ -601,35 +581,14 @@ def test_a_thread_trains_while_another_is_paused_mid_step(pause_in):
     assert recomp.get_recompute_state() is None
 
 
-class _ProcessGlobal:
-    """A stand-in for a ContextVar shared by every thread (the design this guards against)."""
-
-    def __init__(self, default) -> None:
-        self.value = default
-
-    def get(self):
-        return self.value
-
-    def set(self, value):
-        old, self.value = self.value, value
-        return old
-
-    def reset(self, token) -> None:
-        self.value = token
-
-
 @pytest.mark.parametrize(
     ("pause_in", "error"),
     [("forward", recomp.NestedExclusionError), ("replay", recomp.ReplayMismatchError)],
 )
-def test_control_process_global_state_breaks_the_other_thread(
-    recover_mindspore, monkeypatch, pause_in, error
-):
-    assert isinstance(engine._active_region, contextvars.ContextVar)
-    assert isinstance(state_module._current, contextvars.ContextVar)
-    monkeypatch.setattr(engine, "_active_region", _ProcessGlobal(None))
-    monkeypatch.setattr(state_module, "_current", _ProcessGlobal(None))
-    outcome, *_ = train_a_while_b_trains(pause_in)
+def test_control_process_global_state_breaks_the_other_thread(recover_mindspore, pause_in, error):
+    assert _testing.uses_context_variables()
+    with _testing.process_global_state():
+        outcome, *_ = train_a_while_b_trains(pause_in)
     assert isinstance(outcome["b"], error), outcome["b"]
 
 
@@ -645,42 +604,35 @@ class TanhRegion(nn.Cell):
         return ops.tanh(self.dense(h))  # tanh saves its output
 
 
-def tracked_checkpoint(monkeypatch, x, computed_input=True):
+def tracked_checkpoint(x, computed_input=True):
     """A checkpointed function with an excluded region, and weak references to what
     recomp keeps for it: the invocation, the cached outputs, the kept saved tensors
-    (other than parameters and the caller's input ``x``, which outlive the step)."""
+    (other than the caller's input ``x``, which outlives the step)."""
     refs = []
-    pack = engine._Packer.pack
-    outside = BACKEND.storage_key(x)
+    outside = x.untyped_storage().data_ptr()
 
-    def spy(self, t):
-        packed = pack(self, t)
-        if (
-            isinstance(packed, engine._Kept)
-            and not BACKEND.is_parameter(t)
-            and BACKEND.storage_key(t) != outside
-        ):
-            refs.append(weakref.ref(packed.snapshot.value))
-        return packed
+    def on_kept(original, kept):
+        if original.untyped_storage().data_ptr() != outside:
+            refs.append(weakref.ref(kept))
 
-    monkeypatch.setattr(engine._Packer, "pack", spy)
     region = rm.checkpoint_exclude_wrapper(TanhRegion(), name="tanh_region")
 
     def body(t):
-        y = region(ops.cos(t) if computed_input else t)
+        with _testing.observe(kept=on_kept):
+            y = region(ops.cos(t) if computed_input else t)
         state = recomp.get_recompute_state()
         if state is not None and not state.is_recomputing:
-            invocation = state._invocation
-            refs.append(weakref.ref(invocation))
-            refs.extend(weakref.ref(c.snapshot.value) for c in invocation.entries[-1].outputs)
+            record = _testing.record_of(state)
+            refs.append(weakref.ref(record))
+            refs.extend(weakref.ref(v) for v in _testing.cached_values(record))
         return ops.sin(y) * t
 
     return region, body, refs
 
 
-def test_cache_is_freed_after_the_gradient_step(monkeypatch):
+def test_cache_is_freed_after_the_gradient_step():
     x = tensor(4, 8)
-    region, body, refs = tracked_checkpoint(monkeypatch, x)
+    region, body, refs = tracked_checkpoint(x)
     for _ in range(3):
         ms.grad(lambda t: rm.checkpoint(body, t).sum(), 0, region.trainable_params())(x)
     assert len(refs) >= 3 * 3  # per step: invocation, cached output, kept tanh output
@@ -698,9 +650,9 @@ def test_cache_is_freed_after_the_gradient_step(monkeypatch):
         "vjp_never_called",
     ],
 )
-def test_cache_is_freed_when_the_output_gets_no_backward(monkeypatch, how, computed_input):
+def test_cache_is_freed_when_the_output_gets_no_backward(how, computed_input):
     x = tensor(4, 8)
-    _region, body, refs = tracked_checkpoint(monkeypatch, x, computed_input)
+    _region, body, refs = tracked_checkpoint(x, computed_input)
     for _ in range(3):
         if how == "forward_only":
             rm.checkpoint(body, x)
@@ -731,18 +683,13 @@ import mindspore as ms
 from mindspore import nn, ops
 from mindspore.graph.api import _pynative_executor
 import numpy as np
-import recomp._engine as engine
+import recomp
 import recomp.mindspore as rm
+from recomp import _testing
 ms.set_device("CPU")
 ms.set_context(mode=ms.PYNATIVE_MODE)
 D = 64
 invocations = []
-class Tracked(engine.Invocation):
-    __slots__ = ()
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        invocations.append(weakref.ref(self))
-engine.Invocation = Tracked
 class Attn(nn.Cell):
     def __init__(self):
         super().__init__()
@@ -755,6 +702,9 @@ class Blk(nn.Cell):
         self.attn = Attn()
         self.mlp = nn.Dense(D, D)
     def construct(self, x):
+        state = recomp.get_recompute_state()
+        if state is not None and not state.is_recomputing:
+            invocations.append(weakref.ref(_testing.record_of(state)))
         h = x + self.attn(ops.sin(x))
         return h + ops.tanh(self.mlp(h))
 def model(kind):
@@ -814,7 +764,7 @@ class Flaky(nn.Cell):
 
 
 def no_state_left() -> bool:
-    return recomp.get_recompute_state() is None and engine._active_region.get() is None
+    return recomp.get_recompute_state() is None and _testing.active_region_name() is None
 
 
 def test_failure_inside_region_leaves_no_state_nor_tag(recover_mindspore):

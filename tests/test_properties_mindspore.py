@@ -23,10 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from mindspore.common._grad_function import _Function
 
 import random_programs as rp
-import recomp
 import recomp.mindspore as rm
 from ms_models import nn, ops  # sets CPU and PyNative mode
-from recomp.mindspore._backend import BACKEND
 
 CI = bool(os.environ.get("CI"))
 SETTINGS = settings(
@@ -145,7 +143,7 @@ def run(program: rp.Program, mode: str, mirror: rp.BoundaryMirror, steps: int):
             return rm.checkpoint_exclude_wrapper(target, save_output=r.save_output, name=r.name)
 
         runtime = rp.Runtime(OPS, rm.checkpoint, region)
-        spying = mirror.spying(BACKEND, recomp.is_recomputing)
+        spying = mirror.spying()
     else:
         region = (lambda r, fn: mirror.mirrored(fn)) if mode == "mirrored" else (lambda r, fn: fn)
         runtime = rp.Runtime(OPS, _plain_checkpoint, region)

@@ -24,9 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 import random_programs as rp
-import recomp
 import recomp.torch as rt
-from recomp.torch._backend import BACKEND
 
 CI = bool(os.environ.get("CI"))
 SETTINGS = settings(
@@ -122,7 +120,7 @@ def run(program: rp.Program, mode: str, mirror: rp.BoundaryMirror):
             return rt.checkpoint_exclude_wrapper(target, save_output=r.save_output, name=r.name)
 
         runtime = rp.Runtime(OPS, rt.checkpoint, region)
-        spying = mirror.spying(BACKEND, recomp.is_recomputing)
+        spying = mirror.spying()
     else:
         region = (lambda r, fn: mirror.mirrored(fn)) if mode == "mirrored" else (lambda r, fn: fn)
         runtime = rp.Runtime(OPS, _plain_checkpoint, region)

@@ -1,39 +1,61 @@
 """The exclusion engine, shared by every framework backend.
 
+Where things live:
+
+* ``_state``   the public recompute state and its context variable (a leaf module);
+* ``_record``  what one checkpoint call records: ``Invocation``, ``CacheEntry``, snapshots;
+* ``_engine``  (here) excluded regions: what they save, defer, cache and replay; the
+  start of a checkpoint call (``begin``) and its ``context_fn``;
+* ``_backend`` the framework questions, with shared defaults;
+  ``torch/_backend.py`` and ``mindspore/_backend.py`` answer them, and each
+  framework's ``_compat.py`` holds every use of that framework's private API.
+
 NOTE [ How an excluded region is kept out of the replay ]
 
 A recomp checkpoint is the framework's own non-reentrant checkpoint: in the
 forward, a saved-tensors hook replaces every tensor that autograd saves by a
 placeholder; in backward, the first unpack replays the forward and takes the
 tensors from the replay, position by position. recomp adds a recompute state
-(``_state``) that tells code which invocation it belongs to and whether it is
-the forward or a replay.
+(``_state``) that tells code which call it belongs to and whether it is the
+forward or a replay, and carries the call's record (``_record.Invocation``).
 
 An excluded region, in the forward of an invocation:
   1. runs under an inner saved-tensors hook, which takes precedence over the
      checkpoint's, so the tensors its autograd nodes save are kept for real
      (``_Kept``) instead of being dropped and replayed;
   2. appends a ``CacheEntry`` to the invocation holding its outputs, detached
-     (the region's own graph is kept alive by the caller's graph, not by us);
+     (the region's own graph is kept alive by the caller's graph, not by us),
+     rebuilt in the replay as the same container types (``_pytree``);
   3. passes its differentiable outputs through an autograd *boundary*
      (see NOTE [ Deferred inputs ]).
 In a replay, the region is not called: the entry at the replay cursor gives
 the outputs back, with the same ``requires_grad`` so that the recomputed code
 after it saves exactly what it saved in the forward (the checkpoint matches
-saved tensors by position, so the replay must save the same sequence).
+saved tensors by position, so the replay must save the same sequence). An
+entry matches a replayed call by what is called (``callee_identity``), not by
+wrapper object, so a wrapper created anew on each call still matches.
 
 Invariants the code relies on:
   * Entries are consumed in call order and never removed; each replay starts
-    from the first entry (``PhaseContext``), so ``retain_graph`` and repeated
-    backwards see the same cache. The cache belongs to the invocation, which the
-    checkpoint frame holds through the replay context: it dies with the graph.
+    from the first entry (``Invocation.on_replay_start``), so ``retain_graph``
+    and repeated backwards see the same cache. The invocation is held by the
+    recompute state that the checkpoint frame keeps: it dies with the graph.
   * Nothing the cache or a saved-tensor handle holds refers back to the
     autograd graph once the forward is over (outputs and kept saved tensors are
     aliases without history, inputs are bound detached; a cached output's
-    original is held only until the end of the forward, see ``_Snapshot``), so
+    original is held only until the end of the forward, see ``Snapshot``), so
     no reference cycle that the garbage collector cannot see keeps a graph alive.
+  * Storage keys are compared only while the tensors they came from are held
+    (``StorageRegistry``, the region's own inputs), so a freed address that a
+    new tensor reuses is never taken for the old storage.
   * In-place changes are caught by version counters, of the original and of the
-    kept alias: at the end of the forward, in each replay, and on unpack.
+    kept alias: at the end of the forward, in each replay, and on unpack. Where
+    reading counters needs the framework's queue drained (``Backend.sync``),
+    it is drained once per region call, per forward and per replayed entry.
+  * A region that changes one of its inputs in place: a saved tensor taken after
+    the change is kept, not deferred (the replay's input holds the old values),
+    and the replay repeats the change on its own input (``MutatedInput``), so
+    the code after the region sees what the forward saw.
   * A region that fails leaves nothing behind: the entry is appended only after
     the region returned, and the context variables are reset in ``finally``.
   * With early stop, entries recorded after the checkpoint's last saved tensor
@@ -50,7 +72,7 @@ activation the checkpoint deliberately dropped. So the inner pack hook saves a
 ``_Deferred`` handle for any saved tensor whose storage is the storage of such
 an input (storage, not identity: ``linear`` saves a 2-D view of a 3-D input),
 recording how to rebuild the view from the input. When the replay reaches the
-region, the engine binds each handle's ``_InputSlot`` to the replay's tensor at
+region, the engine binds each handle's ``InputSlot`` to the replay's tensor at
 the same input path.
 
 For that binding to happen before the region's own backward unpacks the
@@ -65,7 +87,8 @@ Not deferred: parameters; tensors whose storage is a checkpoint input (the
 checkpoint keeps those); outputs of earlier excluded regions in the same
 invocation (cached already, or deliberately not cached with
 ``save_output=False``, in which case the consumer's saved tensors are the one
-copy). Saving those as they are costs no memory.
+copy); inputs the region had changed in place when it saved them. Saving those
+as they are costs no memory.
 """
 
 from __future__ import annotations
@@ -75,126 +98,43 @@ import contextvars
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
-from . import _pytree
-from ._state import UNSET, Invocation, PhaseContext, get_recompute_state
+from ._backend import IDENTITY, NOT_A_VIEW, Backend
+from ._pytree import TreeSpec
+from ._record import CachedOutput, CacheEntry, Invocation, MutatedInput, Snapshot
+from ._state import CallIdentity, PhaseContext, RecomputeState, get_recompute_state
 from .errors import (
     CachedValueMutatedError,
     ForeignCheckpointWarning,
     NestedExclusionError,
+    RecompError,
     ReplayMismatchError,
 )
 
-
-class Backend(Protocol):
-    """The questions the engine asks a framework. One small object per framework."""
-
-    name: str
-
-    def is_tensor(self, x: Any) -> bool: ...
-    def is_parameter(self, x: Any) -> bool: ...
-    def requires_grad(self, t: Any) -> bool: ...
-    def grad_enabled(self) -> bool: ...
-    def in_backward(self) -> bool:
-        """True while the framework's autograd engine is running a backward."""
-
-    def storage_key(self, t: Any) -> Hashable | None:
-        """Identity of the memory behind ``t``, equal for all views of it; None if unknown."""
-
-    def parameters_of(self, fn: Any) -> list[Any]:
-        """The parameters of a module (empty for a plain function)."""
-
-    def storage_nbytes(self, t: Any) -> int:
-        """Size of the memory behind ``t`` (all of it, for a view)."""
-
-    def version(self, t: Any) -> int | None:
-        """In-place modification counter of ``t``, or None if the framework has none."""
-
-    def saved_tensors_hooks(
-        self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]
-    ) -> Any: ...
-    def region_context(self) -> Any:
-        """Context entered around a region's forward (hides op-level checkpoint caches)."""
-
-    def detach(self, t: Any) -> Any:
-        """An alias of ``t`` without autograd history, sharing memory and version counter."""
-
-    def keep_saved(self, t: Any) -> Any:
-        """What a region keeps for a tensor its autograd saved: an alias without
-        autograd history, so that an op saving its own output (``tanh``) forms no
-        reference cycle node -> saved tensor -> node that only a backward breaks."""
-
-    def replay_alias(self, t: Any, requires_grad: bool) -> Any:
-        """A fresh alias of cached ``t`` to hand to the replay."""
-
-    def stub(self, requires_grad: bool) -> Any:
-        """A zero-element tensor standing in for an output that was not saved."""
-
-    def placeholder(self, t: Any, region_name: str) -> Any:
-        """Turn ``t`` into a stand-in that raises ``OutputNotSavedError`` when used."""
-
-    def layout(self, t: Any) -> Hashable:
-        """What must match between a forward input and its replay (shape, strides, dtype)."""
-
-    def view_spec(self, t: Any, base: Any) -> Any:
-        """How to rebuild ``t`` from ``base`` (same storage); ``NOT_A_VIEW`` if impossible."""
-
-    def apply_view(self, spec: Any, base: Any) -> Any: ...
-    def boundary(self, saved: list[Any], outputs: list[Any]) -> list[Any]:
-        """Apply the boundary function: aliases of ``outputs`` whose backward first
-        unpacks ``saved`` (packed by the enclosing checkpoint's hook)."""
-
-    def get_rng_state(self) -> Any: ...
-    def set_rng_state(self, state: Any) -> None: ...
-    def save_counter(self) -> Callable[[], int] | None:
-        """If the innermost checkpoint's replay stops after its last saved tensor: a
-        function returning how many tensors it has saved so far. Otherwise None."""
-
-
-_FOREIGN_CHECKPOINT = {"torch": "torch.utils.checkpoint", "mindspore": "mindspore.recompute"}
-
-NOT_A_VIEW = object()
-IDENTITY = None  # a view_spec meaning "the input itself"
-
 # The excluded region whose forward is running in this context, if any.
-_active_region: contextvars.ContextVar[ExcludedRegion | None] = contextvars.ContextVar(
+ACTIVE_REGION: contextvars.ContextVar[ExcludedRegion | None] = contextvars.ContextVar(
     "recomp_active_region", default=None
 )
 
 
+class _Observers:
+    """Callbacks the test seam (``recomp._testing``) installs; all None in normal use."""
+
+    __slots__ = ("boundary", "deferred", "kept", "rewind", "rng_alignment")
+
+    def __init__(self) -> None:
+        self.kept: Callable[[Any, Any], None] | None = None  # (original, kept value)
+        self.deferred: Callable[[bool], None] | None = None  # (is a view)
+        self.boundary: Callable[[list[Any], list[Any]], None] | None = None  # forward only
+        self.rng_alignment = True
+        self.rewind = True
+
+
+OBSERVERS = _Observers()
+
+
 # --------------------------------------------------------------------------- saved tensors
-
-
-class _Snapshot:
-    """A tensor kept by recomp, and a way to tell whether it was changed in place since.
-
-    ``value`` is what is kept: an alias without autograd history where the
-    framework allows it (see ``Backend.keep_saved``). The version counters of
-    the original and of ``value`` are both checked: some frameworks give an
-    alias a counter of its own. The original is referenced weakly, except that
-    a cached output holds it (``hold=True``) until the end of its checkpoint's
-    forward, when the first check runs (``release``): holding it longer would
-    tie the cache to the autograd graph in a cycle the collector cannot see.
-    """
-
-    __slots__ = ("held", "origin", "origin_version", "value", "value_version")
-
-    def __init__(self, backend: Backend, tensor: Any, value: Any, hold: bool = False) -> None:
-        self.value = value
-        self.value_version = backend.version(self.value)
-        self.origin_version = backend.version(tensor)
-        self.origin = weakref.ref(tensor) if self.origin_version is not None else None
-        self.held = tensor if hold else None
-
-    def changed(self, backend: Backend) -> bool:
-        origin = self.held if self.held is not None else self.origin and self.origin()
-        if origin is not None and backend.version(origin) != self.origin_version:
-            return True
-        return backend.version(self.value) != self.value_version
-
-    def release(self) -> None:
-        self.held = None
 
 
 class _Kept:
@@ -203,11 +143,14 @@ class _Kept:
     __slots__ = ("region", "snapshot")
 
     def __init__(self, tensor: Any, region: ExcludedRegion) -> None:
-        self.snapshot = _Snapshot(region.backend, tensor, region.backend.keep_saved(tensor))
+        self.snapshot = Snapshot(tensor, region.backend.keep_saved(tensor))
         self.region = region
 
     def unpack(self) -> Any:
-        if self.snapshot.changed(self.region.backend):
+        backend = self.region.backend
+        if backend.versions_need_sync:
+            backend.sync()
+        if self.snapshot.changed(backend):
             raise CachedValueMutatedError(
                 f"A tensor saved by excluded region {self.region.name!r} was modified in place "
                 "after the region ran. Its backward would use the changed value. Make the "
@@ -217,7 +160,7 @@ class _Kept:
         return self.snapshot.value
 
 
-class _InputSlot:
+class InputSlot:
     """One region input that the replay will supply; bound when the replay reaches the region."""
 
     __slots__ = ("__weakref__", "bound", "index", "layout", "path", "region")
@@ -249,7 +192,7 @@ class _Deferred:
 
     __slots__ = ("slot", "view")
 
-    def __init__(self, slot: _InputSlot, view: Any) -> None:
+    def __init__(self, slot: InputSlot, view: Any) -> None:
         self.slot = slot
         self.view = view
 
@@ -260,8 +203,9 @@ class _Deferred:
                 f"Excluded region {slot.region.name!r} needs its input {slot.path} from the "
                 "checkpoint's replay, but the replay has not reached the region. This happens "
                 "when the region's output is used outside the autograd graph of its checkpoint "
-                "(for example through .detach() and re-attached). Pass the output on unchanged, "
-                "or exclude the region from a recomp checkpoint only."
+                "(for example through .detach() and re-attached), or when it is kept inside an "
+                "object recomp does not look into. Pass the output on unchanged, or exclude the "
+                "region from a recomp checkpoint only."
             )
         if self.view is IDENTITY:
             return slot.bound
@@ -287,7 +231,7 @@ class _Packer:
         inv: Invocation,
         fn: Callable[..., Any],
         leaves: list[Any],
-        in_spec: _pytree.TreeSpec,
+        in_spec: TreeSpec,
     ) -> None:
         backend = region.backend
         self.region = region
@@ -295,39 +239,59 @@ class _Packer:
         self._parameter_keys: set[Hashable] | None = None
         self.leaves: list[Any] = leaves
         self.in_spec = in_spec
-        self.slots: dict[int, _InputSlot] = {}
+        self.slots: dict[int, InputSlot] = {}
+        self.snapshots: list[Snapshot] = []  # of kept tensors, versions read at close()
         # Storages kept for real (parameters aside) -> bytes, for ExcludedRegion.saved_bytes.
         self.kept: dict[Hashable, int] = {}
         # Storage of each input the replay will reproduce -> its leaf index.
         self.deferrable: dict[Hashable, int] = {}
+        # Version of each tensor input at entry, and per deferred handle the version of
+        # its input when it was deferred: to tell when the region changes an input.
+        self.entry_versions: dict[int, int | None] = {}
+        self.deferred_versions: list[tuple[int, int | None]] = []
+        needs_sync = backend.versions_need_sync
+        if needs_sync:
+            backend.sync()
         for i, leaf in enumerate(leaves):
             if not backend.is_tensor(leaf) or backend.is_parameter(leaf):
                 continue
+            self.entry_versions[i] = backend.version(leaf)
             key = backend.storage_key(leaf)
             if key is None:
                 continue
-            if key in inv.excluded_output_keys:
-                inv.consumed_keys.add(key)
-            elif key not in inv.checkpoint_input_keys:
+            if key in inv.excluded_outputs:
+                inv.consumed.add(key)
+            elif key not in inv.checkpoint_inputs:
                 self.deferrable.setdefault(key, i)
 
     def pack(self, t: Any) -> Any:
         region = self.region
         backend = region.backend
-        index = self.deferrable.get(backend.storage_key(t)) if self.deferrable else None
+        key = backend.storage_key(t)
+        index = self.deferrable.get(key) if self.deferrable else None
         if index is not None:
             base = self.leaves[index]
+            # An input changed in place by the region before this save holds values
+            # the replay's input will not have: keep it for real (the version read
+            # here may lag on asynchronous frameworks; close() checks again).
+            version = backend.version(base)
             view = backend.view_spec(t, base)
-            if view is not NOT_A_VIEW:
+            if view is not NOT_A_VIEW and version == self.entry_versions.get(index):
                 slot = self.slots.get(index)
                 if slot is None:
-                    path = _input_path(_pytree.leaf_paths(self.in_spec)[index])
-                    slot = self.slots[index] = _InputSlot(region, index, path, backend.layout(base))
+                    path = _input_path(self.region.backend.leaf_paths(self.in_spec)[index])
+                    slot = self.slots[index] = InputSlot(region, index, path, backend.layout(base))
+                self.deferred_versions.append((index, version))
+                if OBSERVERS.deferred is not None:
+                    OBSERVERS.deferred(view is not IDENTITY)
                 return _Deferred(slot, view)
-        key = backend.storage_key(t)
         if not backend.is_parameter(t) and key not in self.parameter_keys():
             self.kept[key] = backend.storage_nbytes(t)
-        return _Kept(t, region)
+        kept = _Kept(t, region)
+        self.snapshots.append(kept.snapshot)
+        if OBSERVERS.kept is not None and not backend.is_parameter(t):
+            OBSERVERS.kept(t, kept.snapshot.value)
+        return kept
 
     def parameter_keys(self) -> set[Hashable]:
         """Storages of the wrapped module's parameters. A parameter may be saved through
@@ -339,96 +303,50 @@ class _Packer:
             self._parameter_keys = {backend.storage_key(p) for p in params}
         return self._parameter_keys
 
-    def close(self) -> dict[int, _InputSlot]:
+    def mutated_inputs(self) -> list[int]:
+        """Input leaves the region changed in place (the backend synced by the caller);
+        raises if a deferred handle's input changed after it was saved."""
+        backend = self.region.backend
+        mutated = [
+            i
+            for i, before in self.entry_versions.items()
+            if before is not None and backend.version(self.leaves[i]) != before
+        ]
+        for index, version in self.deferred_versions:
+            if index in mutated and backend.version(self.leaves[index]) != version:
+                raise CachedValueMutatedError(
+                    f"Excluded region {self.region.name!r} changed its input "
+                    f"{self.slots[index].path} in place after an operation inside it had saved "
+                    "that input for backward, which would then see the changed value. Make the "
+                    "in-place operation out-of-place (e.g. `x = x.relu()` instead of "
+                    "`x.relu_()`)."
+                )
+        return mutated
+
+    def close(self) -> dict[int, InputSlot]:
         """Forget the inputs (see the class docstring); return the slots that were created."""
         slots = self.slots
         self.leaves = []
         self.deferrable = {}
         self.slots = {}
+        self.snapshots = []
         self.fn = None
         self._parameter_keys = None
         return slots
 
 
-# --------------------------------------------------------------------------- cache
-
-
-class _CachedOutput:
-    __slots__ = ("nbytes", "requires_grad", "snapshot")
-
-    def __init__(self, snapshot: _Snapshot | None, requires_grad: bool, nbytes: int) -> None:
-        self.snapshot = snapshot  # None when save_output=False or dropped
-        self.requires_grad = requires_grad
-        self.nbytes = nbytes
-
-
-class CacheEntry:
-    """One call of an excluded region in one invocation."""
-
-    __slots__ = (
-        "boundary_inputs",
-        "in_spec",
-        "out_leaves",
-        "out_spec",
-        "outputs",
-        "region",
-        "rng_state",
-        "saves_after",
-        "slots",
-        "unreachable",
-    )
-
-    def __init__(self, region: ExcludedRegion, in_spec: _pytree.TreeSpec) -> None:
-        self.region = region
-        self.in_spec = in_spec
-        self.out_spec: _pytree.TreeSpec | None = None
-        # Output leaves with each tensor replaced by an index into ``outputs``.
-        self.out_leaves: list[Any] = []
-        self.outputs: list[_CachedOutput] = []
-        # Input leaf indices saved by the boundary (empty: no boundary).
-        self.boundary_inputs: list[int] = []
-        # Weak: a slot lives as long as some saved handle of the region needs it.
-        self.slots: list[weakref.ref[_InputSlot]] = []
-        self.rng_state: Any = None
-        # Tensors the checkpoint had saved when this call returned (None: unknown).
-        self.saves_after: int | None = None
-        self.unreachable = False
-
-    def check_outputs_unchanged(self) -> None:
-        """Raise if a cached output was changed in place since the region returned.
-
-        Checked at the end of the forward (the original may be gone by the replay,
-        and some frameworks give the cached alias a version counter of its own) and
-        again in each replay."""
-        backend = self.region.backend
-        for cached in self.outputs:
-            if cached.snapshot is not None and cached.snapshot.changed(backend):
-                raise CachedValueMutatedError(
-                    f"The output of excluded region {self.region.name!r} was modified in place "
-                    "after the region returned. The replay would hand the changed value to the "
-                    "code after the region. Make the in-place operation out-of-place (e.g. "
-                    "`y = y * 2` instead of `y.mul_(2)`), or clone the output before changing it."
-                )
-
-    def release(self) -> None:
-        """The forward is over (or failed): stop holding the original outputs."""
-        for cached in self.outputs:
-            if cached.snapshot is not None:
-                cached.snapshot.release()
-
-    def drop_cache(self) -> None:
-        """Called when the checkpoint saved nothing after this call: an early-stopping
-        replay ends before the code after it runs (at the latest in the boundary,
-        which still binds the deferred inputs), so its outputs need not be kept."""
-        self.unreachable = True
-        for cached in self.outputs:
-            if cached.snapshot is not None:
-                self.region.saved_bytes -= cached.nbytes
-                cached.snapshot = None
-
-
 class _OutputIndex(int):
     """Marks a tensor's position in ``CacheEntry.out_leaves``."""
+
+
+def callee_identity(fn: Any) -> Any:
+    """What identifies the code a region runs, across wrapper objects: the module or
+    object of a bound method with its function, a function's code, else the callable."""
+    owner = getattr(fn, "__self__", None)
+    func = getattr(fn, "__func__", None)
+    if owner is not None and func is not None:
+        return (owner, func)
+    return getattr(fn, "__code__", None) or fn
 
 
 # --------------------------------------------------------------------------- the region
@@ -441,10 +359,20 @@ class ExcludedRegion:
     that returned the cached output instead.
     """
 
-    def __init__(self, backend: Backend, name: str, save_output: bool) -> None:
+    def __init__(
+        self, backend: Backend, name: str, save_output: bool, copy_output: bool = False
+    ) -> None:
+        check_flag("save_output", save_output)
+        check_flag("copy_output", copy_output)
+        if copy_output and not save_output:
+            raise ValueError(
+                "copy_output=True caches a copy of the output, save_output=False caches none: "
+                "pass one of them."
+            )
         self.backend = backend
         self.name = name
         self.save_output = save_output
+        self.copy_output = copy_output
         self.runs = 0
         self.skips = 0
         # Activation bytes the last call inside a checkpoint keeps until backward: saved
@@ -456,7 +384,7 @@ class ExcludedRegion:
         """Call ``fn`` (the wrapped module) as this region; see NOTE [ How an excluded region... ]."""
         state = get_recompute_state()
         if state is not None and state.is_recomputing:
-            return self._replay(state._invocation, args, kwargs)
+            return self._replay(_invocation(state), fn, args, kwargs)
         grad = self.backend.grad_enabled()
         if grad and not self._warned_foreign and self.backend.in_backward():
             # Running during backward, but not in a recomp replay: a checkpoint that
@@ -467,17 +395,17 @@ class ExcludedRegion:
             out = fn(*args, **kwargs)
             self.runs += 1
             return out
-        return self._record(state._invocation, fn, args, kwargs)
+        return self._record(_invocation(state), fn, args, kwargs)
 
     def _warn_foreign_replay(self) -> None:
         self._warned_foreign = True
-        framework = self.backend.name
+        backend = self.backend
         warnings.warn(
             f"Excluded region {self.name!r} is being executed again during backward by a "
             f"checkpoint that recomp does not control (for example a plain "
-            f"{_FOREIGN_CHECKPOINT.get(framework, 'checkpoint')} or a reentrant checkpoint), so "
-            "its exclusion is not in effect and it is replayed. Checkpoint the enclosing block "
-            f"with recomp.{framework}.checkpoint or recomp.{framework}.checkpoint_wrapper instead.",
+            f"{backend.foreign_checkpoint} or a reentrant checkpoint), so its exclusion is not "
+            "in effect and it is replayed. Checkpoint the enclosing block with "
+            f"{backend.package}.checkpoint or {backend.package}.checkpoint_wrapper instead.",
             ForeignCheckpointWarning,
             stacklevel=4,
         )
@@ -491,7 +419,7 @@ class ExcludedRegion:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        outer = _active_region.get()
+        outer = ACTIVE_REGION.get()
         if outer is not None:
             raise NestedExclusionError(
                 f"Excluded region {self.name!r} was called inside excluded region {outer.name!r}. "
@@ -499,66 +427,98 @@ class ExcludedRegion:
                 f"remove the inner checkpoint_exclude_wrapper (around {self.name!r})."
             )
         backend = self.backend
-        leaves, in_spec = _pytree.flatten((args, kwargs))
-        entry = CacheEntry(self, in_spec)
+        leaves, in_spec = backend.flatten((args, kwargs))
+        entry = CacheEntry(self, callee_identity(fn), in_spec)
 
         packer = _Packer(self, inv, fn, leaves, in_spec)
-        token = _active_region.set(self)
+        token = ACTIVE_REGION.set(self)
         try:
             with backend.saved_tensors_hooks(packer.pack, _unpack), backend.region_context():
                 out = fn(*args, **kwargs)
+            if backend.versions_need_sync:
+                backend.sync()
+            mutated = packer.mutated_inputs()
+            for snapshot in packer.snapshots:
+                snapshot.read_versions(backend)
         finally:
-            _active_region.reset(token)
+            ACTIVE_REGION.reset(token)
             kept = packer.kept
             slots = packer.close()
         self.runs += 1
 
-        if inv.align_rng:
+        if inv.align_rng and OBSERVERS.rng_alignment:
             entry.rng_state = backend.get_rng_state()
-        out_leaves, entry.out_spec = _pytree.flatten(out)
+        out_leaves, entry.out_spec = backend.flatten(out)
         differentiable: list[int] = []  # positions in out_leaves
         for pos, leaf in enumerate(out_leaves):
             if not backend.is_tensor(leaf):
+                self._check_not_opaque(leaf, entry.out_spec, pos)
                 entry.out_leaves.append(leaf)
                 continue
             requires_grad = backend.requires_grad(leaf)
-            cached = (
-                _Snapshot(backend, leaf, backend.detach(leaf), hold=True)
-                if self.save_output
-                else None
-            )
+            cached = None
+            if self.save_output:
+                value = backend.copy(leaf) if self.copy_output else backend.detach(leaf)
+                cached = Snapshot(leaf, value, hold=not self.copy_output)
+                cached.read_versions(backend)
             key = backend.storage_key(leaf)
             new_bytes = 0
             if key is not None:
-                inv.excluded_output_keys.add(key)
+                inv.excluded_outputs.add(key, leaf)
                 if not self.save_output:
                     inv.unsaved_outputs[key] = self.name
+                elif self.copy_output:
+                    new_bytes = backend.storage_nbytes(cached.value) if cached else 0
                 elif key not in kept:
                     new_bytes = kept[key] = backend.storage_nbytes(leaf)
-            entry.outputs.append(_CachedOutput(cached, requires_grad, new_bytes))
+            entry.outputs.append(CachedOutput(cached, requires_grad, new_bytes, self.copy_output))
             entry.out_leaves.append(_OutputIndex(len(entry.outputs) - 1))
             if requires_grad:
                 differentiable.append(pos)
+        for index in mutated:
+            leaf = leaves[index]
+            snapshot = Snapshot(leaf, backend.detach(leaf))
+            snapshot.read_versions(backend)
+            entry.mutated_inputs.append(MutatedInput(index, snapshot))
 
         if slots and differentiable:
             entry.boundary_inputs = sorted(slots)
-            passed = backend.boundary(
-                [leaves[i] for i in entry.boundary_inputs], [out_leaves[p] for p in differentiable]
-            )
+            saved = [leaves[i] for i in entry.boundary_inputs]
+            outputs = [out_leaves[p] for p in differentiable]
+            if OBSERVERS.boundary is not None:
+                OBSERVERS.boundary(saved, outputs)
+            passed = backend.boundary(saved, outputs)
             for pos, alias in zip(differentiable, passed):
                 out_leaves[pos] = alias
         entry.slots = [weakref.ref(slot) for slot in slots.values()]
-        if inv.save_counter is UNSET:
-            inv.save_counter = backend.save_counter()
-        if callable(inv.save_counter):
-            entry.saves_after = inv.save_counter()
+        counter = inv.ask_save_counter(backend)
+        if counter is not None:
+            entry.saves_after = counter()
         inv.entries.append(entry)
-        self.saved_bytes = sum(kept.values())
-        return _pytree.unflatten(out_leaves, entry.out_spec)
+        self.saved_bytes = sum(kept.values()) + sum(c.nbytes for c in entry.outputs if c.copied)
+        return backend.unflatten(out_leaves, entry.out_spec)
+
+    def _check_not_opaque(self, leaf: Any, spec: TreeSpec, pos: int) -> None:
+        hidden = self.backend.opaque_tensors(leaf)
+        if hidden:
+            path = self.backend.leaf_paths(spec)[pos]
+            raise RecompError(
+                f"Excluded region {self.name!r} returned a {type(leaf).__name__} (at output "
+                f"{path}) whose attributes {', '.join(map(repr, hidden))} hold tensors that recomp "
+                "cannot see, so it can neither cache them for the replay nor notice changes to "
+                "them. Return the tensors in a tuple, list, dict, named tuple or dataclass, or "
+                f"{self.backend.register_hint(type(leaf))}."
+            )
 
     # -- replay --------------------------------------------------------------
 
-    def _replay(self, inv: Invocation, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _replay(
+        self,
+        inv: Invocation,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         backend = self.backend
         cursor = inv.replay_cursor
         if cursor >= len(inv.entries):
@@ -570,15 +530,16 @@ class ExcludedRegion:
                 "is_recomputing() or on values that change between the two)."
             )
         entry = inv.entries[cursor]
-        if entry.region is not self:
+        if entry.region is not self and entry.callee != callee_identity(fn):
             raise ReplayMismatchError(
-                f"The checkpoint's replay called excluded region {self.name!r} where its forward "
-                f"called {entry.region.name!r} (excluded call #{cursor + 1}). The checkpointed "
-                "function must call its excluded regions in the same order in the forward and in "
-                "the replay."
+                f"The checkpoint's replay called excluded region {self.name!r} "
+                f"({_describe(callee_identity(fn))}) where its forward called "
+                f"{entry.region.name!r} ({_describe(entry.callee)}) (excluded call "
+                f"#{cursor + 1}). The checkpointed function must call its excluded regions in "
+                "the same order in the forward and in the replay."
             )
         inv.replay_cursor = cursor + 1
-        leaves, in_spec = _pytree.flatten((args, kwargs))
+        leaves, in_spec = backend.flatten((args, kwargs))
         if in_spec != entry.in_spec:
             raise ReplayMismatchError(
                 f"The replay called excluded region {self.name!r} with arguments shaped "
@@ -589,17 +550,16 @@ class ExcludedRegion:
             slot = ref()
             if slot is not None:  # None: the region's backward no longer needs it
                 slot.bind(leaves[slot.index])
+        if backend.versions_need_sync:
+            backend.sync()
         entry.check_outputs_unchanged()
+        for mutated in entry.mutated_inputs:
+            backend.copy_into(leaves[mutated.index], mutated.snapshot.value)
         if entry.rng_state is not None:
             backend.set_rng_state(entry.rng_state)
 
         self.skips += 1
-        values = [
-            backend.replay_alias(c.snapshot.value, c.requires_grad)
-            if c.snapshot is not None
-            else backend.stub(c.requires_grad)
-            for c in entry.outputs
-        ]
+        values = [_replay_value(backend, c) for c in entry.outputs]
         if entry.boundary_inputs:
             grad_idx = [i for i, c in enumerate(entry.outputs) if c.requires_grad]
             passed = backend.boundary(
@@ -619,7 +579,34 @@ class ExcludedRegion:
             values[leaf] if isinstance(leaf, _OutputIndex) else leaf for leaf in entry.out_leaves
         ]
         assert entry.out_spec is not None
-        return _pytree.unflatten(out_leaves, entry.out_spec)
+        return backend.unflatten(out_leaves, entry.out_spec)
+
+
+def _replay_value(backend: Backend, cached: CachedOutput) -> Any:
+    if cached.snapshot is None:
+        return backend.stub(cached.requires_grad)
+    value = cached.snapshot.value
+    if cached.copied:  # the code after the region may change it in place again
+        value = backend.copy(value)
+    return backend.replay_alias(value, cached.requires_grad)
+
+
+def _describe(callee: Any) -> str:
+    if isinstance(callee, tuple):
+        owner, func = callee
+        return (
+            f"{type(owner).__name__}.{getattr(func, '__name__', func)} of object at {id(owner):#x}"
+        )
+    code = getattr(callee, "co_name", None)
+    if code is not None:
+        return f"function {code} at {callee.co_filename}:{callee.co_firstlineno}"
+    return repr(callee)
+
+
+def _invocation(state: RecomputeState) -> Invocation:
+    record = state.record
+    assert isinstance(record, Invocation)
+    return record
 
 
 def _input_path(path: str) -> str:
@@ -668,6 +655,19 @@ class _ReplayRng:
         self.backend.set_rng_state(self._saved.pop())
 
 
+class _Replay(PhaseContext):
+    """The replay phase; the test seam can make it skip the rewind of the cursors."""
+
+    def __enter__(self) -> RecomputeState:
+        if OBSERVERS.rewind:
+            return super().__enter__()
+        inv = _invocation(self.state)
+        cursors = inv.replay_cursor, inv.child_cursor
+        state = super().__enter__()
+        inv.replay_cursor, inv.child_cursor = cursors
+        return state
+
+
 def make_context_fn(
     invocation: Invocation,
     user_context_fn: Callable[[], tuple[Any, Any]] | None,
@@ -683,9 +683,14 @@ def make_context_fn(
     ``rng_backend``: restore the RNG for the replay here (see ``_ReplayRng``).
     """
 
+    call = invocation.call
+
     def context_fn() -> tuple[Any, Any]:
-        forward: list[Any] = [PhaseContext(invocation, is_recomputing=forward_replays)]
-        replay: list[Any] = [PhaseContext(invocation, is_recomputing=True)]
+        forward_state = RecomputeState(invocation, call, is_recomputing=forward_replays)
+        forward: list[Any] = [
+            _Replay(forward_state) if forward_replays else PhaseContext(forward_state)
+        ]
+        replay: list[Any] = [_Replay(RecomputeState(invocation, call, is_recomputing=True))]
         if rng_backend is not None:
             replay.append(_ReplayRng(rng_backend))
         if user_context_fn is not None:
@@ -717,19 +722,19 @@ def begin(
     """
     parent = get_recompute_state()
     if parent is not None and parent.is_recomputing:
-        invocation = parent._invocation.next_child()
+        invocation = _invocation(parent).next_child()
         replaying = True
     else:
-        invocation = Invocation(align_rng=align_rng)
+        invocation = Invocation(CallIdentity(), align_rng=align_rng)
         for leaf in _iter_tensors(backend, (args, kwargs)):
             key = backend.storage_key(leaf)
             if key is not None:
-                invocation.checkpoint_input_keys.add(key)
+                invocation.checkpoint_inputs.add(key, leaf)
         if parent is not None:
-            parent._invocation.children.append(invocation)
+            _invocation(parent).children.append(invocation)
             # The parent's replay re-runs this call in full (see above) and needs
             # every cached output then, even those this checkpoint's own replay skips.
-            invocation.save_counter = None
+            invocation.disable_pruning()
         replaying = False
     return make_context_fn(
         invocation,
@@ -740,22 +745,19 @@ def begin(
 
 
 def _iter_tensors(backend: Backend, tree: Any) -> Iterator[Any]:
-    leaves, _ = _pytree.flatten(tree)
+    leaves, _ = backend.flatten(tree)
     return (leaf for leaf in leaves if backend.is_tensor(leaf))
 
 
-def check_use_reentrant(use_reentrant: Any, framework: str) -> None:
+def check_use_reentrant(use_reentrant: Any, package: str) -> None:
     if use_reentrant:
         raise ValueError(
             "recomp checkpoints are non-reentrant: excluded regions rely on saved-tensor hooks, "
             "which a reentrant checkpoint bypasses. Drop use_reentrant=True (or pass "
-            f"use_reentrant=False) when calling recomp.{framework}.checkpoint."
+            f"use_reentrant=False) when calling {package}.checkpoint."
         )
 
 
-def check_save_output(save_output: Any) -> None:
-    if not isinstance(save_output, bool):
-        raise ValueError(
-            f"save_output must be True or False, got {save_output!r} "
-            f"({type(save_output).__name__})."
-        )
+def check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__}).")

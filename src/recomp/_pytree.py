@@ -1,29 +1,59 @@
-"""Flatten nested containers of a region's inputs and outputs into leaves.
+"""Flatten what a region or checkpoint takes and returns into leaves, and rebuild it exactly.
 
-Only the containers that appear in model code are walked: tuples, lists,
-dicts and namedtuples. Anything else is a leaf, tensors and non-tensors alike,
-so unknown objects pass through a region untouched.
+A region's output is handed back by the replay, so whatever container held
+its tensors must come back as the same type: a named tuple, a ``topk`` result,
+an ``OrderedDict``, a ``defaultdict`` with its factory, a ``ModelOutput``, a
+tuple, list or dict subclass, a dataclass. Walked here:
+
+* types a framework's own registry knows (``registry``: PyTorch passes its
+  pytree registry, where transformers registers ``ModelOutput``), flattened
+  and rebuilt by that registry's functions;
+* tuples, lists and dicts, and their subclasses (rebuilt as the same type);
+  named tuples and struct sequences;
+* dataclass instances (rebuilt with every field, the others copied).
+
+Anything else is a leaf and passes through untouched. A leaf that hides
+tensors in its attributes is reported by :func:`opaque_tensors`, so that the
+engine can refuse to cache what it cannot see.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any
+
+#: type -> (flatten: obj -> (children, context), unflatten: (children, context) -> obj), or None
+Registry = Callable[
+    [type], "tuple[Callable[[Any], tuple[list[Any], Any]], Callable[[list[Any], Any], Any]] | None"
+]
 
 
 class TreeSpec:
     """How to put leaves back into the original nesting.
 
-    ``kind`` is one of "leaf", "tuple", "list", "dict", "namedtuple";
-    ``context`` is the dict keys or the namedtuple type.
+    ``kind`` is "leaf", "tuple", "list", "dict", "namedtuple", "structseq",
+    "sequence" (a tuple or list subclass), "mapping" (a dict subclass),
+    "dataclass" or "registered". Two specs are equal when their types,
+    keys and children are; how a node is rebuilt takes no part in equality.
     """
 
-    __slots__ = ("children", "context", "kind", "num_leaves")
+    __slots__ = ("children", "context", "kind", "num_leaves", "rebuild", "type")
 
-    def __init__(self, kind: str, context: Any = None, children: tuple[TreeSpec, ...] = ()) -> None:
+    def __init__(
+        self,
+        kind: str,
+        type_: type | None = None,
+        context: Any = None,
+        children: tuple[TreeSpec, ...] = (),
+        rebuild: Any = None,
+    ) -> None:
         self.kind = kind
+        self.type = type_
         self.context = context
         self.children = children
+        self.rebuild = rebuild
         if kind == "leaf":
             self.num_leaves = 1
         else:
@@ -36,6 +66,7 @@ class TreeSpec:
         return (
             isinstance(other, TreeSpec)
             and self.kind == other.kind
+            and self.type is other.type
             and self.context == other.context
             and self.children == other.children
         )
@@ -46,44 +77,78 @@ class TreeSpec:
     def __repr__(self) -> str:
         if self.kind == "leaf":
             return "*"
-        inner = ", ".join(map(repr, self.children))
-        if self.kind == "dict":
+        if self.kind in ("dict", "mapping"):
             inner = ", ".join(f"{k!r}: {c!r}" for k, c in zip(self.context, self.children))
-            return "{" + inner + "}"
-        if self.kind == "namedtuple":
-            return f"{self.context.__name__}({inner})"
-        return f"[{inner}]" if self.kind == "list" else f"({inner})"
+            body = "{" + inner + "}"
+        else:
+            body = "(" + ", ".join(map(repr, self.children)) + ")"
+            if self.kind == "list":
+                body = "[" + body[1:-1] + "]"
+        if self.kind in ("tuple", "list", "dict"):
+            return body
+        assert self.type is not None
+        return f"{self.type.__name__}{body}"
 
 
 _LEAF = TreeSpec("leaf")
 
 
-def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
+def flatten(tree: Any, registry: Registry | None = None) -> tuple[list[Any], TreeSpec]:
     """Return the leaves of ``tree`` in a fixed order and the spec to rebuild it."""
     leaves: list[Any] = []
-    spec = _flatten_into(tree, leaves)
+    spec = _flatten_into(tree, leaves, registry)
     return leaves, spec
 
 
-def _flatten_into(tree: Any, leaves: list[Any]) -> TreeSpec:
+def _flatten_into(tree: Any, leaves: list[Any], registry: Registry | None) -> TreeSpec:
     kind = type(tree)
-    # Exact types first: this runs on every excluded call, twice.
+    # Exact built-in containers first: this runs on every excluded call, twice.
     if kind is tuple:
-        return TreeSpec("tuple", None, tuple([_flatten_into(v, leaves) for v in tree]))
+        return TreeSpec(
+            "tuple", tuple, None, tuple([_flatten_into(v, leaves, registry) for v in tree])
+        )
     if kind is dict:
         keys = tuple(tree)
-        return TreeSpec("dict", keys, tuple([_flatten_into(tree[k], leaves) for k in keys]))
+        children = tuple([_flatten_into(tree[k], leaves, registry) for k in keys])
+        return TreeSpec("dict", dict, keys, children)
     if kind is list:
-        return TreeSpec("list", None, tuple([_flatten_into(v, leaves) for v in tree]))
+        return TreeSpec(
+            "list", list, None, tuple([_flatten_into(v, leaves, registry) for v in tree])
+        )
+    if registry is not None:
+        node = registry(kind)
+        if node is not None:
+            flatten_node, unflatten_node = node
+            children_values, context = flatten_node(tree)
+            children = tuple([_flatten_into(v, leaves, registry) for v in children_values])
+            return TreeSpec("registered", kind, context, children, unflatten_node)
     if isinstance(tree, tuple):
+        children = tuple([_flatten_into(v, leaves, registry) for v in tree])
         if hasattr(kind, "_fields"):
-            return TreeSpec("namedtuple", kind, tuple([_flatten_into(v, leaves) for v in tree]))
-        return TreeSpec("tuple", None, tuple([_flatten_into(v, leaves) for v in tree]))
+            return TreeSpec("namedtuple", kind, kind._fields, children)
+        if hasattr(kind, "n_sequence_fields"):
+            return TreeSpec("structseq", kind, None, children)
+        return TreeSpec("sequence", kind, None, children)
+    template: Any
     if isinstance(tree, list):
-        return TreeSpec("list", None, tuple([_flatten_into(v, leaves) for v in tree]))
+        template = copy.copy(tree)
+        template[:] = [None] * len(tree)
+        children = tuple([_flatten_into(v, leaves, registry) for v in tree])
+        return TreeSpec("sequence", kind, None, children, template)
     if isinstance(tree, dict):
         keys = tuple(tree)
-        return TreeSpec("dict", keys, tuple([_flatten_into(tree[k], leaves) for k in keys]))
+        template = copy.copy(tree)
+        for key in keys:  # keep the type and its extras (a defaultdict's factory), not the values
+            template[key] = None
+        children = tuple([_flatten_into(tree[k], leaves, registry) for k in keys])
+        return TreeSpec("mapping", kind, keys, children, template)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        names = tuple(f.name for f in dataclasses.fields(tree))
+        template = copy.copy(tree)
+        for name in names:
+            object.__setattr__(template, name, None)
+        children = tuple([_flatten_into(getattr(tree, n), leaves, registry) for n in names])
+        return TreeSpec("dataclass", kind, names, children, template)
     leaves.append(tree)
     return _LEAF
 
@@ -92,21 +157,41 @@ def unflatten(leaves: list[Any], spec: TreeSpec) -> Any:
     """Inverse of :func:`flatten`."""
     if len(leaves) != spec.num_leaves:
         raise ValueError(f"expected {spec.num_leaves} leaves for {spec!r}, got {len(leaves)}")
-    it = iter(leaves)
-    return _build(it, spec)
+    return _build(iter(leaves), spec)
 
 
 def _build(it: Iterator[Any], spec: TreeSpec) -> Any:
-    if spec.kind == "leaf":
+    kind = spec.kind
+    if kind == "leaf":
         return next(it)
     values = [_build(it, child) for child in spec.children]
-    if spec.kind == "tuple":
+    if kind == "tuple":
         return tuple(values)
-    if spec.kind == "list":
+    if kind == "list":
         return values
-    if spec.kind == "namedtuple":
-        return spec.context(*values)
-    return dict(zip(spec.context, values))
+    if kind == "dict":
+        return dict(zip(spec.context, values))
+    assert spec.type is not None
+    if kind == "registered":
+        return spec.rebuild(values, spec.context)
+    if kind == "namedtuple":
+        return spec.type(*values)
+    if kind == "structseq":
+        return spec.type(values)
+    if kind == "sequence":
+        if spec.rebuild is None:  # a tuple subclass
+            return spec.type(values)
+        out = copy.copy(spec.rebuild)
+        out[:] = values
+        return out
+    out = copy.copy(spec.rebuild)
+    if kind == "mapping":
+        for key, value in zip(spec.context, values):
+            out[key] = value
+    else:  # dataclass
+        for name, value in zip(spec.context, values):
+            object.__setattr__(out, name, value)
+    return out
 
 
 def leaf_paths(spec: TreeSpec, root: str = "") -> list[str]:
@@ -120,12 +205,29 @@ def _paths_into(spec: TreeSpec, prefix: str, out: list[str]) -> None:
     if spec.kind == "leaf":
         out.append(prefix or "<value>")
         return
-    if spec.kind == "dict":
+    if spec.kind in ("dict", "mapping"):
         for key, child in zip(spec.context, spec.children):
             _paths_into(child, f"{prefix}[{key!r}]", out)
-    elif spec.kind == "namedtuple":
-        for field, child in zip(spec.context._fields, spec.children):
+    elif spec.kind in ("namedtuple", "dataclass"):
+        for field, child in zip(spec.context, spec.children):
             _paths_into(child, f"{prefix}.{field}", out)
     else:
         for i, child in enumerate(spec.children):
             _paths_into(child, f"{prefix}[{i}]", out)
+
+
+def opaque_tensors(leaf: Any, is_tensor: Callable[[Any], bool]) -> list[str]:
+    """Attributes of ``leaf`` that hold tensors the flattener did not see (one level
+    deep, and inside tuples, lists and dicts there): what a cache of the leaf
+    would silently share with the code after the region."""
+    if is_tensor(leaf) or isinstance(leaf, type):
+        return []
+    attributes = getattr(leaf, "__dict__", None)
+    if not isinstance(attributes, dict):
+        return []
+    found = []
+    for name, value in attributes.items():
+        inner, _ = flatten(value)
+        if any(is_tensor(v) for v in inner):
+            found.append(name)
+    return found

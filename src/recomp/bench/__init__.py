@@ -3,6 +3,6 @@ strategies side by side, on a built-in Llama-style decoder or on a user's model.
 
 Nothing here is imported by ``import recomp``; ``python -m recomp bench`` loads it lazily.
 The modules that import a framework (``models``, ``strategies``, ``measure`` for PyTorch;
-``ms_models``, ``ms_strategies`` for MindSpore) run inside child processes, one per
+``ms_models``, ``ms_runner`` for MindSpore) run inside child processes, one per
 measurement, so that allocator readings of one strategy never see another's memory.
 """

@@ -26,12 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..torch._compat import TorchDispatchMode, cpu_attention_ops
 from .memory import malloc_in_use
-
-aten = torch.ops.aten
-
 
 # --------------------------------------------------------------------------- memory
 
@@ -169,10 +166,12 @@ def _cpu_sdpa_backward_flop(
 
 # PyTorch's table has the CUDA attention kernels but not the CPU one, which would count
 # as zero. Same formulas as PyTorch's (causal masking is not discounted, as there).
-CPU_ATTENTION_FORMULAS = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flop,
-}
+_CPU_ATTENTION = cpu_attention_ops()
+CPU_ATTENTION_FORMULAS = (
+    {}
+    if _CPU_ATTENTION is None
+    else {_CPU_ATTENTION[0]: _cpu_sdpa_flop, _CPU_ATTENTION[1]: _cpu_sdpa_backward_flop}
+)
 
 BUCKETS = ("forward", "excluded", "layers", "replay", "replay_recomp", "backward", "other")
 

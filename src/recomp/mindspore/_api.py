@@ -28,7 +28,7 @@ def checkpoint(
     restored for the replay by recomp, including the per-op kernel seeds that
     MindSpore's own restore misses on CPU; ``save_rng_state=False`` turns that off.
     """
-    _engine.check_use_reentrant(use_reentrant, "mindspore")
+    _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     check_pynative("checkpoint")
     restore_rng = bool(kwargs.pop("save_rng_state", True))
     context = _engine.begin(
@@ -97,7 +97,7 @@ class CheckpointWrapper(_TransparentWrapper):
 
     def __init__(self, module: Any, **checkpoint_kwargs: Any) -> None:
         check_callable(module, "checkpoint_wrapper", "Cell")
-        _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), "mindspore")
+        _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
         super().__init__(module)
         self.checkpoint_kwargs = checkpoint_kwargs
 
@@ -115,12 +115,21 @@ class ExcludeWrapper(RegionCounters, _TransparentWrapper):
     is what the last call keeps for backward.
     """
 
-    def __init__(self, module: Any, *, save_output: bool = True, name: str | None = None) -> None:
+    def __init__(
+        self,
+        module: Any,
+        *,
+        save_output: bool = True,
+        copy_output: bool = False,
+        name: str | None = None,
+    ) -> None:
         check_callable(module, "checkpoint_exclude_wrapper", "Cell")
-        _engine.check_save_output(save_output)
+        region = _engine.ExcludedRegion(
+            BACKEND, name or default_name(module), save_output, copy_output
+        )
         super().__init__(module)
         self.save_output = save_output
-        self.region = _engine.ExcludedRegion(BACKEND, name or default_name(module), save_output)
+        self.region = region
 
     def construct(self, *args: Any, **kwargs: Any) -> Any:
         check_pynative("checkpoint_exclude_wrapper")
@@ -133,7 +142,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> CheckpointWrapp
 
 
 def checkpoint_exclude_wrapper(
-    module: Any, *, save_output: bool = True, name: str | None = None
+    module: Any, *, save_output: bool = True, copy_output: bool = False, name: str | None = None
 ) -> ExcludeWrapper:
     """Wrap a Cell or function so that recomp checkpoints never replay it.
 
@@ -141,8 +150,14 @@ def checkpoint_exclude_wrapper(
     straight into another excluded region (whose saved tensors already hold
     it). The end of the checkpoint's forward raises
     :class:`recomp.errors.OutputNotSavedError` if it went nowhere else.
+
+    ``copy_output=True`` caches a copy of the output instead of an alias: for a
+    region whose output the code after it changes in place (a library's
+    ``out += identity`` after a normalization, ``ReLU(inplace=True)``), which
+    otherwise raises :class:`recomp.errors.CachedValueMutatedError`. It costs
+    one more copy of the output.
     """
-    return ExcludeWrapper(module, save_output=save_output, name=name)
+    return ExcludeWrapper(module, save_output=save_output, copy_output=copy_output, name=name)
 
 
 def apply_activation_checkpointing(

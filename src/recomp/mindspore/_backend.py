@@ -1,47 +1,47 @@
-"""MindSpore (PyNative) answers to the engine's questions (see ``recomp._engine.Backend``)."""
+"""MindSpore (PyNative) answers to the engine's questions (see ``recomp._backend.Backend``)."""
 
 from __future__ import annotations
 
 import contextlib
-import sys
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import mindspore
 from mindspore import ops
-from mindspore.common._grad_function import _Function
-from mindspore.graph.api import _pynative_executor
-from mindspore.ops.auto_generate.gen_ops_def import as_strided
 
-from .._engine import IDENTITY, NOT_A_VIEW
+from .._backend import Backend
 from ..errors import RecompError
-
-# Dropout and the other random ops that run on CPU draw from per-op kernel
-# seeds kept in this module, not from mindspore's default generator.
-_seed_module = sys.modules["mindspore.common.seed"]
+from . import _compat
 
 
-class _Boundary(_Function):
-    """Aliases a region's outputs; its backward unpacks the region's deferred inputs first.
+@functools.cache
+def _boundary_function() -> Any:
+    class Boundary(_compat.function_base()):  # type: ignore[misc]
+        """Aliases a region's outputs; its backward unpacks the region's deferred inputs first.
 
-    See NOTE [ Deferred inputs ] in ``recomp._engine``.
-    """
+        See NOTE [ Deferred inputs ] in ``recomp._engine``.
+        """
 
-    @staticmethod
-    def forward(ctx: Any, n_saved: int, *tensors: Any) -> tuple[Any, ...]:
-        ctx.n_saved = n_saved
-        ctx.save_for_backward(*tensors[:n_saved])
-        # Returned as they are: MindSpore hands out new Tensor objects on the same memory.
-        return tuple(tensors[n_saved:])
+        @staticmethod
+        def forward(ctx: Any, n_saved: int, *tensors: Any) -> tuple[Any, ...]:
+            ctx.n_saved = n_saved
+            ctx.save_for_backward(*tensors[:n_saved])
+            # Returned as they are: MindSpore hands out new Tensor objects on the same memory.
+            return tuple(tensors[n_saved:])
 
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-        ctx.saved_tensors  # noqa: B018 - the unpack is the point: it triggers the replay
-        return (None,) * (1 + ctx.n_saved) + grads
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+            ctx.saved_tensors  # noqa: B018 - the unpack is the point: it triggers the replay
+            return (None,) * (1 + ctx.n_saved) + grads
+
+    return Boundary
 
 
-class MindSporeBackend:
+class MindSporeBackend(Backend):
     name = "mindspore"
+    foreign_checkpoint = "mindspore.recompute"
+    versions_need_sync = True
 
     def is_tensor(self, x: Any) -> bool:
         return isinstance(x, mindspore.Tensor)
@@ -52,15 +52,13 @@ class MindSporeBackend:
     def requires_grad(self, t: Any) -> bool:
         if isinstance(t, mindspore.Parameter):
             return bool(t.requires_grad)
-        # Integer outputs of recorded ops are marked too; the replay must mirror the
-        # flag exactly, since it decides what the ops after the region save.
-        return bool(getattr(t, "_requires_grad", False))
+        return _compat.requires_grad(t)
 
     def grad_enabled(self) -> bool:
-        return bool(_pynative_executor.enable_grad())
+        return _compat.grad_enabled()
 
     def in_backward(self) -> bool:
-        return bool(_pynative_executor.get_current_autodiff_engine_id() != -1)
+        return _compat.in_backward()
 
     def storage_key(self, t: Any) -> Hashable | None:
         try:
@@ -69,7 +67,8 @@ class MindSporeBackend:
             return None
 
     def parameters_of(self, fn: Any) -> list[Any]:
-        return list(fn.get_parameters()) if isinstance(fn, mindspore.nn.Cell) else []
+        owner = getattr(fn, "__self__", fn)  # a Cell, or a Cell's bound construct
+        return list(owner.get_parameters()) if isinstance(owner, mindspore.nn.Cell) else []
 
     def storage_nbytes(self, t: Any) -> int:
         try:
@@ -78,28 +77,28 @@ class MindSporeBackend:
             return int(t.nbytes)
 
     def version(self, t: Any) -> int | None:
-        # In-place kernels run asynchronously and bump the counter when they run:
-        # read it only once the queue is drained.
-        _pynative_executor.sync()
-        return getattr(t, "_version", None)
+        return _compat.version(t)
+
+    def sync(self) -> None:
+        _compat.sync()
 
     def saved_tensors_hooks(
         self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]
     ) -> contextlib.AbstractContextManager[Any]:
         return mindspore.saved_tensors_hooks(pack, unpack)
 
-    def region_context(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
     def detach(self, t: Any) -> Any:
         # Same memory, no autograd history. Its version counter is its own: the
-        # engine also checks the original's (see _engine._Snapshot).
+        # engine also checks the original's (see _record.Snapshot).
         return ops.stop_gradient(t)
 
-    def keep_saved(self, t: Any) -> Any:
-        # Same memory, no graph: an op that saves its own output (tanh) would otherwise
-        # form a cycle through MindSpore's C++ graph that only a backward breaks.
-        return ops.stop_gradient(t)
+    def copy(self, t: Any) -> Any:
+        return ops.stop_gradient(t).copy()
+
+    def copy_into(self, dst: Any, src: Any) -> None:
+        if self.storage_key(dst) == self.storage_key(src):
+            return  # the same memory: the change is already there
+        dst.copy_(ops.stop_gradient(src))
 
     def replay_alias(self, t: Any, requires_grad: bool) -> Any:
         alias = ops.stop_gradient(t)
@@ -113,54 +112,26 @@ class MindSporeBackend:
             stub.requires_grad_()
         return stub
 
-    def placeholder(self, t: Any, region_name: str) -> Any:
-        # MindSpore has no per-op hook on a tensor (torch's __torch_function__); a
-        # zero-element tensor makes most misuse fail on shapes. The engine checks at
-        # the end of the forward that such an output went into an excluded region.
-        return t
-
-    def layout(self, t: Any) -> Hashable:
-        return (tuple(t.shape), tuple(t.stride()), t.dtype)
-
-    def view_spec(self, t: Any, base: Any) -> Any:
-        if t.dtype != base.dtype:
-            return NOT_A_VIEW
-        offset = t.storage_offset() - base.storage_offset()
-        shape, stride = tuple(t.shape), tuple(t.stride())
-        if offset == 0 and shape == tuple(base.shape) and stride == tuple(base.stride()):
-            return IDENTITY
-        if offset < 0 or offset + _extent(shape, stride) > _extent(
-            tuple(base.shape), tuple(base.stride())
-        ):
-            return NOT_A_VIEW
-        return (shape, stride, offset)
-
-    def apply_view(self, spec: Any, base: Any) -> Any:
+    def as_strided(self, base: Any, shape: Any, stride: Any, offset: int) -> Any:
         # Values only: the rebuilt view is handed to a backward formula, not differentiated.
-        shape, stride, offset = spec
-        return as_strided(base, shape, stride, base.storage_offset() + offset)
+        return _compat.as_strided()(base, shape, stride, offset)
+
+    def register_hint(self, kind: type) -> str:
+        return f"make {kind.__name__} a dataclass or a dict, list or tuple subclass"
 
     def boundary(self, saved: list[Any], outputs: list[Any]) -> list[Any]:
-        out = _Boundary.apply(len(saved), *saved, *outputs)
+        out = _boundary_function().apply(len(saved), *saved, *outputs)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
-    def save_counter(self) -> Callable[[], int] | None:
-        return None  # every cache entry is kept (see the torch backend for the pruning)
-
     def get_rng_state(self) -> Any:
-        return mindspore.get_rng_state(), dict(_seed_module._KERNEL_SEED)
+        return mindspore.get_rng_state(), dict(_compat.kernel_seeds())
 
     def set_rng_state(self, state: Any) -> None:
-        generator, kernel_seeds = state
+        generator, seeds = state
         mindspore.set_rng_state(generator)
-        _seed_module._KERNEL_SEED.clear()
-        _seed_module._KERNEL_SEED.update(kernel_seeds)
-
-
-def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
-    if any(s == 0 for s in shape):
-        return 0
-    return 1 + sum((size - 1) * st for size, st in zip(shape, stride))
+        kernel_seeds = _compat.kernel_seeds()
+        kernel_seeds.clear()
+        kernel_seeds.update(seeds)
 
 
 def check_pynative(api: str) -> None:

@@ -31,7 +31,7 @@ def checkpoint(
     are entered first. Excluded regions called inside run once in the forward
     and are skipped when the forward is replayed during backward.
     """
-    _engine.check_use_reentrant(use_reentrant, "torch")
+    _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     context = _engine.begin(
         BACKEND, args, kwargs, context_fn, align_rng=kwargs.get("preserve_rng_state", True)
     )
@@ -109,7 +109,7 @@ class CheckpointWrapper(_TransparentWrapper):
 
     def __init__(self, module: nn.Module, **checkpoint_kwargs: Any) -> None:
         check_callable(module, "checkpoint_wrapper", "module")
-        _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), "torch")
+        _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
         super().__init__(module)
         self.checkpoint_kwargs = checkpoint_kwargs
 
@@ -127,12 +127,21 @@ class ExcludeWrapper(RegionCounters, _TransparentWrapper):
     is what the last call keeps for backward.
     """
 
-    def __init__(self, module: Any, *, save_output: bool = True, name: str | None = None) -> None:
+    def __init__(
+        self,
+        module: Any,
+        *,
+        save_output: bool = True,
+        copy_output: bool = False,
+        name: str | None = None,
+    ) -> None:
         check_callable(module, "checkpoint_exclude_wrapper", "module")
-        _engine.check_save_output(save_output)
+        region = _engine.ExcludedRegion(
+            BACKEND, name or default_name(module), save_output, copy_output
+        )
         super().__init__(module)
         self.save_output = save_output
-        self.region = _engine.ExcludedRegion(BACKEND, name or default_name(module), save_output)
+        self.region = region
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.region.call(getattr(self, WRAPPED), args, kwargs)
@@ -147,7 +156,7 @@ def checkpoint_wrapper(module: nn.Module, **checkpoint_kwargs: Any) -> Checkpoin
 
 
 def checkpoint_exclude_wrapper(
-    module: Any, *, save_output: bool = True, name: str | None = None
+    module: Any, *, save_output: bool = True, copy_output: bool = False, name: str | None = None
 ) -> ExcludeWrapper:
     """Wrap a module or function so that recomp checkpoints never replay it.
 
@@ -157,8 +166,14 @@ def checkpoint_exclude_wrapper(
     excluded regions then keeps one copy. Any other use raises
     :class:`recomp.errors.OutputNotSavedError` during backward.
     ``name`` appears in error messages (default: the module's class name).
+
+    ``copy_output=True`` caches a copy of the output instead of an alias: for a
+    region whose output the code after it changes in place (a library's
+    ``out += identity`` after a normalization, ``ReLU(inplace=True)``), which
+    otherwise raises :class:`recomp.errors.CachedValueMutatedError`. It costs
+    one more copy of the output.
     """
-    return ExcludeWrapper(module, save_output=save_output, name=name)
+    return ExcludeWrapper(module, save_output=save_output, copy_output=copy_output, name=name)
 
 
 def apply_activation_checkpointing(

@@ -56,7 +56,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._collectives import (
     DEFAULT_IS_REPLAYING,
@@ -65,7 +64,9 @@ from .._collectives import (
     CollectiveEvent,
     current_phase,
 )
+from . import _compat
 from ._backend import BACKEND
+from ._compat import TorchDispatchMode
 
 __all__ = ["PHASES", "CollectiveCounts", "CollectiveEvent", "collective_kind", "count_collectives"]
 
@@ -126,7 +127,7 @@ def collective_kind(op: Any) -> str | None:
     namespace = getattr(op, "namespace", None)
     if namespace not in _NAMESPACES:
         return None
-    name = op._schema.name.split("::", 1)[-1] if hasattr(op, "_schema") else str(op)
+    name = _compat.op_name(op).split("::", 1)[-1]
     return _KINDS.get(name)
 
 

@@ -1,0 +1,205 @@
+"""The questions the engine asks a framework, with the answers most frameworks share.
+
+One small object per framework (``recomp.torch._backend.BACKEND``,
+``recomp.mindspore._backend.BACKEND``) subclasses :class:`Backend` and
+overrides what differs: what a tensor is, storage identity, the boundary
+function, random state. Framework names and the wording of framework-specific
+advice live here too, so the engine's messages stay framework-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from . import _pytree
+
+NOT_A_VIEW = object()
+IDENTITY = None  # a view spec meaning "the input itself"
+
+
+class Backend:
+    """Defaults shared by the frameworks; abstract methods raise ``NotImplementedError``."""
+
+    #: short framework name, as in ``recomp.<name>``
+    name = "framework"
+    #: the framework's own checkpoint, named in the warning about foreign replays
+    foreign_checkpoint = "checkpoint"
+    #: True where reading a version counter needs the framework's work queue drained
+    #: first; the engine then calls :meth:`sync` once per batch of reads
+    versions_need_sync = False
+
+    @property
+    def package(self) -> str:
+        """The recomp package users call for this framework."""
+        return f"recomp.{self.name}"
+
+    # -- tensors ----------------------------------------------------------------
+
+    def is_tensor(self, x: Any) -> bool:
+        raise NotImplementedError
+
+    def is_parameter(self, x: Any) -> bool:
+        raise NotImplementedError
+
+    def requires_grad(self, t: Any) -> bool:
+        return bool(t.requires_grad)
+
+    def storage_key(self, t: Any) -> Hashable | None:
+        """Identity of the memory behind ``t``, equal for all views of it; None if unknown.
+
+        Only compared while the tensors it was taken from are alive (the engine
+        holds them for as long as it keeps the key), so a reused address cannot
+        be mistaken for the old storage."""
+        raise NotImplementedError
+
+    def storage_nbytes(self, t: Any) -> int:
+        """Size of the memory behind ``t`` (all of it, for a view)."""
+        raise NotImplementedError
+
+    def version(self, t: Any) -> int | None:
+        """In-place modification counter of ``t``, or None if the framework has none.
+
+        Where ``versions_need_sync`` is set, only valid after :meth:`sync`."""
+        return getattr(t, "_version", None)
+
+    def sync(self) -> None:
+        """Wait until version counters reflect every queued in-place operation."""
+
+    def parameters_of(self, fn: Any) -> list[Any]:
+        """The parameters of a module (empty for a plain function)."""
+        return []
+
+    def detach(self, t: Any) -> Any:
+        """An alias of ``t`` without autograd history, sharing its memory."""
+        raise NotImplementedError
+
+    def keep_saved(self, t: Any) -> Any:
+        """What a region keeps for a tensor its autograd saved: an alias without
+        autograd history, so that an op saving its own output (``tanh``) forms no
+        reference cycle node -> saved tensor -> node that only a backward breaks."""
+        return self.detach(t)
+
+    def replay_alias(self, t: Any, requires_grad: bool) -> Any:
+        """A fresh alias of cached ``t`` to hand to the replay."""
+        raise NotImplementedError
+
+    def stub(self, requires_grad: bool) -> Any:
+        """A zero-element tensor standing in for an output that was not saved."""
+        raise NotImplementedError
+
+    def placeholder(self, t: Any, region_name: str) -> Any:
+        """A stand-in for a ``save_output=False`` output in the replay; where the
+        framework allows it, one that raises ``OutputNotSavedError`` when used."""
+        return t
+
+    def copy(self, t: Any) -> Any:
+        """A copy of ``t`` with its own memory and no autograd history."""
+        raise NotImplementedError
+
+    def copy_into(self, dst: Any, src: Any) -> None:
+        """Write ``src``'s values into ``dst`` in place, unrecorded by autograd (the replay
+        repeating an in-place change a region made to its input in the forward)."""
+        raise NotImplementedError
+
+    # -- views --------------------------------------------------------------------
+
+    def geometry(self, t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """(shape, strides in elements, storage offset) of a strided tensor."""
+        return tuple(t.shape), tuple(t.stride()), int(t.storage_offset())
+
+    def layout(self, t: Any) -> Hashable:
+        """What must match between a forward input and its replay (shape, strides, dtype)."""
+        shape, stride, _ = self.geometry(t)
+        return (shape, stride, t.dtype)
+
+    def same_kind(self, t: Any, base: Any) -> bool:
+        """Whether ``t`` can be a view of ``base`` (same element type and device)."""
+        return bool(t.dtype == base.dtype)
+
+    def view_spec(self, t: Any, base: Any) -> Any:
+        """How to rebuild ``t`` from ``base`` (same storage): ``IDENTITY``, a
+        (shape, strides, offset) triple, or ``NOT_A_VIEW`` when ``t`` reaches memory
+        outside what ``base`` spans."""
+        if not self.same_kind(t, base):
+            return NOT_A_VIEW
+        shape, stride, t_offset = self.geometry(t)
+        base_shape, base_stride, base_offset = self.geometry(base)
+        offset = t_offset - base_offset
+        if offset == 0 and shape == base_shape and stride == base_stride:
+            return IDENTITY
+        if offset < 0 or offset + _extent(shape, stride) > _extent(base_shape, base_stride):
+            return NOT_A_VIEW
+        return (shape, stride, offset)
+
+    def as_strided(self, base: Any, shape: Any, stride: Any, offset: int) -> Any:
+        raise NotImplementedError
+
+    def apply_view(self, spec: Any, base: Any) -> Any:
+        """Rebuild the view ``spec`` (from :meth:`view_spec`) on ``base``."""
+        shape, stride, offset = spec
+        return self.as_strided(base, shape, stride, self.geometry(base)[2] + offset)
+
+    # -- pytrees ------------------------------------------------------------------
+
+    def flatten(self, tree: Any) -> tuple[list[Any], Any]:
+        """Leaves of a region's or checkpoint's arguments or outputs, and how to rebuild them."""
+        return _pytree.flatten(tree)
+
+    def unflatten(self, leaves: list[Any], spec: Any) -> Any:
+        return _pytree.unflatten(leaves, spec)
+
+    def leaf_paths(self, spec: Any) -> list[str]:
+        """Readable paths of the leaves of ``spec``, in flatten order."""
+        return _pytree.leaf_paths(spec)
+
+    def register_hint(self, kind: type) -> str:
+        """How a user makes ``kind`` something the flattener looks into."""
+        return f"make {kind.__name__} a dataclass"
+
+    def opaque_tensors(self, leaf: Any) -> list[str]:
+        """Attribute paths of tensors hidden inside a leaf the flattener cannot look
+        into (a plain dataclass, say); empty if none."""
+        return _pytree.opaque_tensors(leaf, self.is_tensor)
+
+    # -- autograd -----------------------------------------------------------------
+
+    def grad_enabled(self) -> bool:
+        raise NotImplementedError
+
+    def in_backward(self) -> bool:
+        """True while the framework's autograd engine is running a backward."""
+        raise NotImplementedError
+
+    def saved_tensors_hooks(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
+        raise NotImplementedError
+
+    def region_context(self) -> Any:
+        """Context entered around a region's forward (hides op-level checkpoint caches)."""
+        return contextlib.nullcontext()
+
+    def boundary(self, saved: list[Any], outputs: list[Any]) -> list[Any]:
+        """Apply the boundary function: aliases of ``outputs`` whose backward first
+        unpacks ``saved`` (packed by the enclosing checkpoint's hook)."""
+        raise NotImplementedError
+
+    def save_counter(self) -> Callable[[], int] | None:
+        """If the innermost checkpoint's replay stops after its last saved tensor: a
+        function returning how many tensors it has saved so far. Otherwise None."""
+        return None
+
+    # -- random state ---------------------------------------------------------------
+
+    def get_rng_state(self) -> Any:
+        raise NotImplementedError
+
+    def set_rng_state(self, state: Any) -> None:
+        raise NotImplementedError
+
+
+def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Number of elements from the first to one past the last element a view addresses."""
+    if any(size == 0 for size in shape):
+        return 0
+    return 1 + sum((size - 1) * st for size, st in zip(shape, stride))

@@ -1,0 +1,137 @@
+"""Every use of MindSpore's private API in recomp, in one place.
+
+Each entry says why it is needed, the versions it was checked on, what happens
+if MindSpore changes it, and what public API would retire it. Nothing private
+is imported at module load: each entry looks its object up when first used and
+fails with a ``RecompError`` that names the missing piece, so a rename upstream
+breaks only the feature that needs it. ``tests/test_compat.py`` has one test per
+entry that fails when MindSpore changes underneath.
+
+Checked on MindSpore 2.10.0 (PyNative, CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+from typing import Any
+
+from ..errors import RecompError
+
+
+def _lookup(module: str, name: str, why: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise RecompError(
+            f"recomp.mindspore needs {module}.{name} ({why}), which this MindSpore version "
+            "does not have. recomp.mindspore was checked on MindSpore 2.10; please report the "
+            "version you use."
+        ) from exc
+
+
+# --------------------------------------------------------------------------- the executor
+
+
+@functools.cache
+def _executor() -> Any:
+    return _lookup("mindspore.graph.api", "_pynative_executor", "the PyNative executor")
+
+
+def grad_enabled() -> bool:
+    """Whether PyNative records operations for autodiff now.
+
+    Why: outside a gradient computation an excluded region is a plain call.
+    Retired by: a public ``mindspore.is_grad_enabled()``.
+    """
+    return bool(_executor().enable_grad())
+
+
+def in_backward() -> bool:
+    """True while MindSpore's autodiff engine runs a backward.
+
+    Why: warn when a checkpoint recomp does not control replays a region.
+    If it changes: False (the warning is not given).
+    Retired by: a public query of the running autodiff engine.
+    """
+    query = getattr(_executor(), "get_current_autodiff_engine_id", None)
+    return bool(query is not None and query() != -1)
+
+
+def sync() -> None:
+    """Wait for the queued kernels to finish.
+
+    Why: in-place kernels run asynchronously and bump a tensor's version counter
+    when they run, so counters are read only after the queue is drained (recomp
+    drains it once per region call, forward and replayed entry, not per tensor).
+    Retired by: version counters bumped at dispatch.
+    """
+    _executor().sync()
+
+
+def version(t: Any) -> int | None:
+    """The in-place modification counter of ``t`` (valid after :func:`sync`).
+
+    If it changes: None, and mutation checks are skipped.
+    Retired by: a public version counter accessor.
+    """
+    return getattr(t, "_version", None)
+
+
+def requires_grad(t: Any) -> bool:
+    """Whether autodiff tracks ``t`` (integer outputs of recorded ops are marked too).
+
+    Why: the replay must hand back outputs flagged exactly as in the forward,
+    since the flag decides what the ops after the region save.
+    If it changes: False for every non-Parameter, and the replay may save a
+    different sequence (then the framework's checkpoint raises).
+    Retired by: ``Tensor.requires_grad`` reflecting autodiff tracking.
+    """
+    return bool(getattr(t, "_requires_grad", False))
+
+
+# --------------------------------------------------------------------------- autograd functions
+
+
+@functools.cache
+def function_base() -> type:
+    """The base class of custom autograd functions (``forward``/``backward`` with ``ctx``).
+
+    Why: the boundary node after a region (NOTE [ Deferred inputs ] in recomp._engine).
+    Retired by: a public custom-function base class.
+    """
+    return _lookup("mindspore.common._grad_function", "_Function", "custom autograd functions")
+
+
+@functools.cache
+def as_strided() -> Any:
+    """The ``as_strided`` operation (functional form).
+
+    Why: rebuild a view of a deferred input that a region saved.
+    Retired by: a public ``mindspore.ops.as_strided``.
+    """
+    return _lookup("mindspore.ops.auto_generate.gen_ops_def", "as_strided", "views of inputs")
+
+
+# --------------------------------------------------------------------------- random state
+
+
+def kernel_seeds() -> dict[Any, Any]:
+    """The per-operation kernel seeds that CPU random ops (dropout) draw from.
+
+    Why: ``mindspore.get_rng_state`` does not cover them, so a replay would draw
+    other dropout masks; recomp saves and restores them with the generator.
+    Retired by: kernel seeds included in ``mindspore.get_rng_state()``.
+    """
+    module = sys.modules.get("mindspore.common.seed") or importlib.import_module(
+        "mindspore.common.seed"
+    )
+    seeds = getattr(module, "_KERNEL_SEED", None)
+    if not isinstance(seeds, dict):
+        raise RecompError(
+            "recomp.mindspore restores MindSpore's per-op kernel seeds "
+            "(mindspore.common.seed._KERNEL_SEED), which this MindSpore version does not have. "
+            "Pass save_rng_state=False to recomp.mindspore.checkpoint to run without it."
+        )
+    return seeds

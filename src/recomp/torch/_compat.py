@@ -1,0 +1,244 @@
+"""Every use of PyTorch's private API in recomp, in one place.
+
+Each entry says why it is needed, the versions it was checked on, what happens
+if PyTorch changes it (each use is guarded: recomp degrades as stated rather
+than failing at import or on the first call), and what public API would
+retire it. ``tests/test_compat.py`` has one test per entry that fails when
+PyTorch changes underneath, and ``tools/check_private_api.py`` checks that no
+other recomp module touches a private attribute of torch.
+
+Checked on torch 2.13.0 and 2.14.1 (and 2.11 on CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+import torch
+
+# --------------------------------------------------------------------------- storage identity
+
+
+def storage_key(t: torch.Tensor) -> Hashable | None:
+    """Identity of the storage behind ``t``, equal for every view of it.
+
+    Why: deferring a region's input must recognise views of it (``linear`` saves
+    a 2-D view of a 3-D input), and ``tensor._base`` names only the root of a
+    view chain. ``untyped_storage()`` returns a new Python object per call, so its
+    ``_cdata`` (the address of the C++ storage) is the stable identity.
+    If it changes: falls back to the data pointer and device (ambiguous only for
+    empty storages, which hold no memory to defer).
+    Retired by: a public storage identity (``torch.UntypedStorage`` hash/eq by storage).
+    """
+    if t.layout is not torch.strided or t.is_meta:
+        return None
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # wrapper subclasses have no storage
+        return None
+    cdata = getattr(storage, "_cdata", None)
+    if cdata is not None:
+        return cdata
+    return ("ptr", storage.data_ptr(), t.device)
+
+
+def version(t: torch.Tensor) -> int | None:
+    """The in-place modification counter of ``t``.
+
+    Why: recomp detects in-place changes of what it caches, as autograd does.
+    If it changes: None, and mutation checks are skipped (no false errors).
+    Retired by: a public version counter accessor.
+    """
+    try:
+        return t._version
+    except (RuntimeError, AttributeError):  # inference tensors have no version counter
+        return None
+
+
+# --------------------------------------------------------------------------- autograd engine
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread.
+
+    Why: an excluded region executed during backward but not in a recomp replay
+    is being replayed by a checkpoint recomp does not control (warned about).
+    If it changes: False (the warning is not given; nothing else depends on it).
+    Retired by: a public "current graph task" query.
+    """
+    query = getattr(torch._C, "_current_graph_task_id", None)
+    if query is None:
+        return False
+    return bool(query() != -1)
+
+
+def checkpoint_save_counter() -> Callable[[], int] | None:
+    """How many tensors the enclosing non-reentrant checkpoint has saved so far, when
+    its replay stops early after the last of them; None otherwise.
+
+    Why: with early stop a replay never reaches regions called after the last saved
+    tensor, so their cached outputs can be dropped at the end of the forward.
+    How: the pack hook on top of the saved-tensors hook stack is the checkpoint's;
+    its closure holds the ``_CheckpointFrame``, whose ``weak_holders`` grow by one per
+    saved tensor.
+    If it changes: None, and every cached output is kept (more memory, same results).
+    Retired by: a public early-stop position on the checkpoint.
+    """
+    try:
+        from torch.utils.checkpoint import _CheckpointFrame
+
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    cells = getattr(hooks[0], "__closure__", None) if hooks is not None else None
+    frame = next(
+        (c.cell_contents for c in cells or () if isinstance(c.cell_contents, _CheckpointFrame)),
+        None,
+    )
+    if frame is None or not getattr(frame, "early_stop", False):
+        return None
+    if not isinstance(getattr(frame, "weak_holders", None), list):
+        return None
+    frame_ref = weakref.ref(frame)
+
+    def saved_so_far() -> int:
+        live = frame_ref()
+        return -1 if live is None else len(live.weak_holders)
+
+    return saved_so_far
+
+
+# --------------------------------------------------------------------------- dispatch modes
+
+
+def _sac_mode_types() -> tuple[type, ...]:
+    try:
+        from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+    except ImportError:
+        return ()
+    return (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+
+
+def hide_selective_checkpoint_modes() -> contextlib.AbstractContextManager[None]:
+    """Take PyTorch's selective-checkpoint dispatch modes off the mode stack for a region.
+
+    Why: selective checkpointing caches op outputs per op kind and call index in
+    the forward and pops them in the same order in the replay; a region that runs
+    in the forward but is skipped in the replay would shift that order. Other
+    modes stay.
+    If it changes: the modes are not found and stay in place; a selective policy
+    inside a checkpoint with exclusions may then raise PyTorch's own mismatch error.
+    Retired by: a public way to suspend one dispatch mode.
+    """
+    try:
+        from torch.utils import _python_dispatch
+
+        if not torch._C._len_torch_dispatch_stack():
+            return contextlib.nullcontext()
+        stack = _python_dispatch._get_current_dispatch_mode_stack()
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+    sac = _sac_mode_types()
+    if not sac or not any(isinstance(m, sac) for m in stack):
+        return contextlib.nullcontext()
+    return _without_modes(lambda m: isinstance(m, sac), _python_dispatch)
+
+
+@contextlib.contextmanager
+def _without_modes(drop: Callable[[Any], bool], dispatch: Any) -> Iterator[None]:
+    popped = []
+    while dispatch._get_current_dispatch_mode_stack():
+        popped.append(dispatch._pop_mode())
+        if not any(drop(m) for m in dispatch._get_current_dispatch_mode_stack()):
+            break
+    kept = [m for m in reversed(popped) if not drop(m)]
+    for mode in kept:
+        dispatch._push_mode(mode)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            dispatch._pop_mode()
+        for mode in reversed(popped):
+            dispatch._push_mode(mode)
+
+
+# --------------------------------------------------------------------------- pytrees
+
+
+def pytree_node(kind: type) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]] | None:
+    """(flatten, unflatten) for a type registered as a PyTorch pytree node, else None.
+
+    Why: PyTorch's pytree registry knows the containers of the ecosystem
+    (``torch.return_types``, ``OrderedDict``, ``defaultdict``, ``deque``; transformers
+    registers ``ModelOutput``; users register their own), so a region's outputs are
+    rebuilt exactly as the ecosystem defines them.
+    If it changes: None, and recomp's own walker handles the built-in containers,
+    their subclasses and dataclasses.
+    Retired by: a public pytree registry lookup (``torch.utils.pytree``).
+    """
+    node = _SUPPORTED_NODES.get(kind) if _SUPPORTED_NODES is not None else None
+    if node is None:
+        return None
+    return node.flatten_fn, node.unflatten_fn
+
+
+def _supported_nodes() -> dict[type, Any] | None:
+    try:
+        from torch.utils import _pytree
+    except ImportError:
+        return None
+    nodes = getattr(_pytree, "SUPPORTED_NODES", None)
+    return nodes if isinstance(nodes, dict) else None
+
+
+_SUPPORTED_NODES = _supported_nodes()
+
+
+# --------------------------------------------------------------------------- dispatch-level tools
+
+
+def _dispatch_mode_base() -> type:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+#: Base class of the modes that count collectives per phase (``recomp.torch.collectives``)
+#: and attribute FLOPs to phases in the benchmark.
+#: Why: a dispatch mode sees every operator call, DTensor's collectives included.
+#: Checked on 2.13-2.14; documented, but under a private module path.
+#: Retired by: a public ``torch.utils.python_dispatch`` module.
+TorchDispatchMode = _dispatch_mode_base()
+
+
+def op_name(op: Any) -> str:
+    """The schema name of an operator overload (``c10d::allreduce_``), else ``str(op)``.
+
+    Why: telling collectives apart by operator name, across overloads.
+    Retired by: a public ``OpOverload.name()`` covering every namespace.
+    """
+    schema = getattr(op, "_schema", None)
+    return str(schema.name) if schema is not None else str(op)
+
+
+def cpu_attention_ops() -> tuple[Any, Any] | None:
+    """The CPU flash-attention forward and backward operators (for FLOP counting).
+
+    Why: PyTorch's FLOP table lacks the CPU attention kernel, which would count as 0.
+    If it changes: None, and the benchmark counts no FLOPs for CPU attention.
+    Retired by: the CPU kernel in ``torch.utils.flop_counter``'s table.
+    """
+    aten = torch.ops.aten
+    names = (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    )
+    try:
+        forward, backward = (getattr(aten, name) for name in names)
+    except (AttributeError, RuntimeError):
+        return None
+    return forward, backward
