@@ -1,0 +1,314 @@
+"""What real code passes to and returns from excluded regions (PyTorch).
+
+Every container type comes back as itself in the forward and in the replay;
+tensors recomp cannot see are refused; a region that changes its input in
+place, a region whose output later code changes in place (``copy_output``),
+and a region wrapper created anew on every call all give the gradients of the
+unwrapped model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import OrderedDict, defaultdict, namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+import recomp
+import recomp.torch as rt
+
+Pair = namedtuple("Pair", "a b")
+
+
+class TupleSub(tuple):
+    pass
+
+
+class ListSub(list):
+    pass
+
+
+class DictSub(dict):
+    pass
+
+
+@dataclasses.dataclass
+class Hidden:
+    hidden: torch.Tensor
+    scale: int = 3
+
+
+class Opaque:
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.hidden = hidden
+
+
+def _model_output(a, b):
+    from transformers.modeling_outputs import BaseModelOutput
+
+    return BaseModelOutput(last_hidden_state=a, hidden_states=(b,))
+
+
+# name -> (build the region's output from two tensors, read it back into one tensor)
+CONTAINERS = {
+    "ModelOutput": (_model_output, lambda o: o.last_hidden_state * o.hidden_states[0]),
+    "OrderedDict": (lambda a, b: OrderedDict(x=a, y=b), lambda o: o["x"] * next(iter(o.values()))),
+    "defaultdict": (
+        lambda a, b: defaultdict(list, x=a, y=b),
+        lambda o: o["x"] * o["y"] + len(o["missing"]),
+    ),
+    "topk": (lambda a, b: (a * b).topk(2, dim=-1), lambda o: o.values * 2 + o[0]),
+    "max": (lambda a, b: (a * b).max(dim=-1), lambda o: o.values * o.indices),
+    "namedtuple": (lambda a, b: Pair(a, b), lambda o: o.a * o.b),
+    "tuple subclass": (lambda a, b: TupleSub((a, b)), lambda o: o[0] * o[1]),
+    "list subclass": (lambda a, b: ListSub([a, b]), lambda o: o[0] * o[1]),
+    "dict subclass": (lambda a, b: DictSub(x=a, y=b), lambda o: o["x"] * o["y"]),
+    "dataclass": (lambda a, b: Hidden(a * b), lambda o: o.hidden * o.scale),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONTAINERS))
+def test_region_output_comes_back_as_the_same_type(kind):
+    if kind == "ModelOutput":
+        pytest.importorskip("transformers")
+    build, read = CONTAINERS[kind]
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+
+    def region_fn(h):
+        return build(torch.tanh(lin(h)), torch.sin(h))
+
+    def body(t, region, seen):
+        out = region(torch.cos(t))
+        seen.append(type(out))
+        return torch.exp(read(out))
+
+    expected_type = type(region_fn(x))
+    ref_x = x.clone().requires_grad_()
+    body(ref_x, region_fn, []).sum().backward()
+    expected = (ref_x.grad, lin.weight.grad.clone())
+
+    lin.weight.grad = None
+    region = rt.checkpoint_exclude_wrapper(region_fn, name=kind)
+    seen: list[type] = []
+    got_x = x.clone().requires_grad_()
+    rt.checkpoint(body, got_x, region, seen).sum().backward()
+    assert seen == [expected_type, expected_type]  # the forward and the replay
+    assert torch.equal(got_x.grad, expected[0]) and torch.equal(lin.weight.grad, expected[1])
+    assert (region.region_runs, region.region_skips) == (1, 1)
+
+
+def test_checkpoint_inputs_and_outputs_keep_their_types():
+    torch.manual_seed(0)
+    x = torch.randn(3, requires_grad=True)
+    region = rt.checkpoint_exclude_wrapper(lambda d: OrderedDict(s=torch.sin(d["x"])))
+
+    def body(inputs):
+        assert isinstance(inputs, DictSub)
+        return Pair(region(inputs)["s"].exp(), inputs["x"])
+
+    out = rt.checkpoint(body, DictSub(x=x))
+    assert isinstance(out, Pair)
+    out.a.sum().backward()
+    assert torch.equal(x.grad, (torch.cos(x) * torch.exp(torch.sin(x))).detach())
+
+
+def test_in_place_change_of_a_dataclass_output_is_caught():
+    """A dataclass is looked into: changing its tensor after the region is the same
+    error as for a tuple output, instead of silently wrong gradients."""
+    lin = nn.Linear(4, 4)
+    region = rt.checkpoint_exclude_wrapper(lambda h: Hidden(lin(h)), name="hidden")
+
+    def body(t):
+        out = region(torch.cos(t))
+        out.hidden.mul_(2)
+        return out.hidden.exp()
+
+    with pytest.raises(recomp.CachedValueMutatedError, match=r"'hidden'.*copy_output=True"):
+        rt.checkpoint(body, torch.randn(3, 4, requires_grad=True)).sum().backward()
+
+
+def test_tensors_hidden_in_an_unknown_object_are_refused_in_the_forward():
+    region = rt.checkpoint_exclude_wrapper(lambda h: Opaque(torch.sin(h)), name="opaque")
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(recomp.RecompError, match=r"'opaque'.*Opaque.*'hidden'.*register_pytree_node"):
+        rt.checkpoint(lambda t: region(t).hidden.sum(), x)
+    assert recomp.get_recompute_state() is None
+    assert region(x).hidden is not None  # outside a checkpoint it is a plain call
+
+
+# --------------------------------------------------------------------------- in-place changes
+
+
+class Exp(nn.Module):
+    def forward(self, h):
+        return h.exp_()
+
+
+class ChangesInput(nn.Module):
+    """A recomputed linear, an excluded activation that may change its input in
+    place, then code that reads both the activation and (optionally) the input."""
+
+    def __init__(self, activation: nn.Module, reads_input_after: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = activation
+        self.out = nn.Linear(4, 4)
+        self.reads_input_after = reads_input_after
+
+    def forward(self, x):
+        h = self.lin(x)
+        y = self.act(h)
+        return self.out(y) + (h * 3 if self.reads_input_after else 0)
+
+
+def _grads(model, x):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    (model(x) ** 2).sum().backward()
+    return [x.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("activation", "reads_input_after"),
+    [
+        (lambda: nn.ELU(inplace=True), False),
+        (lambda: nn.ReLU(inplace=True), True),
+        (lambda: nn.SiLU(inplace=True), True),
+        (Exp, True),
+    ],
+    ids=["ELU(inplace)", "ReLU(inplace)", "SiLU(inplace)", "exp_"],
+)
+def test_region_that_changes_its_recomputed_input_in_place(activation, reads_input_after):
+    torch.manual_seed(0)
+    ref = ChangesInput(activation(), reads_input_after)
+    model = copy.deepcopy(ref)
+    model.act = rt.checkpoint_exclude_wrapper(model.act)
+    model = rt.checkpoint_wrapper(model)
+    x = torch.randn(3, 4)
+    for expected, got in zip(_grads(ref, x), _grads(model, x)):
+        assert torch.equal(expected, got)
+    assert (model.act.region_runs, model.act.region_skips) == (1, 1)
+
+
+def test_region_that_changes_an_input_it_saved_is_an_error():
+    """The saved value would be the changed one: refused, as autograd refuses it."""
+
+    def scale_then_change(h):
+        out = h * h  # saves h
+        h.add_(1)
+        return out
+
+    region = rt.checkpoint_exclude_wrapper(scale_then_change, name="sq")
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(recomp.CachedValueMutatedError, match=r"'sq'.*args\[0\].*in place"):
+        rt.checkpoint(lambda t: region(torch.sin(t)).sum(), x)
+    assert recomp.get_recompute_state() is None
+
+
+class ResNetTail(nn.Module):
+    """BatchNorm, then the residual add and ReLU done in place by code after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.bn(self.lin(x))
+        out += x
+        return self.relu(out)
+
+
+def test_output_changed_in_place_after_the_region_names_copy_output():
+    model = ResNetTail()
+    model.bn = rt.checkpoint_exclude_wrapper(model.bn)
+    model = rt.checkpoint_wrapper(model)
+    with pytest.raises(recomp.CachedValueMutatedError, match="copy_output=True"):
+        _grads(model, torch.randn(5, 4))
+
+
+def test_copy_output_gives_the_unwrapped_gradients_and_statistics():
+    torch.manual_seed(0)
+    ref = ResNetTail()
+    model = copy.deepcopy(ref)
+    model.bn = rt.checkpoint_exclude_wrapper(model.bn, copy_output=True)
+    model = rt.checkpoint_wrapper(model)
+    x = torch.randn(5, 4)
+    for _ in range(2):
+        for expected, got in zip(_grads(ref, x), _grads(model, x)):
+            assert torch.equal(expected, got)
+    # BatchNorm ran once per step: its running statistics are the unwrapped model's.
+    assert torch.equal(ref.bn.running_mean, model.bn.running_mean)
+    assert torch.equal(ref.bn.running_var, model.bn.running_var)
+    assert int(model.bn.num_batches_tracked) == 2
+
+
+def test_control_a_replayed_batchnorm_updates_its_statistics_twice():
+    model = ResNetTail()
+    model = rt.checkpoint_wrapper(model)
+    _grads(model, torch.randn(5, 4))
+    assert int(model.bn.num_batches_tracked) == 2  # forward + replay
+
+
+@pytest.mark.parametrize("bad", [1, None, "yes"])
+def test_copy_output_must_be_a_bool(bad):
+    with pytest.raises(ValueError, match="copy_output must be True or False"):
+        rt.checkpoint_exclude_wrapper(nn.Linear(2, 2), copy_output=bad)
+
+
+def test_copy_output_and_save_output_false_exclude_each_other():
+    with pytest.raises(ValueError, match=r"copy_output=True.*save_output=False"):
+        rt.checkpoint_exclude_wrapper(nn.Linear(2, 2), copy_output=True, save_output=False)
+
+
+# --------------------------------------------------------------------------- inline wrappers
+
+
+def test_wrapper_created_inside_the_checkpointed_function():
+    x = torch.randn(5, requires_grad=True)
+    counts = []
+
+    def body(t):
+        region = rt.checkpoint_exclude_wrapper(torch.sin)  # a new wrapper on every call
+        out = torch.cos(region(torch.exp(t)))
+        counts.append((region.region_runs, region.region_skips))
+        return out
+
+    rt.checkpoint(body, x, early_stop=False).sum().backward()  # a replay that runs to the end
+    expected = torch.autograd.grad(torch.cos(torch.sin(torch.exp(x))).sum(), x)[0]
+    assert torch.equal(x.grad, expected)
+    assert counts == [(1, 0), (0, 1)]  # ran in the forward, skipped in the replay
+
+
+def test_inline_lambda_wrapper_matches_by_its_code():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def body(t):
+        return rt.checkpoint_exclude_wrapper(lambda h: torch.tanh(lin(h)))(torch.sin(t)).exp()
+
+    rt.checkpoint(body, x).sum().backward()
+    ref = x.detach().clone().requires_grad_()
+    lin_grad = lin.weight.grad.clone()
+    lin.weight.grad = None
+    torch.tanh(lin(torch.sin(ref))).exp().sum().backward()
+    assert torch.equal(x.grad, ref.grad) and torch.equal(lin_grad, lin.weight.grad)
+
+
+def test_replay_calling_other_code_says_what_differs():
+    calls = []
+
+    def body(t):
+        calls.append(None)
+        fn = torch.sin if len(calls) == 1 else torch.tanh
+        return torch.cos(rt.checkpoint_exclude_wrapper(fn)(torch.exp(t)))
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(recomp.ReplayMismatchError, match=r"'tanh'.*tanh.*forward called 'sin'.*sin"):
+        rt.checkpoint(body, x).sum().backward()
