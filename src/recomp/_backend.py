@@ -98,6 +98,10 @@ class Backend:
         """A copy of ``t`` with its own memory and no autograd history."""
         raise NotImplementedError
 
+    def clone(self, t: Any) -> Any:
+        """A copy of ``t`` recorded by autograd (not a leaf, so it may be changed in place)."""
+        raise NotImplementedError
+
     def copy_into(self, dst: Any, src: Any) -> None:
         """Write ``src``'s values into ``dst`` in place, unrecorded by autograd (the replay
         repeating an in-place change a region made to its input in the forward)."""

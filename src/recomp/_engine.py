@@ -450,6 +450,7 @@ class ExcludedRegion:
             entry.rng_state = backend.get_rng_state()
         out_leaves, entry.out_spec = backend.flatten(out)
         differentiable: list[int] = []  # positions in out_leaves
+        out_leaves_index: dict[int, int] = {}  # position in out_leaves -> in entry.outputs
         for pos, leaf in enumerate(out_leaves):
             if not backend.is_tensor(leaf):
                 self._check_not_opaque(leaf, entry.out_spec, pos)
@@ -471,6 +472,7 @@ class ExcludedRegion:
                     new_bytes = backend.storage_nbytes(cached.value) if cached else 0
                 elif key not in kept:
                     new_bytes = kept[key] = backend.storage_nbytes(leaf)
+            out_leaves_index[pos] = len(entry.outputs)
             entry.outputs.append(CachedOutput(cached, requires_grad, new_bytes, self.copy_output))
             entry.out_leaves.append(_OutputIndex(len(entry.outputs) - 1))
             if requires_grad:
@@ -490,6 +492,9 @@ class ExcludedRegion:
             passed = backend.boundary(saved, outputs)
             for pos, alias in zip(differentiable, passed):
                 out_leaves[pos] = alias
+                cached = entry.outputs[out_leaves_index[pos]].snapshot
+                if cached is not None and not self.copy_output:
+                    cached.retarget(alias, backend)
         entry.slots = [weakref.ref(slot) for slot in slots.values()]
         counter = inv.ask_save_counter(backend)
         if counter is not None:
@@ -585,10 +590,10 @@ class ExcludedRegion:
 def _replay_value(backend: Backend, cached: CachedOutput) -> Any:
     if cached.snapshot is None:
         return backend.stub(cached.requires_grad)
-    value = cached.snapshot.value
+    value = backend.replay_alias(cached.snapshot.value, cached.requires_grad)
     if cached.copied:  # the code after the region may change it in place again
-        value = backend.copy(value)
-    return backend.replay_alias(value, cached.requires_grad)
+        value = backend.clone(value)
+    return value
 
 
 def _describe(callee: Any) -> str:

@@ -53,6 +53,15 @@ class Snapshot:
         self.origin_version = backend.version(origin)
         self.origin = weakref.ref(origin) if self.origin_version is not None else None
 
+    def retarget(self, tensor: Any, backend: Backend) -> None:
+        """Watch ``tensor`` instead of the original: the alias of it that the caller
+        receives (frameworks whose aliases have their own version counters)."""
+        if self.held is not None:
+            self.held = tensor
+        self.origin = tensor
+        self.origin_version = None
+        self.read_versions(backend)
+
     def changed(self, backend: Backend) -> bool:
         origin = self.held if self.held is not None else self.origin and self.origin()
         if origin is not None and backend.version(origin) != self.origin_version:

@@ -95,6 +95,9 @@ class MindSporeBackend(Backend):
     def copy(self, t: Any) -> Any:
         return ops.stop_gradient(t).copy()
 
+    def clone(self, t: Any) -> Any:
+        return ops.deepcopy(t)
+
     def copy_into(self, dst: Any, src: Any) -> None:
         if self.storage_key(dst) == self.storage_key(src):
             return  # the same memory: the change is already there

@@ -117,6 +117,9 @@ class TorchBackend(Backend):
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().clone()
 
+    def clone(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
     def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.data_ptr() == src.data_ptr() and dst.untyped_storage().nbytes() > 0:
             return  # the same memory: the change is already there

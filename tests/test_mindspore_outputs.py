@@ -1,0 +1,150 @@
+"""What real code passes to and returns from excluded regions (MindSpore PyNative).
+
+The same guarantees as tests/test_torch_outputs.py: containers come back as
+their own type (mindnlp's ``ModelOutput`` is an ``OrderedDict`` subclass), a
+region that changes its input in place and a region whose output later code
+changes in place (``copy_output``) give the unwrapped model's gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict, namedtuple
+
+import numpy as np
+import pytest
+
+ms = pytest.importorskip("mindspore")
+
+import recomp  # noqa: E402
+import recomp.mindspore as rm  # noqa: E402
+from ms_models import copy_params, nn, ops, tensor  # noqa: E402
+
+Pair = namedtuple("Pair", "a b")
+
+
+class ModelOutput(OrderedDict):
+    """An OrderedDict whose keys read as attributes, as model zoos return."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+
+class ListSub(list):
+    pass
+
+
+@dataclasses.dataclass
+class Hidden:
+    hidden: ms.Tensor
+
+
+CONTAINERS = {
+    "ModelOutput": (lambda a, b: ModelOutput(h=a, s=b), lambda o: o.h * o.s),
+    "namedtuple": (lambda a, b: Pair(a, b), lambda o: o.a * o.b),
+    "list subclass": (lambda a, b: ListSub([a, b]), lambda o: o[0] * o[1]),
+    "dataclass": (lambda a, b: Hidden(a * b), lambda o: o.hidden * 2),
+}
+
+
+def _equal(a, b) -> bool:
+    return np.array_equal(a.asnumpy(), b.asnumpy())
+
+
+@pytest.mark.parametrize("kind", list(CONTAINERS))
+def test_region_output_comes_back_as_the_same_type(kind):
+    build, read = CONTAINERS[kind]
+    dense = nn.Dense(4, 4)
+    params = dense.trainable_params()
+
+    def region_fn(h):
+        return build(ops.tanh(dense(h)), ops.sin(h))
+
+    def body(t, region, seen):
+        out = region(ops.cos(t))
+        seen.append(type(out))
+        return ops.exp(read(out))
+
+    x = tensor(3, 4)
+    expected = ms.grad(lambda t: body(t, region_fn, []).sum(), 0, params)(x)
+    region = rm.checkpoint_exclude_wrapper(region_fn, name=kind)
+    seen: list[type] = []
+    got = ms.grad(lambda t: rm.checkpoint(body, t, region, seen).sum(), 0, params)(x)
+    assert seen == [type(region_fn(x))] * 2  # the forward and the replay
+    assert _equal(expected[0], got[0])
+    assert all(_equal(e, g) for e, g in zip(expected[1], got[1]))
+    assert (region.region_runs, region.region_skips) == (1, 1)
+
+
+class Exp(nn.Cell):
+    """On CPU, MindSpore 2.10's ``exp_``/``add_`` return a new tensor; ``copy_`` writes
+    in place."""
+
+    def construct(self, h):
+        h.copy_(ops.exp(h))
+        return h
+
+
+class ChangesInput(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Dense(4, 4)
+        self.act = Exp()
+        self.out = nn.Dense(4, 4)
+
+    def construct(self, x):
+        h = self.lin(x)
+        return self.out(self.act(h)) + h * 3  # reads the input the region changed
+
+
+def _grads(model, x):
+    return ms.grad(lambda t: (model(t) ** 2).sum(), 0, model.trainable_params())(x)
+
+
+def test_region_that_changes_its_recomputed_input_in_place():
+    ref = ChangesInput()
+    model = ChangesInput()
+    copy_params(ref, model)
+    model.act = rm.checkpoint_exclude_wrapper(model.act)
+    model = rm.checkpoint_wrapper(model)
+    x = tensor(3, 4)
+    expected, got = _grads(ref, x), _grads(model, x)
+    assert _equal(expected[0], got[0])
+    assert all(_equal(e, g) for e, g in zip(expected[1], got[1]))
+
+
+class AddAfter(nn.Cell):
+    """A projection of the layer's input, then the code after it writes its output
+    in place (``copy_``: on CPU, MindSpore 2.10's ``add_`` returns a new tensor)."""
+
+    def __init__(self, copy_output: bool | None) -> None:
+        super().__init__()
+        self.lin = nn.Dense(4, 4)
+        self.norm = nn.Dense(4, 4)
+        if copy_output is not None:
+            self.norm = rm.checkpoint_exclude_wrapper(self.norm, copy_output=copy_output)
+
+    def construct(self, x):
+        out = self.norm(x)
+        out.copy_(out + self.lin(x))
+        return ops.tanh(out)
+
+
+def test_output_changed_in_place_after_the_region_names_copy_output():
+    model = rm.checkpoint_wrapper(AddAfter(copy_output=False))
+    with pytest.raises(recomp.CachedValueMutatedError, match="copy_output=True"):
+        _grads(model, tensor(5, 4))
+
+
+def test_copy_output_gives_the_unwrapped_gradients():
+    ref = AddAfter(copy_output=None)
+    model = AddAfter(copy_output=True)
+    copy_params(ref, model)
+    model = rm.checkpoint_wrapper(model)
+    x = tensor(5, 4)
+    expected, got = _grads(ref, x), _grads(model, x)
+    assert _equal(expected[0], got[0])
+    assert all(_equal(e, g) for e, g in zip(expected[1], got[1]))
