@@ -30,6 +30,7 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
 
+from .._wrapping import WRAPPED
 from .measure import RegionTracker
 
 ALIASES = {
@@ -216,7 +217,7 @@ def _apply_recomp(model: nn.Module, prepared: Prepared) -> None:
     by_module = {id(m): name for name, m in prepared.regions.items()}
     for module in model.modules():
         if isinstance(module, ExcludeWrapper):
-            inner = module._checkpoint_wrapped_module
+            inner = getattr(module, WRAPPED)
             prepared.exclude_wrappers[by_module[id(inner)]] = module
 
 

@@ -1,0 +1,250 @@
+"""One test per use of a framework's private API (``recomp/*/_compat.py``).
+
+Each fails when the framework changes what recomp relies on, so an upgrade
+shows which workaround to revisit; and no recomp module outside the compat
+modules touches private API (``tools/check_private_api.py``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import OrderedDict, defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_no_private_api_outside_the_compat_modules():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "check_private_api.py"), str(ROOT / "src" / "recomp")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_checker_finds_private_use(tmp_path):
+    (tmp_path / "module.py").write_text(
+        "import torch\nfrom torch.utils._pytree import tree_flatten\nx = torch._C\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "check_private_api.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "torch.utils._pytree" in result.stdout and "._C" in result.stdout
+
+
+# --------------------------------------------------------------------------- torch
+
+
+class TestTorch:
+    torch = pytest.importorskip("torch")
+
+    def test_storage_key_is_shared_by_views_and_differs_between_storages(self):
+        from recomp.torch import _compat
+
+        torch = self.torch
+        a = torch.randn(4, 6)
+        assert _compat.storage_key(a) == _compat.storage_key(a.t()[1:])
+        assert _compat.storage_key(a) == _compat.storage_key(a.view(24))
+        assert _compat.storage_key(a) != _compat.storage_key(a.clone())
+        assert isinstance(_compat.storage_key(a), int)  # the _cdata path, not the fallback
+
+    def test_version_counts_in_place_changes(self):
+        from recomp.torch import _compat
+
+        t = self.torch.zeros(3)
+        before = _compat.version(t)
+        t.add_(1)
+        assert _compat.version(t) == before + 1
+        with self.torch.inference_mode():
+            assert _compat.version(self.torch.zeros(1)) is None
+
+    def test_in_backward_is_true_only_inside_a_backward(self):
+        from recomp.torch import _compat
+
+        torch = self.torch
+        seen = []
+
+        class Probe(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                seen.append(_compat.in_backward())
+                return g
+
+        x = torch.randn(2, requires_grad=True)
+        assert not _compat.in_backward()
+        Probe.apply(x).sum().backward()
+        assert seen == [True]
+
+    def test_save_counter_follows_the_checkpoint_frame(self):
+        from recomp.torch import _compat
+
+        torch = self.torch
+        counts = []
+
+        def body(x):
+            counter = _compat.checkpoint_save_counter()
+            if counter is None:  # the replay: no checkpoint hook on top then
+                counts.append(None)
+                return torch.sin(x)
+            before = counter()
+            y = torch.sin(x)  # saves x
+            counts.append(counter() - before)
+            return y
+
+        x = torch.randn(3, requires_grad=True)
+        torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False).sum().backward()
+        assert counts == [1, None]
+        assert _compat.checkpoint_save_counter() is None  # outside a checkpoint
+
+    def test_selective_checkpoint_modes_are_hidden_and_restored(self):
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        from recomp.torch import _compat
+
+        torch = self.torch
+        modes = []
+
+        def body(x):
+            from torch.utils import _python_dispatch
+
+            stack = _python_dispatch._get_current_dispatch_mode_stack
+            before = len(stack())
+            with _compat.hide_selective_checkpoint_modes():
+                modes.append((before, len(stack())))
+            modes.append(len(stack()))
+            return torch.sin(x)
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        x = torch.randn(3, requires_grad=True)
+        torch.utils.checkpoint.checkpoint(
+            body,
+            x,
+            use_reentrant=False,
+            context_fn=lambda: create_selective_checkpoint_contexts(policy),
+        )
+        (before, inside), after = modes[0], modes[1]
+        assert before >= 1 and inside == before - 1 and after == before
+
+    def test_pytree_registry_knows_the_ecosystem_containers(self):
+        from recomp.torch import _compat
+
+        torch = self.torch
+        for kind in (OrderedDict, defaultdict, type(torch.randn(3).topk(1))):
+            node = _compat.pytree_node(kind)
+            assert node is not None, kind
+        flatten, unflatten = _compat.pytree_node(OrderedDict)
+        children, context = flatten(OrderedDict(a=1, b=2))
+        assert unflatten(children, context) == OrderedDict(a=1, b=2)
+        assert _compat.pytree_node(int) is None
+
+    def test_dispatch_mode_base_and_op_names(self):
+        from recomp.torch import _compat
+
+        torch = self.torch
+        assert issubclass(_compat.TorchDispatchMode, object)
+        seen = []
+
+        class Names(_compat.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.append(_compat.op_name(func))
+                return func(*args, **(kwargs or {}))
+
+        with Names():
+            torch.sin(torch.randn(2))
+        assert "aten::sin" in seen
+
+    def test_cpu_attention_ops_exist(self):
+        from recomp.torch import _compat
+
+        assert _compat.cpu_attention_ops() is not None
+
+
+# --------------------------------------------------------------------------- MindSpore
+
+
+class TestMindSpore:
+    ms = pytest.importorskip("mindspore")
+
+    def test_executor_queries(self):
+        from recomp.mindspore import _compat
+
+        ms = self.ms
+        seen = []
+
+        def f(x):
+            seen.append(_compat.grad_enabled())
+            return (x * x).sum()
+
+        x = ms.Tensor([1.0, 2.0])
+        assert not _compat.in_backward()
+        ms.grad(f)(x)
+        assert seen == [True]
+        _compat.sync()
+
+    def test_version_counts_copy_into(self):
+        from recomp.mindspore import _compat
+
+        ms = self.ms
+        t = ms.ops.zeros((3,), ms.float32)
+        before = _compat.version(t)
+        t.copy_(ms.ops.ones((3,), ms.float32))
+        _compat.sync()
+        assert _compat.version(t) == before + 1
+
+    def test_requires_grad_marks_recorded_outputs(self):
+        from recomp.mindspore import _compat
+
+        ms = self.ms
+        flags = []
+
+        def f(x):
+            y = x * 2
+            flags.append(_compat.requires_grad(y))
+            return y.sum()
+
+        ms.grad(f)(ms.Tensor([1.0, 2.0]))
+        assert flags == [True]
+
+    def test_function_base_and_as_strided(self):
+        from recomp.mindspore import _compat
+
+        ms = self.ms
+
+        class Double(_compat.function_base()):
+            @staticmethod
+            def forward(ctx, x):
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, g):
+                return g * 2
+
+        grad = ms.grad(lambda x: Double.apply(x).sum())(ms.Tensor([1.0, 2.0]))
+        assert grad.asnumpy().tolist() == [2.0, 2.0]
+        base = ms.Tensor([[1.0, 2.0], [3.0, 4.0]])
+        view = _compat.as_strided()(base, (2,), (2,), 1)
+        assert view.asnumpy().tolist() == [2.0, 4.0]
+
+    def test_kernel_seeds_are_a_dict_that_dropout_fills(self):
+        from recomp.mindspore import _compat
+
+        ms = self.ms
+        ms.set_seed(1)
+        ms.ops.dropout(ms.ops.ones((8,), ms.float32), p=0.5)
+        seeds = _compat.kernel_seeds()
+        assert isinstance(seeds, dict) and seeds
