@@ -62,19 +62,24 @@ class Slot:
         return f"${self.index}"
 
 
+def map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
+    """``tree`` rebuilt with every leaf ``x`` replaced by ``fn(x)``, leaves in order.
+
+    The one walker of the containers programs use (named tuples, tuples, lists,
+    dicts); everything else is a leaf.
+    """
+    if isinstance(tree, tuple) and hasattr(type(tree), "_fields"):
+        return type(tree)(*(map_leaves(v, fn) for v in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(map_leaves(v, fn) for v in tree)
+    if isinstance(tree, dict):
+        return {k: map_leaves(v, fn) for k, v in tree.items()}
+    return fn(tree)
+
+
 def fill(tmpl: Any, values: list[Any]) -> Any:
     """The template with every ``Slot(k)`` replaced by ``values[k]``."""
-    if isinstance(tmpl, Slot):
-        return values[tmpl.index]
-    if isinstance(tmpl, tuple) and hasattr(type(tmpl), "_fields"):
-        return type(tmpl)(*(fill(v, values) for v in tmpl))
-    if isinstance(tmpl, tuple):
-        return tuple(fill(v, values) for v in tmpl)
-    if isinstance(tmpl, list):
-        return [fill(v, values) for v in tmpl]
-    if isinstance(tmpl, dict):
-        return {k: fill(v, values) for k, v in tmpl.items()}
-    return tmpl
+    return map_leaves(tmpl, lambda x: values[x.index] if isinstance(x, Slot) else x)
 
 
 def bind(tmpl: Any, actual: Any, n_slots: int) -> list[Any]:
@@ -818,27 +823,15 @@ def _positions(items: list[Any], leaves: list[Any]) -> list[int]:
 
 
 def tree_leaves(tree: Any) -> list[Any]:
-    if isinstance(tree, (tuple, list)):
-        return [leaf for v in tree for leaf in tree_leaves(v)]
-    if isinstance(tree, dict):
-        return [leaf for v in tree.values() for leaf in tree_leaves(v)]
-    return [tree]
+    leaves: list[Any] = []
+    map_leaves(tree, leaves.append)
+    return leaves
 
 
 def tree_unflatten(tree: Any, leaves: list[Any]) -> Any:
     """``tree`` with its leaves replaced, in order, by ``leaves``."""
     it = iter(leaves)
-
-    def build(t: Any) -> Any:
-        if isinstance(t, tuple) and hasattr(type(t), "_fields"):
-            return type(t)(*(build(v) for v in t))
-        if isinstance(t, (tuple, list)):
-            return type(t)(build(v) for v in t)
-        if isinstance(t, dict):
-            return {k: build(v) for k, v in t.items()}
-        return next(it)
-
-    return build(tree)
+    return map_leaves(tree, lambda _: next(it))
 
 
 def assert_same_gradients(expected: dict[str, Any], actual: dict[str, Any], *, exact: bool) -> None:
