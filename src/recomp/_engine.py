@@ -162,6 +162,12 @@ _active_region: contextvars.ContextVar[ExcludedRegion | None] = contextvars.Cont
     "recomp_active_region", default=None
 )
 
+# Told ("enter" | "exit" | "skip", region name) when an excluded region starts or ends its
+# forward or is skipped by a replay. Set only while a debug checkpoint runs (its op log).
+region_listener: contextvars.ContextVar[Callable[[str, str], None] | None] = contextvars.ContextVar(
+    "recomp_region_listener", default=None
+)
+
 
 # --------------------------------------------------------------------------- saved tensors
 
@@ -504,11 +510,16 @@ class ExcludedRegion:
 
         packer = _Packer(self, inv, fn, leaves, in_spec)
         token = _active_region.set(self)
+        listener = region_listener.get()
+        if listener is not None:
+            listener("enter", self.name)
         try:
             with backend.saved_tensors_hooks(packer.pack, _unpack), backend.region_context():
                 out = fn(*args, **kwargs)
         finally:
             _active_region.reset(token)
+            if listener is not None:
+                listener("exit", self.name)
             kept = packer.kept
             slots = packer.close()
         self.runs += 1
@@ -578,6 +589,9 @@ class ExcludedRegion:
                 "the replay."
             )
         inv.replay_cursor = cursor + 1
+        listener = region_listener.get()
+        if listener is not None:
+            listener("skip", self.name)
         leaves, in_spec = _pytree.flatten((args, kwargs))
         if in_spec != entry.in_spec:
             raise ReplayMismatchError(
