@@ -523,13 +523,42 @@ def test_cache_untouched_without_gradients() -> None:
     assert _cache_length(out) == SEQ
 
 
+# --------------------------------------------------------------------------- PEFT
+
+
+@pytest.mark.parametrize("order", ["peft_then_recomp", "recomp_then_peft"])
+def test_lora_gradients_equal_in_either_order(order: str) -> None:
+    peft = pytest.importorskip("peft")
+
+    def lora(model: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(3)  # LoRA's A matrices are drawn at random
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+        return peft.get_peft_model(model, config)
+
+    base = llama()
+    reference = lora(copy.deepcopy(base))
+    layer, excluded = MODELS["llama-attention"][1:]
+    if order == "peft_then_recomp":
+        model = lora(copy.deepcopy(base))
+        with_recomp(model, layer, excluded)
+    else:
+        model = lora(with_recomp(copy.deepcopy(base), layer, excluded))
+    ids = tokens()
+    train_step(reference, ids, use_cache=False)
+    train_step(model, ids, use_cache=False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert len(trained) == 4 * SMALL["num_hidden_layers"]
+    assert_same_grads(reference, model)
+    assert all((r.region_runs, r.region_skips) == (1, 1) for r in regions(model))
+
+
 # --------------------------------------------------------------------------- the example
 
 
 def test_hf_train_example_runs_and_checks_gradients() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "hf_train.py"), "--steps", "2"],
+        [sys.executable, str(ROOT / "examples" / "hf_train.py"), "--steps", "2", "--seq", "8"],
         capture_output=True,
         text=True,
         timeout=120,
