@@ -33,7 +33,6 @@ from transformers.models.qwen2_moe import modeling_qwen2_moe  # noqa: E402
 
 import recomp  # noqa: E402
 from recomp.torch import ExcludeWrapper, apply_activation_checkpointing  # noqa: E402
-from recomp.torch._hf import HFGradientCheckpointingError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ = 8
@@ -391,7 +390,7 @@ def test_hf_checkpointing_on_top_is_one_clear_error(switch: str) -> None:
         )  # gradient_checkpointing_enable is deprecated
         getattr(model, switch)()
     ids = tokens()
-    with pytest.raises(HFGradientCheckpointingError) as info:
+    with pytest.raises(recomp.DoubleCheckpointError) as info:
         train_step(model, ids, use_cache=False)
     message = str(info.value)
     assert "recomp" in message and "activation_checkpointing_enable()" in message
@@ -443,7 +442,7 @@ def test_trainer_with_gradient_checkpointing_raises_and_without_trains(tmp_path:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(HFGradientCheckpointingError, match="TrainingArguments"):
+        with pytest.raises(recomp.DoubleCheckpointError, match="TrainingArguments"):
             trainer(True).train()
         fine = trainer(False)
         fine.train()
@@ -552,7 +551,21 @@ def test_lora_gradients_equal_in_either_order(order: str) -> None:
     assert all((r.region_runs, r.region_skips) == (1, 1) for r in regions(model))
 
 
-# --------------------------------------------------------------------------- the example
+# --------------------------------------------------------------------------- README and example
+
+
+def test_readme_hf_example_runs() -> None:
+    import contextlib
+    import io
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Using recomp with Hugging Face transformers", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README HF example", "exec"), {"__name__": "readme_example"})
+    assert out.getvalue().split() == ["1", "1"]
 
 
 def test_hf_train_example_runs_and_checks_gradients() -> None:

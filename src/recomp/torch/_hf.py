@@ -31,16 +31,12 @@ from typing import Any
 from torch import nn
 
 from .._engine import ExcludedRegion
-from ..errors import RecompError
+from ..errors import DoubleCheckpointError, RecompError
 
-__all__ = ["HFGradientCheckpointingError", "adapt_hf_layer_call"]
+__all__ = ["adapt_hf_layer_call"]
 
 # Keyword arguments under which HF layers receive a KV cache (names differ per model).
 _CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
-
-
-class HFGradientCheckpointingError(RecompError):
-    """HF's gradient checkpointing is on for a layer that recomp already checkpoints."""
 
 
 def adapt_hf_layer_call(function: Any, kwargs: dict[str, Any]) -> None:
@@ -53,7 +49,7 @@ def adapt_hf_layer_call(function: Any, kwargs: dict[str, Any]) -> None:
     if not torch.is_grad_enabled():
         return
     if getattr(layer, "gradient_checkpointing", False):
-        raise HFGradientCheckpointingError(
+        raise DoubleCheckpointError(
             f"{type(layer).__name__} is checkpointed twice: by recomp and by Hugging Face's "
             "activation checkpointing (model.activation_checkpointing_enable() or its older name "
             "gradient_checkpointing_enable(), which Trainer calls for "
