@@ -68,11 +68,10 @@ def _hf_layer(function: Any) -> nn.Module | None:
     layer_type = getattr(modeling_layers, "GradientCheckpointingLayer", None)
     if layer_type is None:
         return None
-    for candidate in (function, getattr(function, "__self__", None)):
-        inner = _unwrapped(candidate)
-        if isinstance(inner, layer_type):
-            return inner
-    return None
+    # A module, or a bound method of one (its forward); never Module.__getattr__ (slow).
+    candidate = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
+    inner = _unwrapped(candidate)
+    return inner if isinstance(inner, layer_type) else None
 
 
 def _unwrapped(module: Any) -> Any:
