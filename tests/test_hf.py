@@ -51,14 +51,14 @@ def llama(attention_dropout: float = 0.1) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**SMALL, attention_dropout=attention_dropout)).train()
 
 
-def mixtral() -> MixtralForCausalLM:
+def mixtral(router_jitter_noise: float = 0.1) -> MixtralForCausalLM:
     torch.manual_seed(0)
     config = MixtralConfig(
         **SMALL,
         num_local_experts=4,
         num_experts_per_tok=2,
         attention_dropout=0.1,
-        router_jitter_noise=0.1,
+        router_jitter_noise=router_jitter_noise,
     )
     return MixtralForCausalLM(config).train()
 
@@ -89,9 +89,19 @@ MODELS = {
         (modeling_mixtral.MixtralAttention, modeling_mixtral.MixtralTopKRouter),
     ),
     "mixtral-moe-block": (
+        lambda: mixtral(router_jitter_noise=0.0),
+        modeling_mixtral.MixtralDecoderLayer,
+        (modeling_mixtral.MixtralSparseMoeBlock,),
+    ),
+    "mixtral-moe-block-jitter": (
         mixtral,
         modeling_mixtral.MixtralDecoderLayer,
         (modeling_mixtral.MixtralSparseMoeBlock,),
+    ),
+    "qwen2moe-moe-block": (
+        qwen2_moe,
+        modeling_qwen2_moe.Qwen2MoeDecoderLayer,
+        (modeling_qwen2_moe.Qwen2MoeSparseMoeBlock,),
     ),
     "qwen2moe-attention-router": (
         qwen2_moe,
@@ -152,7 +162,7 @@ INPUT_CHANGED_IN_PLACE = pytest.mark.xfail(
 @pytest.mark.parametrize(
     "case",
     [
-        pytest.param(c, marks=INPUT_CHANGED_IN_PLACE) if c == "mixtral-moe-block" else c
+        pytest.param(c, marks=INPUT_CHANGED_IN_PLACE) if c == "mixtral-moe-block-jitter" else c
         for c in MODELS
     ],
 )

@@ -24,6 +24,7 @@ its module is loaded already.
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from typing import Any
@@ -68,8 +69,14 @@ def _hf_layer(function: Any) -> nn.Module | None:
     layer_type = getattr(modeling_layers, "GradientCheckpointingLayer", None)
     if layer_type is None:
         return None
-    # A module, or a bound method of one (its forward); never Module.__getattr__ (slow).
-    candidate = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
+    # A module, a bound method of one (its forward), or a partial of an unbound forward with
+    # the module first; never Module.__getattr__ (slow).
+    if isinstance(function, nn.Module):
+        candidate = function
+    elif isinstance(function, functools.partial):
+        candidate = function.args[0] if function.args else None
+    else:
+        candidate = getattr(function, "__self__", None)
     inner = _unwrapped(candidate)
     return inner if isinstance(inner, layer_type) else None
 
