@@ -15,14 +15,13 @@ selective checkpointing), so it sees every op the checkpointed code calls.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _engine
 from ..errors import RecompError
@@ -107,6 +106,16 @@ def _replace_top_hooks(
         torch._C._autograd._push_saved_tensors_default_hooks(*original)
 
 
+def _dispatch_mode_base() -> type:
+    """PyTorch's ``TorchDispatchMode``: the op recorder sees every op through it.
+
+    Documented, but under a private module path (``torch.utils._python_dispatch``).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
 # --------------------------------------------------------------------------- the op log
 
 
@@ -146,7 +155,7 @@ class _PhaseLog:
         return f"Ops in the {self.phase} ({len(self.ops)}):\n{body}"
 
 
-class _OpRecorder(TorchDispatchMode):
+class _OpRecorder(_dispatch_mode_base()):  # type: ignore[misc]
     """Records each op that reaches the dispatcher into the current phase log."""
 
     def __init__(self, log: _PhaseLog) -> None:
@@ -286,7 +295,7 @@ def _describe(value: Any) -> str:
 
 def _caller() -> str:
     """The innermost frame outside torch and recomp: the user code that called the op."""
-    frame = sys._getframe(2)
+    frame = inspect.currentframe()
     while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED_DIRS):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:

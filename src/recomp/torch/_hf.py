@@ -71,21 +71,14 @@ def _hf_layer(function: Any) -> nn.Module | None:
         return None
     # A module, a bound method of one (its forward), or a partial of an unbound forward with
     # the module first; never Module.__getattr__ (slow).
+    candidate: Any
     if isinstance(function, nn.Module):
         candidate = function
     elif isinstance(function, functools.partial):
         candidate = function.args[0] if function.args else None
     else:
         candidate = getattr(function, "__self__", None)
-    inner = _unwrapped(candidate)
-    return inner if isinstance(inner, layer_type) else None
-
-
-def _unwrapped(module: Any) -> Any:
-    """The module inside recomp's (or PyTorch's) checkpoint wrapper, if ``module`` is one."""
-    while isinstance(module, nn.Module) and "_checkpoint_wrapped_module" in module._modules:
-        module = module._modules["_checkpoint_wrapped_module"]
-    return module
+    return candidate if isinstance(candidate, layer_type) else None
 
 
 def _turn_off_rewritten_cache(layer: nn.Module, kwargs: dict[str, Any]) -> None:
