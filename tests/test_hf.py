@@ -182,6 +182,22 @@ def test_gradients_equal_unwrapped_model(case: str) -> None:
         assert (region.region_runs, region.region_skips) == (1, 1), region.region.name
 
 
+def test_debug_mode_leaves_gradients_of_a_real_model_unchanged() -> None:
+    reference = llama()
+    layer, excluded = MODELS["llama-attention"][1:]
+    model = apply_activation_checkpointing(
+        copy.deepcopy(reference),
+        checkpoint_fn=lambda m: isinstance(m, layer),
+        exclude_fn=lambda m: isinstance(m, excluded),
+        debug=True,
+    )
+    ids = tokens()
+    train_step(reference, ids, use_cache=False)
+    train_step(model, ids, use_cache=False)
+    assert_same_grads(reference, model)
+    assert all((r.region_runs, r.region_skips) == (1, 1) for r in regions(model))
+
+
 def test_names_and_order_of_parameters_unchanged() -> None:
     reference = llama()
     model = with_recomp(copy.deepcopy(reference), *MODELS["llama-attention"][1:])
