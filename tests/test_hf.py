@@ -595,6 +595,27 @@ def test_lora_gradients_equal_in_either_order(order: str) -> None:
     assert all((r.region_runs, r.region_skips) == (1, 1) for r in regions(model))
 
 
+def test_prefix_tuning_trains_with_excluded_attention_and_refuses_recomputed() -> None:
+    peft = pytest.importorskip("peft")
+
+    def prefix_tuned(model: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(3)
+        config = peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+        return peft.get_peft_model(model, config)
+
+    base = llama()
+    reference = prefix_tuned(copy.deepcopy(base))
+    model = prefix_tuned(copy.deepcopy(base))
+    with_recomp(model, *MODELS["llama-attention"][1:])
+    ids = tokens()
+    assert torch.equal(train_step(reference, ids).loss, train_step(model, ids).loss)
+    assert_same_grads(reference, model)
+    recomputed = prefix_tuned(copy.deepcopy(base))
+    with_recomp(recomputed, *MODELS["llama-no-exclusion"][1:])
+    with pytest.raises(recomp.RecompError, match="already holds entries"):
+        train_step(recomputed, ids)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="named_modules() and named_parameters() still show the wrapper's "
