@@ -315,6 +315,32 @@ def test_debug_report_on_region_order_mismatch() -> None:
     assert "excluded region 'proj' runs" in report and "Ops in the replay" in report
 
 
+def test_debug_keeps_nothing_alive_and_works_without_grad() -> None:
+    import gc
+    import weakref
+
+    import torch.utils.checkpoint as tuc
+
+    from recomp.torch import checkpoint
+
+    lin, proj, _ = _two_regions()
+    x = torch.randn(4, 8, requires_grad=True)
+    outputs: list[weakref.ref[torch.Tensor]] = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        h = proj(lin(t).tanh())
+        outputs.append(weakref.ref(h))
+        return h.sin()
+
+    out = checkpoint(fn, x, debug=True)
+    del out
+    gc.collect()
+    assert outputs[0]() is None  # the region's output died with the graph
+    with torch.no_grad(), tuc.set_checkpoint_debug_enabled(True):
+        assert checkpoint(fn, x).shape == (4, 8)
+        assert checkpoint(fn, x, debug=True).shape == (4, 8)
+
+
 def test_debug_composes_with_selective_checkpointing() -> None:
     from functools import partial
 
