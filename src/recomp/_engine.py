@@ -511,9 +511,9 @@ class ExcludedRegion:
         packer = _Packer(self, inv, fn, leaves, in_spec)
         token = _active_region.set(self)
         listener = region_listener.get()
-        if listener is not None:
-            listener("enter", self.name)
         try:
+            if listener is not None:
+                listener("enter", self.name)
             with backend.saved_tensors_hooks(packer.pack, _unpack), backend.region_context():
                 out = fn(*args, **kwargs)
         finally:
