@@ -248,3 +248,39 @@ class TestMindSpore:
         ms.ops.dropout(ms.ops.ones((8,), ms.float32), p=0.5)
         seeds = _compat.kernel_seeds()
         assert isinstance(seeds, dict) and seeds
+
+
+class TestTorchCheckpointInternals:
+    torch = pytest.importorskip("torch")
+
+    def test_debug_switch_reads_the_global_setter(self):
+        from recomp.torch import _compat
+
+        tuc = self.torch.utils.checkpoint
+        with tuc.set_checkpoint_debug_enabled(True):
+            assert _compat.checkpoint_debug_switch() is True
+        assert _compat.checkpoint_debug_switch() is None
+
+    def test_top_checkpoint_hooks_are_found_and_can_be_replaced(self):
+        from recomp.torch import _compat
+
+        torch = self.torch
+        packed = []
+
+        def body(x):
+            hooks = _compat.top_checkpoint_hooks()
+            assert hooks is not None
+
+            def pack(t):
+                packed.append(t.shape)
+                return hooks[0](t)
+
+            with _compat.replace_top_hooks(pack, hooks[1], hooks):
+                y = torch.sin(x)
+            assert _compat.top_checkpoint_hooks() == hooks
+            return y
+
+        x = torch.randn(3, requires_grad=True)
+        torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False, early_stop=False)
+        assert packed == [torch.Size([3])]
+        assert _compat.top_checkpoint_hooks() is None

@@ -8,6 +8,7 @@ that code inside a checkpoint can read, and the errors recomp raises.
 from ._state import RecomputeState, get_recompute_state, is_recomputing
 from .errors import (
     CachedValueMutatedError,
+    DoubleCheckpointError,
     ForeignCheckpointWarning,
     NestedExclusionError,
     OutputNotSavedError,
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CachedValueMutatedError",
+    "DoubleCheckpointError",
     "ForeignCheckpointWarning",
     "NestedExclusionError",
     "OutputNotSavedError",

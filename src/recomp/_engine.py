@@ -118,6 +118,13 @@ ACTIVE_REGION: contextvars.ContextVar[ExcludedRegion | None] = contextvars.Conte
 )
 
 
+# Told ("enter" | "exit" | "skip", region name) when an excluded region starts or ends its
+# forward or is skipped by a replay. Set only while a debug checkpoint runs (its op log).
+REGION_LISTENER: contextvars.ContextVar[Callable[[str, str], None] | None] = contextvars.ContextVar(
+    "recomp_region_listener", default=None
+)
+
+
 class _Observers:
     """Callbacks the test seam (``recomp._testing``) installs; all None in normal use."""
 
@@ -432,7 +439,10 @@ class ExcludedRegion:
 
         packer = _Packer(self, inv, fn, leaves, in_spec)
         token = ACTIVE_REGION.set(self)
+        listener = REGION_LISTENER.get()
         try:
+            if listener is not None:
+                listener("enter", self.name)
             with backend.saved_tensors_hooks(packer.pack, _unpack), backend.region_context():
                 out = fn(*args, **kwargs)
             if backend.versions_need_sync:
@@ -442,6 +452,8 @@ class ExcludedRegion:
                 snapshot.read_versions(backend)
         finally:
             ACTIVE_REGION.reset(token)
+            if listener is not None:
+                listener("exit", self.name)
             kept = packer.kept
             slots = packer.close()
         self.runs += 1
@@ -544,6 +556,9 @@ class ExcludedRegion:
                 "the same order in the forward and in the replay."
             )
         inv.replay_cursor = cursor + 1
+        listener = REGION_LISTENER.get()
+        if listener is not None:
+            listener("skip", self.name)
         leaves, in_spec = backend.flatten((args, kwargs))
         if in_spec != entry.in_spec:
             raise ReplayMismatchError(

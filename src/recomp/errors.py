@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "CachedValueMutatedError",
+    "DoubleCheckpointError",
     "ForeignCheckpointWarning",
     "NestedExclusionError",
     "OutputNotSavedError",
@@ -30,6 +31,10 @@ class CachedValueMutatedError(RecompError):
 
 class OutputNotSavedError(RecompError):
     """A ``save_output=False`` placeholder reached code other than an excluded region."""
+
+
+class DoubleCheckpointError(RecompError):
+    """A layer recomp checkpoints is also checkpointed by another mechanism (HF's own)."""
 
 
 class ForeignCheckpointWarning(UserWarning):

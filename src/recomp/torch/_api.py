@@ -12,6 +12,8 @@ from torch import nn
 from .. import _engine, _wrapping
 from .._wrapping import WRAPPED, RegionCounters, check_callable, default_name
 from ._backend import BACKEND
+from ._debug import debug_options
+from ._hf import adapt_hf_layer_call
 
 _PREFIX = WRAPPED + "."
 
@@ -27,21 +29,26 @@ def checkpoint(
 
     Built on ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; its
     options (``preserve_rng_state``, ``determinism_check``, ``early_stop``, ...)
-    pass through. ``context_fn`` is composed with recomp's own contexts, which
+    pass through; ``debug=True`` (or PyTorch's ``set_checkpoint_debug_enabled``)
+    adds a log of the forward's and the replay's ops, excluded regions marked, to
+    replay errors. ``context_fn`` is composed with recomp's own contexts, which
     are entered first. Excluded regions called inside run once in the forward
     and are skipped when the forward is replayed during backward.
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
+    adapt_hf_layer_call(function, kwargs)
+    context_fn, kwargs, torch_debug_off = debug_options(context_fn, kwargs)
     context = _engine.begin(
         BACKEND, args, kwargs, context_fn, align_rng=kwargs.get("preserve_rng_state", True)
     )
-    return torch.utils.checkpoint.checkpoint(
-        function,
-        *args,
-        use_reentrant=False,
-        context_fn=context,
-        **kwargs,
-    )
+    with torch_debug_off:
+        return torch.utils.checkpoint.checkpoint(
+            function,
+            *args,
+            use_reentrant=False,
+            context_fn=context,
+            **kwargs,
+        )
 
 
 class _TransparentWrapper(nn.Module):

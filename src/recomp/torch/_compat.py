@@ -18,6 +18,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 # --------------------------------------------------------------------------- storage identity
 
@@ -242,3 +243,46 @@ def cpu_attention_ops() -> tuple[Any, Any] | None:
     except (AttributeError, RuntimeError):
         return None
     return forward, backward
+
+
+# --------------------------------------------------------------------------- checkpoint debug log
+
+
+def checkpoint_debug_switch() -> bool | None:
+    """The value set by ``torch.utils.checkpoint.set_checkpoint_debug_enabled`` (None: unset).
+
+    Private: PyTorch offers a setter but no getter for this global.
+    """
+    value = getattr(torch.utils.checkpoint, "_checkpoint_debug_enabled", None)
+    return value if isinstance(value, bool) else None
+
+
+def top_checkpoint_hooks() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | None:
+    """The (pack, unpack) pair of the innermost non-reentrant checkpoint, if it is on top.
+
+    Private: the saved-tensors hook stack has no public reader, and the marker
+    ``_checkpoint_internal`` is how PyTorch's checkpoint tags its own hooks.
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
+        return None
+    return hooks[0], hooks[1]
+
+
+@contextlib.contextmanager
+def replace_top_hooks(
+    pack: Callable[[Any], Any], unpack: Callable[[Any], Any], original: tuple[Any, Any]
+) -> Iterator[None]:
+    """Swap the top saved-tensors hook pair for (pack, unpack), and put ``original`` back.
+
+    Private: the push/pop functions behind ``saved_tensors_hooks``. Replacing
+    the pair in place (rather than pushing another on top) keeps the
+    checkpoint's own pack hook on top, which PyTorch and recomp look for.
+    """
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    try:
+        yield
+    finally:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        torch._C._autograd._push_saved_tensors_default_hooks(*original)

@@ -1,0 +1,250 @@
+"""``debug=True`` for recomp checkpoints: a log of the ops the forward and the replay ran.
+
+PyTorch's own checkpoint refuses ``debug=True`` together with a ``context_fn``,
+and recomp always passes one. So recomp takes the option itself: the
+checkpoint's forward and each replay run under an op recorder, excluded
+regions are marked in the forward and shown as skipped in the replay, and
+when the checkpoint finds that the replay saved different tensors (or recomp
+finds that it called regions differently), the error carries both op lists
+and the first place where they differ.
+
+The recorder is entered innermost (after a user ``context_fn`` such as
+selective checkpointing), so it sees every op the checkpointed code calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+from .. import _engine
+from ..errors import RecompError
+from . import _compat
+
+__all__ = ["debug_options"]
+
+ContextFn = Callable[[], tuple[Any, Any]]
+
+_RECOMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_SKIPPED_DIRS = (_RECOMP_DIR + os.sep, _TORCH_DIR + os.sep)
+_MAX_LISTED = 400  # ops listed per phase; the rest are counted
+
+
+def debug_options(
+    context_fn: ContextFn | None, kwargs: dict[str, Any]
+) -> tuple[ContextFn | None, dict[str, Any], contextlib.AbstractContextManager[Any]]:
+    """Take ``debug`` out of the checkpoint options and, if debugging is on, add the op log.
+
+    Returns the ``context_fn`` to compose with recomp's, the remaining options,
+    and a context to call PyTorch's checkpoint in. Debugging is on as PyTorch
+    decides it: ``torch.utils.checkpoint.set_checkpoint_debug_enabled`` wins over
+    ``debug=``. While that global switch is on, PyTorch's checkpoint would refuse
+    recomp's ``context_fn``, so it is turned off around the call and back on
+    inside the checkpointed function, where nested checkpoints should see it.
+    """
+    debug = kwargs.pop("debug", False)
+    forced = _compat.checkpoint_debug_switch()
+    if not (forced if forced is not None else debug):
+        return context_fn, kwargs, contextlib.nullcontext()
+    log = _DebugLog(context_fn, restore_switch=forced)
+    hide = (
+        torch_checkpoint.set_checkpoint_debug_enabled(None)
+        if forced is not None
+        else contextlib.nullcontext()
+    )
+    return log.context_fn, kwargs, hide
+
+
+# --------------------------------------------------------------------------- the op log
+
+
+class _PhaseLog:
+    """The ops of one forward or replay, as lines, with region markers."""
+
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+        self.lines: list[str] = []
+        self.ops: list[tuple[str, bool]] = []  # (op, inside an excluded region)
+        self.region: str | None = None
+
+    def op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        name = str(getattr(func, "__name__", func))
+        qualified = f"aten.{name}" if getattr(func, "namespace", "") == "aten" else name
+        self.ops.append((qualified, self.region is not None))
+        if len(self.ops) > _MAX_LISTED:
+            return
+        indent = "    " if self.region is not None else ""
+        call = f"{qualified}({_describe_call(args, kwargs)}) -> {_describe(out)}"
+        self.lines.append(f"{len(self.ops):5d}  {indent}{call}    {_caller()}")
+
+    def region_event(self, event: str, name: str) -> None:
+        if event == "enter":
+            self.region = name
+            self.lines.append(f"       >> excluded region {name!r} runs (kept, not replayed)")
+        elif event == "exit":
+            self.region = None
+            self.lines.append(f"       << end of excluded region {name!r}")
+        else:
+            self.lines.append(f"       -- excluded region {name!r} skipped: cached output returned")
+
+    def render(self) -> str:
+        extra = len(self.ops) - _MAX_LISTED
+        more = [f"       ... and {extra} more op(s)"] if extra > 0 else []
+        body = "\n".join(self.lines + more) or "       (none)"
+        return f"Ops in the {self.phase} ({len(self.ops)}):\n{body}"
+
+
+class _OpRecorder(_compat.TorchDispatchMode):  # type: ignore[misc]
+    """Records each op that reaches the dispatcher into the current phase log."""
+
+    def __init__(self, log: _PhaseLog) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.log.op(func, args, kwargs, out)
+        return out
+
+
+class _Phase:
+    """The debug context of one phase: region listener, user context, op recorder."""
+
+    def __init__(self, owner: _DebugLog, phase: str, user_context: Any) -> None:
+        self.owner = owner
+        self.phase = phase
+        self.user_context = user_context
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        with contextlib.ExitStack() as stack:
+            log = _PhaseLog(self.phase)
+            if self.phase == "forward":
+                self.owner.forward = log
+                stack.enter_context(self.owner.report_errors())
+                if self.owner.restore_switch is not None:
+                    stack.enter_context(
+                        torch_checkpoint.set_checkpoint_debug_enabled(self.owner.restore_switch)
+                    )
+            else:
+                self.owner.replay = log  # each replay (retain_graph) starts a new log
+            token = _engine.REGION_LISTENER.set(log.region_event)
+            stack.callback(_engine.REGION_LISTENER.reset, token)
+            stack.enter_context(self.user_context)
+            stack.enter_context(_OpRecorder(log))
+            self._stacks.append(stack.pop_all())
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        return bool(self._stacks.pop().__exit__(*exc_info))
+
+
+class _DebugLog:
+    """Everything one debug checkpoint call records, and the error it raises."""
+
+    def __init__(self, user_context_fn: ContextFn | None, restore_switch: bool | None) -> None:
+        self.user_context_fn = user_context_fn
+        self.restore_switch = restore_switch
+        self.forward: _PhaseLog | None = None
+        self.replay: _PhaseLog | None = None
+
+    def context_fn(self) -> tuple[_Phase, _Phase]:
+        if self.user_context_fn is not None:
+            user_forward, user_replay = self.user_context_fn()
+        else:
+            user_forward, user_replay = contextlib.nullcontext(), contextlib.nullcontext()
+        return _Phase(self, "forward", user_forward), _Phase(self, "replay", user_replay)
+
+    @contextlib.contextmanager
+    def report_errors(self) -> Iterator[None]:
+        """While the forward runs, tensors saved by the checkpoint unpack through ``unpack``."""
+        hooks = _compat.top_checkpoint_hooks()
+        if hooks is None:  # not under a checkpoint hook as expected: log only
+            yield
+            return
+        pack, checkpoint_unpack = hooks
+
+        def unpack(holder: Any) -> Any:
+            try:
+                return checkpoint_unpack(holder)
+            except torch_checkpoint.CheckpointError as exc:
+                raise torch_checkpoint.CheckpointError(self.report(str(exc))) from exc
+            except RecompError as exc:
+                raise type(exc)(self.report(str(exc))) from exc
+
+        with _compat.replace_top_hooks(pack, unpack, hooks):
+            yield
+
+    def report(self, error: str) -> str:
+        forward = self.forward or _PhaseLog("forward")
+        replay = self.replay or _PhaseLog("replay")
+        # PyTorch's advice to turn debug on is moot here; the rest of its message stays.
+        error = error.split("\nTip: To see a more detailed error message")[0].strip()
+        return "\n\n".join(
+            [
+                error,
+                "recomp checkpoint debug log (debug=True):",
+                forward.render(),
+                replay.render(),
+                _first_difference(forward, replay),
+                "Ops indented under '>>' ran inside an excluded region: they run once in the "
+                "forward and are skipped in the replay, so they are left out of the comparison. "
+                "Extra or missing 'detach' ops are the checkpoint's own and are left out too.",
+            ]
+        )
+
+
+def _first_difference(forward: _PhaseLog, replay: _PhaseLog) -> str:
+    def compared(log: _PhaseLog) -> list[tuple[int, str]]:
+        return [
+            (i + 1, op)
+            for i, (op, in_region) in enumerate(log.ops)
+            if not in_region and not op.startswith("aten.detach")
+        ]
+
+    fwd, rep = compared(forward), compared(replay)
+    for (fi, fop), (ri, rop) in zip(fwd, rep):
+        if fop != rop:
+            return f"First difference: forward op {fi} is {fop}, replay op {ri} is {rop}."
+    if len(fwd) != len(rep):
+        shorter = "replay" if len(rep) < len(fwd) else "forward"
+        return (
+            f"The ops agree as far as both go; the {shorter} ran fewer "
+            f"({len(fwd)} in the forward, {len(rep)} in the replay; the replay may stop "
+            "early after the last tensor it needs)."
+        )
+    return "The same ops ran in both; they saved tensors of different shapes, dtypes or devices."
+
+
+def _describe_call(args: tuple[Any, ...], kwargs: Any) -> str:
+    parts = [_describe(a) for a in args]
+    parts += [f"{k}={_describe(v)}" for k, v in (kwargs or {}).items()]
+    return ", ".join(parts)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_describe(v) for v in value) + "]"
+    text = repr(value)
+    return text if len(text) <= 40 else type(value).__name__
+
+
+def _caller() -> str:
+    """The innermost frame outside torch and recomp: the user code that called the op."""
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED_DIRS):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return ""
+    filename = os.path.basename(frame.f_code.co_filename)
+    return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
