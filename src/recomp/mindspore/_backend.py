@@ -69,7 +69,8 @@ class MindSporeBackend:
             return None
 
     def parameters_of(self, fn: Any) -> list[Any]:
-        return list(fn.get_parameters()) if isinstance(fn, mindspore.nn.Cell) else []
+        cell = getattr(fn, "__self__", fn)  # a wrapper passes its Cell's bound __call__
+        return list(cell.get_parameters()) if isinstance(cell, mindspore.nn.Cell) else []
 
     def storage_nbytes(self, t: Any) -> int:
         try:

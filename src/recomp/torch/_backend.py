@@ -136,7 +136,8 @@ class TorchBackend:
             return None
 
     def parameters_of(self, fn: Any) -> list[Any]:
-        return list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+        module = getattr(fn, "__self__", fn)  # a wrapper passes its module's bound __call__
+        return list(module.parameters()) if isinstance(module, torch.nn.Module) else []
 
     def storage_nbytes(self, t: torch.Tensor) -> int:
         try:
