@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor, or the tensor itself."""
     to_local = getattr(t, "to_local", None)

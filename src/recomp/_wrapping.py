@@ -144,7 +144,8 @@ def check_wrappable(ops: ModelOps, module: Any, mixin: type, api: str) -> None:
             f"A module carries one recomp wrapper: call recomp.{ops.framework}.unwrap(module) "
             f"first to wrap it differently."
         )
-    taken = [name for name in mixin._recomp_public if _has_attribute(module, name)]
+    public: tuple[str, ...] = getattr(mixin, "_recomp_public", ())
+    taken = [name for name in public if _has_attribute(module, name)]
     if taken:
         raise ValueError(
             f"{api} cannot wrap {type(module).__name__}: it already has "

@@ -54,6 +54,8 @@ class CheckpointWrapper(_wrapping.WrapperMixin, nn.Cell):
 
     _recomp_prefix = "Checkpointed"
     _recomp_public = ("checkpoint_kwargs",)
+    _recomp_checkpoint_kwargs: dict[str, Any]
+    _recomp_instance_method: Callable[..., Any] | None
 
     @staticmethod
     def _allocate(cls: type) -> Any:
@@ -86,6 +88,7 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Cell):
 
     _recomp_prefix = "Excluded"
     _recomp_public = ("region", "region_runs", "region_skips", "region_saved_bytes", "save_output")
+    _recomp_region: _engine.ExcludedRegion
 
     @staticmethod
     def _allocate(cls: type) -> Any:
