@@ -7,11 +7,13 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
+import warnings
 
 import mindspore as ms
 import numpy as np
 import pytest
 
+import recomp
 import recomp.mindspore as rm
 from ms_models import Block, Stack, assert_same, copy_params, grads, nn, ops, tensor
 
@@ -192,3 +194,38 @@ def test_wrapping_twice_is_a_clear_error():
     with pytest.raises(ValueError, match=r"already wrapped by recomp.*unwrap"):
         rm.checkpoint_exclude_wrapper(block)
     assert isinstance(block, rm.CheckpointWrapper) and not isinstance(block, rm.ExcludeWrapper)
+
+
+def test_a_cell_configured_with_mindspore_recompute_is_rejected():
+    block = Block(8)
+    block.recompute()  # MindSpore would run the construct it captured, never recomp's
+    with pytest.raises(ValueError, match=r"Cell.recompute\(\) was called.*Drop the recompute"):
+        rm.checkpoint_wrapper(block)
+    assert type(block) is Block
+    model = Stack(2)
+    model.layers[1].recompute()
+    with pytest.raises(ValueError, match="recompute"):
+        rm.apply_activation_checkpointing(
+            model, checkpoint_fn=lambda c: isinstance(c, Block), exclude_fn=is_attn
+        )
+    assert all(type(c) in (Block, nn.Dense) for c in [*model.layers, model.layers[0].attn])
+
+
+def test_a_wrapped_model_whose_construct_reaches_no_wrapper_warns_once():
+    class Net(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block(8)
+            self.run = self.block.construct  # bound before wrapping: bypasses the wrapper
+
+        def construct(self, x):
+            return self.run(x)
+
+    net = Net()
+    rm.apply_activation_checkpointing(net, checkpoint_fn=lambda c: isinstance(c, Block))
+    with pytest.warns(recomp.WrapperNotReachedWarning, match="wrapped 'block' in .*Net"):
+        net(tensor(2, 8))
+    assert not net._forward_hook and not net.block._forward_pre_hook  # checked once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net(tensor(2, 8))

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import copy
 import tempfile
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
+import recomp
 import recomp.torch as rt
 from torch_models import Block, assert_same_grads, grads_of, stack, twin
 
@@ -264,3 +266,36 @@ def test_slicing_a_wrapped_container_gives_a_plain_one():
     assert type(head) is nn.Sequential and head[0] is seq[0]
     with pytest.raises(TypeError, match="checkpoint_wrapper"):
         rt.CheckpointWrapper()
+
+
+def test_a_wrapped_model_whose_forward_reaches_no_wrapper_warns_once():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block(8)
+            self.run = self.block.forward  # bound before wrapping: bypasses the wrapper
+
+        def forward(self, x):
+            return self.run(x)
+
+    net = Net()
+    rt.apply_activation_checkpointing(net, checkpoint_fn=lambda m: isinstance(m, Block))
+    x = torch.randn(2, 8)
+    with pytest.warns(recomp.WrapperNotReachedWarning, match="wrapped 'block' in .*Net"):
+        net(x)
+    assert not net._forward_hooks and not net.block._forward_pre_hooks  # checked once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net(x)
+
+
+def test_a_wrapped_model_that_reaches_its_wrappers_does_not_warn_and_keeps_no_hooks():
+    model = stack(2)
+    rt.apply_activation_checkpointing(
+        model, checkpoint_fn=lambda m: isinstance(m, Block), exclude_fn=lambda m: m is model[1].attn
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert (model[1].attn.region_runs, model[1].attn.region_skips) == (1, 1)

@@ -12,11 +12,13 @@ original class all stay. What recomp adds lives in the instance ``__dict__`` und
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ._engine import ExcludedRegion
+from .errors import WrapperNotReachedWarning
 
 # Instance attributes recomp sets on a wrapped module (all removed by unwrap).
 CHECKPOINT_KWARGS = "_recomp_checkpoint_kwargs"
@@ -132,6 +134,10 @@ class ModelOps:
     # "forward" or "construct": the method the checkpoint mixin overrides.
     method: str
     children: Callable[[Any], Iterable[tuple[str, Any]]]
+    # True while a compiler traces the model (the reach check then stays out of the way).
+    is_compiling: Callable[[], bool]
+    # Raises if the framework would run ``module`` without calling the wrapper's method.
+    check_reachable: Callable[[Any, str], None]
 
 
 def check_wrappable(ops: ModelOps, module: Any, mixin: type, api: str) -> None:
@@ -144,6 +150,8 @@ def check_wrappable(ops: ModelOps, module: Any, mixin: type, api: str) -> None:
             f"A module carries one recomp wrapper: call recomp.{ops.framework}.unwrap(module) "
             f"first to wrap it differently."
         )
+    if mixin is ops.checkpoint_wrapper:
+        ops.check_reachable(module, api)
     public: tuple[str, ...] = getattr(mixin, "_recomp_public", ())
     taken = [name for name in public if _has_attribute(module, name)]
     if taken:
@@ -281,7 +289,66 @@ def apply_activation_checkpointing(
             wrap_checkpoint(module)
         else:
             wrap_exclude(module, path)
+    if planned:
+        ReachCheck(ops, model, [(m, p) for m, p, _ in planned])
     return model
+
+
+class ReachCheck:
+    """Warns if the model's first forward after wrapping calls none of the wrapped modules.
+
+    A wrapper that is never called is a silent no-op: the model trains as without
+    recomp. One-shot hooks record whether any wrapped module ran; the model's
+    forward hook checks that once, then removes them all. A copy or a pickle of
+    the model gets a check that has already finished (its hooks do nothing).
+    """
+
+    def __init__(self, ops: ModelOps, model: Any, wrapped: list[tuple[Any, str]]) -> None:
+        self.is_compiling = ops.is_compiling
+        self.model_name = type(model).__qualname__
+        self.paths = [path or "(the model itself)" for _, path in wrapped]
+        self.reached = False
+        self.done = False
+        self.handles = [module.register_forward_pre_hook(self.mark) for module, _ in wrapped]
+        self.handles.append(model.register_forward_hook(self.check))
+
+    def mark(self, module: Any, args: Any) -> None:
+        self.reached = True
+
+    def check(self, module: Any, args: Any, output: Any) -> None:
+        if self.done or self.is_compiling():
+            return
+        self.done = True
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if not self.reached:
+            shown = ", ".join(repr(p) for p in self.paths[:3])
+            more = f" and {len(self.paths) - 3} more" if len(self.paths) > 3 else ""
+            warnings.warn(
+                f"apply_activation_checkpointing wrapped {shown}{more} in {self.model_name}, "
+                f"but the model's first forward called none of the wrapped modules, so no "
+                f"checkpoint or exclusion is in effect. The model runs them some other way "
+                f"(a method or a copy taken before wrapping, a compiled graph): wrap the "
+                f"modules its forward calls.",
+                WrapperNotReachedWarning,
+                stacklevel=2,
+            )
+
+    def __reduce__(self) -> Any:
+        return (_finished_check, ())
+
+
+def _not_compiling() -> bool:
+    return False
+
+
+def _finished_check() -> ReachCheck:
+    check = ReachCheck.__new__(ReachCheck)
+    check.is_compiling = _not_compiling
+    check.model_name, check.paths, check.handles = "", [], []
+    check.reached = check.done = True
+    return check
 
 
 def check_callable(module: Any, api: str, kind: str) -> None:

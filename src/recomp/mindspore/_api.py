@@ -122,6 +122,16 @@ class PlainFunction(nn.Cell):
         return f"function={default_name(self._recomp_function)}"
 
 
+def _check_reachable(cell: Any, api: str) -> None:
+    """Raise if MindSpore would run ``cell`` without calling its ``construct`` attribute."""
+    if getattr(cell, "_recompute_cell", None) is not None:
+        raise ValueError(
+            f"{api} cannot checkpoint {type(cell).__name__}: Cell.recompute() was called on it, "
+            f"so MindSpore runs the construct it saw then and would never reach recomp's "
+            f"checkpoint. Drop the recompute() call: recomp's checkpoint replaces it."
+        )
+
+
 def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     """Make every call of ``module`` a recomp :func:`checkpoint` (options pass through).
 
@@ -201,4 +211,6 @@ _MODEL_OPS = _wrapping.ModelOps(
     exclude_wrapper=ExcludeWrapper,
     method="construct",
     children=lambda c: [(n, child) for n, child in c.name_cells().items() if child is not None],
+    is_compiling=lambda: False,
+    check_reachable=_check_reachable,
 )

@@ -210,4 +210,7 @@ _MODEL_OPS = _wrapping.ModelOps(
     exclude_wrapper=ExcludeWrapper,
     method="forward",
     children=lambda m: list(m.named_children()),
+    is_compiling=torch.compiler.is_compiling,
+    # An instance ``forward`` is moved aside by wrap_in_place; nothing else bypasses it.
+    check_reachable=lambda module, api: None,
 )
