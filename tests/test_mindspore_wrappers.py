@@ -229,3 +229,25 @@ def test_a_wrapped_model_whose_construct_reaches_no_wrapper_warns_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         net(tensor(2, 8))
+
+
+def test_construct_replaced_on_the_instance_is_still_checkpointed():
+    ref = Block(8)
+    block = Block(8)
+    copy_params(ref, block)
+    calls = []
+    original = block.construct
+
+    def patched(x):
+        calls.append(1)
+        return original(x)
+
+    block.construct = patched
+    rm.checkpoint_exclude_wrapper(block.attn)
+    rm.checkpoint_wrapper(block)
+    x = tensor(2, 8)
+    assert_same(grads(ref, ref.trainable_params(), x), grads(block, block.trainable_params(), x))
+    assert len(calls) == 2  # the forward and the replay
+    assert (block.attn.region_runs, block.attn.region_skips) == (1, 1)
+    rm.unwrap(block)
+    assert block.construct is patched
