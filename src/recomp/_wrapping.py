@@ -55,6 +55,11 @@ class WrapperMixin:
         obj.__init__(*args, **kwargs)
         return obj
 
+    @staticmethod
+    def _allocate(cls: type) -> Any:
+        """A new, uninitialised instance of ``cls`` (the framework's own allocation)."""
+        raise NotImplementedError
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         # copy.deepcopy and pickle rebuild the wrapped class from (mixin, original
         # class), since the cached subclass cannot be found by name.
@@ -68,7 +73,8 @@ class WrapperMixin:
 
 def _rebuild(mixin: type, base: type) -> Any:
     cls = wrapped_class(mixin, base)
-    return mixin._allocate(cls)  # type: ignore[attr-defined]
+    allocate: Callable[[type], Any] = mixin._allocate  # type: ignore[attr-defined]
+    return allocate(cls)
 
 
 def wrapped_class(mixin: type, base: type) -> type:
