@@ -20,16 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# The wrapper attribute recomp (and PyTorch's checkpoint_wrapper) put between a
-# module and its wrapped child; removed when matching parameters by name.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.",)
-
-
-def clean_name(name: str) -> str:
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
-
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor, or the tensor itself."""
@@ -38,12 +28,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def named_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Gradients by parameter name (wrapper prefixes removed), local shards for DTensors."""
+    """Gradients by parameter name, local shards for DTensors."""
     out = {}
     for name, p in model.named_parameters():
         if p.grad is None:
             raise AssertionError(f"parameter {name} got no gradient")
-        out[clean_name(name)] = local(p.grad).detach().clone()
+        out[name] = local(p.grad).detach().clone()
     return out
 
 
@@ -97,7 +87,7 @@ def exclude_stats(model: nn.Module) -> dict[str, dict[str, int]]:
     stats = {}
     for name, m in model.named_modules():
         if hasattr(m, "region_runs") and hasattr(m, "region_skips"):
-            stats[clean_name(name)] = {"runs": int(m.region_runs), "skips": int(m.region_skips)}
+            stats[name] = {"runs": int(m.region_runs), "skips": int(m.region_skips)}
     return stats
 
 

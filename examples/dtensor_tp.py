@@ -9,9 +9,10 @@ linear produces partial sums, and its output hook turns them into a
 replicated tensor with an all-reduce. Excluding those two linears keeps the
 all-reduce (and the small matmul before it) out of the replay.
 
-Order: ``parallelize_module`` first (its plan names sub-modules by their plain
-paths, ``"attn.o"``), then recomp, whose wrappers the plan would otherwise
-have to name::
+Order: ``parallelize_module`` first, then recomp. recomp wraps in place and
+changes no path, so the plan names the same sub-modules (``"attn.o"``) either
+way; the output hook ``parallelize_module`` registers on a linear runs inside
+that linear's excluded region::
 
     for layer in model.layers:
         parallelize_module(layer, mesh, PLAN)

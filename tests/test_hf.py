@@ -643,11 +643,6 @@ def test_prefix_tuning_trains_with_excluded_attention_and_refuses_recomputed() -
         train_step(recomputed, ids)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="named_modules() and named_parameters() still show the wrapper's "
-    "'_checkpoint_wrapped_module.' segment, so PEFT finds no adapter weight by name",
-)
 def test_lora_adapter_state_dict_found_after_recomp() -> None:
     peft = pytest.importorskip("peft")
     torch.manual_seed(3)

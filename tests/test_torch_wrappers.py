@@ -1,4 +1,5 @@
-"""Wrappers are transparent: attributes, state_dict keys, loading both ways, model-wide wrapping."""
+"""Wrappers are transparent: the module itself is wrapped in place, so attributes, names,
+state_dict keys and loading both ways are those of the unwrapped model; model-wide wrapping."""
 
 from __future__ import annotations
 
@@ -19,16 +20,18 @@ def wrapped_stack():
 
 
 def test_attributes_fall_through():
-    _, model = wrapped_stack()
-    assert model[0].attn.in_features == 8
-    assert (
-        model[0].attn.weight
-        is model[0]._checkpoint_wrapped_module.attn._checkpoint_wrapped_module.weight
-    )
-    assert isinstance(model[0].norm, nn.LayerNorm)
-    assert model[0].mlp[0] is model[0]._checkpoint_wrapped_module.mlp[0]
+    ref = stack(2)
+    blk, attn, weight, mlp0 = ref[0], ref[0].attn, ref[0].attn.weight, ref[0].mlp[0]
+    blk.attn = rt.checkpoint_exclude_wrapper(blk.attn)
+    ref[0] = rt.checkpoint_wrapper(blk)
+    # the same objects, wrapped in place
+    assert ref[0] is blk and ref[0].attn is attn and isinstance(attn, nn.Linear)
+    assert ref[0].attn.in_features == 8
+    assert ref[0].attn.weight is weight
+    assert isinstance(ref[0].norm, nn.LayerNorm)
+    assert ref[0].mlp[0] is mlp0
     seq = rt.checkpoint_wrapper(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
-    assert isinstance(seq[1], nn.ReLU)  # indexing falls through too
+    assert isinstance(seq[1], nn.ReLU)  # indexing works as before
 
 
 def test_state_dict_keys_are_those_of_the_unwrapped_model():
@@ -107,21 +110,21 @@ def test_apply_activation_checkpointing_in_two_lines():
     assert_same_grads(g_ref, g)
     assert [layer.attn.region_runs for layer in model.layers] == [1, 1, 1]
     assert [layer.attn.region_skips for layer in model.layers] == [1, 1, 1]
-    # applying again changes nothing
+    # applying again leaves the wrapped modules as they are
+    attn_class, region = type(model.layers[0].attn), model.layers[0].attn.region
     rt.apply_activation_checkpointing(
         model,
         checkpoint_fn=lambda m: isinstance(m, Block),
         exclude_fn=lambda m: isinstance(m, nn.Linear),
     )
-    assert isinstance(
-        model.layers[0]._checkpoint_wrapped_module.attn._checkpoint_wrapped_module, nn.Linear
-    )
+    assert type(model.layers[0].attn) is attn_class and attn_class.__bases__[1] is nn.Linear
+    assert model.layers[0].attn.region is region
 
 
 def test_apply_activation_checkpointing_on_the_root_returns_the_wrapper():
     block = Block(8)
     out = rt.apply_activation_checkpointing(block, checkpoint_fn=lambda m: m is block)
-    assert isinstance(out, rt.CheckpointWrapper) and out._checkpoint_wrapped_module is block
+    assert isinstance(out, rt.CheckpointWrapper) and out is block
 
 
 def test_checkpoint_kwargs_pass_through_the_wrapper():

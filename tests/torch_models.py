@@ -37,13 +37,7 @@ def grads_of(model: nn.Module, loss_fn, *inputs: torch.Tensor):
     leaves = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
     loss = loss_fn(model(*leaves))
     loss.backward()
-    # A parent's named_parameters() shows the wrappers' inner attribute, as with
-    # PyTorch's own checkpoint_wrapper; compare under the unwrapped names.
-    grads = {
-        name.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
-        for name, p in model.named_parameters()
-        if p.grad is not None
-    }
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     for i, x in enumerate(leaves):
         if x.grad is not None:
             grads[f"input{i}"] = x.grad.clone()

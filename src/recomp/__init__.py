@@ -14,6 +14,7 @@ from .errors import (
     OutputNotSavedError,
     RecompError,
     ReplayMismatchError,
+    WrapperNotReachedWarning,
 )
 
 __version__ = "0.1.0"
@@ -27,6 +28,7 @@ __all__ = [
     "RecompError",
     "RecomputeState",
     "ReplayMismatchError",
+    "WrapperNotReachedWarning",
     "__version__",
     "get_recompute_state",
     "is_recomputing",

@@ -348,11 +348,13 @@ class _OutputIndex(int):
 
 def callee_identity(fn: Any) -> Any:
     """What identifies the code a region runs, across wrapper objects: the module or
-    object of a bound method with its function, a function's code, else the callable."""
+    object of a bound method with its function, a function's code, else the callable.
+    A module made around a plain function (``_recomp_function``) is that function."""
     owner = getattr(fn, "__self__", None)
     func = getattr(fn, "__func__", None)
     if owner is not None and func is not None:
-        return (owner, func)
+        inner = getattr(owner, "_recomp_function", None)
+        return callee_identity(inner) if inner is not None else (owner, func)
     return getattr(fn, "__code__", None) or fn
 
 

@@ -10,6 +10,7 @@ __all__ = [
     "OutputNotSavedError",
     "RecompError",
     "ReplayMismatchError",
+    "WrapperNotReachedWarning",
 ]
 
 
@@ -39,3 +40,8 @@ class DoubleCheckpointError(RecompError):
 
 class ForeignCheckpointWarning(UserWarning):
     """An excluded region is replayed by a checkpoint that recomp does not control."""
+
+
+class WrapperNotReachedWarning(UserWarning):
+    """The model's first forward after ``apply_activation_checkpointing`` called none of
+    the modules it wrapped, so no checkpoint or exclusion took effect."""

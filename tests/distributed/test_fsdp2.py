@@ -22,9 +22,10 @@ def reports(launcher):
 def test_wrapping_order(reports):
     v = reports[0]["variants"]
     layers = reports[0]["layers"]
-    # fully_shard on the checkpoint wrapper (FSDP2 makes a subclass of its type).
-    assert v["recomp"]["wrapping"] == ["FSDPCheckpointWrapper"] * layers
-    assert v["recomp_after_fsdp"]["wrapping"] == ["CheckpointWrapper"] * layers
+    # Both wrap in place by giving the layer a subclass of its class: fully_shard's
+    # class derives from recomp's in the documented order, and the other way round.
+    assert v["recomp"]["wrapping"] == ["FSDPCheckpointedBlock"] * layers
+    assert v["recomp_after_fsdp"]["wrapping"] == ["CheckpointedFSDPBlock"] * layers
 
 
 @pytest.mark.parametrize("variant", ["recomp", "recomp_after_fsdp"])

@@ -109,11 +109,7 @@ def prepare(strategy: str, model: nn.Cell) -> Prepared:
             checkpoint_fn=lambda c: id(c) in units,
             exclude_fn=lambda c: id(c) in kept,
         )
-        for cell in model.cells_and_names():
-            wrapper = cell[1]
-            inner = getattr(wrapper, "_checkpoint_wrapped_module", None)
-            if inner is not None and id(inner) in kept and hasattr(wrapper, "region_runs"):
-                prepared.exclude_wrappers[kept[id(inner)]] = wrapper
+        prepared.exclude_wrappers.update(prepared.regions)  # wrapped in place
         return prepared
     raise ValueError(f"unknown MindSpore strategy {strategy!r}: use none, full or exclude-REGION")
 

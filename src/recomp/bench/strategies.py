@@ -30,7 +30,6 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
 
-from .._wrapping import WRAPPED
 from .measure import RegionTracker
 
 ALIASES = {
@@ -217,8 +216,7 @@ def _apply_recomp(model: nn.Module, prepared: Prepared) -> None:
     by_module = {id(m): name for name, m in prepared.regions.items()}
     for module in model.modules():
         if isinstance(module, ExcludeWrapper):
-            inner = getattr(module, WRAPPED)
-            prepared.exclude_wrappers[by_module[id(inner)]] = module
+            prepared.exclude_wrappers[by_module[id(module)]] = module
 
 
 # --------------------------------------------------------------------------- keep-R

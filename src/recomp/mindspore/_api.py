@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import mindspore
 from mindspore import nn
 
 from .. import _engine, _wrapping
-from .._wrapping import WRAPPED, RegionCounters, check_callable, default_name
+from .._wrapping import CHECKPOINT_KWARGS, REGION, RegionCounters, check_callable, default_name
 from ._backend import BACKEND, check_pynative
 
 
@@ -44,120 +44,146 @@ def checkpoint(
     )
 
 
-class _TransparentWrapper(nn.Cell):
-    """A Cell around ``_checkpoint_wrapped_module`` that looks like it from outside.
+class CheckpointWrapper(_wrapping.WrapperMixin, nn.Cell):
+    """The class of every Cell wrapped by :func:`checkpoint_wrapper` derives from this.
 
-    ``Parameter.name`` (what ``save_checkpoint`` and ``load_param_into_net``
-    match on) stays what it would be without the wrapper: the inner cell takes
-    the wrapper's own place in ``cells_and_names``, and wrapping a cell that
-    already sits in a model keeps its parameters' names. Unknown attributes
-    fall through to the inner cell.
+    ``construct`` runs the Cell's own ``construct`` as a recomp :func:`checkpoint`.
+    Hooks registered on the Cell itself run outside the checkpoint; hooks of its
+    sub-cells run inside it.
     """
 
-    def __init__(self, inner: Any) -> None:
-        super().__init__(auto_prefix=False)
-        qualified = isinstance(inner, nn.Cell) and any(
-            param.name != name for name, param in inner.parameters_and_names()
-        )
-        setattr(self, WRAPPED, inner)
-        # True when the inner cell's parameters already carry their model path.
-        self._recomp_keep_names = qualified
+    _recomp_prefix = "Checkpointed"
+    _recomp_public = ("checkpoint_kwargs",)
+    _recomp_checkpoint_kwargs: dict[str, Any]
+    _recomp_instance_method: Callable[..., Any] | None
 
-    def cells_and_names(
-        self, cells: Any = None, name_prefix: str = ""
-    ) -> Iterator[tuple[str, Any]]:
-        seen = cells if cells else set()
-        if self in seen:
-            return
-        seen.add(self)
-        yield name_prefix, self
-        inner = self._cells.get(WRAPPED)
-        if inner is not None:
-            yield from inner.cells_and_names(seen, name_prefix)
+    @staticmethod
+    def _recomp_allocate(cls: type) -> Any:
+        return nn.Cell.__new__(cls)
 
-    def update_parameters_name(self, prefix: str = "", recurse: bool = True) -> None:
-        if not self._recomp_keep_names:
-            super().update_parameters_name(prefix, recurse)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            inner = self.__dict__.get("_cells", {}).get(WRAPPED) or self.__dict__.get(WRAPPED)
-            if inner is None or name == WRAPPED:
-                raise
-            return getattr(inner, name)
-
-    def __getitem__(self, key: Any) -> Any:
-        return getattr(self, WRAPPED)[key]
-
-
-class CheckpointWrapper(_TransparentWrapper):
-    """Runs every call of the wrapped Cell as a recomp :func:`checkpoint`."""
-
-    def __init__(self, module: Any, **checkpoint_kwargs: Any) -> None:
-        check_callable(module, "checkpoint_wrapper", "Cell")
-        _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
-        super().__init__(module)
-        self.checkpoint_kwargs = checkpoint_kwargs
+    @property
+    def checkpoint_kwargs(self) -> dict[str, Any]:
+        """Options passed to every :func:`checkpoint` of this Cell."""
+        kwargs: dict[str, Any] = self._recomp_checkpoint_kwargs
+        return kwargs
 
     def construct(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(getattr(self, WRAPPED), *args, **self.checkpoint_kwargs, **kwargs)
+        own = self._recomp_instance_method or super().construct
+        return checkpoint(own, *args, **self._recomp_checkpoint_kwargs, **kwargs)
+
+    def extend_repr(self) -> str:
+        own = ", ".join(f"{k}={v!r}" for k, v in self._recomp_checkpoint_kwargs.items())
+        return ", ".join(part for part in (super().extend_repr(), own) if part)
 
 
-class ExcludeWrapper(RegionCounters, _TransparentWrapper):
-    """Keeps the wrapped Cell or function out of the replay of recomp checkpoints.
+class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Cell):
+    """The class of every Cell wrapped by :func:`checkpoint_exclude_wrapper` derives from this.
 
-    Inside a recomp checkpoint, it runs once in the forward, keeps its saved
-    tensors and output, and returns the cached output when the forward is
-    replayed. Anywhere else it is a plain call. ``region_runs`` and
-    ``region_skips`` count executions and skipped replays; ``region_saved_bytes``
-    is what the last call keeps for backward.
+    Inside a recomp checkpoint, a call of the Cell (its hooks included) runs
+    once in the forward, keeps its saved tensors and output, and returns the
+    cached output when the forward is replayed. Anywhere else it is a plain
+    call. ``region_runs`` and ``region_skips`` count executions and skipped
+    replays; ``region_saved_bytes`` is what the last call keeps for backward.
     """
 
-    def __init__(
-        self,
-        module: Any,
-        *,
-        save_output: bool = True,
-        copy_output: bool = False,
-        name: str | None = None,
-    ) -> None:
-        check_callable(module, "checkpoint_exclude_wrapper", "Cell")
-        region = _engine.ExcludedRegion(
-            BACKEND, name or default_name(module), save_output, copy_output
-        )
-        super().__init__(module)
-        self.save_output = save_output
-        self.region = region
+    _recomp_prefix = "Excluded"
+    _recomp_public = ("region", "region_runs", "region_skips", "region_saved_bytes", "save_output")
+    _recomp_region: _engine.ExcludedRegion
 
-    def construct(self, *args: Any, **kwargs: Any) -> Any:
+    @staticmethod
+    def _recomp_allocate(cls: type) -> Any:
+        return nn.Cell.__new__(cls)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         check_pynative("checkpoint_exclude_wrapper")
-        return self.region.call(getattr(self, WRAPPED), args, kwargs)
+        return self._recomp_region.call(super().__call__, args, kwargs)
+
+    def construct(self, *args: Any, **kwargs: Any) -> Any:
+        # Reached directly only when MindSpore compiles the Cell (GRAPH_MODE, jit).
+        check_pynative("checkpoint_exclude_wrapper")
+        return super().construct(*args, **kwargs)
+
+    def extend_repr(self) -> str:
+        own = f"region={self.region.name!r}, save_output={self.save_output}"
+        return ", ".join(part for part in (super().extend_repr(), own) if part)
 
 
-def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> CheckpointWrapper:
-    """Wrap ``module`` so that every call is a recomp :func:`checkpoint` (options pass through)."""
-    return CheckpointWrapper(module, **checkpoint_kwargs)
+class PlainFunction(nn.Cell):
+    """A plain function (or a Primitive) as a Cell, so that it can be an excluded region."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        super().__init__(auto_prefix=False)
+        object.__setattr__(self, "_recomp_function", function)
+
+    def construct(self, *args: Any, **kwargs: Any) -> Any:
+        return self._recomp_function(*args, **kwargs)
+
+    def extend_repr(self) -> str:
+        return f"function={default_name(self._recomp_function)}"
+
+
+def _check_reachable(cell: Any, api: str) -> None:
+    """Raise if MindSpore would run ``cell`` without calling its ``construct`` attribute."""
+    if getattr(cell, "_recompute_cell", None) is not None:
+        raise ValueError(
+            f"{api} cannot checkpoint {type(cell).__name__}: Cell.recompute() was called on it, "
+            f"so MindSpore runs the construct it saw then and would never reach recomp's "
+            f"checkpoint. Drop the recompute() call: recomp's checkpoint replaces it."
+        )
+
+
+def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
+    """Make every call of ``module`` a recomp :func:`checkpoint` (options pass through).
+
+    Wraps in place and returns the same Cell: its class becomes a subclass of its
+    own class and :class:`CheckpointWrapper`, so ``Parameter.name``, containers
+    (``SequentialCell``, ``CellList``) and ``isinstance`` checks are unchanged.
+    :func:`unwrap` undoes it. A plain function is put in a small Cell first.
+    """
+    check_callable(module, "checkpoint_wrapper", "Cell")
+    _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
+    if not isinstance(module, nn.Cell):
+        module = PlainFunction(module)
+    _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
+    return _wrapping.wrap_in_place(
+        _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
+    )
 
 
 def checkpoint_exclude_wrapper(
     module: Any, *, save_output: bool = True, copy_output: bool = False, name: str | None = None
-) -> ExcludeWrapper:
-    """Wrap a Cell or function so that recomp checkpoints never replay it.
+) -> Any:
+    """Make a Cell or function a region that recomp checkpoints never replay.
 
+    Wraps a Cell in place and returns it (see :func:`checkpoint_wrapper`); a
+    plain function comes back as a small Cell around it.
     ``save_output=False`` does not cache the output: valid only when it goes
     straight into another excluded region (whose saved tensors already hold
     it). The end of the checkpoint's forward raises
     :class:`recomp.errors.OutputNotSavedError` if it went nowhere else.
-
     ``copy_output=True`` caches a copy of the output instead of an alias: for a
     region whose output the code after it changes in place (a library's
     ``out += identity`` after a normalization, ``ReLU(inplace=True)``), which
     otherwise raises :class:`recomp.errors.CachedValueMutatedError`. It costs
     one more copy of the output.
     """
-    return ExcludeWrapper(module, save_output=save_output, copy_output=copy_output, name=name)
+    check_callable(module, "checkpoint_exclude_wrapper", "Cell")
+    region = _engine.ExcludedRegion(
+        BACKEND, name or default_name(module), save_output, copy_output
+    )
+    if not isinstance(module, nn.Cell):
+        module = PlainFunction(module)
+    _wrapping.check_wrappable(_MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
+    return _wrapping.wrap_in_place(_MODEL_OPS, module, ExcludeWrapper, {REGION: region})
+
+
+def unwrap(module: Any) -> Any:
+    """Undo recomp's wrapping of ``module`` and of every Cell below it, in place.
+
+    Restores each wrapped Cell's class and removes recomp's attributes; returns
+    ``module`` (or, for a function given to ``checkpoint_exclude_wrapper``, the function).
+    """
+    return _wrapping.unwrap(_MODEL_OPS, module)
 
 
 def apply_activation_checkpointing(
@@ -168,19 +194,29 @@ def apply_activation_checkpointing(
     **checkpoint_kwargs: Any,
 ) -> Any:
     """Checkpoint every sub-cell for which ``checkpoint_fn`` is true, excluding inside them
-    every sub-cell for which ``exclude_fn`` is true. Wraps in place, keeps every
-    ``Parameter.name``, and returns the model (a new wrapper if ``model`` itself
-    is checkpointed). Checkpoints are not nested; cells already wrapped are left alone.
+    every sub-cell for which ``exclude_fn`` is true. Wraps in place (also inside
+    ``SequentialCell``/``CellList``/``CellDict``), keeps every ``Parameter.name`` and
+    returns the model. Checkpoints are not nested; cells already wrapped are left
+    alone. Every cell is checked before any is wrapped: on an error the model is unchanged.
     """
+    _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     return _wrapping.apply_activation_checkpointing(
-        _MODEL_OPS, model, checkpoint_fn, exclude_fn, checkpoint_kwargs
+        _MODEL_OPS,
+        model,
+        checkpoint_fn,
+        exclude_fn,
+        lambda c: checkpoint_wrapper(c, **checkpoint_kwargs),
+        lambda c, path: checkpoint_exclude_wrapper(c, name=path),
     )
 
 
 _MODEL_OPS = _wrapping.ModelOps(
+    framework="mindspore",
     module_type=nn.Cell,
     checkpoint_wrapper=CheckpointWrapper,
     exclude_wrapper=ExcludeWrapper,
-    children=lambda c: list(c.name_cells().items()),
-    replace_child=lambda c, name, child: c.insert_child_to_cell(name, child),
+    method="construct",
+    children=lambda c: [(n, child) for n, child in c.name_cells().items() if child is not None],
+    is_compiling=lambda: False,
+    check_reachable=_check_reachable,
 )

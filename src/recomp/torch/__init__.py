@@ -23,6 +23,7 @@ from ._api import (
     checkpoint,
     checkpoint_exclude_wrapper,
     checkpoint_wrapper,
+    unwrap,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "checkpoint",
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
+    "unwrap",
 ]

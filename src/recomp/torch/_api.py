@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,12 +10,16 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .. import _engine, _wrapping
-from .._wrapping import WRAPPED, RegionCounters, check_callable, default_name
+from .._wrapping import (
+    CHECKPOINT_KWARGS,
+    REGION,
+    RegionCounters,
+    check_callable,
+    default_name,
+)
 from ._backend import BACKEND
 from ._debug import debug_options
 from ._hf import adapt_hf_layer_call
-
-_PREFIX = WRAPPED + "."
 
 
 def checkpoint(
@@ -51,136 +55,133 @@ def checkpoint(
         )
 
 
-class _TransparentWrapper(nn.Module):
-    """A module around ``_checkpoint_wrapped_module`` that looks like it from outside.
+class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):
+    """The class of every module wrapped by :func:`checkpoint_wrapper` derives from this.
 
-    Unknown attributes fall through to the inner module; ``state_dict`` keys and
-    ``named_parameters()`` of the wrapper carry no wrapper prefix, and
-    ``load_state_dict`` accepts keys of the unwrapped model.
+    ``forward`` runs the module's own ``forward`` as a recomp :func:`checkpoint`.
+    Hooks registered on the module itself run outside the checkpoint (where
+    FSDP2's all-gather and reduce-scatter hooks must be); hooks of its
+    sub-modules run inside it.
     """
 
-    def __init__(self, inner: Any) -> None:
-        super().__init__()
-        setattr(self, WRAPPED, inner)
-        self.register_state_dict_post_hook(_strip_prefix)
-        self.register_load_state_dict_pre_hook(_add_prefix)
+    _recomp_prefix = "Checkpointed"
+    _recomp_public = ("checkpoint_kwargs",)
+    _recomp_checkpoint_kwargs: dict[str, Any]
+    _recomp_instance_method: Callable[..., Any] | None
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            inner = (
-                super().__getattr__(WRAPPED)
-                if WRAPPED in self._modules
-                else self.__dict__.get(WRAPPED)
-            )
-            if inner is None or name == WRAPPED:
-                raise
-            return getattr(inner, name)
+    @staticmethod
+    def _recomp_allocate(cls: type) -> Any:
+        return object.__new__(cls)
 
-    def __getitem__(self, key: Any) -> Any:
-        return getattr(self, WRAPPED)[key]
-
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
-            yield name.replace(_PREFIX, ""), param
-
-    def named_buffers(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, buf in super().named_buffers(prefix, recurse, remove_duplicate):
-            yield name.replace(_PREFIX, ""), buf
-
-
-def _strip_prefix(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    inner = prefix + _PREFIX
-    items = list(state_dict.items())
-    state_dict.clear()
-    for key, value in items:
-        state_dict[prefix + key[len(inner) :] if key.startswith(inner) else key] = value
-
-
-def _add_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    for key in [
-        k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + _PREFIX)
-    ]:
-        state_dict[prefix + _PREFIX + key[len(prefix) :]] = state_dict.pop(key)
-
-
-class CheckpointWrapper(_TransparentWrapper):
-    """Runs every call of the wrapped module as a recomp :func:`checkpoint`."""
-
-    def __init__(self, module: nn.Module, **checkpoint_kwargs: Any) -> None:
-        check_callable(module, "checkpoint_wrapper", "module")
-        _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
-        super().__init__(module)
-        self.checkpoint_kwargs = checkpoint_kwargs
+    @property
+    def checkpoint_kwargs(self) -> dict[str, Any]:
+        """Options passed to every :func:`checkpoint` of this module."""
+        kwargs: dict[str, Any] = self._recomp_checkpoint_kwargs
+        return kwargs
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(getattr(self, WRAPPED), *args, **self.checkpoint_kwargs, **kwargs)
-
-
-class ExcludeWrapper(RegionCounters, _TransparentWrapper):
-    """Keeps the wrapped module or function out of the replay of recomp checkpoints.
-
-    Inside a recomp checkpoint, it runs once in the forward, keeps its saved
-    tensors and output, and returns the cached output when the forward is
-    replayed. Anywhere else it is a plain call. ``region_runs`` and
-    ``region_skips`` count executions and skipped replays; ``region_saved_bytes``
-    is what the last call keeps for backward.
-    """
-
-    def __init__(
-        self,
-        module: Any,
-        *,
-        save_output: bool = True,
-        copy_output: bool = False,
-        name: str | None = None,
-    ) -> None:
-        check_callable(module, "checkpoint_exclude_wrapper", "module")
-        region = _engine.ExcludedRegion(
-            BACKEND, name or default_name(module), save_output, copy_output
-        )
-        super().__init__(module)
-        self.save_output = save_output
-        self.region = region
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.region.call(getattr(self, WRAPPED), args, kwargs)
+        own = self._recomp_instance_method or super().forward
+        return checkpoint(own, *args, **self._recomp_checkpoint_kwargs, **kwargs)
 
     def extra_repr(self) -> str:
-        return f"region={self.region.name!r}, save_output={self.save_output}"
+        own = ", ".join(f"{k}={v!r}" for k, v in self._recomp_checkpoint_kwargs.items())
+        return ", ".join(part for part in (super().extra_repr(), own) if part)
 
 
-def checkpoint_wrapper(module: nn.Module, **checkpoint_kwargs: Any) -> CheckpointWrapper:
-    """Wrap ``module`` so that every call is a recomp :func:`checkpoint` (options pass through)."""
-    return CheckpointWrapper(module, **checkpoint_kwargs)
+class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
+    """The class of every module wrapped by :func:`checkpoint_exclude_wrapper` derives from this.
+
+    Inside a recomp checkpoint, a call of the module (its hooks included) runs
+    once in the forward, keeps its saved tensors and output, and returns the
+    cached output when the forward is replayed. Anywhere else it is a plain
+    call. ``region_runs`` and ``region_skips`` count executions and skipped
+    replays; ``region_saved_bytes`` is what the last call keeps for backward.
+    """
+
+    _recomp_prefix = "Excluded"
+    _recomp_public = ("region", "region_runs", "region_skips", "region_saved_bytes", "save_output")
+    _recomp_region: _engine.ExcludedRegion
+
+    @staticmethod
+    def _recomp_allocate(cls: type) -> Any:
+        return object.__new__(cls)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._recomp_region.call(super().__call__, args, kwargs)
+
+    def extra_repr(self) -> str:
+        own = f"region={self.region.name!r}, save_output={self.save_output}"
+        return ", ".join(part for part in (super().extra_repr(), own) if part)
+
+
+class PlainFunction(nn.Module):
+    """A plain function as a module, so that it can be an excluded region."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        super().__init__()
+        self._recomp_function = function
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._recomp_function(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"function={default_name(self._recomp_function)}"
+
+
+def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
+    """Make every call of ``module`` a recomp :func:`checkpoint` (options pass through).
+
+    Wraps in place and returns the same module: its class becomes a subclass of
+    its own class and :class:`CheckpointWrapper`, so names, containers and
+    ``isinstance`` checks are unchanged. :func:`unwrap` undoes it. A plain
+    function is put in a small module first.
+    """
+    check_callable(module, "checkpoint_wrapper", "module")
+    _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
+    if not isinstance(module, nn.Module):
+        module = PlainFunction(module)
+    _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
+    return _wrapping.wrap_in_place(
+        _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
+    )
 
 
 def checkpoint_exclude_wrapper(
     module: Any, *, save_output: bool = True, copy_output: bool = False, name: str | None = None
-) -> ExcludeWrapper:
-    """Wrap a module or function so that recomp checkpoints never replay it.
+) -> Any:
+    """Make a module or function a region that recomp checkpoints never replay.
 
+    Wraps a module in place and returns it (see :func:`checkpoint_wrapper`); a
+    plain function comes back as a small module around it.
     ``save_output=False`` does not cache the output; the replay hands a
     zero-element placeholder on. Use it only when the output goes straight into
     another excluded region (whose saved tensors already hold it): a chain of
     excluded regions then keeps one copy. Any other use raises
     :class:`recomp.errors.OutputNotSavedError` during backward.
     ``name`` appears in error messages (default: the module's class name).
-
     ``copy_output=True`` caches a copy of the output instead of an alias: for a
     region whose output the code after it changes in place (a library's
     ``out += identity`` after a normalization, ``ReLU(inplace=True)``), which
     otherwise raises :class:`recomp.errors.CachedValueMutatedError`. It costs
     one more copy of the output.
     """
-    return ExcludeWrapper(module, save_output=save_output, copy_output=copy_output, name=name)
+    check_callable(module, "checkpoint_exclude_wrapper", "module")
+    region = _engine.ExcludedRegion(
+        BACKEND, name or default_name(module), save_output, copy_output
+    )
+    if not isinstance(module, nn.Module):
+        module = PlainFunction(module)
+    _wrapping.check_wrappable(_MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
+    return _wrapping.wrap_in_place(_MODEL_OPS, module, ExcludeWrapper, {REGION: region})
+
+
+def unwrap(module: Any) -> Any:
+    """Undo recomp's wrapping of ``module`` and of every module below it, in place.
+
+    Restores each wrapped module's class and removes recomp's attributes; returns
+    ``module`` (or, for a function given to ``checkpoint_exclude_wrapper``, the function).
+    """
+    return _wrapping.unwrap(_MODEL_OPS, module)
 
 
 def apply_activation_checkpointing(
@@ -191,8 +192,8 @@ def apply_activation_checkpointing(
     **checkpoint_kwargs: Any,
 ) -> nn.Module:
     """Checkpoint every sub-module for which ``checkpoint_fn`` is true, excluding inside them
-    every sub-module for which ``exclude_fn`` is true. Wraps in place and returns the model
-    (a new wrapper if ``model`` itself is checkpointed)::
+    every sub-module for which ``exclude_fn`` is true. Wraps in place and returns the model;
+    every name (``named_modules``, ``named_parameters``, ``state_dict``) stays as it was::
 
         apply_activation_checkpointing(
             model,
@@ -201,17 +202,28 @@ def apply_activation_checkpointing(
         )
 
     Checkpoints are not nested: below a checkpointed module only exclusions are
-    applied. Modules already wrapped by recomp are left as they are.
+    applied. Modules already wrapped by recomp are left as they are. Every module
+    is checked before any is wrapped: on an error the model is unchanged.
     """
+    _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     return _wrapping.apply_activation_checkpointing(
-        _MODEL_OPS, model, checkpoint_fn, exclude_fn, checkpoint_kwargs
+        _MODEL_OPS,
+        model,
+        checkpoint_fn,
+        exclude_fn,
+        lambda m: checkpoint_wrapper(m, **checkpoint_kwargs),
+        lambda m, path: checkpoint_exclude_wrapper(m, name=path),
     )
 
 
 _MODEL_OPS = _wrapping.ModelOps(
+    framework="torch",
     module_type=nn.Module,
     checkpoint_wrapper=CheckpointWrapper,
     exclude_wrapper=ExcludeWrapper,
+    method="forward",
     children=lambda m: list(m.named_children()),
-    replace_child=setattr,
+    is_compiling=torch.compiler.is_compiling,
+    # An instance ``forward`` is moved aside by wrap_in_place; nothing else bypasses it.
+    check_reachable=lambda module, api: None,
 )

@@ -153,4 +153,4 @@ def _cache_written_once(layer: nn.Module) -> bool:
 
 
 def _is_excluded_region(module: nn.Module) -> bool:
-    return isinstance(vars(module).get("region"), ExcludedRegion)
+    return isinstance(vars(module).get("_recomp_region"), ExcludedRegion)
