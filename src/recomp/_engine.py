@@ -178,11 +178,16 @@ class _Snapshot:
     tie the cache to the autograd graph in a cycle the collector cannot see.
     """
 
-    __slots__ = ("held", "origin", "origin_version", "value", "value_version")
+    __slots__ = ("held", "offloaded", "origin", "origin_version", "value", "value_version")
 
-    def __init__(self, backend: Backend, tensor: Any, value: Any, hold: bool = False) -> None:
-        self.value = value
-        self.value_version = backend.version(self.value)
+    def __init__(
+        self, backend: Backend, tensor: Any, value: Any, hold: bool = False, offload: Any = None
+    ) -> None:
+        # With ``offload`` (an offload group, see recomp.torch._offload), a host copy
+        # is kept instead of ``value`` where the group takes the tensor.
+        self.offloaded = offload.put(tensor) if offload is not None else None
+        self.value = value if self.offloaded is None else None
+        self.value_version = backend.version(value)
         self.origin_version = backend.version(tensor)
         self.origin = weakref.ref(tensor) if self.origin_version is not None else None
         self.held = tensor if hold else None
@@ -191,7 +196,13 @@ class _Snapshot:
         origin = self.held if self.held is not None else self.origin and self.origin()
         if origin is not None and backend.version(origin) != self.origin_version:
             return True
+        if self.offloaded is not None:
+            return bool(self.offloaded.changed())
         return backend.version(self.value) != self.value_version
+
+    def get(self) -> Any:
+        """The kept tensor (brought back from the host if it was offloaded)."""
+        return self.value if self.offloaded is None else self.offloaded.get()
 
     def release(self) -> None:
         self.held = None
@@ -202,8 +213,9 @@ class _Kept:
 
     __slots__ = ("region", "snapshot")
 
-    def __init__(self, tensor: Any, region: ExcludedRegion) -> None:
-        self.snapshot = _Snapshot(region.backend, tensor, region.backend.keep_saved(tensor))
+    def __init__(self, tensor: Any, region: ExcludedRegion, offload: Any = None) -> None:
+        backend = region.backend
+        self.snapshot = _Snapshot(backend, tensor, backend.keep_saved(tensor), offload=offload)
         self.region = region
 
     def unpack(self) -> Any:
@@ -214,7 +226,7 @@ class _Kept:
                 "in-place operation out-of-place (e.g. `y = y + 1` instead of `y.add_(1)`), or "
                 "clone the region's output before changing it."
             )
-        return self.snapshot.value
+        return self.snapshot.get()
 
 
 class _InputSlot:
@@ -288,10 +300,14 @@ class _Packer:
         fn: Callable[..., Any],
         leaves: list[Any],
         in_spec: _pytree.TreeSpec,
+        offload: Any = None,
     ) -> None:
         backend = region.backend
         self.region = region
         self.fn: Callable[..., Any] | None = fn
+        # Offload group of this call (None: keep on the device); not for checkpoint inputs.
+        self.offload = offload
+        self.checkpoint_input_keys = inv.checkpoint_input_keys
         self._parameter_keys: set[Hashable] | None = None
         self.leaves: list[Any] = leaves
         self.in_spec = in_spec
@@ -325,9 +341,11 @@ class _Packer:
                     slot = self.slots[index] = _InputSlot(region, index, path, backend.layout(base))
                 return _Deferred(slot, view)
         key = backend.storage_key(t)
-        if not backend.is_parameter(t) and key not in self.parameter_keys():
-            self.kept[key] = backend.storage_nbytes(t)
-        return _Kept(t, region)
+        if backend.is_parameter(t) or key in self.parameter_keys():
+            return _Kept(t, region)
+        self.kept[key] = backend.storage_nbytes(t)
+        offload = self.offload if key not in self.checkpoint_input_keys else None
+        return _Kept(t, region, offload)
 
     def parameter_keys(self) -> set[Hashable]:
         """Storages of the wrapped module's parameters. A parameter may be saved through
@@ -347,6 +365,7 @@ class _Packer:
         self.slots = {}
         self.fn = None
         self._parameter_keys = None
+        self.offload = None
         return slots
 
 
@@ -368,6 +387,7 @@ class CacheEntry:
     __slots__ = (
         "boundary_inputs",
         "in_spec",
+        "offload",
         "out_leaves",
         "out_spec",
         "outputs",
@@ -393,6 +413,7 @@ class CacheEntry:
         # Tensors the checkpoint had saved when this call returned (None: unknown).
         self.saves_after: int | None = None
         self.unreachable = False
+        self.offload: Any = None  # offload group of this call, prefetched by the replay
 
     def check_outputs_unchanged(self) -> None:
         """Raise if a cached output was changed in place since the region returned.
@@ -441,10 +462,14 @@ class ExcludedRegion:
     that returned the cached output instead.
     """
 
-    def __init__(self, backend: Backend, name: str, save_output: bool) -> None:
+    def __init__(
+        self, backend: Backend, name: str, save_output: bool, offloader: Any = None
+    ) -> None:
         self.backend = backend
         self.name = name
         self.save_output = save_output
+        # Copies what the region keeps to host memory (recomp.torch._offload); None: keep.
+        self.offloader = offloader
         self.runs = 0
         self.skips = 0
         # Activation bytes the last call inside a checkpoint keeps until backward: saved
@@ -502,11 +527,16 @@ class ExcludedRegion:
         leaves, in_spec = _pytree.flatten((args, kwargs))
         entry = CacheEntry(self, in_spec)
 
-        packer = _Packer(self, inv, fn, leaves, in_spec)
+        offload = self.offloader.open_group(self.name) if self.offloader is not None else None
+        packer = _Packer(self, inv, fn, leaves, in_spec, offload)
         token = _active_region.set(self)
         try:
             with backend.saved_tensors_hooks(packer.pack, _unpack), backend.region_context():
                 out = fn(*args, **kwargs)
+        except BaseException:
+            if offload is not None:
+                offload.abort()
+            raise
         finally:
             _active_region.reset(token)
             kept = packer.kept
@@ -523,7 +553,7 @@ class ExcludedRegion:
                 continue
             requires_grad = backend.requires_grad(leaf)
             cached = (
-                _Snapshot(backend, leaf, backend.detach(leaf), hold=True)
+                _Snapshot(backend, leaf, backend.detach(leaf), hold=True, offload=offload)
                 if self.save_output
                 else None
             )
@@ -552,6 +582,9 @@ class ExcludedRegion:
             inv.save_counter = backend.save_counter()
         if callable(inv.save_counter):
             entry.saves_after = inv.save_counter()
+        if offload is not None:
+            offload.close()
+            entry.offload = offload
         inv.entries.append(entry)
         self.saved_bytes = sum(kept.values())
         return _pytree.unflatten(out_leaves, entry.out_spec)
@@ -590,12 +623,14 @@ class ExcludedRegion:
             if slot is not None:  # None: the region's backward no longer needs it
                 slot.bind(leaves[slot.index])
         entry.check_outputs_unchanged()
+        if entry.offload is not None:
+            entry.offload.prefetch()  # the region's backward comes later in this pass
         if entry.rng_state is not None:
             backend.set_rng_state(entry.rng_state)
 
         self.skips += 1
         values = [
-            backend.replay_alias(c.snapshot.value, c.requires_grad)
+            backend.replay_alias(c.snapshot.get(), c.requires_grad)
             if c.snapshot is not None
             else backend.stub(c.requires_grad)
             for c in entry.outputs

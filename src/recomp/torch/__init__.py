@@ -24,12 +24,16 @@ from ._api import (
     checkpoint_exclude_wrapper,
     checkpoint_wrapper,
 )
+from ._offload import Offloader, OffloadStats, default_offloader
 
 __all__ = [
     "CheckpointWrapper",
     "ExcludeWrapper",
+    "OffloadStats",
+    "Offloader",
     "apply_activation_checkpointing",
     "checkpoint",
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
+    "default_offloader",
 ]

@@ -12,6 +12,7 @@ from torch import nn
 from .. import _engine, _wrapping
 from .._wrapping import WRAPPED, RegionCounters, check_callable, default_name
 from ._backend import BACKEND
+from ._offload import Offloader, resolve
 
 _PREFIX = WRAPPED + "."
 
@@ -127,18 +128,29 @@ class ExcludeWrapper(RegionCounters, _TransparentWrapper):
     is what the last call keeps for backward.
     """
 
-    def __init__(self, module: Any, *, save_output: bool = True, name: str | None = None) -> None:
+    def __init__(
+        self,
+        module: Any,
+        *,
+        save_output: bool = True,
+        name: str | None = None,
+        offload: bool | Offloader = False,
+    ) -> None:
         check_callable(module, "checkpoint_exclude_wrapper", "module")
         _engine.check_save_output(save_output)
+        offloader = resolve(offload)
         super().__init__(module)
         self.save_output = save_output
-        self.region = _engine.ExcludedRegion(BACKEND, name or default_name(module), save_output)
+        self.region = _engine.ExcludedRegion(
+            BACKEND, name or default_name(module), save_output, offloader
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.region.call(getattr(self, WRAPPED), args, kwargs)
 
     def extra_repr(self) -> str:
-        return f"region={self.region.name!r}, save_output={self.save_output}"
+        offload = ", offload=True" if self.region.offloader is not None else ""
+        return f"region={self.region.name!r}, save_output={self.save_output}{offload}"
 
 
 def checkpoint_wrapper(module: nn.Module, **checkpoint_kwargs: Any) -> CheckpointWrapper:
@@ -147,7 +159,11 @@ def checkpoint_wrapper(module: nn.Module, **checkpoint_kwargs: Any) -> Checkpoin
 
 
 def checkpoint_exclude_wrapper(
-    module: Any, *, save_output: bool = True, name: str | None = None
+    module: Any,
+    *,
+    save_output: bool = True,
+    name: str | None = None,
+    offload: bool | Offloader = False,
 ) -> ExcludeWrapper:
     """Wrap a module or function so that recomp checkpoints never replay it.
 
@@ -157,8 +173,16 @@ def checkpoint_exclude_wrapper(
     excluded regions then keeps one copy. Any other use raises
     :class:`recomp.errors.OutputNotSavedError` during backward.
     ``name`` appears in error messages (default: the module's class name).
+
+    ``offload=True`` copies what the region keeps for its backward (its saved
+    tensors and cached output, not parameters, deferred inputs or the
+    checkpoint's inputs) to pinned host memory on a side CUDA stream, releases
+    the device copy once that is done, and brings it back ahead of the region's
+    backward. On a machine without CUDA it does nothing (unless the
+    ``RECOMP_OFFLOAD_HOST_COPY=1`` test mode is on). An :class:`Offloader` passed
+    instead of True sets the size threshold and collects its own counters.
     """
-    return ExcludeWrapper(module, save_output=save_output, name=name)
+    return ExcludeWrapper(module, save_output=save_output, name=name, offload=offload)
 
 
 def apply_activation_checkpointing(
@@ -166,6 +190,7 @@ def apply_activation_checkpointing(
     *,
     checkpoint_fn: Callable[[nn.Module], bool],
     exclude_fn: Callable[[nn.Module], bool] | None = None,
+    offload_fn: Callable[[nn.Module], bool] | None = None,
     **checkpoint_kwargs: Any,
 ) -> nn.Module:
     """Checkpoint every sub-module for which ``checkpoint_fn`` is true, excluding inside them
@@ -180,9 +205,11 @@ def apply_activation_checkpointing(
 
     Checkpoints are not nested: below a checkpointed module only exclusions are
     applied. Modules already wrapped by recomp are left as they are.
+    ``offload_fn`` picks, among the excluded modules, those created with
+    ``offload=True`` (see :func:`checkpoint_exclude_wrapper`).
     """
     return _wrapping.apply_activation_checkpointing(
-        _MODEL_OPS, model, checkpoint_fn, exclude_fn, checkpoint_kwargs
+        _MODEL_OPS, model, checkpoint_fn, exclude_fn, checkpoint_kwargs, offload_fn=offload_fn
     )
 
 
