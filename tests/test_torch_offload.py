@@ -406,3 +406,36 @@ def test_no_leak_over_1000_steps():
     assert heap1 - heap0 < 64 * 1024, result
     assert objects1 - objects0 <= 20, result
     assert ours0 == ours1 == 0, result
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def test_bench_strategy_reports_host_bytes(monkeypatch):
+    from recomp.bench.config import BenchConfig
+    from recomp.bench.report import evaluate_targets, table
+    from recomp.bench.runner import measure_strategy
+    from recomp.bench.strategies import parse
+
+    assert parse("exclude-attn-offload") == ("exclude-offload", "attn")
+    assert parse("exclude-mlp") == ("exclude", "mlp")
+    config = BenchConfig(layers=2, hidden=32, heads=2, seq=16, batch=1, warmup=1)
+    monkeypatch.delenv(_offload.ENV_HOST_COPY, raising=False)
+    plain = measure_strategy(config, "exclude-attn-offload")
+    assert plain["offload"]["host_bytes"] == 0  # CPU: nothing to do
+    monkeypatch.setenv(_offload.ENV_HOST_COPY, "1")
+    forced = measure_strategy(config, "exclude-attn-offload")
+    # Below the default 1 MiB threshold nothing moves; the bench model's attention
+    # keeps 4 KiB storages, so count them with a threshold of 0.
+    assert forced["offload"]["host_bytes"] == 0
+    monkeypatch.setattr(_offload, "DEFAULT_MIN_BYTES", 0)
+    forced = measure_strategy(config, "exclude-attn-offload")
+    kept = sum(forced["region_saved_bytes"].values())
+    assert forced["offload"]["host_bytes"] == kept > 0
+    assert forced["offload"]["restored_bytes"] == kept
+    assert forced["max_grad_diff"] == 0.0
+    assert forced["region_runs"] == {"layers.0.attn": 1, "layers.1.attn": 1}
+    forced["step_time_s"] = 1.0
+    assert "host MiB/step" in table([forced])
+    target = evaluate_targets([forced])[-1]
+    assert target["target"].startswith("4 ") and target["host_bytes_per_step"] == kept

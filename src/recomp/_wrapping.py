@@ -52,7 +52,7 @@ def apply_activation_checkpointing(
     checkpoint_fn: Callable[[Any], bool],
     exclude_fn: Callable[[Any], bool] | None,
     checkpoint_kwargs: dict[str, Any],
-    offload_fn: Callable[[Any], bool] | None = None,
+    offload_fn: Callable[[Any], Any] | None = None,
 ) -> Any:
     """Wrap, in place, each sub-module for which ``checkpoint_fn`` holds in a checkpoint
     wrapper, and inside those each sub-module for which ``exclude_fn`` holds in an exclude
@@ -72,7 +72,8 @@ def apply_activation_checkpointing(
             if isinstance(child, ops.exclude_wrapper):
                 continue
             if exclude_fn(child):
-                options = {"offload": True} if offload_fn is not None and offload_fn(child) else {}
+                offload = offload_fn(child) if offload_fn is not None else False
+                options = {"offload": offload} if offload is not False else {}
                 wrapper = ops.exclude_wrapper(child, name=child_path, **options)
                 ops.replace_child(module, name, wrapper)
             else:

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--strategies",
         help=(
-            "comma-separated; torch: none, full, sac[-R], torch-remat[-R], exclude-R, keep-R; "
+            "comma-separated; torch: none, full, sac[-R], torch-remat[-R], exclude-R, "
+            "exclude-R-offload, keep-R; "
             f"mindspore: none, full, exclude-R (default torch: {','.join(TORCH_STRATEGIES)}; "
             f"mindspore: {','.join(MS_STRATEGIES)})"
         ),
@@ -206,7 +207,9 @@ def _split(value: str | None, default: tuple[str, ...]) -> list[str]:
 
 
 def _ms_supported(strategy: str) -> bool:
-    return strategy in ("none", "full") or strategy.startswith("exclude-")
+    return strategy in ("none", "full") or (
+        strategy.startswith("exclude-") and not strategy.endswith("-offload")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

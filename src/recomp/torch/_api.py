@@ -190,7 +190,7 @@ def apply_activation_checkpointing(
     *,
     checkpoint_fn: Callable[[nn.Module], bool],
     exclude_fn: Callable[[nn.Module], bool] | None = None,
-    offload_fn: Callable[[nn.Module], bool] | None = None,
+    offload_fn: Callable[[nn.Module], bool | Offloader] | None = None,
     **checkpoint_kwargs: Any,
 ) -> nn.Module:
     """Checkpoint every sub-module for which ``checkpoint_fn`` is true, excluding inside them
@@ -205,8 +205,8 @@ def apply_activation_checkpointing(
 
     Checkpoints are not nested: below a checkpointed module only exclusions are
     applied. Modules already wrapped by recomp are left as they are.
-    ``offload_fn`` picks, among the excluded modules, those created with
-    ``offload=True`` (see :func:`checkpoint_exclude_wrapper`).
+    ``offload_fn`` gives, for each excluded module, its ``offload=`` option (True,
+    False or an :class:`Offloader`, see :func:`checkpoint_exclude_wrapper`).
     """
     return _wrapping.apply_activation_checkpointing(
         _MODEL_OPS, model, checkpoint_fn, exclude_fn, checkpoint_kwargs, offload_fn=offload_fn

@@ -219,7 +219,7 @@ class _Copy:
 class Offloader:
     """Copies what offloading regions keep to host memory and brings it back.
 
-    ``min_bytes``: storages smaller than this stay on the device. ``host_copy``:
+    ``min_bytes``: storages smaller than this stay on the device (default 1 MiB). ``host_copy``:
     True / False forces the CPU test mode on / off; None (default) reads the
     ``RECOMP_OFFLOAD_HOST_COPY`` environment variable at each region call.
     ``timing``: measure copy time with CUDA events (``stats.copy_seconds``).
@@ -230,10 +230,12 @@ class Offloader:
     def __init__(
         self,
         *,
-        min_bytes: int = DEFAULT_MIN_BYTES,
+        min_bytes: int | None = None,
         host_copy: bool | None = None,
         timing: bool = False,
     ) -> None:
+        if min_bytes is None:
+            min_bytes = DEFAULT_MIN_BYTES
         if not isinstance(min_bytes, int) or isinstance(min_bytes, bool) or min_bytes < 0:
             raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}.")
         self.min_bytes = min_bytes
@@ -281,13 +283,16 @@ class Offloader:
             self._finish(copy)
 
     def synchronize(self) -> None:
-        """Wait for every copy in flight, then release them."""
+        """Wait for every copy in flight, then release them (and count timed restores)."""
         with self._lock:
             copies, self._in_flight = self._in_flight, []
         for copy in copies:
             if copy.done is not None:
                 copy.done.synchronize()
             self._finish(copy)
+        for _, ended in self._timed:
+            ended.synchronize()
+        self._collect_timings()
 
     # -- internals ------------------------------------------------------------------
 
