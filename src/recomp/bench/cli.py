@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup", type=int, default=BenchConfig.warmup)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (PyTorch only)")
+    p.add_argument(
+        "--dtype",
+        default=BenchConfig.dtype,
+        choices=("float32", "bfloat16", "float16"),
+        help="parameter and input dtype (PyTorch only)",
+    )
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     p.add_argument(
         "--jobs",
@@ -223,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         warmup=args.warmup,
         device=args.device,
+        dtype=args.dtype,
         threads=args.threads,
         model=args.model,
     )

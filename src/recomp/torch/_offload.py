@@ -20,10 +20,12 @@ An offloading region keeps, instead of a device alias of each tensor it saves
     3. a restore allocates a device buffer on the compute stream (from that
        stream's pool), makes the side stream wait for the compute stream (the
        block may have been freed by work still queued there), copies the host
-       bytes in on the side stream and records an event; ``get`` makes the stream
-       that reads the tensor wait for that event (and ``record_stream``s the
-       buffer if that stream is another one), then rebuilds the saved view
-       (size, stride, offset) on the buffer;
+       bytes in on the side stream and records an event; the buffer is
+       ``record_stream``ed on the side stream, so that if it is dropped unread
+       its block is not reused before the copy into it is done. ``get`` makes
+       the stream that reads the tensor wait for that event (and
+       ``record_stream``s the buffer if that stream is another one), then
+       rebuilds the saved view (size, stride, offset) on the buffer;
     4. the first ``get`` of a region in a backward pass starts restoring the
        region recorded before it (the next one in backward order), so its copy
        runs while this region's backward computes;
@@ -359,6 +361,10 @@ class Offloader:
                 buffer = torch.empty(stored.nbytes, dtype=torch.uint8, device=stored.device)
                 side = self._stream(stored.device)
                 side.wait_stream(compute)  # the block may be in use by work queued there
+                # If the buffer is dropped before anyone waited for the copy (the graph
+                # freed right after a prefetch), its block must not be reused before the
+                # copy into it is done.
+                buffer.record_stream(side)
                 with torch.cuda.stream(side):
                     started = _event(self.timing)
                     buffer.copy_(host, non_blocking=True)
