@@ -199,6 +199,7 @@ class OffloadGroup:
     def prefetch(self) -> None:
         """Start bringing this region's tensors back to the device."""
         off = self.offloader
+        off.poll()
         with _quiet():
             for ref in self.records:
                 stored = ref()
