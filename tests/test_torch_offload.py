@@ -439,6 +439,14 @@ def test_bench_strategy_reports_host_bytes(monkeypatch):
     assert "host MiB/step" in table([forced])
     target = evaluate_targets([forced])[-1]
     assert target["target"].startswith("4 ") and target["host_bytes_per_step"] == kept
+    assert target["verdict"] == "n/a"  # judged on a GPU only
+    full = {**forced, "strategy": "full", "peak_bytes": forced["peak_bytes"] * 0.9}
+    excl = {**forced, "strategy": "exclude-attn", "step_time_s": 0.99}
+    cuda = {**forced, "device": "cuda:0", "offload": {**forced["offload"], "copy_s": 0.02}}
+    target = evaluate_targets([full, excl, cuda])[-1]
+    assert target["peak_vs_full"] == pytest.approx(1 / 0.9)
+    assert target["verdict"] == "MISSED"  # peak 1.11 x full, step not below full
+    assert target["copy_hidden_share"] == pytest.approx(0.5)  # 10 ms added of 20 ms
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -212,6 +212,11 @@ def _offload_target(
     if not off or not moved.get("host_bytes"):
         return t  # not run, or nothing offloaded (CPU without the host-copy test mode)
     t["host_bytes_per_step"] = moved["host_bytes"]
+    if not str(off.get("device", "")).startswith("cuda"):
+        # CPU host-copy test mode: the "host" copies live in the same memory, so there
+        # is nothing to judge.
+        t["note"] = "host-copy test mode on CPU, not judged"
+        return t
     ok: list[bool] = []
     if full and full.get("peak_bytes"):
         t["peak_vs_full"] = off["peak_bytes"] / full["peak_bytes"]
