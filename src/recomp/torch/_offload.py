@@ -26,9 +26,10 @@ An offloading region keeps, instead of a device alias of each tensor it saves
        the stream that reads the tensor wait for that event (and
        ``record_stream``s the buffer if that stream is another one), then
        rebuilds the saved view (size, stride, offset) on the buffer;
-    4. the first ``get`` of a region in a backward pass starts restoring the
-       region recorded before it (the next one in backward order), so its copy
-       runs while this region's backward computes;
+    4. the first ``get`` of a region in a backward pass (the replay taking its
+       cached output, or its backward reading a saved tensor) starts restoring
+       the region recorded before it (the next one in backward order), so that
+       copy runs while the rest of this layer's backward computes;
     5. the host copy lives as long as a handle to it (the autograd graph): a
        second backward (``retain_graph``) restores it again. The restored device
        buffer is dropped once every saved view of it has been read in the pass.
