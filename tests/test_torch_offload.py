@@ -13,13 +13,16 @@ import gc
 import pytest
 import torch
 import torch.utils.checkpoint as tuc
+from hypothesis import HealthCheck, given, settings
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+import random_programs as rp
 import recomp.torch as rt
 from memory import run_measured
 from recomp.errors import CachedValueMutatedError
 from recomp.torch import _offload
+from test_properties_torch import OPS, RegionModule, _region_params
 from torch_models import assert_same_grads, grads_of
 
 D = 16
@@ -448,6 +451,49 @@ def test_no_leak_over_1000_steps():
     assert heap1 - heap0 < 64 * 1024, result
     assert objects1 - objects0 <= 20, result
     assert ours0 == ours1 == 0, result
+
+
+# --------------------------------------------------------------------------- random programs
+
+
+def _run_program(program, offloader):
+    """A random program (see random_programs) with recomp, its regions offloading to
+    ``offloader`` (None: not offloading); gradients as numpy arrays."""
+    xs, ps = rp.initial_values(program)
+    inputs = [torch.tensor(x, requires_grad=True) for x in xs]
+    params = {n: nn.Parameter(torch.tensor(v)) for n, v in ps.items()}
+
+    def region(r, fn):
+        target = RegionModule(fn, _region_params(r, params)) if r.as_module else fn
+        return rt.checkpoint_exclude_wrapper(
+            target, save_output=r.save_output, name=r.name, offload=offloader or False
+        )
+
+    runtime = rp.Runtime(OPS, rt.checkpoint, region)
+    loss, _, _ = rp.run_program(program, runtime, inputs, params)
+    for _ in range(2 if program.backward_twice else 1):
+        loss.backward(retain_graph=program.backward_twice)
+    grads = {f"input{k}": x.grad for k, x in enumerate(inputs)}
+    grads.update({n: p.grad for n, p in params.items()})
+    return {k: None if g is None else g.numpy().copy() for k, g in grads.items()}
+
+
+@settings(
+    max_examples=80,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(program=rp.programs())
+def test_random_programs_gradients_equal_with_and_without_offload(program):
+    """Random programs (regions with pytree inputs and outputs, save_output=False chains,
+    nested checkpoints, repeated backwards): offloading changes no gradient bit."""
+    off = host_offloader()
+    expected = _run_program(program, None)
+    actual = _run_program(program, off)
+    rp.assert_same_gradients(expected, actual, exact=True)
+    assert off.pending_copies == 0
 
 
 # --------------------------------------------------------------------------- bench
