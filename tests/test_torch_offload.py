@@ -314,6 +314,10 @@ def test_apply_activation_checkpointing_offload_fn():
     chosen = {type(w._checkpoint_wrapped_module).__name__: w.region.offloader for w in wrappers}
     assert chosen["Region"] is rt.default_offloader()
     assert chosen["LayerNorm"] is None
+    with pytest.raises(ValueError, match="no exclude_fn"):
+        rt.apply_activation_checkpointing(
+            make(1), checkpoint_fn=lambda m: isinstance(m, Layer), offload_fn=lambda m: True
+        )
 
 
 # --------------------------------------------------------------------------- edges

@@ -208,6 +208,11 @@ def apply_activation_checkpointing(
     ``offload_fn`` gives, for each excluded module, its ``offload=`` option (True,
     False or an :class:`Offloader`, see :func:`checkpoint_exclude_wrapper`).
     """
+    if offload_fn is not None and exclude_fn is None:
+        raise ValueError(
+            "offload_fn chooses which excluded modules offload, but no exclude_fn was given: "
+            "pass exclude_fn too (offload_fn is asked only about the modules it excludes)."
+        )
     return _wrapping.apply_activation_checkpointing(
         _MODEL_OPS, model, checkpoint_fn, exclude_fn, checkpoint_kwargs, offload_fn=offload_fn
     )
