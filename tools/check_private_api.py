@@ -4,8 +4,9 @@ Run: ``python tools/check_private_api.py [src/recomp]``; exits 1 and lists each
 place if it finds one. The rules:
 
 * a module of recomp reads no private attribute (``x._name``) of another object
-  or module: its own (``self._name``, ``cls._name``) and recomp's own tags on
-  objects (``_recomp...``) aside;
+  or module, except names the module itself defines (its own classes' methods and
+  attributes: private to the module, not to one object) and recomp's own tags on
+  objects (``_recomp...``);
 * framework-private API (``torch._C``, ``from torch.utils._pytree import ...``,
   ``mindspore.common._grad_function``, ``tensor._version``) appears only in
   ``torch/_compat.py`` and ``mindspore/_compat.py``, each use with its reason.
@@ -35,9 +36,37 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
+def _defined_names(tree: ast.AST) -> set[str]:
+    """Private names this module defines: functions, methods, class attributes and
+    attributes assigned on ``self``."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    names.add(target.id)
+                    if target.id == "__slots__" and node.value is not None:
+                        names.update(
+                            c.value
+                            for c in ast.walk(node.value)
+                            if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                        )
+                elif (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "self"
+                ):
+                    names.add(target.attr)
+    return {n for n in names if _private(n)}
+
+
 def problems(path: Path, relative: str) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     found = []
+    own = _defined_names(tree)
 
     def report(node: ast.AST, what: str) -> None:
         found.append(f"{relative}:{getattr(node, 'lineno', '?')}: {what}")
@@ -49,7 +78,7 @@ def problems(path: Path, relative: str) -> list[str]:
                 continue
             if isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super":
                 continue
-            if node.attr.startswith("_recomp"):
+            if node.attr.startswith("_recomp") or node.attr in own:
                 continue
             report(node, f"private attribute .{node.attr}")
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

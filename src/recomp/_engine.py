@@ -149,8 +149,8 @@ class _Kept:
 
     __slots__ = ("region", "snapshot")
 
-    def __init__(self, tensor: Any, region: ExcludedRegion) -> None:
-        self.snapshot = Snapshot(tensor, region.backend.keep_saved(tensor))
+    def __init__(self, tensor: Any, region: ExcludedRegion, offload: Any = None) -> None:
+        self.snapshot = Snapshot(tensor, region.backend.keep_saved(tensor), offload=offload)
         self.region = region
 
     def unpack(self) -> Any:
@@ -164,7 +164,7 @@ class _Kept:
                 "in-place operation out-of-place (e.g. `y = y + 1` instead of `y.add_(1)`), or "
                 "clone the region's output before changing it."
             )
-        return self.snapshot.value
+        return self.snapshot.get()
 
 
 class InputSlot:
@@ -239,10 +239,14 @@ class _Packer:
         fn: Callable[..., Any],
         leaves: list[Any],
         in_spec: TreeSpec,
+        offload: Any = None,
     ) -> None:
         backend = region.backend
         self.region = region
         self.fn: Callable[..., Any] | None = fn
+        # Offload group of this call (None: keep on the device); not for checkpoint inputs.
+        self.offload = offload
+        self.checkpoint_inputs = inv.checkpoint_inputs
         self._parameter_keys: set[Hashable] | None = None
         self.leaves: list[Any] = leaves
         self.in_spec = in_spec
@@ -292,12 +296,15 @@ class _Packer:
                 if OBSERVERS.deferred is not None:
                     OBSERVERS.deferred(view is not IDENTITY)
                 return _Deferred(slot, view)
-        if not backend.is_parameter(t) and key not in self.parameter_keys():
+        if backend.is_parameter(t) or key in self.parameter_keys():
+            kept = _Kept(t, region)
+        else:
             self.kept[key] = backend.storage_nbytes(t)
-        kept = _Kept(t, region)
+            offload = self.offload if key not in self.checkpoint_inputs else None
+            kept = _Kept(t, region, offload)
+            if OBSERVERS.kept is not None:
+                OBSERVERS.kept(t, kept.snapshot.value)
         self.snapshots.append(kept.snapshot)
-        if OBSERVERS.kept is not None and not backend.is_parameter(t):
-            OBSERVERS.kept(t, kept.snapshot.value)
         return kept
 
     def parameter_keys(self) -> set[Hashable]:
@@ -339,6 +346,7 @@ class _Packer:
         self.snapshots = []
         self.fn = None
         self._parameter_keys = None
+        self.offload = None
         return slots
 
 
@@ -369,7 +377,12 @@ class ExcludedRegion:
     """
 
     def __init__(
-        self, backend: Backend, name: str, save_output: bool, copy_output: bool = False
+        self,
+        backend: Backend,
+        name: str,
+        save_output: bool,
+        copy_output: bool = False,
+        offloader: Any = None,
     ) -> None:
         check_flag("save_output", save_output)
         check_flag("copy_output", copy_output)
@@ -382,6 +395,8 @@ class ExcludedRegion:
         self.name = name
         self.save_output = save_output
         self.copy_output = copy_output
+        # Copies what the region keeps to host memory (recomp.torch._offload); None: keep.
+        self.offloader = offloader
         self.runs = 0
         self.skips = 0
         # Activation bytes the last call inside a checkpoint keeps until backward: saved
@@ -439,7 +454,8 @@ class ExcludedRegion:
         leaves, in_spec = backend.flatten((args, kwargs))
         entry = CacheEntry(self, callee_identity(fn), in_spec)
 
-        packer = _Packer(self, inv, fn, leaves, in_spec)
+        offload = self.offloader.open_group(self.name) if self.offloader is not None else None
+        packer = _Packer(self, inv, fn, leaves, in_spec, offload)
         token = ACTIVE_REGION.set(self)
         listener = REGION_LISTENER.get()
         try:
@@ -452,6 +468,10 @@ class ExcludedRegion:
             mutated = packer.mutated_inputs()
             for snapshot in packer.snapshots:
                 snapshot.read_versions(backend)
+        except BaseException:
+            if offload is not None:
+                offload.abort()
+            raise
         finally:
             ACTIVE_REGION.reset(token)
             if listener is not None:
@@ -472,9 +492,11 @@ class ExcludedRegion:
                 continue
             requires_grad = backend.requires_grad(leaf)
             cached = None
+            copied_bytes = 0
             if self.save_output:
                 value = backend.copy(leaf) if self.copy_output else backend.detach(leaf)
-                cached = Snapshot(leaf, value, hold=not self.copy_output)
+                copied_bytes = backend.storage_nbytes(value) if self.copy_output else 0
+                cached = Snapshot(leaf, value, hold=not self.copy_output, offload=offload)
                 cached.read_versions(backend)
             key = backend.storage_key(leaf)
             new_bytes = 0
@@ -483,7 +505,7 @@ class ExcludedRegion:
                 if not self.save_output:
                     inv.unsaved_outputs[key] = self.name
                 elif self.copy_output:
-                    new_bytes = backend.storage_nbytes(cached.value) if cached else 0
+                    new_bytes = copied_bytes
                 elif key not in kept:
                     new_bytes = kept[key] = backend.storage_nbytes(leaf)
             out_leaves_index[pos] = len(entry.outputs)
@@ -513,6 +535,9 @@ class ExcludedRegion:
         counter = inv.ask_save_counter(backend)
         if counter is not None:
             entry.saves_after = counter()
+        if offload is not None:
+            offload.close()
+            entry.offload = offload
         inv.entries.append(entry)
         self.saved_bytes = sum(kept.values()) + sum(c.nbytes for c in entry.outputs if c.copied)
         return backend.unflatten(out_leaves, entry.out_spec)
@@ -575,6 +600,8 @@ class ExcludedRegion:
         if backend.versions_need_sync:
             backend.sync()
         entry.check_outputs_unchanged()
+        if entry.offload is not None:
+            entry.offload.prefetch()  # the region's backward comes later in this pass
         for mutated in entry.mutated_inputs:
             backend.copy_into(leaves[mutated.index], mutated.snapshot.value)
         if entry.rng_state is not None:
@@ -607,7 +634,7 @@ class ExcludedRegion:
 def _replay_value(backend: Backend, cached: CachedOutput) -> Any:
     if cached.snapshot is None:
         return backend.stub(cached.requires_grad)
-    value = backend.replay_alias(cached.snapshot.value, cached.requires_grad)
+    value = backend.replay_alias(cached.snapshot.get(), cached.requires_grad)
     if cached.copied:  # the code after the region may change it in place again
         value = backend.clone(value)
     return value

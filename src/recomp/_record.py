@@ -37,36 +37,48 @@ class Snapshot:
     once per batch of snapshots (after one ``Backend.sync``), not per tensor.
     """
 
-    __slots__ = ("held", "origin", "origin_version", "value", "value_version")
+    __slots__ = ("held", "offloaded", "origin", "origin_version", "value", "value_version")
 
-    def __init__(self, tensor: Any, value: Any, hold: bool = False) -> None:
-        self.value = value
+    def __init__(self, tensor: Any, value: Any, hold: bool = False, offload: Any = None) -> None:
+        # With ``offload`` (an offload group, see recomp.torch._offload), a host copy
+        # is kept instead of ``value`` where the group takes the tensor.
+        self.offloaded = offload.put(tensor) if offload is not None else None
+        self.value = value if self.offloaded is None else None
         self.held = tensor if hold else None
-        self.origin: Any = tensor  # replaced by a weak reference in read_versions
+        # Weak from the start: a kept tensor's autograd node holds this snapshot, so a
+        # strong reference would close a cycle through the graph (a region that raises
+        # before its versions are read would leak it).
+        self.origin: Any = weakref.ref(tensor)
         self.origin_version: int | None = None
         self.value_version: int | None = None
 
     def read_versions(self, backend: Backend) -> None:
         """Record the current versions (the framework's queue already drained)."""
-        origin = self.origin
+        origin = self.held if self.held is not None else self.origin()
         self.value_version = backend.version(self.value)
-        self.origin_version = backend.version(origin)
-        self.origin = weakref.ref(origin) if self.origin_version is not None else None
+        self.origin_version = None if origin is None else backend.version(origin)
+        if self.origin_version is None:
+            self.origin = None
 
     def retarget(self, tensor: Any, backend: Backend) -> None:
         """Watch ``tensor`` instead of the original: the alias of it that the caller
         receives (frameworks whose aliases have their own version counters)."""
         if self.held is not None:
             self.held = tensor
-        self.origin = tensor
-        self.origin_version = None
+        self.origin = weakref.ref(tensor)
         self.read_versions(backend)
 
     def changed(self, backend: Backend) -> bool:
         origin = self.held if self.held is not None else self.origin and self.origin()
         if origin is not None and backend.version(origin) != self.origin_version:
             return True
+        if self.offloaded is not None:
+            return bool(self.offloaded.changed())
         return backend.version(self.value) != self.value_version
+
+    def get(self) -> Any:
+        """The kept tensor (brought back from the host if it was offloaded)."""
+        return self.value if self.offloaded is None else self.offloaded.get()
 
     def release(self) -> None:
         self.held = None
@@ -104,6 +116,7 @@ class CacheEntry:
         "callee",
         "in_spec",
         "mutated_inputs",
+        "offload",
         "out_leaves",
         "out_spec",
         "outputs",
@@ -133,6 +146,7 @@ class CacheEntry:
         # Tensors the checkpoint had saved when this call returned (None: unknown).
         self.saves_after: int | None = None
         self.unreachable = False
+        self.offload: Any = None  # offload group of this call, prefetched by the replay
 
     def snapshots(self) -> list[Snapshot]:
         out = [c.snapshot for c in self.outputs if c.snapshot is not None]

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--strategies",
         help=(
-            "comma-separated; torch: none, full, sac[-R], torch-remat[-R], exclude-R, keep-R; "
+            "comma-separated; torch: none, full, sac[-R], torch-remat[-R], exclude-R, "
+            "exclude-R-offload, keep-R; "
             f"mindspore: none, full, exclude-R (default torch: {','.join(TORCH_STRATEGIES)}; "
             f"mindspore: {','.join(MS_STRATEGIES)})"
         ),
@@ -64,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup", type=int, default=BenchConfig.warmup)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (PyTorch only)")
+    p.add_argument(
+        "--dtype",
+        default=BenchConfig.dtype,
+        choices=("float32", "bfloat16", "float16"),
+        help="parameter and input dtype (PyTorch only)",
+    )
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     p.add_argument(
         "--jobs",
@@ -206,7 +213,9 @@ def _split(value: str | None, default: tuple[str, ...]) -> list[str]:
 
 
 def _ms_supported(strategy: str) -> bool:
-    return strategy in ("none", "full") or strategy.startswith("exclude-")
+    return strategy in ("none", "full") or (
+        strategy.startswith("exclude-") and not strategy.endswith("-offload")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         warmup=args.warmup,
         device=args.device,
+        dtype=args.dtype,
         threads=args.threads,
         model=args.model,
     )

@@ -119,6 +119,11 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
 
     # Activation memory: heap in use after the forward (and loss) minus before it.
     runs_before, skips_before = region_counts(trainer.prepared.exclude_wrappers)
+    offloader = trainer.prepared.offloader
+    if offloader is not None:
+        offloader.timing = trainer.device.type == "cuda"  # copy time, this step only
+        offloader.synchronize()
+        offload_before = offloader.stats.snapshot()
     trainer.sync()
     before = memory.read()
     loss = trainer.forward()
@@ -129,6 +134,17 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
     trainer.optimizer.zero_grad(set_to_none=False)
     after_step = memory.read()
     runs_after, skips_after = region_counts(trainer.prepared.exclude_wrappers)
+    offload: dict[str, Any] | None = None
+    if offloader is not None:
+        offloader.synchronize()
+        offloader.timing = False
+        moved = offloader.stats - offload_before
+        offload = {
+            "host_bytes": moved.offloaded_bytes,
+            "restored_bytes": moved.restored_bytes,
+            "prefetched_bytes": moved.prefetched_bytes,
+            "copy_s": moved.copy_seconds,
+        }
 
     # Peak of a whole step, above the same baseline.
     base = memory.read()
@@ -175,6 +191,7 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
         "region_skips": count_delta(skips_after, skips_before),
         "region_calls": dict(regions.calls),
         "region_saved_bytes": saved_bytes(trainer.prepared.exclude_wrappers),
+        "offload": offload,
         "max_grad_diff": grad_diff,
         "loss": first_loss,
         "num_layers": len(trainer.prepared.units),

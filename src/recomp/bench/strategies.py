@@ -11,6 +11,8 @@
                           ``remat.recompute_needs_tensor`` on its output
 ``exclude-R``             recomp: ``apply_activation_checkpointing`` with every layer
                           checkpointed and its child ``R`` excluded
+``exclude-R-offload``     the same, with ``R`` offloading what it keeps to host memory
+                          (CUDA; a no-op on CPU unless ``RECOMP_OFFLOAD_HOST_COPY=1``)
 ``keep-R``                reference design without deferred inputs: like ``exclude-R``,
                           but the region keeps every tensor it saves, its inputs
                           included (written here, 40 lines, for target 2)
@@ -53,12 +55,18 @@ class Prepared:
     exclude_wrappers: dict[str, Any] = field(default_factory=dict)
     # Shared region tracker that a strategy's policy reads (SAC), if any.
     tracker: RegionTracker | None = None
+    # recomp Offloader of the offloading regions (exclude-R-offload), if any.
+    offloader: Any = None
 
 
 def parse(strategy: str) -> tuple[str, str | None]:
     """``"sac"`` -> ``("sac", "attn")``, ``"exclude-mlp"`` -> ``("exclude", "mlp")``."""
     if strategy in ("none", "full"):
         return strategy, None
+    if strategy.startswith("exclude-") and strategy.endswith("-offload"):
+        region = strategy[len("exclude-") : -len("-offload")]
+        if region:
+            return "exclude-offload", region
     for kind, default in (
         ("torch-remat", "attn"),
         ("sac", "attn"),
@@ -71,7 +79,7 @@ def parse(strategy: str) -> tuple[str, str | None]:
             return kind, strategy[len(kind) + 1 :]
     raise ValueError(
         f"unknown strategy {strategy!r}: use none, full, sac[-REGION], torch-remat[-REGION], "
-        "exclude-REGION or keep-REGION"
+        "exclude-REGION[-offload] or keep-REGION"
     )
 
 
@@ -118,8 +126,8 @@ def prepare(strategy: str, model: nn.Module) -> Prepared:
         _wrap_units(model, lambda name, layer: TorchCheckpoint(layer, context_fn=context_fn))
     elif kind == "torch-remat":
         _apply_torch_remat(model, layers, region or "attn")
-    elif kind == "exclude":
-        _apply_recomp(model, prepared)
+    elif kind in ("exclude", "exclude-offload"):
+        _apply_recomp(model, prepared, offload=kind == "exclude-offload")
     elif kind == "keep":
         for _lname, layer in layers:
             cname, child = child_of(layer, region or "")
@@ -205,13 +213,18 @@ def _apply_torch_remat(model: nn.Module, layers: list[tuple[str, nn.Module]], re
 # --------------------------------------------------------------------------- recomp
 
 
-def _apply_recomp(model: nn.Module, prepared: Prepared) -> None:
-    from recomp.torch import ExcludeWrapper, apply_activation_checkpointing
+def _apply_recomp(model: nn.Module, prepared: Prepared, offload: bool = False) -> None:
+    from recomp.torch import ExcludeWrapper, Offloader, apply_activation_checkpointing
 
     units = set(prepared.units.values())
     kept = set(prepared.regions.values())
+    if offload:
+        prepared.offloader = Offloader()
     apply_activation_checkpointing(
-        model, checkpoint_fn=lambda m: m in units, exclude_fn=lambda m: m in kept
+        model,
+        checkpoint_fn=lambda m: m in units,
+        exclude_fn=lambda m: m in kept,
+        offload_fn=(lambda m: prepared.offloader) if offload else None,
     )
     by_module = {id(m): name for name, m in prepared.regions.items()}
     for module in model.modules():

@@ -25,13 +25,17 @@ from ._api import (
     checkpoint_wrapper,
     unwrap,
 )
+from ._offload import Offloader, OffloadStats, default_offloader
 
 __all__ = [
     "CheckpointWrapper",
     "ExcludeWrapper",
+    "OffloadStats",
+    "Offloader",
     "apply_activation_checkpointing",
     "checkpoint",
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
+    "default_offloader",
     "unwrap",
 ]

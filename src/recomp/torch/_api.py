@@ -20,6 +20,7 @@ from .._wrapping import (
 from ._backend import BACKEND
 from ._debug import debug_options
 from ._hf import adapt_hf_layer_call
+from ._offload import Offloader, resolve
 
 
 def checkpoint(
@@ -111,6 +112,8 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
 
     def extra_repr(self) -> str:
         own = f"region={self.region.name!r}, save_output={self.save_output}"
+        if self.region.offloader is not None:
+            own += ", offload=True"
         return ", ".join(part for part in (super().extra_repr(), own) if part)
 
 
@@ -147,7 +150,12 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
 
 
 def checkpoint_exclude_wrapper(
-    module: Any, *, save_output: bool = True, copy_output: bool = False, name: str | None = None
+    module: Any,
+    *,
+    save_output: bool = True,
+    copy_output: bool = False,
+    name: str | None = None,
+    offload: bool | Offloader = False,
 ) -> Any:
     """Make a module or function a region that recomp checkpoints never replay.
 
@@ -164,10 +172,19 @@ def checkpoint_exclude_wrapper(
     ``out += identity`` after a normalization, ``ReLU(inplace=True)``), which
     otherwise raises :class:`recomp.errors.CachedValueMutatedError`. It costs
     one more copy of the output.
+
+    ``offload=True`` copies what the region keeps for its backward (its saved
+    tensors and cached output, not parameters, deferred inputs or the
+    checkpoint's inputs) to pinned host memory on a side CUDA stream, releases
+    the device copy once that is done, and brings it back ahead of the region's
+    backward. On a machine without CUDA it does nothing (unless the
+    ``RECOMP_OFFLOAD_HOST_COPY=1`` test mode is on). An :class:`Offloader` passed
+    instead of True sets the size threshold and collects its own counters.
     """
     check_callable(module, "checkpoint_exclude_wrapper", "module")
+    offloader = resolve(offload)
     region = _engine.ExcludedRegion(
-        BACKEND, name or default_name(module), save_output, copy_output
+        BACKEND, name or default_name(module), save_output, copy_output, offloader
     )
     if not isinstance(module, nn.Module):
         module = PlainFunction(module)
@@ -189,6 +206,7 @@ def apply_activation_checkpointing(
     *,
     checkpoint_fn: Callable[[nn.Module], bool],
     exclude_fn: Callable[[nn.Module], bool] | None = None,
+    offload_fn: Callable[[nn.Module], bool | Offloader] | None = None,
     **checkpoint_kwargs: Any,
 ) -> nn.Module:
     """Checkpoint every sub-module for which ``checkpoint_fn`` is true, excluding inside them
@@ -204,15 +222,23 @@ def apply_activation_checkpointing(
     Checkpoints are not nested: below a checkpointed module only exclusions are
     applied. Modules already wrapped by recomp are left as they are. Every module
     is checked before any is wrapped: on an error the model is unchanged.
+    ``offload_fn`` gives, for each excluded module, its ``offload=`` option (True,
+    False or an :class:`Offloader`, see :func:`checkpoint_exclude_wrapper`).
     """
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
+    if offload_fn is not None and exclude_fn is None:
+        raise ValueError(
+            "offload_fn chooses which excluded modules offload, but no exclude_fn was given: "
+            "pass exclude_fn too (offload_fn is asked only about the modules it excludes)."
+        )
+    choose_offload = offload_fn or (lambda m: False)
     return _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
         model,
         checkpoint_fn,
         exclude_fn,
         lambda m: checkpoint_wrapper(m, **checkpoint_kwargs),
-        lambda m, path: checkpoint_exclude_wrapper(m, name=path),
+        lambda m, path: checkpoint_exclude_wrapper(m, name=path, offload=choose_offload(m)),
     )
 
 

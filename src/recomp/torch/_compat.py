@@ -76,6 +76,17 @@ def in_backward() -> bool:
     return bool(query() != -1)
 
 
+def graph_task_id() -> int:
+    """An id of the backward pass running on this thread (-1 outside one).
+
+    Why: the offloader starts the next region's copy back once per backward pass.
+    If it changes: -1 always, and prefetching chains once per process instead.
+    Retired by: a public "current graph task" query.
+    """
+    query = getattr(torch._C, "_current_graph_task_id", None)
+    return int(query()) if query is not None else -1
+
+
 def checkpoint_save_counter() -> Callable[[], int] | None:
     """How many tensors the enclosing non-reentrant checkpoint has saved so far, when
     its replay stops early after the last of them; None otherwise.
@@ -113,6 +124,24 @@ def checkpoint_save_counter() -> Callable[[], int] | None:
 
 
 # --------------------------------------------------------------------------- dispatch modes
+
+
+def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
+    """Run the next operations with no dispatch mode active.
+
+    Why: the offloader's copies are bookkeeping, not model ops: selective
+    checkpointing's cache and FLOP counters must not see them.
+    If it changes: the modes stay active (a FLOP counter then counts the copies).
+    Retired by: a public way to suspend the mode stack.
+    """
+    try:
+        from torch.utils import _python_dispatch
+
+        if not torch._C._len_torch_dispatch_stack():
+            return contextlib.nullcontext()
+        return _python_dispatch._disable_current_modes()  # type: ignore[no-any-return]
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
 
 
 def _sac_mode_types() -> tuple[type, ...]:
