@@ -11,6 +11,7 @@ from torch import nn
 
 from .. import _engine, _wrapping
 from .._wrapping import WRAPPED, RegionCounters, check_callable, default_name
+from . import _compile
 from ._backend import BACKEND
 
 _PREFIX = WRAPPED + "."
@@ -32,6 +33,8 @@ def checkpoint(
     and are skipped when the forward is replayed during backward.
     """
     _engine.check_use_reentrant(use_reentrant, "torch")
+    if _compile.is_compiling():
+        return _compile.checkpoint(function, args, kwargs, context_fn)
     context = _engine.begin(
         BACKEND, args, kwargs, context_fn, align_rng=kwargs.get("preserve_rng_state", True)
     )
@@ -135,6 +138,8 @@ class ExcludeWrapper(RegionCounters, _TransparentWrapper):
         self.region = _engine.ExcludedRegion(BACKEND, name or default_name(module), save_output)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if _compile.is_compiling():
+            return _compile.excluded_call(self.region.name, getattr(self, WRAPPED), args, kwargs)
         return self.region.call(getattr(self, WRAPPED), args, kwargs)
 
     def extra_repr(self) -> str:
