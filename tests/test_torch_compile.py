@@ -564,3 +564,28 @@ def test_hf_llama_compiles_without_graph_break() -> None:
     assert explain_breaks(loss, model) == []
     compiled = torch.compile(model, backend="aot_eager")
     assert_equal(grads_of(model, lambda: loss(compiled)), eager)
+
+
+# --------------------------------------------------------------------------- benchmark
+
+
+def test_bench_measures_compiled_strategies() -> None:
+    from recomp.bench.cli import build_parser
+    from recomp.bench.config import BenchConfig
+    from recomp.bench.report import evaluate_targets
+    from recomp.bench.runner import measure_strategy
+
+    assert build_parser().parse_args(["--compile"]).compile == "inductor"
+    assert build_parser().parse_args(["--compile", "aot_eager"]).compile == "aot_eager"
+    assert build_parser().parse_args([]).compile is None
+
+    config = BenchConfig(layers=2, hidden=32, heads=2, seq=16, batch=2, compile="aot_eager")
+    rows = [measure_strategy(config, s) for s in ("sac", "exclude-attn")]
+    for row in rows:
+        assert "error" not in row
+        assert row["framework"] == "torch+aot_eager"
+        assert row["max_grad_diff"] < 1e-6  # against eager, no checkpoint
+        assert row["activation_bytes"] > 0
+        assert row.get("forward_flops") is None  # not counted inside compiled graphs
+    targets = {t["target"][:1]: t for t in evaluate_targets(rows)}
+    assert "activation_ratio_sac" in targets["4"]
