@@ -226,6 +226,32 @@ def test_region_outside_a_checkpoint_is_a_plain_call_compiled() -> None:
     assert_equal(grads_of(region, lambda: compiled(x)), eager)
 
 
+def test_graph_break_inside_a_checkpoint_falls_back_with_a_warning() -> None:
+    # Dynamo cannot capture a checkpoint whose body breaks the graph; PyTorch then runs
+    # it as a plain checkpoint, which replays the region: recomp says so, and the
+    # gradients stay those of eager recomp.
+    from recomp.errors import ForeignCheckpointWarning
+
+    class Breaking(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 8)
+            self.region = checkpoint_exclude_wrapper(nn.Linear(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.inp(x))
+            torch._dynamo.graph_break()
+            return torch.sin(self.region(tally(h)))
+
+    torch.manual_seed(0)
+    model = checkpoint_wrapper(Breaking())
+    x = torch.randn(4, 8, requires_grad=True)
+    eager = grads_of(model, lambda: model(x))
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.warns(ForeignCheckpointWarning, match="not in effect"):
+        assert_equal(grads_of(model, lambda: compiled(x)), eager)
+
+
 # --------------------------------------------------------------------------- options
 
 
