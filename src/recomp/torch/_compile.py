@@ -16,8 +16,7 @@ So, under compilation:
   * ``checkpoint`` calls ``torch.utils.checkpoint.checkpoint`` with the user's
     ``context_fn`` (or none): no recompute state, no Python replay. A module
     global counts the compiled checkpoints being traced, so that a region knows
-    at Dynamo trace time whether it sits inside one (Dynamo cannot trace
-    ``contextvars``; it does trace module-global writes).
+    at Dynamo trace time whether it sits inside one.
   * An excluded region inside such a checkpoint is called through the
     ``dynamo_bypassing_wrapper`` higher-order op. Dynamo traces the region's body
     into a subgraph as usual (Inductor still fuses it), but the wrapper function
@@ -52,9 +51,9 @@ import torch.utils.checkpoint
 from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper
 from torch.utils.checkpoint import CheckpointPolicy
 
-# How many recomp checkpoints enclose the code Dynamo is tracing. A module global,
-# not a ContextVar: Dynamo tracks writes to module globals and reads them back while
-# tracing; it cannot trace context variables.
+# How many recomp checkpoints enclose the code Dynamo is tracing. A module global:
+# Dynamo tracks writes to module globals as side effects and reads the written value
+# back later in the same trace, which is how a region learns that it is inside one.
 _checkpoint_depth = 0
 
 
