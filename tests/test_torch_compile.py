@@ -461,6 +461,54 @@ def test_saves_what_selective_checkpointing_of_the_region_saves() -> None:
     assert full_capture.saved_activation_bytes() < recomp_capture.saved_activation_bytes()
 
 
+def test_collective_in_a_region_is_not_recomputed() -> None:
+    # A row-parallel linear whose all-reduce is excluded: the backward graph holds the
+    # collectives of the model without checkpointing, none more. PyTorch's checkpoint
+    # around the same block puts the forward all-reduce into the recompute.
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    class RowParallel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return funcol.all_reduce(self.linear(x), "sum", dist.group.WORLD)
+
+    class ParallelBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 8)
+            self.row = RowParallel()
+            self.out = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.relu(self.row(torch.tanh(self.inp(x)))))
+
+    def backward_collectives(kind: str) -> int:
+        torch._dynamo.reset()
+        block: nn.Module = ParallelBlock()
+        if kind == "recomp":
+            block.row = checkpoint_exclude_wrapper(block.row)  # type: ignore[assignment]
+            block = checkpoint_wrapper(block)
+        elif kind == "torch":
+            block = PlainCheckpoint(block)
+        capture = Captured()
+        x = torch.randn(4, 8, requires_grad=True)
+        torch.compile(block, backend=capture.backend, fullgraph=True)(x).sum().backward()
+        return capture.backward_ops().count("_c10d_functional.all_reduce.default")
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        counts = {kind: backward_collectives(kind) for kind in ("none", "recomp", "torch")}
+    finally:
+        dist.destroy_process_group()
+    assert counts["recomp"] == counts["none"]
+    assert counts["torch"] == counts["none"] + 1
+
+
 # --------------------------------------------------------------------------- random numbers
 
 
