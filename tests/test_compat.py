@@ -284,3 +284,10 @@ class TestTorchCheckpointInternals:
         torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False, early_stop=False)
         assert packed == [torch.Size([3])]
         assert _compat.top_checkpoint_hooks() is None
+
+
+def test_dynamo_bypassing_wrapper_exists():
+    pytest.importorskip("torch")
+    from recomp.torch import _compat
+
+    assert callable(_compat.dynamo_bypassing_wrapper())

@@ -15,11 +15,12 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from .config import DEFAULT_MODEL, BenchConfig
+from .config import DEFAULT_MODEL, BenchConfig, row_label
 from .memory import child_env
 from .report import evaluate_targets, table, targets_text, write_json, write_plot
 
 TORCH_STRATEGIES = ("none", "full", "sac", "torch-remat", "exclude-attn", "exclude-mlp")
+COMPILED_STRATEGIES = ("none", "full", "sac", "exclude-attn")
 MS_STRATEGIES = ("none", "full", "exclude-attn")
 SCENARIO_MODEL = "recomp.bench.models:norm_matmul_silu"
 SCENARIO_STRATEGIES = ("full", "exclude-proj", "keep-proj", "sac-proj", "torch-remat-proj")
@@ -70,6 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=BenchConfig.dtype,
         choices=("float32", "bfloat16", "float16"),
         help="parameter and input dtype (PyTorch only)",
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        metavar="BACKEND",
+        help=(
+            "also run the PyTorch strategies under torch.compile with BACKEND (default "
+            f"inductor; aot_eager needs no C++ compiler): {','.join(COMPILED_STRATEGIES)} "
+            "unless --strategies names others; their rows read torch+BACKEND"
+        ),
     )
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     p.add_argument(
@@ -239,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     for fw in frameworks:
         if fw == "torch":
             plan.append((fw, base, _split(args.strategies, TORCH_STRATEGIES)))
+            if args.compile:
+                compiled = replace(base, compile=args.compile)
+                plan.append((fw, compiled, _split(args.strategies, COMPILED_STRATEGIES)))
         else:
             cfg = replace(
                 base,
@@ -255,10 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     measure_jobs: list[Job] = []
     time_jobs: list[Job] = []
     for fw, cfg, strategies in plan:
+        label = row_label(fw, cfg.to_dict())
         for s in strategies:
             measure_jobs.append(
                 Job(
-                    f"{fw} {s}: memory, FLOPs, gradients",
+                    f"{label} {s}: memory, FLOPs, gradients",
                     {
                         "kind": "measure",
                         "framework": fw,
@@ -271,13 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         if strategies:
             time_jobs.append(
                 Job(
-                    f"{fw}: timing (interleaved)",
+                    f"{label}: timing (interleaved)",
                     {
                         "kind": "time",
                         "framework": fw,
                         "config": cfg.to_dict(),
                         "strategies": strategies,
-                        "overhead": fw == "torch" and not args.no_overhead,
+                        "overhead": label == "torch" and not args.no_overhead,
                     },
                     cfg.steps * len(strategies) // 2 + 2,
                 )
@@ -362,7 +378,7 @@ def _collect(
     cpu_times: dict[str, dict[str, list[float]]] = {}
     time_errors: dict[str, str] = {}
     for job in time_jobs:
-        fw = job.task["framework"]
+        fw = row_label(job.task["framework"], job.task["config"])
         if job.result:
             times[fw] = job.result["times"]["wall"]
             cpu_times[fw] = job.result["times"]["cpu"]
@@ -374,12 +390,11 @@ def _collect(
         target = scenario if job.task["config"]["model"] == SCENARIO_MODEL else results
         if job.result is None:
             for s in job.task["strategies"]:
-                target.append(
-                    {"framework": job.task["framework"], "strategy": s, "error": job.error or "?"}
-                )
+                label = row_label(job.task["framework"], job.task["config"])
+                target.append({"framework": label, "strategy": s, "error": job.error or "?"})
             continue
         for r in job.result["results"]:
-            fw, s = r["framework"], r["strategy"]
+            fw, s = r["framework"], r["strategy"]  # framework: the row label (torch+inductor)
             if target is results and "error" not in r:
                 samples = times.get(fw, {}).get(s)
                 if samples:

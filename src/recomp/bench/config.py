@@ -25,6 +25,8 @@ class BenchConfig:
     threads: int = 1
     model: str = DEFAULT_MODEL
     dtype: str = "float32"
+    # torch.compile backend ("inductor", "aot_eager") for compiled runs; None: eager.
+    compile: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -33,6 +35,12 @@ class BenchConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchConfig:
         return cls(**data)
+
+
+def row_label(framework: str, config: dict[str, Any]) -> str:
+    """The framework column of a result: ``torch``, or ``torch+inductor`` when compiled."""
+    backend = config.get("compile")
+    return f"{framework}+{backend}" if backend else framework
 
 
 def intermediate_size(hidden: int) -> int:

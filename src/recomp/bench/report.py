@@ -188,6 +188,7 @@ def evaluate_targets(
         )
     out.append(t3b)
     out.append(_offload_target(results, full, sac, excl))
+    out.extend(_compiled_targets(results))
     for t in out:
         t.setdefault("ok", None)
         t["verdict"] = _verdict(t["ok"])
@@ -237,6 +238,43 @@ def _offload_target(
     if ok:
         t["ok"] = all(ok)
     return t
+
+
+def _compiled_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Target 4, per compiled backend: exclude-attn against SAC saving the same tensors
+    (activation memory within 2 %, step time <= 1.02 x) and against full checkpointing."""
+    out = []
+    labels = sorted({r["framework"] for r in results if r["framework"].startswith("torch+")})
+    for label in labels:
+        excl = _find(results, label, "exclude-attn")
+        sac = _find(results, label, "sac")
+        full = _find(results, label, "full")
+        t: dict[str, Any] = {
+            "target": f"4 {label}: exclude-attn activation = sac (2%), step <= 1.02 x sac, < full"
+        }
+        if excl and sac:
+            memory = excl["activation_bytes"] / sac["activation_bytes"]
+            t["activation_ratio_sac"] = memory
+            ok = abs(memory - 1.0) <= 0.02
+            if full:
+                t["activation_ratio_full"] = excl["activation_bytes"] / full["activation_bytes"]
+            times = {
+                o["strategy"]: excl["step_time_s"] / o["step_time_s"]
+                for o in (sac, full)
+                if o and o.get("step_time_s") and excl.get("step_time_s")
+            }
+            if times:
+                t["time_ratios"] = times
+                ok = ok and times.get("sac", 0.0) <= 1.02 and times.get("full", 0.0) < 1.0
+            if excl.get("step_cpu_time_s"):
+                t["cpu_time_ratios"] = {
+                    o["strategy"]: excl["step_cpu_time_s"] / o["step_cpu_time_s"]
+                    for o in (sac, full)
+                    if o and o.get("step_cpu_time_s")
+                }
+            t["ok"] = ok
+        out.append(t)
+    return out
 
 
 def targets_text(targets: list[dict[str, Any]]) -> str:

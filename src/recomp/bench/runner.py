@@ -3,19 +3,25 @@
 ``measure_strategy`` and ``time_strategies`` run inside a child process (see ``worker``):
 memory readings need a process of their own, started with ``MALLOC_ARENA_MAX=1``.
 They are plain functions so that tests can call them in-process too.
+
+With ``config.compile`` set, the model (not the loss or the optimizer) runs under
+``torch.compile`` with that backend, and the first (warm-up) step compiles it. FLOPs and
+region calls are then not counted: dispatch modes and module hooks do not see inside a
+compiled graph; nor is the CPU peak (sampled around each ATen op in eager mode).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from .config import BenchConfig, call_factory, load_factory
-from .measure import RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader
+from .config import BenchConfig, call_factory, load_factory, row_label
+from .measure import CpuMemory, RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader
 from .runner_stats import count_delta, region_counts, saved_bytes
 from .strategies import Prepared, prepare
 
@@ -70,14 +76,18 @@ class Trainer:
 
     def __init__(self, config: BenchConfig, strategy: str) -> None:
         model, self.x, self.loss_fn = build(config)
-        self.prepared: Prepared = prepare(strategy, model)
+        self.prepared: Prepared = prepare(strategy, model, compiled=bool(config.compile))
         self.model = self.prepared.model
+        # What the step calls: the model, or the model compiled with the chosen backend.
+        self.run_model: Any = (
+            torch.compile(self.model, backend=config.compile) if config.compile else self.model
+        )
         self.params = list(self.model.parameters())
         self.optimizer = torch.optim.SGD(self.params, lr=1e-4)
         self.device = torch.device(config.device)
 
     def forward(self) -> torch.Tensor:
-        return self.loss_fn(_call(self.model, self.x))
+        return self.loss_fn(_call(self.run_model, self.x))
 
     def step(self) -> None:
         loss = self.forward()
@@ -102,7 +112,7 @@ def reference_grads(config: BenchConfig) -> list[torch.Tensor | None]:
 def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
     """Memory, FLOPs, region runs and gradient difference of ``strategy`` (one process)."""
     torch.set_num_threads(max(1, config.threads))
-    reference = reference_grads(config)
+    reference = reference_grads(replace(config, compile=None))  # eager, no checkpoint
     trainer = Trainer(config, strategy)
     memory = memory_reader(trainer.device)
 
@@ -146,14 +156,46 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
             "copy_s": moved.copy_seconds,
         }
 
+    compiled = bool(config.compile)
     # Peak of a whole step, above the same baseline.
-    base = memory.read()
-    memory.reset_peak()
-    with memory.peak_context():
-        trainer.step()
-    peak = memory.peak() - base
+    peak: int | None = None
+    if not (compiled and isinstance(memory, CpuMemory)):
+        base = memory.read()
+        memory.reset_peak()
+        with memory.peak_context():
+            trainer.step()
+        peak = memory.peak() - base
 
-    # FLOPs, split by phase, and module calls of the regions.
+    result = {
+        "framework": row_label("torch", config.to_dict()),
+        "strategy": strategy,
+        "device": str(trainer.device),
+        "memory_source": memory.source,
+        "activation_bytes": after_forward - before,
+        "peak_bytes": peak,
+        "retained_after_step_bytes": after_step - before,
+        "offload": offload,
+        "max_grad_diff": grad_diff,
+        "loss": first_loss,
+        "num_layers": len(trainer.prepared.units),
+        "config": config.to_dict(),
+    }
+    if compiled:
+        return result
+    return {
+        **result,
+        **_flops_and_calls(trainer, runs_after, runs_before, skips_after, skips_before),
+    }
+
+
+def _flops_and_calls(
+    trainer: Trainer,
+    runs_after: dict[str, int],
+    runs_before: dict[str, int],
+    skips_after: dict[str, int],
+    skips_before: dict[str, int],
+) -> dict[str, Any]:
+    """FLOPs of one step split by phase, and region calls and runs (eager models only)."""
     regions = RegionTracker()
     regions.track(trainer.prepared.regions)
     layers = RegionTracker()
@@ -172,13 +214,6 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
     split = counter.split
 
     return {
-        "framework": "torch",
-        "strategy": strategy,
-        "device": str(trainer.device),
-        "memory_source": memory.source,
-        "activation_bytes": after_forward - before,
-        "peak_bytes": peak,
-        "retained_after_step_bytes": after_step - before,
         "forward_flops": split["forward"],
         "replay_flops": split["replay"],
         "replay_flops_recomp_state": split["replay_recomp"],
@@ -191,11 +226,6 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
         "region_skips": count_delta(skips_after, skips_before),
         "region_calls": dict(regions.calls),
         "region_saved_bytes": saved_bytes(trainer.prepared.exclude_wrappers),
-        "offload": offload,
-        "max_grad_diff": grad_diff,
-        "loss": first_loss,
-        "num_layers": len(trainer.prepared.units),
-        "config": config.to_dict(),
     }
 
 

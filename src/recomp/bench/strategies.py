@@ -5,7 +5,10 @@
 ``full``                  ``torch.utils.checkpoint`` (non-reentrant) around every layer
 ``sac[-R]``               PyTorch selective checkpointing: every layer checkpointed, the
                           outputs of the non-view ops inside region ``R`` (default
-                          ``attn``) saved: the tensors an exclusion of ``R`` keeps
+                          ``attn``) saved: the tensors an exclusion of ``R`` keeps.
+                          Compiled, the policy finds the region's ops through the module
+                          stack Dynamo records on each node (module hooks do not run
+                          while AOTAutograd traces)
 ``torch-remat[-R]``       torch-remat 0.2.2: ``remat.checkpoint`` per layer,
                           ``remat.region(R, recompute=False)``, and
                           ``remat.recompute_needs_tensor`` on its output
@@ -105,7 +108,9 @@ def child_of(layer: nn.Module, region: str) -> tuple[str, nn.Module]:
     )
 
 
-def prepare(strategy: str, model: nn.Module) -> Prepared:
+def prepare(strategy: str, model: nn.Module, compiled: bool = False) -> Prepared:
+    """Apply ``strategy`` to ``model`` in place. ``compiled``: the model will be run under
+    ``torch.compile`` (SAC then identifies the region without module hooks)."""
     kind, region = parse(strategy)
     layers = layers_of(model)
     prepared = Prepared(strategy, model, units=dict(layers))
@@ -117,6 +122,11 @@ def prepare(strategy: str, model: nn.Module) -> Prepared:
         return prepared
     if kind == "full":
         _wrap_units(model, lambda name, layer: TorchCheckpoint(layer))
+    elif kind == "sac" and compiled:
+        region_types = tuple({type(m) for m in prepared.regions.values()})
+        policy = partial(_compiled_sac_policy, region_types)
+        context_fn = partial(tuc.create_selective_checkpoint_contexts, policy)
+        _wrap_units(model, lambda name, layer: TorchCheckpoint(layer, context_fn=context_fn))
     elif kind == "sac":
         tracker = RegionTracker()
         tracker.track(prepared.regions)
@@ -161,6 +171,21 @@ def _sac_policy(tracker: RegionTracker, ctx: Any, op: Any, *args: Any, **kwargs:
     # Inside the kept region, save every op output that is not a view (views of saved
     # tensors cost nothing to recompute and no memory to keep); elsewhere recompute.
     if tracker.depth > 0 and not getattr(op, "is_view", False):
+        return tuc.CheckpointPolicy.MUST_SAVE
+    return tuc.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _compiled_sac_policy(
+    region_types: tuple[type, ...], ctx: Any, op: Any, *args: Any, **kwargs: Any
+) -> Any:
+    # The same choice as _sac_policy, made while AOTAutograd traces a compiled model: the
+    # op is inside the region if a module of the region's type is on the module stack
+    # that Dynamo recorded for the node being traced.
+    import torch.fx.traceback as fx_traceback
+
+    stack = fx_traceback.current_meta.get("nn_module_stack") or {}
+    inside = any(issubclass(cls, region_types) for _path, cls in stack.values())
+    if inside and not getattr(op, "is_view", False):
         return tuc.CheckpointPolicy.MUST_SAVE
     return tuc.CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -12,7 +12,7 @@ import sys
 import traceback
 from typing import Any
 
-from .config import BenchConfig
+from .config import BenchConfig, row_label
 
 
 def _progress(done: int, total: int) -> None:
@@ -36,7 +36,7 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
                 results.append(fw.measure_strategy(config, strategy))
             except Exception as exc:
                 traceback.print_exc()
-                results.append(_error(framework, strategy, exc))
+                results.append(_error(row_label(framework, task["config"]), strategy, exc))
             _progress(i + 1, len(strategies))
         return {"results": results}
     if task["kind"] == "time":

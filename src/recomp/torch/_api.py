@@ -17,6 +17,7 @@ from .._wrapping import (
     check_callable,
     default_name,
 )
+from . import _compile
 from ._backend import BACKEND
 from ._debug import debug_options
 from ._hf import adapt_hf_layer_call
@@ -41,6 +42,8 @@ def checkpoint(
     and are skipped when the forward is replayed during backward.
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
+    if _compile.is_compiling():
+        return _compile.checkpoint(function, args, kwargs, context_fn)
     adapt_hf_layer_call(function, kwargs)
     context_fn, kwargs, torch_debug_off = debug_options(context_fn, kwargs)
     context = _engine.begin(
@@ -108,6 +111,8 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
         return object.__new__(cls)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _compile.is_compiling():
+            return _compile.excluded_call(self._recomp_region.name, super().__call__, args, kwargs)
         return self._recomp_region.call(super().__call__, args, kwargs)
 
     def extra_repr(self) -> str:

@@ -315,3 +315,31 @@ def replace_top_hooks(
     finally:
         torch._C._autograd._pop_saved_tensors_default_hooks()
         torch._C._autograd._push_saved_tensors_default_hooks(*original)
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+def dynamo_bypassing_wrapper() -> Callable[..., Any]:
+    """PyTorch's ``dynamo_bypassing_wrapper`` higher-order op.
+
+    Why: under ``torch.compile`` an excluded region's body is traced by Dynamo as
+    usual, while the wrapper this op applies runs only when AOTAutograd builds the
+    joint graph: there it marks the region's nodes ``MUST_SAVE`` (see
+    ``recomp.torch._compile``).
+    If it changes: compiling a recomp checkpoint with an excluded region raises a
+    ``RecompError`` naming this (eager mode is unaffected).
+    Retired by: a public way to tag the nodes of a traced region.
+    """
+    try:
+        from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper as wrapper
+    except ImportError as exc:
+        from ..errors import RecompError
+
+        raise RecompError(
+            "recomp's excluded regions under torch.compile need "
+            "torch._higher_order_ops.wrap.dynamo_bypassing_wrapper, which this PyTorch "
+            f"({torch.__version__}) does not have. Run the model eagerly, or compile the "
+            "layers without recomp's exclusions."
+        ) from exc
+    return wrapper  # type: ignore[no-any-return]

@@ -1,0 +1,119 @@
+"""recomp under ``torch.compile``: exclusions as save decisions of the partitioner.
+
+NOTE [ Excluded regions in a compiled program ]
+
+Eagerly, recomp steers a second Python execution of the checkpointed code (the
+replay) and skips excluded regions there. A compiled program has no such second
+execution: Dynamo captures the checkpoint as the ``tag_activation_checkpoint``
+higher-order op, AOTAutograd traces forward and backward once into a joint graph,
+and the min-cut partitioner chooses which forward values the backward gets as
+saved tensors and which it computes again. The partitioner reads one tag per
+node, ``node.meta["recompute"]`` (a ``CheckpointPolicy``); the checkpoint tags
+every node of its body ``PREFER_RECOMPUTE`` (or with the policy of a selective
+checkpointing ``context_fn``).
+
+So, under compilation:
+  * ``checkpoint`` calls ``torch.utils.checkpoint.checkpoint`` with the user's
+    ``context_fn`` (or none): no recompute state, no Python replay. A module
+    global counts the compiled checkpoints being traced, so that a region knows
+    at Dynamo trace time whether it sits inside one.
+  * An excluded region inside such a checkpoint is called through the
+    ``dynamo_bypassing_wrapper`` higher-order op. Dynamo traces the region's body
+    into a subgraph as usual (Inductor still fuses it), but the wrapper function
+    given to the op is not traced: it runs when AOTAutograd traces the graph,
+    the one moment when the region's ATen nodes exist. ``_keep_region_nodes``
+    then marks every node the body added ``MUST_SAVE``. It runs after the
+    checkpoint's dispatch mode has tagged those nodes, so the region's mark is
+    the one the partitioner sees, whatever the ``context_fn`` policy said.
+  * ``MUST_SAVE`` forbids the partitioner to recompute the node: every op of the
+    region runs once per step, in the forward, and the backward gets the
+    region's values that it needs as saved tensors. Recomputed code before the
+    region is recomputed, region inputs included (what deferred inputs do
+    eagerly); code after it reads the saved region output.
+  * Outside a compiled checkpoint a region is a plain call, as in eager mode.
+
+What eager recomp does with Python state has no meaning in a compiled program
+and is not done there: the region counters (``region_runs``, ...) count eager
+calls only, ``save_output=False`` has no effect (the partitioner keeps each value
+once), and ``preserve_rng_state`` is the compiler's business (Inductor seeds
+each random op so that a recomputed dropout draws the same mask).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch.utils.checkpoint import CheckpointPolicy
+
+from . import _compat
+
+# How many recomp checkpoints enclose the code Dynamo is tracing. A module global:
+# Dynamo tracks writes to module globals as side effects and reads the written value
+# back later in the same trace, which is how a region learns that it is inside one.
+_checkpoint_depth = 0
+
+
+def is_compiling() -> bool:
+    """True while Dynamo traces the code (recomp then takes the compiled path)."""
+    return torch.compiler.is_compiling()
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context_fn: Callable[[], tuple[Any, Any]] | None,
+) -> Any:
+    """``recomp.torch.checkpoint`` in a compiled program: PyTorch's checkpoint, with
+    excluded regions inside it saved instead of recomputed (see the NOTE above)."""
+    global _checkpoint_depth
+    if context_fn is not None:
+        kwargs = {**kwargs, "context_fn": context_fn}
+    _checkpoint_depth += 1
+    try:
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+    finally:
+        _checkpoint_depth -= 1
+
+
+def excluded_call(
+    name: str, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """An excluded region's call in a compiled program."""
+    if _checkpoint_depth == 0:
+        return function(*args, **kwargs)
+    return _compat.dynamo_bypassing_wrapper()(
+        functools.partial(_keep_region_nodes, name), function, *args, **kwargs
+    )
+
+
+def _keep_region_nodes(name: str, body: Callable[..., Any]) -> Callable[..., Any]:
+    """The wrapper ``dynamo_bypassing_wrapper`` applies to the region's traced body.
+
+    While AOTAutograd traces (a proxy mode is active), the nodes the body appends
+    to the graph are the region's ops: mark them ``MUST_SAVE``. In any other
+    execution of the op (fake-tensor propagation, running the graph) there is
+    nothing to mark.
+    """
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        mode = get_proxy_mode()
+        if mode is None:
+            return body(*args, **kwargs)
+        nodes = mode.tracer.graph.nodes
+        before = len(nodes)
+        out = body(*args, **kwargs)
+        for node in itertools.islice(reversed(nodes), len(nodes) - before):
+            if node.op == "call_function":
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                node.meta["recomp_region"] = name
+        return out
+
+    return run
