@@ -13,6 +13,7 @@ from .errors import (
     OutputNotSavedError,
     RecompError,
     ReplayMismatchError,
+    UnreplayableDropoutWarning,
 )
 
 __version__ = "0.1.0"
@@ -25,6 +26,7 @@ __all__ = [
     "RecompError",
     "RecomputeState",
     "ReplayMismatchError",
+    "UnreplayableDropoutWarning",
     "__version__",
     "get_recompute_state",
     "is_recomputing",

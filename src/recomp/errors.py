@@ -9,6 +9,7 @@ __all__ = [
     "OutputNotSavedError",
     "RecompError",
     "ReplayMismatchError",
+    "UnreplayableDropoutWarning",
 ]
 
 
@@ -34,3 +35,7 @@ class OutputNotSavedError(RecompError):
 
 class ForeignCheckpointWarning(UserWarning):
     """An excluded region is replayed by a checkpoint that recomp does not control."""
+
+
+class UnreplayableDropoutWarning(UserWarning):
+    """Recomputed code holds a dropout whose random state the framework cannot restore."""

@@ -11,6 +11,9 @@ from mindspore import nn
 from .. import _engine, _wrapping
 from .._wrapping import WRAPPED, RegionCounters, check_callable, default_name
 from ._backend import BACKEND, check_pynative
+from ._cache import adapt_cache_kwargs
+from ._dropout import exclude_dropout_too, warn_recomputed_dropout
+from ._graph_mode import pynative_only
 
 
 def checkpoint(
@@ -23,13 +26,21 @@ def checkpoint(
     """Checkpoint ``function(*args, **kwargs)`` with recomp's recompute state installed.
 
     Built on ``mindspore.recompute(..., use_reentrant=False)`` in PyNative mode;
-    its options (``early_stop``, ...) pass through. ``context_fn`` is composed
-    with recomp's contexts, which are entered first. The random state is
+    its options pass through. ``early_stop`` defaults to False here: MindSpore
+    2.10's early stop fails in backward ("Stack input_args_info_stack_ is empty")
+    when the last tensor a block saves comes from a dropout. ``context_fn`` is
+    composed with recomp's contexts, which are entered first. The random state is
     restored for the replay by recomp, including the per-op kernel seeds that
     MindSpore's own restore misses on CPU; ``save_rng_state=False`` turns that off.
+    A Cell in training called with a KV cache gets it turned off, with a warning
+    (see ``recomp.mindspore._cache``).
     """
     _engine.check_use_reentrant(use_reentrant, "mindspore")
     check_pynative("checkpoint")
+    kwargs.setdefault("early_stop", False)
+    if BACKEND.grad_enabled():
+        adapt_cache_kwargs(function, kwargs, ExcludeWrapper)
+    warn_recomputed_dropout(function, ExcludeWrapper, "checkpoint")
     restore_rng = bool(kwargs.pop("save_rng_state", True))
     context = _engine.begin(
         BACKEND, args, kwargs, context_fn, align_rng=restore_rng, restore_rng=restore_rng
@@ -100,7 +111,9 @@ class CheckpointWrapper(_TransparentWrapper):
         _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), "mindspore")
         super().__init__(module)
         self.checkpoint_kwargs = checkpoint_kwargs
+        warn_recomputed_dropout(module, ExcludeWrapper, "checkpoint_wrapper")
 
+    @pynative_only("checkpoint_wrapper")
     def construct(self, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(getattr(self, WRAPPED), *args, **self.checkpoint_kwargs, **kwargs)
 
@@ -122,6 +135,7 @@ class ExcludeWrapper(RegionCounters, _TransparentWrapper):
         self.save_output = save_output
         self.region = _engine.ExcludedRegion(BACKEND, name or default_name(module), save_output)
 
+    @pynative_only("checkpoint_exclude_wrapper")
     def construct(self, *args: Any, **kwargs: Any) -> Any:
         check_pynative("checkpoint_exclude_wrapper")
         return self.region.call(getattr(self, WRAPPED), args, kwargs)
@@ -156,9 +170,13 @@ def apply_activation_checkpointing(
     every sub-cell for which ``exclude_fn`` is true. Wraps in place, keeps every
     ``Parameter.name``, and returns the model (a new wrapper if ``model`` itself
     is checkpointed). Checkpoints are not nested; cells already wrapped are left alone.
+
+    Active ``nn.Dropout`` cells (and ``Dropout1d/2d/3d``) inside a checkpoint are
+    excluded too, whatever ``exclude_fn`` says: MindSpore cannot restore their
+    random state, so a replay would draw another mask and give wrong gradients.
     """
     return _wrapping.apply_activation_checkpointing(
-        _MODEL_OPS, model, checkpoint_fn, exclude_fn, checkpoint_kwargs
+        _MODEL_OPS, model, checkpoint_fn, exclude_dropout_too(exclude_fn), checkpoint_kwargs
     )
 
 
