@@ -589,3 +589,29 @@ def test_mindcv_resnet_gradients_equal_unwrapped():
         block = stage[0]
         assert isinstance(block, rm.CheckpointWrapper)
         assert [(c.region_runs, c.region_skips) for c in (block.conv1, block.conv2)] == [(1, 1)] * 2
+
+
+class ConvBN(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def construct(self, x):
+        return ops.tanh(self.bn(self.conv(x)))
+
+
+def moving_stats(cell):
+    return [p.asnumpy() for p in cell.get_parameters() if "moving" in p.name]
+
+
+@pytest.mark.parametrize("exclude_bn", [False, True])
+def test_batchnorm_running_statistics(exclude_bn):
+    """The replay runs BatchNorm again: its running statistics move twice unless excluded."""
+    ref, model = twins(ConvBN)
+    if exclude_bn:
+        model.bn = rm.checkpoint_exclude_wrapper(model.bn)
+    wrapped = rm.checkpoint_wrapper(model)
+    x = tensor(2, 2, 5, 5)
+    assert_same(grads(ref, ref.trainable_params(), x), grads(wrapped, model.trainable_params(), x))
+    assert differs(moving_stats(ref), moving_stats(model)) != exclude_bn
