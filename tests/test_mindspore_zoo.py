@@ -125,6 +125,19 @@ def test_mindspore_early_stop_at_a_dropout_mask(recover_mindspore):
     )
 
 
+@pytest.mark.filterwarnings("ignore::recomp.errors.UnreplayableDropoutWarning")
+@pytest.mark.parametrize("dropout", ["nn", "ops"])
+def test_explicit_early_stop_at_a_dropout_mask_raises_recomp_error(recover_mindspore, dropout):
+    block = DropoutLast(dropout)
+    block.set_train()
+    with pytest.raises(recomp.RecompError, match="early_stop=False"):
+        grads(
+            lambda t: rm.checkpoint(block, t, early_stop=True),
+            block.trainable_params(),
+            tensor(4, 8),
+        )
+
+
 def test_explicit_early_stop_still_passes_through(seeded):
     # A block whose last saved tensor is not a mask: early stop works and stops the replay.
     calls = []

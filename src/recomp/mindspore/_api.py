@@ -13,6 +13,7 @@ from .._wrapping import WRAPPED, RegionCounters, check_callable, default_name
 from ._backend import BACKEND, check_pynative
 from ._cache import adapt_cache_kwargs
 from ._dropout import exclude_dropout_too, warn_recomputed_dropout
+from ._early_stop import explain_stop_in_dropout
 from ._graph_mode import pynative_only
 
 
@@ -37,7 +38,8 @@ def checkpoint(
     """
     _engine.check_use_reentrant(use_reentrant, "mindspore")
     check_pynative("checkpoint")
-    kwargs.setdefault("early_stop", False)
+    if kwargs.setdefault("early_stop", False):
+        context_fn = explain_stop_in_dropout(context_fn)
     if BACKEND.grad_enabled():
         adapt_cache_kwargs(function, kwargs, ExcludeWrapper)
     warn_recomputed_dropout(function, ExcludeWrapper, "checkpoint")
