@@ -41,7 +41,7 @@ class _ExplainStopInDropout:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: TracebackType | None) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: TracebackType | None) -> None:
         if exc_type is _StopRecomputationError and _stopped_in_dropout(tb):
             raise RecompError(
                 "early_stop=True cannot stop this replay: the last tensor the checkpointed "
@@ -50,7 +50,6 @@ class _ExplainStopInDropout:
                 "early_stop=False (recomp's default on MindSpore); it saves nothing here but "
                 "the ops after that dropout."
             ) from exc
-        return False
 
 
 class _Both:
