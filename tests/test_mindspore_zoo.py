@@ -658,3 +658,11 @@ def test_dropout_inside_a_sequential_cell_is_excluded(seeded):
     expected = seeded_grads(ref, ref.trainable_params(), x)
     assert_same(expected, seeded_grads(model, model.trainable_params(), x))
     assert (model.mlp[2].region_runs, model.mlp[2].region_skips) == (1, 1)
+
+
+def test_private_mindspore_api_used_here_is_present():
+    """Fails when MindSpore renames what recomp.mindspore._zoo_compat looks up."""
+    from recomp.mindspore import _zoo_compat
+
+    assert issubclass(_zoo_compat.stop_recomputation_error(), Exception)
+    assert len(_zoo_compat.graph_parser_lookups()) == 2

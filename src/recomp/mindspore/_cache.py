@@ -69,8 +69,8 @@ def adapt_cache_kwargs(function: Any, kwargs: dict[str, Any], exclude_type: type
 
 def _cell_of(function: Any) -> nn.Cell | None:
     for candidate in (function, getattr(function, "__self__", None)):
-        while isinstance(candidate, nn.Cell) and WRAPPED in candidate._cells:
-            candidate = candidate._cells[WRAPPED]
+        while isinstance(candidate, nn.Cell) and WRAPPED in candidate.name_cells():
+            candidate = candidate.name_cells()[WRAPPED]
         if isinstance(candidate, nn.Cell):
             return candidate
     return None

@@ -18,9 +18,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from mindspore.common.recompute import _StopRecomputationError
-
 from ..errors import RecompError
+from ._zoo_compat import stop_recomputation_error
 
 # Primitives that return (output, mask) and save the mask.
 _DROPOUT_PRIMITIVES = frozenset({"Dropout", "Dropout2D", "Dropout3D"})
@@ -42,7 +41,7 @@ class _ExplainStopInDropout:
         return None
 
     def __exit__(self, exc_type: Any, exc: Any, tb: TracebackType | None) -> None:
-        if exc_type is _StopRecomputationError and _stopped_in_dropout(tb):
+        if exc_type is stop_recomputation_error() and _stopped_in_dropout(tb):
             raise RecompError(
                 "early_stop=True cannot stop this replay: the last tensor the checkpointed "
                 "block saves is a dropout mask, and MindSpore 2.10 fails when early stop ends "

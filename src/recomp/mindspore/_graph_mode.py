@@ -14,19 +14,12 @@ is caught while MindSpore analyses the graph, which writes that file.
 
 from __future__ import annotations
 
-import sys
+import inspect
 from collections.abc import Callable
 from typing import Any
 
-from mindspore.graph import api as _graph_api
-from mindspore.graph._parse import parser as _parser
-
 from ..errors import RecompError
-
-# The Python function through which MindSpore's graph parser reads a Cell's construct.
-_PARSER_LOOKUP = _parser.get_attr_from_object.__code__
-# The Python entry of a GRAPH_MODE Cell compilation, which checks construct first.
-_GRAPH_COMPILE = _graph_api._CellGraphExecutor.compile.__code__
+from ._zoo_compat import graph_parser_lookups
 
 
 def pynative_error(api: str) -> RecompError:
@@ -49,8 +42,9 @@ class PyNativeOnly:
     def __get__(self, cell: Any, owner: type | None = None) -> Any:
         if cell is None:
             return self.function
-        caller = sys._getframe(1).f_code
-        if caller is _PARSER_LOOKUP or caller is _GRAPH_COMPILE:
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if caller is not None and caller.f_code in graph_parser_lookups():
             raise pynative_error(self.api)
         return self.function.__get__(cell, owner)
 
