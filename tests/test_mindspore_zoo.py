@@ -587,21 +587,32 @@ def small_resnet():
     return mindcv_resnet.ResNet(mindcv_resnet.BasicBlock, [1, 1, 1, 1], num_classes=3)
 
 
-def test_mindcv_resnet_gradients_equal_unwrapped():
+def test_mindcv_resnet_gradients_and_running_statistics_equal_unwrapped():
+    """3x3 convolutions and BatchNorms excluded: gradients equal, and the running
+    statistics move once per step, as without checkpoints (``out += identity``
+    follows bn2)."""
     ref, model = twins(small_resnet)
     for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
         for j in range(len(stage)):
+            down_sample = stage[j].down_sample
+            if down_sample is not None:  # a SequentialCell: its children replaced by index
+                down_sample[1] = rm.checkpoint_exclude_wrapper(down_sample[1])
             stage[j] = rm.apply_activation_checkpointing(
                 stage[j],
                 checkpoint_fn=lambda m: isinstance(m, mindcv_resnet.BasicBlock),
-                exclude_fn=lambda m: isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3),
+                exclude_fn=lambda m: (
+                    isinstance(m, nn.BatchNorm2d)
+                    or (isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3))
+                ),
             )
-    x = tensor(1, 3, 8, 8)
+    x = tensor(2, 3, 8, 8)  # two samples: layer4's 1x1 maps still have a batch variance
     assert_same(grads(ref, ref.trainable_params(), x), grads(model, model.trainable_params(), x))
+    assert_same(moving_stats(ref), moving_stats(model))
     for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
         block = stage[0]
         assert isinstance(block, rm.CheckpointWrapper)
-        assert [(c.region_runs, c.region_skips) for c in (block.conv1, block.conv2)] == [(1, 1)] * 2
+        regions = (block.conv1, block.bn1, block.conv2, block.bn2)
+        assert [(r.region_runs, r.region_skips) for r in regions] == [(1, 1)] * 4
 
 
 class ConvBN(nn.Cell):
