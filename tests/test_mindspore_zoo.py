@@ -107,7 +107,8 @@ def test_default_checkpoint_runs_a_block_whose_last_saved_tensor_is_a_dropout_ma
     "PyNative executor ('Stack input_args_info_stack_ is empty'); recomp's default is off",
 )
 def test_mindspore_early_stop_at_a_dropout_mask(recover_mindspore):
-    """Canary for recomp's early_stop=False default: drop the default once this passes."""
+    """Canary for the early_stop=False default and recomp.mindspore._early_stop: both can
+    go once this passes."""
     block = DropoutLast("ops")
     block.set_train()
     ms.grad(lambda t: ms.recompute(block, t, use_reentrant=False, early_stop=True).sum(), 0)(
