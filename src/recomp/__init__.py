@@ -14,6 +14,7 @@ from .errors import (
     OutputNotSavedError,
     RecompError,
     ReplayMismatchError,
+    UnreplayableDropoutWarning,
     WrapperNotReachedWarning,
 )
 
@@ -28,6 +29,7 @@ __all__ = [
     "RecompError",
     "RecomputeState",
     "ReplayMismatchError",
+    "UnreplayableDropoutWarning",
     "WrapperNotReachedWarning",
     "__version__",
     "get_recompute_state",

@@ -496,7 +496,9 @@ class ExcludedRegion:
             if self.save_output:
                 value = backend.copy(leaf) if self.copy_output else backend.detach(leaf)
                 copied_bytes = backend.storage_nbytes(value) if self.copy_output else 0
-                cached = Snapshot(leaf, value, hold=not self.copy_output, offload=offload)
+                # A copy is recomp's alone: later changes of the original do not reach it.
+                origin = value if self.copy_output else leaf
+                cached = Snapshot(origin, value, hold=not self.copy_output, offload=offload)
                 cached.read_versions(backend)
             key = backend.storage_key(leaf)
             new_bytes = 0

@@ -290,11 +290,14 @@ def apply_activation_checkpointing(
     for module, _, checkpoint in planned:
         mixin = ops.checkpoint_wrapper if checkpoint else ops.exclude_wrapper
         check_wrappable(ops, module, mixin, "apply_activation_checkpointing")
+    # Exclusions first: a checkpoint wrapper then sees its final contents (the
+    # MindSpore one warns about what its replay cannot reproduce).
     for module, path, checkpoint in planned:
+        if not checkpoint:
+            wrap_exclude(module, path)
+    for module, _, checkpoint in planned:
         if checkpoint:
             wrap_checkpoint(module)
-        else:
-            wrap_exclude(module, path)
     if planned:
         ReachCheck(ops, model, [(m, p) for m, p, _ in planned])
     return model

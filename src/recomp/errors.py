@@ -10,6 +10,7 @@ __all__ = [
     "OutputNotSavedError",
     "RecompError",
     "ReplayMismatchError",
+    "UnreplayableDropoutWarning",
     "WrapperNotReachedWarning",
 ]
 
@@ -45,3 +46,7 @@ class ForeignCheckpointWarning(UserWarning):
 class WrapperNotReachedWarning(UserWarning):
     """The model's first forward after ``apply_activation_checkpointing`` called none of
     the modules it wrapped, so no checkpoint or exclusion took effect."""
+
+
+class UnreplayableDropoutWarning(UserWarning):
+    """Recomputed code holds a dropout whose random state the framework cannot restore."""

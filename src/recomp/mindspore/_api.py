@@ -11,6 +11,10 @@ from mindspore import nn
 from .. import _engine, _wrapping
 from .._wrapping import CHECKPOINT_KWARGS, REGION, RegionCounters, check_callable, default_name
 from ._backend import BACKEND, check_pynative
+from ._cache import adapt_cache_kwargs
+from ._dropout import exclude_dropout_too, warn_recomputed_dropout
+from ._early_stop import explain_stop_in_dropout
+from ._graph_mode import pynative_only
 
 
 def checkpoint(
@@ -23,13 +27,22 @@ def checkpoint(
     """Checkpoint ``function(*args, **kwargs)`` with recomp's recompute state installed.
 
     Built on ``mindspore.recompute(..., use_reentrant=False)`` in PyNative mode;
-    its options (``early_stop``, ...) pass through. ``context_fn`` is composed
-    with recomp's contexts, which are entered first. The random state is
+    its options pass through. ``early_stop`` defaults to False here: MindSpore
+    2.10's early stop fails in backward ("Stack input_args_info_stack_ is empty")
+    when the last tensor a block saves comes from a dropout. ``context_fn`` is
+    composed with recomp's contexts, which are entered first. The random state is
     restored for the replay by recomp, including the per-op kernel seeds that
     MindSpore's own restore misses on CPU; ``save_rng_state=False`` turns that off.
+    A Cell in training called with a KV cache gets it turned off, with a warning
+    (see ``recomp.mindspore._cache``).
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     check_pynative("checkpoint")
+    if kwargs.setdefault("early_stop", False):
+        context_fn = explain_stop_in_dropout(context_fn)
+    if BACKEND.grad_enabled():
+        adapt_cache_kwargs(function, kwargs, ExcludeWrapper)
+    warn_recomputed_dropout(function, ExcludeWrapper, "checkpoint")
     restore_rng = bool(kwargs.pop("save_rng_state", True))
     context = _engine.begin(
         BACKEND, args, kwargs, context_fn, align_rng=restore_rng, restore_rng=restore_rng
@@ -67,6 +80,7 @@ class CheckpointWrapper(_wrapping.WrapperMixin, nn.Cell):
         kwargs: dict[str, Any] = self._recomp_checkpoint_kwargs
         return kwargs
 
+    @pynative_only("checkpoint_wrapper")
     def construct(self, *args: Any, **kwargs: Any) -> Any:
         own = self._recomp_instance_method or super().construct
         return checkpoint(own, *args, **self._recomp_checkpoint_kwargs, **kwargs)
@@ -98,6 +112,7 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Cell):
         check_pynative("checkpoint_exclude_wrapper")
         return self._recomp_region.call(super().__call__, args, kwargs)
 
+    @pynative_only("checkpoint_exclude_wrapper")
     def construct(self, *args: Any, **kwargs: Any) -> Any:
         # Reached directly only when MindSpore compiles the Cell (GRAPH_MODE, jit).
         check_pynative("checkpoint_exclude_wrapper")
@@ -145,6 +160,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     if not isinstance(module, nn.Cell):
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
+    warn_recomputed_dropout(module, ExcludeWrapper, "checkpoint_wrapper")
     return _wrapping.wrap_in_place(
         _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
@@ -198,13 +214,17 @@ def apply_activation_checkpointing(
     ``SequentialCell``/``CellList``/``CellDict``), keeps every ``Parameter.name`` and
     returns the model. Checkpoints are not nested; cells already wrapped are left
     alone. Every cell is checked before any is wrapped: on an error the model is unchanged.
+
+    Active ``nn.Dropout`` cells (and ``Dropout1d/2d/3d``) inside a checkpoint are
+    excluded too, whatever ``exclude_fn`` says: MindSpore cannot restore their
+    random state, so a replay would draw another mask and give wrong gradients.
     """
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     return _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
         model,
         checkpoint_fn,
-        exclude_fn,
+        exclude_dropout_too(exclude_fn),
         lambda c: checkpoint_wrapper(c, **checkpoint_kwargs),
         lambda c, path: checkpoint_exclude_wrapper(c, name=path),
     )

@@ -107,6 +107,10 @@ class MindSporeBackend(Backend):
         alias = ops.stop_gradient(t)
         if requires_grad:
             alias.requires_grad_()
+            # An op's output rather than a leaf: PyNative refuses `alias[i] = v` on a
+            # leaf that requires grad ("Can not modify tensor id of input tensor").
+            # The boundary saves nothing here, so the replay's saved tensors are unchanged.
+            alias = self.boundary([], [alias])[0]
         return alias
 
     def stub(self, requires_grad: bool) -> Any:
