@@ -37,11 +37,12 @@ def build(config: BenchConfig) -> tuple[nn.Module, Any, Callable[[Any], torch.Te
         hidden = getattr(model, "hidden", config.hidden)
         x = torch.randn(config.batch, config.seq, hidden, generator=generator, dtype=dtype)
     x = _to(x, device)
-    loss_fn = getattr(model, "loss", None) or _mean_square
+    loss_fn = getattr(model, "loss", None) or mean_square_loss
     return model, x, loss_fn
 
 
-def _mean_square(out: Any) -> torch.Tensor:
+def mean_square_loss(out: Any) -> torch.Tensor:
+    """The default loss: mean square of the output (its first element if a tuple)."""
     if isinstance(out, (tuple, list)):
         out = out[0]
     return out.float().pow(2).mean()
@@ -57,7 +58,8 @@ def _to(x: Any, device: torch.device) -> Any:
     return x
 
 
-def _call(model: nn.Module, x: Any) -> Any:
+def call_model(model: nn.Module, x: Any) -> Any:
+    """``model(**x)`` for a dict, ``model(*x)`` for a tuple, else ``model(x)``."""
     if isinstance(x, dict):
         return model(**x)
     if isinstance(x, tuple):
@@ -77,7 +79,7 @@ class Trainer:
         self.device = torch.device(config.device)
 
     def forward(self) -> torch.Tensor:
-        return self.loss_fn(_call(self.model, self.x))
+        return self.loss_fn(call_model(self.model, self.x))
 
     def step(self) -> None:
         loss = self.forward()
