@@ -17,7 +17,7 @@ from torch import nn
 from .config import BenchConfig, call_factory, load_factory
 from .measure import RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader
 from .runner_stats import count_delta, region_counts, saved_bytes
-from .strategies import Prepared, prepare
+from .strategies import Prepared, parse, prepare
 
 
 def build(config: BenchConfig) -> tuple[nn.Module, Any, Callable[[Any], torch.Tensor]]:
@@ -72,7 +72,10 @@ class Trainer:
 
     def __init__(self, config: BenchConfig, strategy: str) -> None:
         model, self.x, self.loss_fn = build(config)
-        self.prepared: Prepared = prepare(strategy, model)
+        plan = None
+        if parse(strategy)[0] == "plan":
+            plan = plan_for(config, strategy, model, self.x, self.loss_fn)
+        self.prepared: Prepared = prepare(strategy, model, plan)
         self.model = self.prepared.model
         self.params = list(self.model.parameters())
         self.optimizer = torch.optim.SGD(self.params, lr=1e-4)
@@ -91,6 +94,48 @@ class Trainer:
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def plan_clock(config: BenchConfig) -> str:
+    """Process CPU time for one-thread CPU runs (steady on a shared machine), else wall time."""
+    return str(
+        config.extra.get("plan_clock")
+        or ("cpu" if config.device == "cpu" and config.threads == 1 else "wall")
+    )
+
+
+def plan_for(
+    config: BenchConfig,
+    strategy: str,
+    model: nn.Module,
+    x: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+) -> Any:
+    """The plan of strategy ``plan@B``: made once by the parent (``config.extra["plans"]``)
+    so that every process runs the same plan, or else made here."""
+    from recomp.plan import load_plan, make_plan, profile
+
+    given = config.extra.get("plans", {}).get(strategy)
+    if given is not None:
+        return load_plan(given)
+    budget = parse(strategy)[1] or ""
+    return make_plan(profile(model, x, loss_fn, clock=plan_clock(config)), budget)
+
+
+def make_plans(config: BenchConfig, strategies: list[str]) -> dict[str, Any]:
+    """Profile the model once and make the plan of each ``plan@B`` strategy."""
+    from recomp.plan import make_plan, profile
+
+    torch.set_num_threads(max(1, config.threads))
+    model, x, loss_fn = build(config)
+    prof = profile(model, x, loss_fn, clock=plan_clock(config))
+    plans: dict[str, Any] = {}
+    for strategy in strategies:
+        try:
+            plans[strategy] = make_plan(prof, parse(strategy)[1] or "").to_dict()
+        except ValueError as exc:
+            plans[strategy] = {"error": f"{type(exc).__name__}: {exc}"}
+    return {"plans": plans, "profile": prof.to_dict(), "clock": plan_clock(config)}
 
 
 def reference_grads(config: BenchConfig) -> list[torch.Tensor | None]:

@@ -14,6 +14,11 @@
 ``keep-R``                reference design without deferred inputs: like ``exclude-R``,
                           but the region keeps every tensor it saves, its inputs
                           included (written here, 40 lines, for target 2)
+``every@k``               layer-frequency policy (torchtitan's): ``torch.utils.checkpoint``
+                          around every k-th layer (layers k-1, 2k-1, ...), none elsewhere
+``plan@B``                ``recomp.plan``: the fastest plan whose predicted activation
+                          memory fits budget ``B`` (``50%``, ``6GiB``), applied with
+                          ``recomp.plan.apply_plan``
 ========================  ==============================================================
 """
 
@@ -56,9 +61,13 @@ class Prepared:
 
 
 def parse(strategy: str) -> tuple[str, str | None]:
-    """``"sac"`` -> ``("sac", "attn")``, ``"exclude-mlp"`` -> ``("exclude", "mlp")``."""
+    """``"sac"`` -> ``("sac", "attn")``, ``"exclude-mlp"`` -> ``("exclude", "mlp")``,
+    ``"plan@50%"`` -> ``("plan", "50%")``, ``"every@2"`` -> ``("every", "2")``."""
     if strategy in ("none", "full"):
         return strategy, None
+    for kind in ("plan", "every"):
+        if strategy.startswith(kind + "@") and len(strategy) > len(kind) + 1:
+            return kind, strategy[len(kind) + 1 :]
     for kind, default in (
         ("torch-remat", "attn"),
         ("sac", "attn"),
@@ -71,7 +80,7 @@ def parse(strategy: str) -> tuple[str, str | None]:
             return kind, strategy[len(kind) + 1 :]
     raise ValueError(
         f"unknown strategy {strategy!r}: use none, full, sac[-REGION], torch-remat[-REGION], "
-        "exclude-REGION or keep-REGION"
+        "exclude-REGION, keep-REGION, every@K or plan@BUDGET"
     )
 
 
@@ -97,10 +106,19 @@ def child_of(layer: nn.Module, region: str) -> tuple[str, nn.Module]:
     )
 
 
-def prepare(strategy: str, model: nn.Module) -> Prepared:
+def prepare(strategy: str, model: nn.Module, plan: Any = None) -> Prepared:
+    """Apply ``strategy`` to ``model``; ``plan`` (a ``recomp.plan.Plan``) for ``plan@B``."""
     kind, region = parse(strategy)
     layers = layers_of(model)
     prepared = Prepared(strategy, model, units=dict(layers))
+    if kind == "every":
+        _apply_every(model, region or "")
+        return prepared
+    if kind == "plan":
+        if plan is None:
+            raise ValueError(f"strategy {strategy!r} needs a plan (recomp.plan.make_plan)")
+        _apply_plan(model, plan, prepared)
+        return prepared
     if region is not None:
         for lname, layer in layers:
             cname, child = child_of(layer, region)
@@ -218,6 +236,38 @@ def _apply_recomp(model: nn.Module, prepared: Prepared) -> None:
         if isinstance(module, ExcludeWrapper):
             inner = module._checkpoint_wrapped_module
             prepared.exclude_wrappers[by_module[id(inner)]] = module
+
+
+def _apply_plan(model: nn.Module, plan: Any, prepared: Prepared) -> None:
+    from recomp.plan import apply_plan
+    from recomp.torch import ExcludeWrapper
+
+    for layer in plan.layers:
+        for path in layer.excluded:
+            name = f"{layer.path}.{path}"
+            prepared.regions[name] = model.get_submodule(name)
+    apply_plan(model, plan)
+    for module in model.modules():
+        if isinstance(module, ExcludeWrapper) and module.region.name in prepared.regions:
+            prepared.exclude_wrappers[module.region.name] = module
+
+
+# --------------------------------------------------------------------------- every@k
+
+
+def _apply_every(model: nn.Module, frequency: str) -> None:
+    try:
+        k = int(frequency)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ValueError(
+            f"every@K takes a whole number K >= 1 (checkpoint every K-th layer), got {frequency!r}"
+        )
+    layers: Any = model.layers
+    for i, layer in enumerate(list(layers)):
+        if (i + 1) % k == 0:
+            layers[i] = TorchCheckpoint(layer)
 
 
 # --------------------------------------------------------------------------- keep-R
