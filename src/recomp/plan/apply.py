@@ -47,16 +47,15 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
     work: list[tuple[str, nn.Module, list[tuple[str, nn.Module]]]] = []
     for layer_plan in plan.layers:
         layer = _resolve(model, layer_plan.path, "layer")
+        if any(isinstance(m, (CheckpointWrapper, ExcludeWrapper)) for m in layer.modules()):
+            raise ValueError(
+                f"layer {layer_plan.path!r} is already wrapped by recomp: apply a plan to the "
+                "model as it was profiled, without checkpoint wrappers"
+            )
         if layer_plan.type is not None and type(layer).__name__ != layer_plan.type:
             raise ValueError(
                 f"the plan expects a {layer_plan.type} at {layer_plan.path!r}, the model has a "
                 f"{type(layer).__name__}: the plan was made for another model"
-            )
-        wrapped = [layer, *(m for m in layer.modules() if m is not layer)]
-        if any(isinstance(m, (CheckpointWrapper, ExcludeWrapper)) for m in wrapped):
-            raise ValueError(
-                f"layer {layer_plan.path!r} is already wrapped by recomp: apply a plan to the "
-                "model as it was profiled, without checkpoint wrappers"
             )
         regions = [
             (path, _resolve(layer, path, f"in layer {layer_plan.path!r} the region"))
