@@ -30,12 +30,12 @@ from recomp.plan.planfile import LayerPlan
 
 torch = pytest.importorskip("torch")
 
-from memory import run_measured  # noqa: E402
 from torch import nn  # noqa: E402
-from torch_models import Block, assert_same_grads, grads_of, stack  # noqa: E402
 
+from memory import run_measured  # noqa: E402
 from recomp.bench.config import BenchConfig, intermediate_size  # noqa: E402
 from recomp.bench.memory import child_env  # noqa: E402
+from torch_models import Block, assert_same_grads, grads_of, stack  # noqa: E402
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 MiB = 1 << 20
@@ -456,7 +456,7 @@ def bench_rows():
 
 def test_bench_every_and_plan_strategies(bench_rows):
     made, rows = bench_rows
-    none, full, every, planned = rows
+    _, full, every, planned = rows
     # every@2 checkpoints the second of two layers: half of full's replay
     assert every["replay_flops"] * 2 == full["replay_flops"]
     plan = load_plan(made["plans"]["plan@50%"])
