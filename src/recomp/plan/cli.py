@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
         "thread on CPU, where it is steadier on a shared machine; wall time otherwise)",
     )
     p.add_argument("--no-measure", action="store_true", help="plan only; do not run the plan")
+    p.add_argument(
+        "--show-profile",
+        action="store_true",
+        help="also print the profile: per layer and candidate region, bytes, time, FLOPs",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..bench.report import attach_predictions
     from ..bench.runner_stats import summarize_times
     from .planfile import load_plan, save_plan
-    from .planner import plan_table
+    from .planner import Profile, plan_table, profile_table
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -115,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         from ..bench.report import write_json
 
         write_json(args.profile_json, planning.result["profile"])
+    profile_text = profile_table(Profile.from_dict(planning.result["profile"]))
     if args.no_measure:
         progress.close()
+        if args.show_profile:
+            print(profile_text + "\n")
         print(plan_table(plan))
         if args.json:
             print(f"wrote {args.json}")
@@ -133,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     _run_jobs([measuring], 1, progress, offset)
     _run_jobs([timing], 1, progress, offset)
     progress.close()
+    if args.show_profile:
+        print(profile_text + "\n")
     print(plan_table(plan))
     if args.json:
         print(f"wrote {args.json}")

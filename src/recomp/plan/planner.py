@@ -233,3 +233,30 @@ def plan_table(plan: Plan) -> str:
             f"checkpointing + {p['replay_ms']:.1f} ms replay"
         )
     return "\n".join(lines)
+
+
+def profile_table(profile: Profile) -> str:
+    """Per layer: what it keeps without checkpointing, its checkpoint input, and per
+    candidate region what excluding it keeps, its forward time and FLOPs."""
+    lines = [
+        f"{'layer / region':28}{'kept MiB':>10}{'input MiB':>11}{'fwd ms':>9}{'fwd GFLOP':>11}",
+    ]
+    for layer in profile.layers:
+        lines.append(
+            f"{layer.path:28}{layer.no_checkpoint_bytes / MiB:10.2f}"
+            f"{layer.checkpoint_input_bytes / MiB:11.2f}{layer.forward_s * 1e3:9.1f}"
+            f"{layer.forward_flops / 1e9:11.3f}"
+        )
+        for region in layer.regions:
+            lines.append(
+                f"  {region.path + ' (' + region.type + ')':26}"
+                f"{region.exclusion_bytes / MiB:10.2f}{'':11}{region.forward_s * 1e3:9.1f}"
+                f"{region.forward_flops / 1e9:11.3f}"
+            )
+    lines.append(
+        f"kept: by the layer without checkpointing, or by the region when excluded; shared "
+        f"outside the layers: {profile.shared_bytes / MiB:.2f} MiB; step without "
+        f"checkpointing: {profile.baseline_step_s * 1e3:.1f} ms"
+    )
+    lines.extend(f"note: {note}" for note in profile.notes)
+    return "\n".join(lines)
