@@ -196,6 +196,10 @@ def test_profile_lists_layers_options_and_regions(small):
     assert names[:2] == ["none", "full"] and len(names) == 2 + 7
     assert {r.path for r in prof.layers[0].regions} == {"norm", "attn", "mlp"}
     assert "exclude:norm+attn+mlp" in names
+    from recomp.plan import profile_table
+
+    text = profile_table(prof)
+    assert all(f"{r} (" in text for r in ("norm", "attn", "mlp"))
 
 
 def test_solver_equals_brute_force_on_a_real_profile(small):
