@@ -465,6 +465,51 @@ def _attribute(
     return private, pairs, shared, spread
 
 
+class _OpTimer(TorchDispatchMode):
+    """Times every ATen op of a forward, in order (decomposing as ``_Recorder`` does)."""
+
+    def __init__(self, registry: Any, clock: Callable[[], float]) -> None:
+        super().__init__()
+        self.registry = registry
+        self.clock = clock
+        self.seconds: list[float] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func not in self.registry and func is not torch.ops.prim.device.default:
+            with self:
+                out = func.decompose(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+        start = self.clock()
+        out = func(*args, **kwargs)
+        self.seconds.append(self.clock() - start)
+        return out
+
+
+def _retime_ops(
+    recorder: _Recorder, forward: Callable[[], Any], repeats: int, clock: Callable[[], float]
+) -> None:
+    """Replace each op's time by the median over the instrumented forward and ``repeats``
+    more forwards (one sample per op is noisy). Kept as is if the op sequence changes."""
+    ops = sorted(
+        (op for record in [recorder.outside, *recorder.layers] for op in record.ops),
+        key=lambda op: op.seq,
+    )
+    samples: list[list[float]] = [[op.seconds] for op in ops]
+    for _ in range(repeats):
+        timer = _OpTimer(recorder.registry, clock)
+        with timer:
+            out = forward()
+        del out
+        if len(timer.seconds) != len(ops):
+            return
+        for column, seconds in zip(samples, timer.seconds):
+            column.append(seconds)
+    for op, column in zip(ops, samples):
+        op.seconds = statistics.median(column)
+
+
 def _average_alike_layers(
     layers: list[tuple[str, nn.Module]],
     candidates: list[list[tuple[str, nn.Module]]],
@@ -678,6 +723,7 @@ def _profile(
     for index, (path, _) in enumerate(layers):
         if recorder.layers[index].calls_seen == 0:
             raise ValueError(f"layer {path!r} was not called in the forward")
+    _retime_ops(recorder, lambda: loss_fn(call_model(model, inputs)), steps, clock)
 
     _average_alike_layers(layers, candidates, recorder.layers, forward_s)
     bookkeeping = int(torch.get_rng_state().nbytes) if device.type == "cpu" else 0
