@@ -515,3 +515,52 @@ def test_import_recomp_plan_stays_framework_free():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_plan_on_an_hf_llama_called_with_keywords():
+    """Layers found below the model (model.model.layers), called with keyword arguments
+    and shared position embeddings: the plan applies and gradients stay equal."""
+    transformers = pytest.importorskip("transformers")
+    from recomp.plan import apply_plan, make_plan, profile
+    from recomp.torch import ExcludeWrapper
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 50, (2, 16))
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+
+    def loss_fn(out):
+        return out.loss
+
+    prof = profile(model, inputs, loss_fn, steps=1)
+    assert [layer.path for layer in prof.layers] == ["model.layers.0", "model.layers.1"]
+    # cos/sin reach both layers: storages the two adjacent layers may both keep, counted
+    # once (a pair term of the second layer)
+    assert prof.layers[1].pair_bytes and not prof.layers[0].pair_bytes
+    plan = make_plan(prof, "50%")
+    plan.layers[0].option = "exclude:self_attn+mlp"
+    plan.layers[1].option = "exclude:self_attn"
+    planned = apply_plan(copy.deepcopy(model), plan)
+    expected, got = loss_fn(model(**inputs)), loss_fn(planned(**inputs))
+    expected.backward()
+    got.backward()
+    assert torch.equal(expected, got)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for name, p in planned.named_parameters():
+        assert torch.equal(p.grad, grads[name.replace("_checkpoint_wrapped_module.", "")]), name
+    runs = {
+        m.region.name: m.region_runs for m in planned.modules() if isinstance(m, ExcludeWrapper)
+    }
+    assert runs == {
+        "model.layers.0.self_attn": 1,
+        "model.layers.0.mlp": 1,
+        "model.layers.1.self_attn": 1,
+    }

@@ -62,14 +62,25 @@ MAX_COMBINED = 5
 
 
 def find_layers(model: nn.Module, layers: LayerSpec = None) -> list[tuple[str, nn.Module]]:
-    """The checkpointable layers: ``model.layers`` by default, the sub-modules for which a
-    predicate holds (outermost matches), or sub-module paths."""
+    """The checkpointable layers: ``model.layers`` by default (or the one ``nn.ModuleList``
+    named ``layers`` below the model), the sub-modules for which a predicate holds
+    (outermost matches), or sub-module paths."""
     if layers is None:
         stack = getattr(model, "layers", None)
         if stack is None:
+            # Wrapped stacks (model.model.layers in HF causal LMs): one ModuleList "layers".
+            lists = [
+                m
+                for name, m in model.named_modules()
+                if name.rpartition(".")[2] == "layers" and isinstance(m, nn.ModuleList)
+            ]
+            if len(lists) == 1:
+                stack = lists[0]
+        if stack is None:
             raise ValueError(
-                f"{type(model).__name__} has no attribute `layers`: pass layers= (a predicate "
-                "such as lambda m: isinstance(m, DecoderLayer), or a list of sub-module paths)"
+                f"{type(model).__name__} has no attribute `layers` (nor one nn.ModuleList named "
+                "`layers` below it): pass layers= (a predicate such as lambda m: isinstance(m, "
+                "DecoderLayer), or a list of sub-module paths)"
             )
         prefix = _path_of(model, stack)
         return [(f"{prefix}.{i}" if prefix else str(i), m) for i, m in enumerate(stack)]
