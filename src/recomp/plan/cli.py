@@ -157,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         wall = timing.result["times"]["wall"][r["strategy"]]
         cpu = timing.result["times"]["cpu"][r["strategy"]]
-        r.update(step_time_s=summarize_times(wall)[0], step_cpu_time_s=summarize_times(cpu)[0])
+        r.update(
+            step_time_s=summarize_times(wall)[0],
+            step_cpu_time_s=summarize_times(cpu)[0],
+            step_times_s=wall,
+            step_cpu_times_s=cpu,
+        )
     attach_predictions(rows, {strategy: {**made, "clock": planning.result["clock"]}})
     print()
     print(comparison(row, rows[1]))
@@ -185,13 +190,16 @@ def comparison(row: dict[str, Any], none: dict[str, Any]) -> str:
         f"{f'step time, {clock} clock (ms)':34}{p['predicted_step_time_s'] * 1e3:12.1f}"
         f"{row[step_key] * 1e3:12.1f}{pct(row[step_key], p['predicted_step_time_s']):>9}",
     ]
-    same_run = p.get("predicted_step_time_same_run_s")
-    if same_run:
-        label = "  on this run's no-checkpoint step"
+    if p.get("measured_ratio_to_none") is not None:
+        predicted, measured = p["predicted_ratio_to_none"], p["measured_ratio_to_none"]
         lines.append(
-            f"{label:34}{same_run * 1e3:12.1f}"
-            f"{row[step_key] * 1e3:12.1f}{pct(row[step_key], same_run):>9}"
+            f"{'  slowdown over no checkpointing':34}{predicted:11.3f}x{measured:11.3f}x"
+            f"{pct(measured, predicted):>9}"
         )
+    lines.append(
+        "slowdown: the plan's step time over no checkpointing's, predicted from the profile, "
+        "measured as the median of per-round ratios (the two are timed interleaved)"
+    )
     lines.append(
         f"budget {p['budget_bytes'] / mib:.2f} MiB; no checkpointing in the same run: "
         f"{none[step_key] * 1e3:.1f} ms per step ({clock} clock), wall time: plan "
