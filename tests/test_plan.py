@@ -265,7 +265,13 @@ def test_profile_leaves_model_grads_buffers_and_rng_alone():
     input_grad = x.grad.clone()
     modules = [(n, type(m)) for n, m in model.named_modules()]
     rng = torch.get_rng_state()
-    prof = profile(model, x, layers=lambda m: isinstance(m, Noisy), steps=2)
+    prof = profile(
+        model,
+        x,
+        layers=lambda m: isinstance(m, Noisy),
+        steps=2,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5),  # steps the copy's parameters
+    )
     assert len(prof.layers) == 2
     after = _state(model)
     assert before.keys() == after.keys()

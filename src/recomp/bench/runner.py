@@ -78,7 +78,7 @@ class Trainer:
         self.prepared: Prepared = prepare(strategy, model, plan)
         self.model = self.prepared.model
         self.params = list(self.model.parameters())
-        self.optimizer = torch.optim.SGD(self.params, lr=1e-4)
+        self.optimizer = sgd(self.params)
         self.device = torch.device(config.device)
 
     def forward(self) -> torch.Tensor:
@@ -94,6 +94,11 @@ class Trainer:
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The benchmark's optimizer."""
+    return torch.optim.SGD(params, lr=1e-4)
 
 
 def plan_clock(config: BenchConfig) -> str:
@@ -119,7 +124,8 @@ def plan_for(
     if given is not None:
         return load_plan(given)
     budget = parse(strategy)[1] or ""
-    return make_plan(profile(model, x, loss_fn, clock=plan_clock(config)), budget)
+    prof = profile(model, x, loss_fn, clock=plan_clock(config), optimizer=sgd)
+    return make_plan(prof, budget)
 
 
 def make_plans(config: BenchConfig, strategies: list[str]) -> dict[str, Any]:
@@ -128,7 +134,7 @@ def make_plans(config: BenchConfig, strategies: list[str]) -> dict[str, Any]:
 
     torch.set_num_threads(max(1, config.threads))
     model, x, loss_fn = build(config)
-    prof = profile(model, x, loss_fn, clock=plan_clock(config))
+    prof = profile(model, x, loss_fn, clock=plan_clock(config), optimizer=sgd)
     plans: dict[str, Any] = {}
     for strategy in strategies:
         try:

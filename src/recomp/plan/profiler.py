@@ -623,6 +623,7 @@ def profile(
     exclude: Callable[[nn.Module], bool] | None = None,
     steps: int = 3,
     clock: str = "wall",
+    optimizer: Callable[[list[nn.Parameter]], Any] | None = None,
 ) -> Profile:
     """Profile ``model`` on ``inputs`` for :func:`recomp.plan.make_plan`.
 
@@ -635,6 +636,8 @@ def profile(
     ``clock``: ``"wall"`` (``time.perf_counter``, after a device synchronization) or
     ``"cpu"`` (the process's CPU time: steadier on a shared CPU machine, and equal to wall
     time for one intra-op thread on an idle one; not for GPUs).
+    ``optimizer``: a factory ``optimizer(parameters)`` (say ``lambda ps:
+    torch.optim.AdamW(ps)``), so that the timed steps include the update as training does.
 
     The model is not changed: the profile runs on a deep copy, and the random number
     generators are restored afterwards.
@@ -648,7 +651,7 @@ def profile(
     rng = _rng_state()
     try:
         return _profile(
-            copy.deepcopy(model), inputs, loss_fn, layers, exclude, steps, clocks[clock]
+            copy.deepcopy(model), inputs, loss_fn, layers, exclude, steps, clocks[clock], optimizer
         )
     finally:
         _set_rng_state(rng)
@@ -674,6 +677,7 @@ def _profile(
     exclude: Callable[[nn.Module], bool] | None,
     steps: int,
     clock: Callable[[], float],
+    optimizer: Callable[[list[nn.Parameter]], Any] | None,
 ) -> Profile:
     device = _device_of(model, inputs)
     layers = find_layers(model, layer_spec)
@@ -681,9 +685,14 @@ def _profile(
     inputs = _fresh_inputs(inputs)
     model.zero_grad(set_to_none=True)
 
+    update = optimizer([p for p in model.parameters() if p.requires_grad]) if optimizer else None
+
     def step() -> None:
         loss = loss_fn(call_model(model, inputs))
         loss.backward()
+        if update is not None:
+            update.step()
+            update.zero_grad(set_to_none=False)
 
     # 1. Baseline step time, and forward times of layers and candidate regions.
     timer = _Timer(device, clock)
