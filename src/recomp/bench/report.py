@@ -419,12 +419,13 @@ def write_plot(path: str, results: list[dict[str, Any]]) -> None:
             )
             if planned and r.get("plan"):
                 ax.axhline(r["plan"]["budget_bytes"] / MiB, ls=":", lw=0.8, color="gray")
-            # Staggered labels: strategies with equal memory sit side by side.
+            # Staggered labels: strategies with equal memory sit side by side; plans are
+            # labelled below their point, the others above.
             ax.annotate(
                 r["strategy"],
                 (x, y),
                 textcoords="offset points",
-                xytext=(4, 6 + 11 * (i % 3)),
+                xytext=(4, -14 - 9 * (i % 2)) if planned else (4, 6 + 11 * (i % 3)),
                 fontsize=8,
                 arrowprops={"arrowstyle": "-", "lw": 0.5, "alpha": 0.5},
             )
