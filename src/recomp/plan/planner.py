@@ -85,6 +85,7 @@ class Profile:
     layers: list[LayerProfile]
     spread_bytes: int = 0  # part of shared_bytes kept by several non-adjacent layers
     bookkeeping_bytes: int = 0  # per checkpoint and per excluded call (saved RNG state)
+    per_save_s: float = 0.0  # a checkpoint's hook time per saved tensor (in replay_s)
     notes: list[str] = field(default_factory=list)
 
     # -- the solver's view ----------------------------------------------------

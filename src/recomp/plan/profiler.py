@@ -369,6 +369,7 @@ class _OptionResult:
     replay_ops: list[_Op]
     region_saved_bytes: dict[str, int]  # per excluded candidate path, as recomp counts
     excluded_calls: int
+    hooked_saves: int = 0  # saved tensors that go through a Python hook (checkpointed)
 
 
 def _analyse_option(
@@ -438,7 +439,9 @@ def _analyse_option(
         else [op for op in record.ops if op.seq < last and op.call not in excluded_call_indices]
     )
     name = exclude_option([candidates[i][0] for i in excluded])
-    return _OptionResult(name, activations(kept), replay, saved_bytes, len(calls))
+    return _OptionResult(
+        name, activations(kept), replay, saved_bytes, len(calls), len(record.saves)
+    )
 
 
 def _attribute(
@@ -496,6 +499,45 @@ class _OpTimer(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.seconds.append(self.clock() - start)
         return out
+
+
+def _per_save_seconds(clock: Callable[[], float], chain: int = 32) -> float:
+    """CPU time a checkpoint spends per saved tensor on its own bookkeeping: the Python
+    hooks that pack it in the forward, pack it again in the replay and unpack it in
+    backward. Measured on a chain of tiny multiplications (two saves each), checkpointed
+    against plain, so that the ops themselves cost next to nothing."""
+    from recomp.torch import checkpoint
+
+    weight = torch.ones(8, requires_grad=True)
+    x = torch.ones(8, requires_grad=True)
+
+    def chain_fn(t: torch.Tensor) -> torch.Tensor:
+        for _ in range(chain):
+            t = t * weight
+        return t
+
+    def forward() -> None:
+        chain_fn(x).sum()
+
+    def plain() -> None:
+        chain_fn(x).sum().backward()
+
+    def checkpointed() -> None:
+        checkpoint(chain_fn, x).sum().backward()
+
+    def per_call(fn: Callable[[], None], repeat: int = 10) -> float:
+        start = clock()
+        for _ in range(repeat):
+            fn()
+        return (clock() - start) / repeat
+
+    for fn in (forward, plain, checkpointed):
+        per_call(fn, 3)
+    samples = []
+    for _ in range(5):
+        extra = per_call(checkpointed) - per_call(plain) - per_call(forward)
+        samples.append(extra / (2 * chain))
+    return max(0.0, statistics.median(samples))
 
 
 def _retime_ops(
@@ -747,6 +789,8 @@ def _profile(
 
     _average_alike_layers(layers, candidates, recorder.layers, forward_s)
     bookkeeping = int(torch.get_rng_state().nbytes) if device.type == "cpu" else 0
+    # On a GPU the hooks' CPU time overlaps with the kernels: not added there.
+    per_save = _per_save_seconds(clock) if device.type == "cpu" else 0.0
     analysed: list[list[_OptionResult]] = []
     for index, record in enumerate(recorder.layers):
         sets: list[tuple[int, ...] | None] = [None, (), *option_sets(len(candidates[index]))]
@@ -786,7 +830,8 @@ def _profile(
                     name=result.name,
                     kept_bytes=private[index][o]
                     + bookkeeping * (checkpoints + result.excluded_calls),
-                    replay_s=scale * sum(op.seconds for op in result.replay_ops),
+                    replay_s=scale * sum(op.seconds for op in result.replay_ops)
+                    + per_save * result.hooked_saves,
                     replay_flops=sum(op.flops for op in result.replay_ops),
                     region_saved_bytes=result.region_saved_bytes,
                 )
@@ -819,5 +864,6 @@ def _profile(
         layers=layer_profiles,
         spread_bytes=spread,
         bookkeeping_bytes=bookkeeping,
+        per_save_s=per_save,
         notes=notes,
     )
