@@ -362,7 +362,7 @@ def test_apply_plan_checks_everything_before_wrapping(small):
     assert [(n, type(m)) for n, m in target.named_modules()] == modules
     plan.layers[2].option = "full"
     plan.layers[2].type = "Attention"
-    with pytest.raises(ValueError, match="expects a Attention at '2'"):
+    with pytest.raises(ValueError, match="expects a layer of type Attention at '2'"):
         apply_plan(target, plan)
     plan.layers[2].type = "Block"
     apply_plan(target, plan)
@@ -439,7 +439,14 @@ def _recomp(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_plan_errors():
+def test_cli_plan_writes_the_plan_and_refuses_a_budget_below_the_minimum(tmp_path):
+    path = tmp_path / "plan.json"
+    args = ("--no-measure", "--show-profile", "--json", str(path), "--quiet")
+    ok = _recomp("plan", *TINY, "--budget", "100%", *args)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    plan = load_plan(path)
+    assert [layer.option for layer in plan.layers] == ["none", "none"]
+    assert "layers.1" in ok.stdout and "attn (Attention)" in ok.stdout
     low = _recomp("plan", *TINY, "--budget", "1KiB", "--no-measure", "--quiet")
     assert low.returncode == 2, low.stderr[-3000:]
     assert "memory budget 0.00 MiB is below" in low.stderr

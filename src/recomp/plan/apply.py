@@ -54,8 +54,8 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
             )
         if layer_plan.type is not None and type(layer).__name__ != layer_plan.type:
             raise ValueError(
-                f"the plan expects a {layer_plan.type} at {layer_plan.path!r}, the model has a "
-                f"{type(layer).__name__}: the plan was made for another model"
+                f"the plan expects a layer of type {layer_plan.type} at {layer_plan.path!r}, the "
+                f"model has a {type(layer).__name__}: the plan was made for another model"
             )
         regions = [
             (path, _resolve(layer, path, f"in layer {layer_plan.path!r} the region"))
