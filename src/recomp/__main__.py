@@ -12,6 +12,8 @@ USAGE = """usage: recomp <command> [options]
 commands:
   bench    measure activation memory, replayed FLOPs and step time of checkpointing
            strategies side by side (`recomp bench --help`)
+  plan     choose per layer what to checkpoint and exclude so that a memory budget is
+           met at the least step time, then run the plan (`recomp plan --help`)
 """
 
 
@@ -25,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         from recomp.bench.cli import main as bench_main
 
         return bench_main(rest)
+    if command == "plan":
+        from recomp.plan.cli import main as plan_main
+
+        return plan_main(rest)
     print(f"recomp: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

@@ -17,7 +17,15 @@ from typing import Any
 
 from .config import DEFAULT_MODEL, BenchConfig, row_label
 from .memory import child_env
-from .report import evaluate_targets, table, targets_text, write_json, write_plot
+from .report import (
+    attach_predictions,
+    evaluate_targets,
+    plan_summary,
+    table,
+    targets_text,
+    write_json,
+    write_plot,
+)
 
 TORCH_STRATEGIES = ("none", "full", "sac", "torch-remat", "exclude-attn", "exclude-mlp")
 COMPILED_STRATEGIES = ("none", "full", "sac", "exclude-attn")
@@ -41,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategies",
         help=(
             "comma-separated; torch: none, full, sac[-R], torch-remat[-R], exclude-R, "
-            "exclude-R-offload, keep-R; "
+            "exclude-R-offload, keep-R, every@K (checkpoint every K-th layer), "
+            "plan@BUDGET (recomp.plan; 50%%, 6GiB); "
             f"mindspore: none, full, exclude-R (default torch: {','.join(TORCH_STRATEGIES)}; "
             f"mindspore: {','.join(MS_STRATEGIES)})"
         ),
@@ -224,6 +233,10 @@ def _split(value: str | None, default: tuple[str, ...]) -> list[str]:
     return [s.strip() for s in value.split(",") if s.strip()]
 
 
+def _plan_strategies(strategies: list[str]) -> list[str]:
+    return [s for s in strategies if s.startswith("plan@")]
+
+
 def _ms_supported(strategy: str) -> bool:
     return strategy in ("none", "full") or (
         strategy.startswith("exclude-") and not strategy.endswith("-offload")
@@ -267,8 +280,42 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"mindspore: skipped {', '.join(skipped)} (PyTorch-only strategies)")
             plan.append((fw, cfg, [s for s in wanted if _ms_supported(s)]))
 
+    # Plans are made once, in a child process, so that every process runs the same plan.
+    plan_info: dict[str, Any] = {}
+    plan_job_list = []
+    for i, (fw, cfg, strategies) in enumerate(plan):
+        wanted = _plan_strategies(strategies) if fw == "torch" else []
+        if wanted:
+            job = Job(
+                f"{fw}: profile and plan",
+                {"kind": "plan", "framework": fw, "config": cfg.to_dict(), "strategies": wanted},
+                3,
+            )
+            plan_job_list.append((i, job))
+
     measure_jobs: list[Job] = []
     time_jobs: list[Job] = []
+    total_units = sum(j.units for _, j in plan_job_list)
+    progress = Progress(total_units, enabled=not args.quiet)
+    started = time.monotonic()
+    offset = [0.0]
+    if plan_job_list:
+        _run_jobs([j for _, j in plan_job_list], 1, progress, offset)
+    for i, job in plan_job_list:
+        fw, cfg, strategies = plan[i]
+        if job.result is None:
+            notes.append(f"{fw}: no plans: {job.error}")
+            plan[i] = (fw, cfg, [s for s in strategies if not s.startswith("plan@")])
+            continue
+        made = job.result["plans"]
+        unplanned = {s: p["error"] for s, p in made.items() if "error" in p}
+        for s, error in unplanned.items():
+            notes.append(f"{fw} {s}: {error}")
+        good = {s: p for s, p in made.items() if "error" not in p}
+        plan_info.update({s: {**p, "clock": job.result["clock"]} for s, p in good.items()})
+        extra = {**cfg.extra, "plans": good}
+        plan[i] = (fw, replace(cfg, extra=extra), [s for s in strategies if s not in unplanned])
+
     for fw, cfg, strategies in plan:
         label = row_label(fw, cfg.to_dict())
         for s in strategies:
@@ -313,15 +360,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
 
-    total_units = sum(j.units for j in measure_jobs + time_jobs)
-    progress = Progress(total_units, enabled=not args.quiet)
-    started = time.monotonic()
-    offset = [0.0]
+    progress.total = max(1, total_units + sum(j.units for j in measure_jobs + time_jobs))
     _run_jobs(measure_jobs, args.jobs, progress, offset)
     _run_jobs(time_jobs, 1, progress, offset)
     progress.close()
 
     results, scenario = _collect(plan, measure_jobs, time_jobs)
+    attach_predictions(results, plan_info)
     overhead = next(
         (j.result["overhead"] for j in time_jobs if j.result and "overhead" in j.result), None
     )
@@ -340,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{overhead['outside_us']:.1f} us/call outside a checkpoint "
             f"(the op itself: {overhead['plain_op_us']:.1f} us)"
         )
+    plans_text = plan_summary(results)
+    if plans_text:
+        print("\nPlans (recomp.plan): predicted against measured")
+        print(plans_text)
     print("\nTargets:")
     print(targets_text(targets))
     for note in notes:

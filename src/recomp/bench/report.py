@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from typing import Any
 
 MiB = float(1 << 20)
@@ -189,6 +190,7 @@ def evaluate_targets(
     out.append(t3b)
     out.append(_offload_target(results, full, sac, excl))
     out.extend(_compiled_targets(results))
+    out.extend(_plan_targets(results))
     for t in out:
         t.setdefault("ok", None)
         t["verdict"] = _verdict(t["ok"])
@@ -294,6 +296,181 @@ def _short(v: Any) -> str:
     return str(v)
 
 
+# --------------------------------------------------------------------------- plans
+
+UNIFORM = ("none", "full", "exclude-attn", "exclude-mlp")
+
+
+def attach_predictions(results: list[dict[str, Any]], plans: dict[str, dict[str, Any]]) -> None:
+    """Copy each plan's budget, predictions and options into its result row."""
+    for r in results:
+        made = plans.get(r.get("strategy", ""))
+        if made is None or r.get("framework") != "torch":
+            continue
+        predicted = made.get("predicted", {})
+        r["plan"] = {
+            "budget": made.get("budget"),
+            "budget_bytes": made["budget_bytes"],
+            "options": {layer["path"]: layer["option"] for layer in made["layers"]},
+            "predicted_activation_bytes": predicted.get("activation_bytes"),
+            "predicted_replay_flops": predicted.get("replay_flops"),
+            "predicted_step_time_s": predicted.get("step_ms", math.nan) / 1e3,
+            "profiled_baseline_step_s": predicted.get("baseline_step_ms", math.nan) / 1e3,
+            "predicted_replay_s": predicted.get("replay_ms", math.nan) / 1e3,
+            "clock": made.get("clock", "wall"),
+        }
+    none = _find(results, "torch", "none")
+    for r in results:
+        p = r.get("plan")
+        if not p or none is None or not p["profiled_baseline_step_s"] > 0:
+            continue
+        # The profile ran in another process, at another time: on a shared machine its
+        # speed drifts. What is compared instead: the predicted slowdown over no
+        # checkpointing against the one measured round by round in this timing run.
+        predicted = 1 + p["predicted_replay_s"] / p["profiled_baseline_step_s"]
+        measured = paired_ratio(r, none, p["clock"])
+        base = _measured_step(none, p["clock"])
+        p["predicted_ratio_to_none"] = predicted
+        if measured is not None:
+            p["measured_ratio_to_none"] = measured
+        if base:
+            p["predicted_step_time_same_run_s"] = base * predicted
+
+
+def _measured_step(r: dict[str, Any] | None, clock: str) -> float | None:
+    if r is None:
+        return None
+    value = r.get("step_cpu_time_s") if clock == "cpu" else r.get("step_time_s")
+    return value if isinstance(value, (int, float)) and not math.isnan(value) else None
+
+
+def plan_summary(results: list[dict[str, Any]]) -> str:
+    lines = []
+    for r in results:
+        p = r.get("plan")
+        if not p or "error" in r:
+            continue
+        measured = r["activation_bytes"]
+        step = _measured_step(r, p["clock"])
+        predicted_step = p["predicted_step_time_s"]
+        step_text = f"step {predicted_step * 1e3:.1f} ms predicted ({p['clock']} clock), " + (
+            "-" if step is None else f"{step * 1e3:.1f} ms measured"
+        )
+        if p.get("measured_ratio_to_none") is not None:
+            step_text += (
+                f"; over no checkpointing {p['predicted_ratio_to_none']:.3f}x predicted, "
+                f"{p['measured_ratio_to_none']:.3f}x measured"
+            )
+        lines.append(
+            f"  {r['strategy']}: budget {p['budget_bytes'] / MiB:.2f} MiB; activation "
+            f"{p['predicted_activation_bytes'] / MiB:.2f} MiB predicted, {measured / MiB:.2f} "
+            f"measured; replay {p['predicted_replay_flops'] / 1e9:.3f} GFLOP predicted, "
+            f"{r['replay_flops'] / 1e9:.3f} measured; {step_text}"
+        )
+        options = ", ".join(f"{k}={v}" for k, v in p["options"].items())
+        lines.append(f"    {options}")
+    return "\n".join(lines)
+
+
+def _samples(r: dict[str, Any], clock: str) -> list[float]:
+    return list(r.get("step_cpu_times_s" if clock == "cpu" else "step_times_s") or [])
+
+
+def paired_ratio(r: dict[str, Any], other: dict[str, Any], clock: str) -> float | None:
+    """Median over timing rounds of ``r``'s step time over ``other``'s in the same round.
+    The bench times the strategies interleaved, round by round: a drift of the machine's
+    speed during the run cancels in each round's ratio, where it does not in a ratio of
+    medians."""
+    a, b = _samples(r, clock), _samples(other, clock)
+    if not a or len(a) != len(b):
+        return None
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def _plan_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Targets of each ``plan@B`` row against the uniform strategies and every@k that fit
+    the same budget (measured activation memory <= budget). Step times are compared as
+    paired ratios (``paired_ratio``) in the clock the plan was profiled with (process CPU
+    time for one thread on a CPU, wall time otherwise); ratios of medians are reported too."""
+    out: list[dict[str, Any]] = []
+    plans = [r for r in results if r.get("plan") and "error" not in r]
+    for r in plans:
+        p = r["plan"]
+        name = r["strategy"]
+        clock = p["clock"]
+        limit = p["budget_bytes"] * 1.02
+        fitting = [
+            o
+            for o in results
+            if o.get("framework") == "torch"
+            and o.get("strategy") in UNIFORM
+            and "error" not in o
+            and o["activation_bytes"] <= p["budget_bytes"]
+        ]
+        every = [
+            o
+            for o in results
+            if str(o.get("strategy", "")).startswith("every@")
+            and "error" not in o
+            and o["activation_bytes"] <= p["budget_bytes"]
+        ]
+        t: dict[str, Any] = {"target": f"4a {name} activation <= budget + 2%"}
+        t.update(
+            measured=r["activation_bytes"],
+            budget=p["budget_bytes"],
+            ratio=r["activation_bytes"] / p["budget_bytes"] if p["budget_bytes"] else math.inf,
+            ok=r["activation_bytes"] <= limit,
+        )
+        out.append(t)
+        t = {"target": f"4b {name} replay FLOPs <= fitting uniform strategies"}
+        if fitting:
+            t.update(
+                replay={o["strategy"]: o["replay_flops"] for o in fitting},
+                plan=r["replay_flops"],
+                ok=all(r["replay_flops"] <= o["replay_flops"] for o in fitting),
+            )
+        out.append(t)
+        for label, others in (("4c", fitting), ("4e", every)):
+            what = "fastest fitting uniform" if label == "4c" else "fitting every@k"
+            t = {"target": f"{label} {name} step time <= 1.02 x {what}"}
+            paired: dict[str, float] = {}
+            for o in others:
+                ratio = paired_ratio(r, o, clock)
+                if ratio is not None:
+                    paired[o["strategy"]] = ratio
+            if paired:
+                t.update(clock=clock, ratios=paired, ok=max(paired.values()) <= 1.02)
+                medians = {}
+                for o in others:
+                    mine, theirs = _measured_step(r, clock), _measured_step(o, clock)
+                    if mine and theirs:
+                        medians[o["strategy"]] = mine / theirs
+                t["ratios_of_medians"] = medians
+            out.append(t)
+        t = {
+            "target": f"4d {name} prediction: bytes within 5%, "
+            "step time within 15% (CPU) / 5% (GPU)"
+        }
+        step = _measured_step(r, clock)
+        if p.get("predicted_activation_bytes") and step:
+            byte_err = r["activation_bytes"] / p["predicted_activation_bytes"] - 1
+            time_err = step / p["predicted_step_time_s"] - 1
+            t.update(bytes_error=byte_err, step_time_error=time_err)
+            judged = time_err
+            if p.get("measured_ratio_to_none") is not None:
+                # See attach_predictions: the slowdown over no checkpointing, same run.
+                judged = p["measured_ratio_to_none"] / p["predicted_ratio_to_none"] - 1
+                t.update(
+                    predicted_ratio_to_none=p["predicted_ratio_to_none"],
+                    measured_ratio_to_none=p["measured_ratio_to_none"],
+                    step_time_error_same_run=judged,
+                )
+            tolerance = 0.05 if str(r.get("device", "cpu")).startswith("cuda") else 0.15
+            t.update(clock=clock, ok=abs(byte_err) <= 0.05 and abs(judged) <= tolerance)
+        out.append(t)
+    return out
+
+
 # --------------------------------------------------------------------------- files
 
 
@@ -322,13 +499,19 @@ def write_plot(path: str, results: list[dict[str, Any]]) -> None:
         for i, r in enumerate(rows):
             x, y = r["step_time_s"] * 1e3, r["activation_bytes"] / MiB
             xerr = (r.get("step_time_spread_s") or 0.0) * 1e3 / 2
-            ax.errorbar(x, y, xerr=xerr, fmt="o", capsize=3)
-            # Staggered labels: strategies with equal memory sit side by side.
+            planned = r["strategy"].startswith("plan@")
+            ax.errorbar(
+                x, y, xerr=xerr, fmt="*" if planned else "o", capsize=3, ms=10 if planned else 6
+            )
+            if planned and r.get("plan"):
+                ax.axhline(r["plan"]["budget_bytes"] / MiB, ls=":", lw=0.8, color="gray")
+            # Staggered labels: strategies with equal memory sit side by side; plans are
+            # labelled below their point, the others above.
             ax.annotate(
                 r["strategy"],
                 (x, y),
                 textcoords="offset points",
-                xytext=(4, 6 + 11 * (i % 3)),
+                xytext=(4, -14 - 9 * (i % 2)) if planned else (4, 6 + 11 * (i % 3)),
                 fontsize=8,
                 arrowprops={"arrowstyle": "-", "lw": 0.5, "alpha": 0.5},
             )

@@ -23,7 +23,7 @@ from torch import nn
 from .config import BenchConfig, call_factory, load_factory, row_label
 from .measure import CpuMemory, RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader
 from .runner_stats import count_delta, region_counts, saved_bytes
-from .strategies import Prepared, prepare
+from .strategies import Prepared, parse, prepare
 
 
 def build(config: BenchConfig) -> tuple[nn.Module, Any, Callable[[Any], torch.Tensor]]:
@@ -43,11 +43,12 @@ def build(config: BenchConfig) -> tuple[nn.Module, Any, Callable[[Any], torch.Te
         hidden = getattr(model, "hidden", config.hidden)
         x = torch.randn(config.batch, config.seq, hidden, generator=generator, dtype=dtype)
     x = _to(x, device)
-    loss_fn = getattr(model, "loss", None) or _mean_square
+    loss_fn = getattr(model, "loss", None) or mean_square_loss
     return model, x, loss_fn
 
 
-def _mean_square(out: Any) -> torch.Tensor:
+def mean_square_loss(out: Any) -> torch.Tensor:
+    """The default loss: mean square of the output (its first element if a tuple)."""
     if isinstance(out, (tuple, list)):
         out = out[0]
     return out.float().pow(2).mean()
@@ -63,7 +64,8 @@ def _to(x: Any, device: torch.device) -> Any:
     return x
 
 
-def _call(model: nn.Module, x: Any) -> Any:
+def call_model(model: nn.Module, x: Any) -> Any:
+    """``model(**x)`` for a dict, ``model(*x)`` for a tuple, else ``model(x)``."""
     if isinstance(x, dict):
         return model(**x)
     if isinstance(x, tuple):
@@ -76,18 +78,23 @@ class Trainer:
 
     def __init__(self, config: BenchConfig, strategy: str) -> None:
         model, self.x, self.loss_fn = build(config)
-        self.prepared: Prepared = prepare(strategy, model, compiled=bool(config.compile))
+        plan = None
+        if parse(strategy)[0] == "plan":
+            plan = plan_for(config, strategy, model, self.x, self.loss_fn)
+        self.prepared: Prepared = prepare(
+            strategy, model, plan, compiled=bool(config.compile)
+        )
         self.model = self.prepared.model
         # What the step calls: the model, or the model compiled with the chosen backend.
         self.run_model: Any = (
             torch.compile(self.model, backend=config.compile) if config.compile else self.model
         )
         self.params = list(self.model.parameters())
-        self.optimizer = torch.optim.SGD(self.params, lr=1e-4)
+        self.optimizer = sgd(self.params)
         self.device = torch.device(config.device)
 
     def forward(self) -> torch.Tensor:
-        return self.loss_fn(_call(self.run_model, self.x))
+        return self.loss_fn(call_model(self.run_model, self.x))
 
     def step(self) -> None:
         loss = self.forward()
@@ -99,6 +106,54 @@ class Trainer:
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The benchmark's optimizer."""
+    return torch.optim.SGD(params, lr=1e-4)
+
+
+def plan_clock(config: BenchConfig) -> str:
+    """Process CPU time for one-thread CPU runs (steady on a shared machine), else wall time."""
+    return str(
+        config.extra.get("plan_clock")
+        or ("cpu" if config.device == "cpu" and config.threads == 1 else "wall")
+    )
+
+
+def plan_for(
+    config: BenchConfig,
+    strategy: str,
+    model: nn.Module,
+    x: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+) -> Any:
+    """The plan of strategy ``plan@B``: made once by the parent (``config.extra["plans"]``)
+    so that every process runs the same plan, or else made here."""
+    from recomp.plan import load_plan, make_plan, profile
+
+    given = config.extra.get("plans", {}).get(strategy)
+    if given is not None:
+        return load_plan(given)
+    budget = parse(strategy)[1] or ""
+    prof = profile(model, x, loss_fn, clock=plan_clock(config), optimizer=sgd)
+    return make_plan(prof, budget)
+
+
+def make_plans(config: BenchConfig, strategies: list[str]) -> dict[str, Any]:
+    """Profile the model once and make the plan of each ``plan@B`` strategy."""
+    from recomp.plan import make_plan, profile
+
+    torch.set_num_threads(max(1, config.threads))
+    model, x, loss_fn = build(config)
+    prof = profile(model, x, loss_fn, clock=plan_clock(config), optimizer=sgd)
+    plans: dict[str, Any] = {}
+    for strategy in strategies:
+        try:
+            plans[strategy] = make_plan(prof, parse(strategy)[1] or "").to_dict()
+        except ValueError as exc:
+            plans[strategy] = {"error": f"{type(exc).__name__}: {exc}"}
+    return {"plans": plans, "profile": prof.to_dict(), "clock": plan_clock(config)}
 
 
 def reference_grads(config: BenchConfig) -> list[torch.Tensor | None]:

@@ -19,6 +19,11 @@
 ``keep-R``                reference design without deferred inputs: like ``exclude-R``,
                           but the region keeps every tensor it saves, its inputs
                           included (written here, 40 lines, for target 2)
+``every@k``               layer-frequency policy (torchtitan's): ``torch.utils.checkpoint``
+                          around every k-th layer (layers k-1, 2k-1, ...), none elsewhere
+``plan@B``                ``recomp.plan``: the fastest plan whose predicted activation
+                          memory fits budget ``B`` (``50%``, ``6GiB``), applied with
+                          ``recomp.plan.apply_plan``
 ========================  ==============================================================
 """
 
@@ -63,13 +68,17 @@ class Prepared:
 
 
 def parse(strategy: str) -> tuple[str, str | None]:
-    """``"sac"`` -> ``("sac", "attn")``, ``"exclude-mlp"`` -> ``("exclude", "mlp")``."""
+    """``"sac"`` -> ``("sac", "attn")``, ``"exclude-mlp"`` -> ``("exclude", "mlp")``,
+    ``"plan@50%"`` -> ``("plan", "50%")``, ``"every@2"`` -> ``("every", "2")``."""
     if strategy in ("none", "full"):
         return strategy, None
     if strategy.startswith("exclude-") and strategy.endswith("-offload"):
         region = strategy[len("exclude-") : -len("-offload")]
         if region:
             return "exclude-offload", region
+    for kind in ("plan", "every"):
+        if strategy.startswith(kind + "@") and len(strategy) > len(kind) + 1:
+            return kind, strategy[len(kind) + 1 :]
     for kind, default in (
         ("torch-remat", "attn"),
         ("sac", "attn"),
@@ -82,7 +91,7 @@ def parse(strategy: str) -> tuple[str, str | None]:
             return kind, strategy[len(kind) + 1 :]
     raise ValueError(
         f"unknown strategy {strategy!r}: use none, full, sac[-REGION], torch-remat[-REGION], "
-        "exclude-REGION[-offload] or keep-REGION"
+        "exclude-REGION[-offload], keep-REGION, every@K or plan@BUDGET"
     )
 
 
@@ -108,12 +117,23 @@ def child_of(layer: nn.Module, region: str) -> tuple[str, nn.Module]:
     )
 
 
-def prepare(strategy: str, model: nn.Module, compiled: bool = False) -> Prepared:
-    """Apply ``strategy`` to ``model`` in place. ``compiled``: the model will be run under
-    ``torch.compile`` (SAC then identifies the region without module hooks)."""
+def prepare(
+    strategy: str, model: nn.Module, plan: Any = None, compiled: bool = False
+) -> Prepared:
+    """Apply ``strategy`` to ``model`` in place; ``plan`` (a ``recomp.plan.Plan``) for
+    ``plan@B``. ``compiled``: the model will be run under ``torch.compile`` (SAC then
+    identifies the region without module hooks)."""
     kind, region = parse(strategy)
     layers = layers_of(model)
     prepared = Prepared(strategy, model, units=dict(layers))
+    if kind == "every":
+        _apply_every(model, region or "")
+        return prepared
+    if kind == "plan":
+        if plan is None:
+            raise ValueError(f"strategy {strategy!r} needs a plan (recomp.plan.make_plan)")
+        _apply_plan(model, plan, prepared)
+        return prepared
     if region is not None:
         for lname, layer in layers:
             cname, child = child_of(layer, region)
@@ -255,6 +275,38 @@ def _apply_recomp(model: nn.Module, prepared: Prepared, offload: bool = False) -
     for module in model.modules():
         if isinstance(module, ExcludeWrapper):
             prepared.exclude_wrappers[by_module[id(module)]] = module
+
+
+def _apply_plan(model: nn.Module, plan: Any, prepared: Prepared) -> None:
+    from recomp.plan import apply_plan
+    from recomp.torch import ExcludeWrapper
+
+    for layer in plan.layers:
+        for path in layer.excluded:
+            name = f"{layer.path}.{path}"
+            prepared.regions[name] = model.get_submodule(name)
+    apply_plan(model, plan)
+    for module in model.modules():
+        if isinstance(module, ExcludeWrapper) and module.region.name in prepared.regions:
+            prepared.exclude_wrappers[module.region.name] = module
+
+
+# --------------------------------------------------------------------------- every@k
+
+
+def _apply_every(model: nn.Module, frequency: str) -> None:
+    try:
+        k = int(frequency)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ValueError(
+            f"every@K takes a whole number K >= 1 (checkpoint every K-th layer), got {frequency!r}"
+        )
+    layers: Any = model.layers
+    for i, layer in enumerate(list(layers)):
+        if (i + 1) % k == 0:
+            layers[i] = TorchCheckpoint(layer)
 
 
 # --------------------------------------------------------------------------- keep-R

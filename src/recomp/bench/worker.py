@@ -1,6 +1,6 @@
 """Child-process entry point: ``python -m recomp.bench.worker TASK.json RESULT.json``.
 
-A task is ``{"kind": "measure" | "time", "framework": "torch" | "mindspore",
+A task is ``{"kind": "measure" | "time" | "plan", "framework": "torch" | "mindspore",
 "config": {...}, "strategies": [...], "overhead": bool}``. Progress goes to stdout as
 ``PROGRESS <done> <total>`` lines; the result is written as JSON to RESULT.json.
 """
@@ -39,6 +39,12 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
                 results.append(_error(row_label(framework, task["config"]), strategy, exc))
             _progress(i + 1, len(strategies))
         return {"results": results}
+    if task["kind"] == "plan":
+        if framework != "torch":
+            raise ValueError("plans are made for PyTorch models only")
+        from .runner import make_plans
+
+        return make_plans(config, strategies)
     if task["kind"] == "time":
         out: dict[str, Any] = {"times": fw.time_strategies(config, strategies, _progress)}
         if task.get("overhead") and framework == "torch":

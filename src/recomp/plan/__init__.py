@@ -1,0 +1,60 @@
+"""``recomp plan``: the fastest checkpointing plan that fits a memory budget.
+
+Profile a model on its own inputs, choose per layer no checkpoint, full checkpoint or a
+checkpoint with some regions excluded, so that the predicted step time is least while
+the predicted activation memory fits the budget, and apply the choice::
+
+    from recomp.plan import profile, make_plan, apply_plan, save_plan
+
+    prof = profile(model, batch, loss_fn)          # on a copy; the model is not changed
+    plan = make_plan(prof, "50%")                  # or "6GiB"
+    save_plan(plan, "plan.json")
+    apply_plan(model, plan)                        # recomp.torch wrappers, in place
+
+Nothing here imports a framework until ``profile`` or ``apply_plan`` is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .budget import Budget, BudgetTooSmallError, parse_budget
+from .planfile import LayerPlan, Plan, PlanFormatError, load_plan, save_plan
+from .planner import Profile, make_plan, plan_table, profile_table
+from .solver import LayerOptions, Option, Solution, evaluate, minimum_bytes, solve
+
+__all__ = [
+    "Budget",
+    "BudgetTooSmallError",
+    "LayerOptions",
+    "LayerPlan",
+    "Option",
+    "Plan",
+    "PlanFormatError",
+    "Profile",
+    "Solution",
+    "apply_plan",
+    "evaluate",
+    "load_plan",
+    "make_plan",
+    "minimum_bytes",
+    "parse_budget",
+    "plan_table",
+    "profile",
+    "profile_table",
+    "save_plan",
+    "solve",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The PyTorch parts are imported on first use.
+    if name == "profile":
+        from .profiler import profile
+
+        return profile
+    if name == "apply_plan":
+        from .apply import apply_plan
+
+        return apply_plan
+    raise AttributeError(f"module 'recomp.plan' has no attribute {name!r}")

@@ -1,0 +1,209 @@
+"""``recomp plan``: profile a model, print the fastest plan that fits the budget, then run
+it and print the measured activation memory and step time beside the predicted ones.
+
+The profile and the measurements run in child processes (``recomp.bench.worker``), as
+the benchmark's do: allocator readings need a process of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ..bench.config import DEFAULT_MODEL, BenchConfig
+from .budget import parse_budget
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="recomp plan",
+        description=(
+            "Choose per layer no checkpoint, full checkpoint or a checkpoint with some "
+            "sub-modules excluded from the replay, so that the predicted step time is least "
+            "while the predicted activation memory fits the budget. Prints the plan, writes "
+            "it as JSON, then runs it and prints measured beside predicted figures."
+        ),
+    )
+    p.add_argument(
+        "--budget",
+        required=True,
+        help="activation memory budget: bytes with a unit (6GiB, 512MiB) or a percentage "
+        "between full checkpointing (0%%) and none (100%%)",
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="PyTorch model factory MODULE:FACTORY, as for `recomp bench` (default: the "
+        "built-in Llama-style decoder); the layers are model.layers",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the plan here")
+    p.add_argument("--profile-json", metavar="PATH", help="write the profile here")
+    p.add_argument("--layers", type=int, default=BenchConfig.layers)
+    p.add_argument("--hidden", type=int, default=BenchConfig.hidden)
+    p.add_argument("--heads", type=int, default=BenchConfig.heads)
+    p.add_argument("--seq", type=int, default=BenchConfig.seq)
+    p.add_argument("--batch", type=int, default=BenchConfig.batch)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    p.add_argument("--steps", type=int, default=4, help="timed steps of the plan (and of none)")
+    p.add_argument(
+        "--clock",
+        choices=("auto", "wall", "cpu"),
+        default="auto",
+        help="time the profile with wall time or process CPU time (auto: CPU time for one "
+        "thread on CPU, where it is steadier on a shared machine; wall time otherwise)",
+    )
+    p.add_argument("--no-measure", action="store_true", help="plan only; do not run the plan")
+    p.add_argument(
+        "--show-profile",
+        action="store_true",
+        help="also print the profile: per layer and candidate region, bytes, time, FLOPs",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..bench.cli import Job, Progress, _run_jobs
+    from ..bench.report import attach_predictions
+    from ..bench.runner_stats import summarize_times
+    from .planfile import load_plan, save_plan
+    from .planner import Profile, plan_table, profile_table
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        budget = parse_budget(args.budget)
+    except ValueError as exc:
+        parser.error(str(exc))
+    strategy = f"plan@{budget.text}"
+    extra: dict[str, Any] = {} if args.clock == "auto" else {"plan_clock": args.clock}
+    config = BenchConfig(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        seq=args.seq,
+        batch=args.batch,
+        steps=args.steps,
+        device=args.device,
+        threads=args.threads,
+        model=args.model,
+        extra=extra,
+    )
+    progress = Progress(3 if args.no_measure else 3 + 2 + args.steps + 2, not args.quiet)
+    offset = [0.0]
+    planning = Job(
+        "profile and plan",
+        {
+            "kind": "plan",
+            "framework": "torch",
+            "config": config.to_dict(),
+            "strategies": [strategy],
+        },
+        3,
+    )
+    _run_jobs([planning], 1, progress, offset)
+    if planning.result is None:
+        progress.close()
+        print(f"recomp plan: profiling failed: {planning.error}", file=sys.stderr)
+        return 1
+    made = planning.result["plans"][strategy]
+    if "error" in made:
+        progress.close()
+        print(f"recomp plan: {made['error'].split(': ', 1)[-1]}", file=sys.stderr)
+        return 2
+    plan = load_plan(made)
+    if args.json:
+        save_plan(plan, args.json)
+    if args.profile_json:
+        from ..bench.report import write_json
+
+        write_json(args.profile_json, planning.result["profile"])
+    profile_text = profile_table(Profile.from_dict(planning.result["profile"]))
+    if args.no_measure:
+        progress.close()
+        if args.show_profile:
+            print(profile_text + "\n")
+        print(plan_table(plan))
+        if args.json:
+            print(f"wrote {args.json}")
+        return 0
+
+    config.extra = {**config.extra, "plans": {strategy: made}}
+    task = {"framework": "torch", "config": config.to_dict()}
+    measuring = Job("measure the plan", {**task, "kind": "measure", "strategies": [strategy]}, 2)
+    timing = Job(
+        "time the plan and none",
+        {**task, "kind": "time", "strategies": ["none", strategy]},
+        args.steps + 2,
+    )
+    _run_jobs([measuring], 1, progress, offset)
+    _run_jobs([timing], 1, progress, offset)
+    progress.close()
+    if args.show_profile:
+        print(profile_text + "\n")
+    print(plan_table(plan))
+    if args.json:
+        print(f"wrote {args.json}")
+    if measuring.result is None or timing.result is None:
+        print(f"recomp plan: running the plan failed: {measuring.error or timing.error}")
+        return 1
+    row = measuring.result["results"][0]
+    if "error" in row:
+        print(f"recomp plan: running the plan failed: {row['error']}")
+        return 1
+    rows = [row, {"framework": "torch", "strategy": "none"}]
+    for r in rows:
+        wall = timing.result["times"]["wall"][r["strategy"]]
+        cpu = timing.result["times"]["cpu"][r["strategy"]]
+        r.update(
+            step_time_s=summarize_times(wall)[0],
+            step_cpu_time_s=summarize_times(cpu)[0],
+            step_times_s=wall,
+            step_cpu_times_s=cpu,
+        )
+    attach_predictions(rows, {strategy: {**made, "clock": planning.result["clock"]}})
+    print()
+    print(comparison(row, rows[1]))
+    return 0
+
+
+def comparison(row: dict[str, Any], none: dict[str, Any]) -> str:
+    """Predicted against measured: activation memory, replay FLOPs, step time."""
+    p = row["plan"]
+    clock = p["clock"]
+    step_key = "step_cpu_time_s" if clock == "cpu" else "step_time_s"
+    mib = float(1 << 20)
+
+    def pct(measured: float, predicted: float) -> str:
+        return f"{(measured / predicted - 1) * 100:+.1f}%" if predicted else "-"
+
+    lines = [
+        f"{'':34}{'predicted':>12}{'measured':>12}{'error':>9}",
+        f"{'activation memory (MiB)':34}{p['predicted_activation_bytes'] / mib:12.2f}"
+        f"{row['activation_bytes'] / mib:12.2f}"
+        f"{pct(row['activation_bytes'], p['predicted_activation_bytes']):>9}",
+        f"{'replay (GFLOP)':34}{p['predicted_replay_flops'] / 1e9:12.3f}"
+        f"{row['replay_flops'] / 1e9:12.3f}"
+        f"{pct(row['replay_flops'], p['predicted_replay_flops']) if p['predicted_replay_flops'] else '':>9}",
+        f"{f'step time, {clock} clock (ms)':34}{p['predicted_step_time_s'] * 1e3:12.1f}"
+        f"{row[step_key] * 1e3:12.1f}{pct(row[step_key], p['predicted_step_time_s']):>9}",
+    ]
+    if p.get("measured_ratio_to_none") is not None:
+        predicted, measured = p["predicted_ratio_to_none"], p["measured_ratio_to_none"]
+        lines.append(
+            f"{'  slowdown over no checkpointing':34}{predicted:11.3f}x{measured:11.3f}x"
+            f"{pct(measured, predicted):>9}"
+        )
+    lines.append(
+        "slowdown: the plan's step time over no checkpointing's, predicted from the profile, "
+        "measured as the median of per-round ratios (the two are timed interleaved)"
+    )
+    lines.append(
+        f"budget {p['budget_bytes'] / mib:.2f} MiB; no checkpointing in the same run: "
+        f"{none[step_key] * 1e3:.1f} ms per step ({clock} clock), wall time: plan "
+        f"{row['step_time_s'] * 1e3:.1f} ms, none {none['step_time_s'] * 1e3:.1f} ms; "
+        f"gradients differ from none by at most {row['max_grad_diff']:.1e}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,263 @@
+"""What a profile holds, and the plan made from it (no framework imports).
+
+A :class:`Profile` lists, per checkpointable layer, its options (no checkpoint, full
+checkpoint, each set of excluded candidate regions) with the bytes each keeps and the
+replay each costs. :func:`make_plan` picks one option per layer with the exact solver
+(``solver.solve``) and explains each choice.
+
+The model behind the numbers:
+
+* predicted activation memory = ``shared_bytes`` (kept whatever the plan: tensors saved
+  outside the layers, the loss, storages that several non-adjacent layers keep)
+  + per layer the bytes its option keeps (+ bytes two adjacent layers may both keep,
+  counted once);
+* predicted step time = the measured step time without checkpointing + per layer the
+  time of what its option replays in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .budget import Budget, format_bytes, parse_budget
+from .planfile import LayerPlan, Plan, parse_option
+from .solver import LayerOptions, Option, evaluate, minimum_bytes, solve
+
+MiB = float(1 << 20)
+
+
+@dataclass
+class RegionProfile:
+    """A candidate region of a layer: a sub-module that an exclusion can keep out of the
+    replay. ``exclusion_bytes`` is what excluding it alone keeps (saved tensors and
+    cached output, what recomp's ``region_saved_bytes`` reports), summed over its calls."""
+
+    path: str
+    type: str
+    calls: int
+    forward_s: float
+    forward_flops: int
+    exclusion_bytes: int
+
+
+@dataclass
+class OptionProfile:
+    """One option of one layer. ``kept_bytes``: what the layer keeps under it, without
+    the bytes it may share with its neighbour (``LayerProfile.pair_bytes``).
+    ``region_saved_bytes``: per excluded region, what recomp's counter will report."""
+
+    name: str
+    kept_bytes: int
+    replay_s: float
+    replay_flops: int
+    region_saved_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class LayerProfile:
+    path: str
+    type: str
+    forward_s: float
+    forward_flops: int
+    no_checkpoint_bytes: int  # every storage its forward saves (activations only)
+    checkpoint_input_bytes: int  # the storages of its inputs, which a checkpoint keeps
+    regions: list[RegionProfile]
+    options: list[OptionProfile]
+    # [previous layer's option index, this layer's option index, bytes]
+    pair_bytes: list[list[int]] = field(default_factory=list)
+
+    def option(self, name: str) -> OptionProfile:
+        for option in self.options:
+            if option.name == name:
+                return option
+        known = ", ".join(o.name for o in self.options)
+        raise KeyError(f"layer {self.path!r} has no option {name!r} (options: {known})")
+
+
+@dataclass
+class Profile:
+    """Everything the planner needs about one model on one input, on one device."""
+
+    device: str
+    baseline_step_s: float
+    shared_bytes: int
+    layers: list[LayerProfile]
+    spread_bytes: int = 0  # part of shared_bytes kept by several non-adjacent layers
+    bookkeeping_bytes: int = 0  # per checkpoint and per excluded call (saved RNG state)
+    per_save_s: float = 0.0  # a checkpoint's hook time per saved tensor (in replay_s)
+    notes: list[str] = field(default_factory=list)
+
+    # -- the solver's view ----------------------------------------------------
+
+    def layer_options(self) -> list[LayerOptions]:
+        return [
+            LayerOptions(
+                layer.path,
+                [Option(o.name, o.kept_bytes, o.replay_s, o.replay_flops) for o in layer.options],
+                {(a, b): n for a, b, n in layer.pair_bytes},
+            )
+            for layer in self.layers
+        ]
+
+    def uniform_bytes(self, option: str) -> int:
+        """Predicted activation memory with ``option`` on every layer."""
+        choice = [[o.name for o in layer.options].index(option) for layer in self.layers]
+        return evaluate(self.layer_options(), choice, self.shared_bytes).kept_bytes
+
+    def predict(self, options: list[str]) -> dict[str, Any]:
+        """Predicted memory, replay and step time of one option name per layer."""
+        names = [[o.name for o in layer.options] for layer in self.layers]
+        try:
+            choice = [n.index(o) for n, o in zip(names, options, strict=True)]
+        except ValueError as exc:
+            raise ValueError(f"an option is not among the profiled ones: {exc}") from exc
+        got = evaluate(self.layer_options(), choice, self.shared_bytes)
+        return {
+            "activation_bytes": got.kept_bytes,
+            "replay_s": got.replay_s,
+            "replay_flops": got.replay_flops,
+            "step_s": self.baseline_step_s + got.replay_s,
+        }
+
+    # -- JSON -----------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        layers = []
+        for layer in data["layers"]:
+            layer = dict(layer)
+            layer["regions"] = [RegionProfile(**r) for r in layer["regions"]]
+            layer["options"] = [OptionProfile(**o) for o in layer["options"]]
+            layers.append(LayerProfile(**layer))
+        return cls(**{**data, "layers": layers})
+
+
+def resolve_budget(profile: Profile, budget: str | int | float | Budget) -> tuple[Budget, int]:
+    """The budget as given and in bytes (a percentage lies between full checkpointing of
+    every layer, 0%, and no checkpointing, 100%)."""
+    parsed = parse_budget(budget)
+    return parsed, parsed.resolve(profile.uniform_bytes("full"), profile.uniform_bytes("none"))
+
+
+def make_plan(profile: Profile, budget: str | int | float | Budget) -> Plan:
+    """The fastest plan whose predicted activation memory fits ``budget`` (exact).
+
+    Raises ``BudgetTooSmallError`` (a ``ValueError``) stating the least memory any plan
+    keeps when the budget is below it."""
+    parsed, budget_bytes = resolve_budget(profile, budget)
+    layer_options = profile.layer_options()
+    solution = solve(layer_options, budget_bytes, profile.shared_bytes)
+    least = minimum_bytes(layer_options, profile.shared_bytes)
+    layers: list[LayerPlan] = []
+    previous: int | None = None
+    for layer, options, index in zip(profile.layers, layer_options, solution.choice):
+        option = layer.options[index]
+        kept = option.kept_bytes + options.pair(previous, index)
+        layers.append(
+            LayerPlan(
+                path=layer.path,
+                option=option.name,
+                kept_bytes=kept,
+                predicted_ms=option.replay_s * 1e3,
+                replay_flops=option.replay_flops,
+                type=layer.type,
+                reason=explain(layer, option),
+            )
+        )
+        previous = index
+    predicted = {
+        "activation_bytes": solution.kept_bytes,
+        "shared_bytes": profile.shared_bytes,
+        "replay_ms": solution.replay_s * 1e3,
+        "replay_flops": solution.replay_flops,
+        "baseline_step_ms": profile.baseline_step_s * 1e3,
+        "step_ms": (profile.baseline_step_s + solution.replay_s) * 1e3,
+        "full_bytes": profile.uniform_bytes("full"),
+        "none_bytes": profile.uniform_bytes("none"),
+        "minimum_bytes": least.kept_bytes,
+        "device": profile.device,
+    }
+    return Plan(budget_bytes=budget_bytes, layers=layers, budget=parsed.text, predicted=predicted)
+
+
+def explain(layer: LayerProfile, option: OptionProfile) -> str:
+    """One line: what the option buys against full checkpointing of the layer."""
+    full = layer.option("full")
+    more = format_bytes(option.kept_bytes - full.kept_bytes)
+    saved_ms = (full.replay_s - option.replay_s) * 1e3
+    kind, regions = parse_option(option.name)
+    if kind == "full":
+        return f"checkpoint: keeps only its input, replays {full.replay_s * 1e3:.1f} ms"
+    if kind == "none":
+        return f"no checkpoint: no replay (saves {saved_ms:.1f} ms) for {more} more than full"
+    return (
+        f"exclude {'+'.join(regions)}: saves {saved_ms:.1f} ms of replay for {more} more than full"
+    )
+
+
+def plan_table(plan: Plan) -> str:
+    """The plan as a text table: layer, option, kept MiB, predicted replay ms, reason."""
+    header = ["layer", "option", "kept MiB", "replay ms", "why"]
+    rows = [
+        [
+            layer.path,
+            layer.option,
+            f"{layer.kept_bytes / MiB:.2f}",
+            f"{layer.predicted_ms:.1f}",
+            layer.reason,
+        ]
+        for layer in plan.layers
+    ]
+    p = plan.predicted
+    if p:
+        rows.append(["(shared)", "", f"{p['shared_bytes'] / MiB:.2f}", "", "outside the layers"])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+
+    def line(cells: list[str]) -> str:
+        out = [
+            c.rjust(w) if i in (2, 3) else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ]
+        return "  ".join(out).rstrip()
+
+    lines = [line(header), line(["-" * w for w in widths]), *map(line, rows)]
+    if p:
+        lines.append(
+            f"budget {plan.budget or format_bytes(plan.budget_bytes)} = "
+            f"{format_bytes(plan.budget_bytes)}; predicted activation memory "
+            f"{format_bytes(p['activation_bytes'])} (full checkpointing "
+            f"{format_bytes(p['full_bytes'])}, none {format_bytes(p['none_bytes'])}); "
+            f"predicted step {p['step_ms']:.1f} ms = {p['baseline_step_ms']:.1f} ms without "
+            f"checkpointing + {p['replay_ms']:.1f} ms replay"
+        )
+    return "\n".join(lines)
+
+
+def profile_table(profile: Profile) -> str:
+    """Per layer: what it keeps without checkpointing, its checkpoint input, and per
+    candidate region what excluding it keeps, its forward time and FLOPs."""
+    lines = [
+        f"{'layer / region':28}{'kept MiB':>10}{'input MiB':>11}{'fwd ms':>9}{'fwd GFLOP':>11}",
+    ]
+    for layer in profile.layers:
+        lines.append(
+            f"{layer.path:28}{layer.no_checkpoint_bytes / MiB:10.2f}"
+            f"{layer.checkpoint_input_bytes / MiB:11.2f}{layer.forward_s * 1e3:9.1f}"
+            f"{layer.forward_flops / 1e9:11.3f}"
+        )
+        for region in layer.regions:
+            lines.append(
+                f"  {region.path + ' (' + region.type + ')':26}"
+                f"{region.exclusion_bytes / MiB:10.2f}{'':11}{region.forward_s * 1e3:9.1f}"
+                f"{region.forward_flops / 1e9:11.3f}"
+            )
+    lines.append(
+        f"kept: by the layer without checkpointing, or by the region when excluded; shared "
+        f"outside the layers: {profile.shared_bytes / MiB:.2f} MiB; step without "
+        f"checkpointing: {profile.baseline_step_s * 1e3:.1f} ms"
+    )
+    lines.extend(f"note: {note}" for note in profile.notes)
+    return "\n".join(lines)
