@@ -90,12 +90,6 @@ from recomp import _testing
 _seed = sys.modules["mindspore.common.seed"]
 
 
-@pytest.fixture
-def recover_mindspore():
-    """See the module docstring: clear MindSpore's executor after a forward raised."""
-    yield
-    _pynative_executor.clear_res()
-
 
 @pytest.fixture
 def seeded():

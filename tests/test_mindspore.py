@@ -19,18 +19,6 @@ import recomp.mindspore as rm
 from ms_models import Block, Stack, assert_same, copy_params, grads, nn, ops, tensor
 
 
-@pytest.fixture
-def recover_mindspore():
-    """MindSpore 2.10 bug, independent of recomp: after any exception escapes an
-    ms.grad forward (even one with no checkpoint), the next LayerNorm gradient fails
-    ("For LayerNormGrad, the index 7 is out of range"). Clearing the PyNative
-    executor's resources restores it; tests that raise inside ms.grad do that."""
-    yield
-    from mindspore.graph.api import _pynative_executor
-
-    _pynative_executor.clear_res()
-
-
 def wrapped_stack(n=3):
     ref = Stack(n)
     model = Stack(n)

@@ -133,7 +133,7 @@ class AddAfter(nn.Cell):
         return ops.tanh(out)
 
 
-def test_output_changed_in_place_after_the_region_names_copy_output():
+def test_output_changed_in_place_after_the_region_names_copy_output(recover_mindspore):
     model = rm.checkpoint_wrapper(AddAfter(copy_output=False))
     with pytest.raises(recomp.CachedValueMutatedError, match="copy_output=True"):
         _grads(model, tensor(5, 4))

@@ -39,15 +39,6 @@ def seeded():
     ms.set_rng_state(generator)
 
 
-@pytest.fixture
-def recover_mindspore():
-    """After an exception escapes an ms.grad forward, MindSpore 2.10 needs its PyNative
-    executor's resources cleared (see tests/test_mindspore.py)."""
-    yield
-    from mindspore.graph.api import _pynative_executor
-
-    _pynative_executor.clear_res()
-
 
 def twins(factory, seed=1):
     """Two copies of one model, built under the same seed (nn.Dropout primitives take
