@@ -20,7 +20,7 @@ demo: $(STAMP)
 test: lint typecheck unit
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests examples
+	$(PY) -m ruff check src tests examples tools
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
