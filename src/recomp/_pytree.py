@@ -100,9 +100,17 @@ def flatten(tree: Any, registry: Registry | None = None) -> tuple[list[Any], Tre
     return leaves, spec
 
 
+# Types found to be leaves (no container, no dataclass, not in the registry then):
+# most leaves are tensors, and this runs on every excluded call, twice.
+_LEAF_TYPES: set[type] = set()
+
+
 def _flatten_into(tree: Any, leaves: list[Any], registry: Registry | None) -> TreeSpec:
     kind = type(tree)
-    # Exact built-in containers first: this runs on every excluded call, twice.
+    if kind in _LEAF_TYPES:
+        leaves.append(tree)
+        return _LEAF
+    # Exact built-in containers first.
     if kind is tuple:
         return TreeSpec(
             "tuple", tuple, None, tuple([_flatten_into(v, leaves, registry) for v in tree])
@@ -149,6 +157,8 @@ def _flatten_into(tree: Any, leaves: list[Any], registry: Registry | None) -> Tr
             object.__setattr__(template, name, None)
         children = tuple([_flatten_into(getattr(tree, n), leaves, registry) for n in names])
         return TreeSpec("dataclass", kind, names, children, template)
+    if not isinstance(tree, type):  # a class object may become a dataclass's instance type
+        _LEAF_TYPES.add(kind)
     leaves.append(tree)
     return _LEAF
 

@@ -164,10 +164,10 @@ def hide_selective_checkpoint_modes() -> contextlib.AbstractContextManager[None]
     Retired by: a public way to suspend one dispatch mode.
     """
     try:
+        if not torch._C._len_torch_dispatch_stack():  # the common case, checked first
+            return contextlib.nullcontext()
         from torch.utils import _python_dispatch
 
-        if not torch._C._len_torch_dispatch_stack():
-            return contextlib.nullcontext()
         stack = _python_dispatch._get_current_dispatch_mode_stack()
     except (ImportError, AttributeError):
         return contextlib.nullcontext()
