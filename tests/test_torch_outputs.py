@@ -312,3 +312,78 @@ def test_replay_calling_other_code_says_what_differs():
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(recomp.ReplayMismatchError, match=r"'tanh'.*tanh.*forward called 'sin'.*sin"):
         rt.checkpoint(body, x).sum().backward()
+
+
+# --------------------------------------------------------------------------- torchvision ResNet
+
+
+def _resnet_pair():
+    models = pytest.importorskip("torchvision.models")
+    torch.manual_seed(0)
+    ref = models.resnet18(num_classes=10)
+    return ref, copy.deepcopy(ref)
+
+
+def _resnet_step(model, x, y):
+    model.zero_grad(set_to_none=True)
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+def test_torchvision_resnet_with_batchnorms_excluded_matches_unwrapped():
+    """Every BatchNorm excluded, with copy_output (ReLU(inplace=True) and `out += identity`
+    change its output afterwards): gradients and running statistics of the unwrapped
+    model, each BatchNorm run once per step."""
+    from torchvision.models.resnet import BasicBlock
+
+    ref, model = _resnet_pair()
+    is_bn = lambda m: isinstance(m, nn.BatchNorm2d)  # noqa: E731
+    rt.apply_activation_checkpointing(
+        model,
+        checkpoint_fn=lambda m: isinstance(m, BasicBlock),
+        exclude_fn=is_bn,
+        copy_output_fn=is_bn,
+    )
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    for _ in range(2):
+        assert torch.equal(_resnet_step(ref, x, y), _resnet_step(model, x, y))
+        for p_ref, p in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(p_ref.grad, p.grad)
+    for b_ref, b in zip(ref.buffers(), model.buffers()):
+        assert torch.equal(b_ref, b)
+    regions = [m for m in model.modules() if isinstance(m, rt.ExcludeWrapper)]
+    assert len(regions) == 19  # the BatchNorms inside the 8 blocks, downsamples included
+    assert all((r.region_runs, r.region_skips) == (2, 2) for r in regions)
+
+
+def test_torchvision_resnet_batchnorm_excluded_without_copy_output_names_the_option():
+    from torchvision.models.resnet import BasicBlock
+
+    _, model = _resnet_pair()
+    rt.apply_activation_checkpointing(
+        model,
+        checkpoint_fn=lambda m: isinstance(m, BasicBlock),
+        exclude_fn=lambda m: isinstance(m, nn.BatchNorm2d),
+    )
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    with pytest.raises(recomp.CachedValueMutatedError, match="copy_output_fn="):
+        _resnet_step(model, x, y)
+
+
+def test_control_replayed_batchnorms_update_their_statistics_twice():
+    from torchvision.models.resnet import BasicBlock
+
+    ref, model = _resnet_pair()
+    rt.apply_activation_checkpointing(model, checkpoint_fn=lambda m: isinstance(m, BasicBlock))
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    _resnet_step(ref, x, y)
+    _resnet_step(model, x, y)
+    assert not all(torch.equal(a, b) for a, b in zip(ref.buffers(), model.buffers()))
+
+
+def test_copy_output_fn_needs_exclude_fn():
+    with pytest.raises(ValueError, match=r"copy_output_fn.*no exclude_fn"):
+        rt.apply_activation_checkpointing(
+            nn.Sequential(nn.Linear(2, 2)), checkpoint_fn=lambda m: False, copy_output_fn=bool
+        )

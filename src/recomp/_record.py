@@ -168,7 +168,8 @@ class CacheEntry:
                     "code after the region. Make the in-place operation out-of-place (e.g. "
                     "`y = y * 2` instead of `y.mul_(2)`); or, where that code cannot be changed "
                     "(a library's `out += identity` or `ReLU(inplace=True)`), wrap the region with "
-                    "checkpoint_exclude_wrapper(..., copy_output=True), which caches a copy of the "
+                    "checkpoint_exclude_wrapper(..., copy_output=True) (with "
+                    "apply_activation_checkpointing: copy_output_fn=), which caches a copy of the "
                     "output that later in-place changes do not reach."
                 )
 

@@ -360,6 +360,16 @@ def _finished_check() -> ReachCheck:
     return check
 
 
+def check_option_fns(exclude_fn: Any, **option_fns: Any) -> None:
+    """Per-region option callables of ``apply_activation_checkpointing`` need ``exclude_fn``."""
+    for name, fn in option_fns.items():
+        if fn is not None and exclude_fn is None:
+            raise ValueError(
+                f"{name} chooses an option of the excluded modules, but no exclude_fn was given: "
+                f"pass exclude_fn too ({name} is asked only about the modules it excludes)."
+            )
+
+
 def check_callable(module: Any, api: str, kind: str) -> None:
     if not callable(module):
         raise ValueError(

@@ -207,6 +207,7 @@ def apply_activation_checkpointing(
     *,
     checkpoint_fn: Callable[[Any], bool],
     exclude_fn: Callable[[Any], bool] | None = None,
+    copy_output_fn: Callable[[Any], bool] | None = None,
     **checkpoint_kwargs: Any,
 ) -> Any:
     """Checkpoint every sub-cell for which ``checkpoint_fn`` is true, excluding inside them
@@ -218,7 +219,11 @@ def apply_activation_checkpointing(
     Active ``nn.Dropout`` cells (and ``Dropout1d/2d/3d``) inside a checkpoint are
     excluded too, whatever ``exclude_fn`` says: MindSpore cannot restore their
     random state, so a replay would draw another mask and give wrong gradients.
+    ``copy_output_fn`` gives, for each excluded cell, its ``copy_output=`` option
+    (see :func:`checkpoint_exclude_wrapper`).
     """
+    _wrapping.check_option_fns(exclude_fn, copy_output_fn=copy_output_fn)
+    choose_copy = copy_output_fn or (lambda c: False)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     return _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
@@ -226,7 +231,7 @@ def apply_activation_checkpointing(
         checkpoint_fn,
         exclude_dropout_too(exclude_fn),
         lambda c: checkpoint_wrapper(c, **checkpoint_kwargs),
-        lambda c, path: checkpoint_exclude_wrapper(c, name=path),
+        lambda c, path: checkpoint_exclude_wrapper(c, name=path, copy_output=bool(choose_copy(c))),
     )
 
 

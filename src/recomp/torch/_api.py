@@ -212,6 +212,7 @@ def apply_activation_checkpointing(
     checkpoint_fn: Callable[[nn.Module], bool],
     exclude_fn: Callable[[nn.Module], bool] | None = None,
     offload_fn: Callable[[nn.Module], bool | Offloader] | None = None,
+    copy_output_fn: Callable[[nn.Module], bool] | None = None,
     **checkpoint_kwargs: Any,
 ) -> nn.Module:
     """Checkpoint every sub-module for which ``checkpoint_fn`` is true, excluding inside them
@@ -228,22 +229,24 @@ def apply_activation_checkpointing(
     applied. Modules already wrapped by recomp are left as they are. Every module
     is checked before any is wrapped: on an error the model is unchanged.
     ``offload_fn`` gives, for each excluded module, its ``offload=`` option (True,
-    False or an :class:`Offloader`, see :func:`checkpoint_exclude_wrapper`).
+    False or an :class:`Offloader`, see :func:`checkpoint_exclude_wrapper`), and
+    ``copy_output_fn`` its ``copy_output=`` option: True for an excluded module
+    whose output the code after it changes in place (torchvision's BatchNorms,
+    followed by ``ReLU(inplace=True)`` and ``out += identity``).
     """
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
-    if offload_fn is not None and exclude_fn is None:
-        raise ValueError(
-            "offload_fn chooses which excluded modules offload, but no exclude_fn was given: "
-            "pass exclude_fn too (offload_fn is asked only about the modules it excludes)."
-        )
+    _wrapping.check_option_fns(exclude_fn, offload_fn=offload_fn, copy_output_fn=copy_output_fn)
     choose_offload = offload_fn or (lambda m: False)
+    choose_copy = copy_output_fn or (lambda m: False)
     return _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
         model,
         checkpoint_fn,
         exclude_fn,
         lambda m: checkpoint_wrapper(m, **checkpoint_kwargs),
-        lambda m, path: checkpoint_exclude_wrapper(m, name=path, offload=choose_offload(m)),
+        lambda m, path: checkpoint_exclude_wrapper(
+            m, name=path, offload=choose_offload(m), copy_output=bool(choose_copy(m))
+        ),
     )
 
 
