@@ -673,3 +673,137 @@ def test_hf_train_example_runs_and_checks_gradients() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "gradients equal to the model without recomp: yes" in proc.stdout
     assert "OK" in proc.stdout.splitlines()[-1]
+
+
+# --------------------------------------------------------------------------- more architectures
+
+
+def _encoder_models() -> dict[str, tuple]:
+    from transformers import (
+        AlbertConfig,
+        AlbertForMaskedLM,
+        BertConfig,
+        BertForMaskedLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        T5Config,
+        T5ForConditionalGeneration,
+        ViTConfig,
+        ViTForImageClassification,
+    )
+    from transformers.models.albert import modeling_albert
+    from transformers.models.bert import modeling_bert
+    from transformers.models.gpt2 import modeling_gpt2
+    from transformers.models.t5 import modeling_t5
+    from transformers.models.vit import modeling_vit
+
+    def text() -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.randint(0, 100, (2, 8)), "labels": torch.randint(0, 100, (2, 8))}
+
+    small = {"num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+    return {
+        "gpt2": (
+            lambda: GPT2LMHeadModel(
+                GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100, n_positions=32)
+            ),
+            modeling_gpt2.GPT2Block,
+            modeling_gpt2.GPT2Attention,
+            lambda: {**text(), "use_cache": False},
+        ),
+        "bert": (
+            lambda: BertForMaskedLM(BertConfig(hidden_size=32, vocab_size=100, **small)),
+            modeling_bert.BertLayer,
+            modeling_bert.BertAttention,
+            text,
+        ),
+        "vit": (
+            lambda: ViTForImageClassification(
+                ViTConfig(hidden_size=32, image_size=16, patch_size=4, num_labels=3, **small)
+            ),
+            modeling_vit.ViTLayer,
+            modeling_vit.ViTAttention,
+            lambda: {"pixel_values": torch.randn(2, 3, 16, 16), "labels": torch.randint(0, 3, (2,))},
+        ),
+        "t5": (
+            lambda: T5ForConditionalGeneration(
+                T5Config(
+                    d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, vocab_size=100,
+                    decoder_start_token_id=0,
+                )
+            ),
+            modeling_t5.T5Block,
+            modeling_t5.T5Attention,
+            lambda: {**text(), "use_cache": False},
+        ),
+        "albert": (
+            lambda: AlbertForMaskedLM(
+                AlbertConfig(hidden_size=32, embedding_size=16, vocab_size=100, **small)
+            ),
+            modeling_albert.AlbertLayer,
+            modeling_albert.AlbertAttention,
+            text,
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "vit", "t5", "albert"])
+def test_more_architectures_with_attention_excluded(name: str) -> None:
+    """Encoder, decoder, encoder-decoder and vision models, dropout on: the unwrapped
+    model's loss and gradients, every attention run once and skipped once per use
+    (ALBERT shares one layer between its two positions), names unchanged."""
+    make, layer, attention, inputs = _encoder_models()[name]
+    torch.manual_seed(0)
+    reference = make()
+    model = apply_activation_checkpointing(
+        copy.deepcopy(reference),
+        checkpoint_fn=lambda m: isinstance(m, layer),
+        exclude_fn=lambda m: isinstance(m, attention),
+    )
+    torch.manual_seed(1)
+    batch = inputs()
+    losses = []
+    for m in (reference, model):
+        m.train()
+        torch.manual_seed(2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = m(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(*losses)
+    assert_same_grads(reference, model)
+    assert [n for n, _ in reference.named_parameters()] == [n for n, _ in model.named_parameters()]
+    found = regions(model)
+    assert found and all(r.region_runs == r.region_skips > 0 for r in found)
+
+
+def test_excluded_submodule_returning_a_model_output() -> None:
+    """BertModel checkpointed with its encoder excluded: the encoder's ModelOutput comes
+    back as itself in the replay, where the pooler reads ``encoder_outputs[0]``."""
+    from transformers import BertConfig, BertModel
+    from transformers.models.bert import modeling_bert
+    from transformers.utils import ModelOutput
+
+    torch.manual_seed(0)
+    reference = BertModel(
+        BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            vocab_size=100,
+        )
+    )
+    model = apply_activation_checkpointing(
+        copy.deepcopy(reference),
+        checkpoint_fn=lambda m: isinstance(m, BertModel),
+        exclude_fn=lambda m: isinstance(m, modeling_bert.BertEncoder),
+    )
+    seen: list[type] = []
+    model.encoder.register_forward_hook(lambda m, i, out: seen.append(type(out)))
+    ids = torch.randint(0, 100, (2, 8))
+    for m in (reference, model):
+        torch.manual_seed(2)
+        out = m(input_ids=ids)
+        (out.pooler_output.sum() + out.last_hidden_state.square().sum()).backward()
+    assert_same_grads(reference, model)
+    # ran once (a replay handing back a plain dict would fail on encoder_outputs[0])
+    assert len(seen) == 1 and issubclass(seen[0], ModelOutput)
+    assert (model.encoder.region_runs, model.encoder.region_skips) == (1, 1)
