@@ -318,10 +318,11 @@ def test_replay_calling_other_code_says_what_differs():
 
 
 def _resnet_pair():
+    """(reference, copy) of torchvision's ResNet-18, and its BasicBlock class."""
     models = pytest.importorskip("torchvision.models")
     torch.manual_seed(0)
     ref = models.resnet18(num_classes=10)
-    return ref, copy.deepcopy(ref)
+    return ref, copy.deepcopy(ref), models.resnet.BasicBlock
 
 
 def _resnet_step(model, x, y):
@@ -335,9 +336,7 @@ def test_torchvision_resnet_with_batchnorms_excluded_matches_unwrapped():
     """Every BatchNorm excluded, with copy_output (ReLU(inplace=True) and `out += identity`
     change its output afterwards): gradients and running statistics of the unwrapped
     model, each BatchNorm run once per step."""
-    from torchvision.models.resnet import BasicBlock
-
-    ref, model = _resnet_pair()
+    ref, model, BasicBlock = _resnet_pair()
     is_bn = lambda m: isinstance(m, nn.BatchNorm2d)  # noqa: E731
     rt.apply_activation_checkpointing(
         model,
@@ -358,9 +357,7 @@ def test_torchvision_resnet_with_batchnorms_excluded_matches_unwrapped():
 
 
 def test_torchvision_resnet_batchnorm_excluded_without_copy_output_names_the_option():
-    from torchvision.models.resnet import BasicBlock
-
-    _, model = _resnet_pair()
+    _, model, BasicBlock = _resnet_pair()
     rt.apply_activation_checkpointing(
         model,
         checkpoint_fn=lambda m: isinstance(m, BasicBlock),
@@ -372,9 +369,7 @@ def test_torchvision_resnet_batchnorm_excluded_without_copy_output_names_the_opt
 
 
 def test_control_replayed_batchnorms_update_their_statistics_twice():
-    from torchvision.models.resnet import BasicBlock
-
-    ref, model = _resnet_pair()
+    ref, model, BasicBlock = _resnet_pair()
     rt.apply_activation_checkpointing(model, checkpoint_fn=lambda m: isinstance(m, BasicBlock))
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
     _resnet_step(ref, x, y)
