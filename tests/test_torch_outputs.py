@@ -286,6 +286,25 @@ def test_wrapper_created_inside_the_checkpointed_function():
     assert counts == [(1, 0), (0, 1)]  # ran in the forward, skipped in the replay
 
 
+def test_wrapper_around_a_module_created_inside_the_checkpointed_function():
+    """Wrapping the same module again with the same options gives the same region back."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    ref = copy.deepcopy(lin)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def body(t):
+        return rt.checkpoint_exclude_wrapper(lin)(torch.sin(t)).tanh()
+
+    rt.checkpoint(body, x, early_stop=False).sum().backward()
+    assert (lin.region_runs, lin.region_skips) == (1, 1)
+    x_ref = x.detach().clone().requires_grad_()
+    ref(torch.sin(x_ref)).tanh().sum().backward()
+    assert torch.equal(x.grad, x_ref.grad) and torch.equal(lin.weight.grad, ref.weight.grad)
+    with pytest.raises(ValueError, match="already wrapped by recomp"):
+        rt.checkpoint_exclude_wrapper(lin, copy_output=True)  # other options: not the same
+
+
 def test_inline_lambda_wrapper_matches_by_its_code():
     lin = nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)

@@ -146,6 +146,28 @@ class ModelOps:
     check_reachable: Callable[[Any, str], None]
 
 
+def same_region(
+    module: Any,
+    exclude_wrapper: type,
+    name: str | None,
+    save_output: Any,
+    copy_output: Any,
+    offloader: Any,
+) -> bool:
+    """Whether ``module`` is already an excluded region with these options, so that
+    ``checkpoint_exclude_wrapper`` called on it again (inline, in the checkpointed
+    function, as region APIs are often used) can return it unchanged."""
+    if not isinstance(module, exclude_wrapper):
+        return False
+    region: ExcludedRegion = module._recomp_region  # type: ignore[attr-defined]
+    return (
+        region.save_output is save_output
+        and region.copy_output is copy_output
+        and region.offloader is offloader
+        and (name is None or name == region.name)
+    )
+
+
 def check_wrappable(ops: ModelOps, module: Any, mixin: type, api: str) -> None:
     """Raise, changing nothing, if ``module`` cannot be wrapped in place by ``mixin``."""
     existing = recomp_wrapper_of(module)

@@ -184,6 +184,8 @@ def checkpoint_exclude_wrapper(
     one more copy of the output.
     """
     check_callable(module, "checkpoint_exclude_wrapper", "Cell")
+    if _wrapping.same_region(module, ExcludeWrapper, name, save_output, copy_output, None):
+        return module  # wrapped inline again (in the checkpointed function): the same region
     region = _engine.ExcludedRegion(
         BACKEND, name or default_name(module), save_output, copy_output
     )

@@ -188,6 +188,8 @@ def checkpoint_exclude_wrapper(
     """
     check_callable(module, "checkpoint_exclude_wrapper", "module")
     offloader = resolve(offload)
+    if _wrapping.same_region(module, ExcludeWrapper, name, save_output, copy_output, offloader):
+        return module  # wrapped inline again (in the checkpointed function): the same region
     region = _engine.ExcludedRegion(
         BACKEND, name or default_name(module), save_output, copy_output, offloader
     )
