@@ -15,55 +15,24 @@ a global) guards the write with ``recomp.is_recomputing()``.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from mindspore import nn
 
-from ..errors import RecompError
-
-# Keyword arguments under which mindnlp / HF-style layers receive a KV cache.
-CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")
+from .. import _kv_cache
 
 
 def adapt_cache_kwargs(function: Any, kwargs: dict[str, Any], exclude_type: type) -> None:
     """Turn the KV cache off, in place in ``kwargs``, for a checkpointed call in training."""
-    uses_cache = bool(kwargs.get("use_cache")) or any(
-        kwargs.get(name) is not None for name in CACHE_KWARGS
-    )
-    if not uses_cache:
+    if not _kv_cache.uses_cache(kwargs):
         return
     cell = _cell_of(function)
-    if cell is None or not cell.training or _cache_written_once(cell, exclude_type):
+    if cell is None or not cell.training:
         return
-    changed = []
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
-        changed.append("use_cache=False")
-    for name in CACHE_KWARGS:
-        cache = kwargs.get(name)
-        if cache is None:
-            continue
-        if _holds_entries(cache):
-            raise RecompError(
-                f"{type(cell).__name__} is checkpointed by recomp and was given a KV cache that "
-                f"already holds entries ({name}=...) in training. Its replay would write the "
-                "cache a second time during backward, and dropping the cache would drop those "
-                "entries. Exclude the cells that write the cache (the attention, via exclude_fn "
-                "or checkpoint_exclude_wrapper) so that it is written once, or do not checkpoint "
-                "this cell."
-            )
-        kwargs[name] = None
-        changed.append(f"{name}=None")
-    warnings.warn(
-        f"The KV cache is turned off ({', '.join(changed)}) for {type(cell).__name__}, which "
-        "recomp checkpoints in training: its replay would write the cache a second time during "
-        "backward. Hugging Face's own checkpointing does the same. Pass use_cache=False in "
-        "training to silence this, or exclude the attention cells so that the cache is "
-        "written once and kept.",
-        UserWarning,
-        stacklevel=4,
-    )
+    children = lambda c: c.name_cells().values()  # noqa: E731
+    if _kv_cache.written_once(cell, children, lambda c: isinstance(c, exclude_type)):
+        return
+    _kv_cache.turn_off(cell, kwargs)
 
 
 def _cell_of(function: Any) -> nn.Cell | None:
@@ -71,34 +40,3 @@ def _cell_of(function: Any) -> nn.Cell | None:
         if isinstance(candidate, nn.Cell):
             return candidate
     return None
-
-
-def _holds_entries(cache: Any) -> bool:
-    seq_length = getattr(cache, "get_seq_length", None)
-    if seq_length is not None:
-        try:
-            return int(seq_length()) > 0
-        except Exception:  # a cache type whose length needs arguments we do not know
-            return True
-    try:
-        return len(cache) > 0
-    except TypeError:
-        return True
-
-
-def _cache_written_once(cell: nn.Cell, exclude_type: type) -> bool:
-    """True if every sub-cell that addresses the cache (has an int ``layer_idx``) is excluded."""
-    writers = excluded = 0
-
-    def visit(sub: nn.Cell, in_region: bool) -> None:
-        nonlocal writers, excluded
-        in_region = in_region or isinstance(sub, exclude_type)
-        if sub is not cell and isinstance(getattr(sub, "layer_idx", None), int):
-            writers += 1
-            excluded += in_region
-            return
-        for child in sub.name_cells().values():
-            visit(child, in_region)
-
-    visit(cell, False)
-    return writers > 0 and writers == excluded

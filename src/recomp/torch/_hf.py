@@ -26,18 +26,17 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
 from typing import Any
 
 from torch import nn
 
+from .. import _kv_cache
 from .._engine import ExcludedRegion
-from ..errors import DoubleCheckpointError, RecompError
+from ..errors import DoubleCheckpointError
 
 __all__ = ["adapt_hf_layer_call"]
 
 # Keyword arguments under which HF layers receive a KV cache (names differ per model).
-_CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
 
 
 def adapt_hf_layer_call(function: Any, kwargs: dict[str, Any]) -> None:
@@ -82,74 +81,14 @@ def _hf_layer(function: Any) -> nn.Module | None:
 
 
 def _turn_off_rewritten_cache(layer: nn.Module, kwargs: dict[str, Any]) -> None:
-    uses_cache = bool(kwargs.get("use_cache")) or any(
-        kwargs.get(name) is not None for name in _CACHE_KWARGS
-    )
-    if not uses_cache or _cache_written_once(layer):
+    if not _kv_cache.uses_cache(kwargs) or _kv_cache.written_once(
+        layer, lambda m: m.children(), _is_excluded_region
+    ):
         return
-    changed = []
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
-        changed.append("use_cache=False")
-    if not getattr(layer, "_can_checkpoint_with_cache", False):
-        for name in _CACHE_KWARGS:
-            cache = kwargs.get(name)
-            if cache is None:
-                continue
-            if _holds_entries(cache):
-                raise RecompError(
-                    f"{type(layer).__name__} is checkpointed by recomp and was given a KV cache "
-                    f"that already holds entries ({name}=...) in training. Its recomputed forward "
-                    "would write the cache a second time during backward, and dropping the cache "
-                    "would drop those entries. Exclude the modules that write the cache (the "
-                    "attention, via exclude_fn) so that it is written once, or do not checkpoint "
-                    "this layer."
-                )
-            kwargs[name] = None
-            changed.append(f"{name}=None")
-    if changed:
-        warnings.warn(
-            f"The KV cache is turned off ({', '.join(changed)}) for {type(layer).__name__}, "
-            "which recomp checkpoints in training: the recomputed forward would write the cache "
-            "a second time during backward. Hugging Face's own checkpointing does the same. Pass "
-            "use_cache=False in training to silence this, or exclude the attention modules "
-            "(exclude_fn) so that the cache is written once and kept.",
-            UserWarning,
-            stacklevel=4,
-        )
-
-
-def _holds_entries(cache: Any) -> bool:
-    """Whether a cache passed to a layer already holds entries (a prefix), as far as can be told."""
-    seq_length = getattr(cache, "get_seq_length", None)
-    if seq_length is None:  # a legacy tuple of tensors, or an unknown cache type
-        return True
-    try:
-        return int(seq_length()) > 0
-    except Exception:  # a cache type whose length needs arguments we do not know
-        return True
-
-
-def _cache_written_once(layer: nn.Module) -> bool:
-    """True if every module of ``layer`` that indexes the cache runs inside an excluded region.
-
-    HF modules that read and write a KV cache address it by their ``layer_idx``;
-    an excluded region is not replayed, so a cache written there is written once.
-    """
-    writers = excluded = 0
-
-    def visit(module: nn.Module, in_region: bool) -> None:
-        nonlocal writers, excluded
-        in_region = in_region or _is_excluded_region(module)
-        if module is not layer and isinstance(getattr(module, "layer_idx", None), int):
-            writers += 1
-            excluded += in_region
-            return
-        for child in module.children():
-            visit(child, in_region)
-
-    visit(layer, False)
-    return writers > 0 and writers == excluded
+    # HF layers that may keep a cache through a checkpoint say so themselves.
+    _kv_cache.turn_off(
+        layer, kwargs, drop_caches=not getattr(layer, "_can_checkpoint_with_cache", False)
+    )
 
 
 def _is_excluded_region(module: nn.Module) -> bool:
