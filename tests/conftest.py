@@ -23,3 +23,21 @@ def recover_mindspore():
     from mindspore.graph.api import _pynative_executor
 
     _pynative_executor.clear_res()
+
+
+@pytest.fixture
+def seeded():
+    """Tests that call mindspore.set_seed leave MindSpore's global seed, kernel seeds,
+    generator and NumPy's state as they found them."""
+    import mindspore as ms
+    import numpy as np
+
+    seed = sys.modules["mindspore.common.seed"]
+    saved = (seed._GLOBAL_SEED, dict(seed._KERNEL_SEED), np.random.get_state())
+    generator = ms.get_rng_state()
+    yield
+    seed._GLOBAL_SEED = saved[0]
+    seed._KERNEL_SEED.clear()
+    seed._KERNEL_SEED.update(saved[1])
+    np.random.set_state(saved[2])
+    ms.set_rng_state(generator)

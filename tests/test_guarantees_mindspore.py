@@ -91,18 +91,6 @@ _seed = sys.modules["mindspore.common.seed"]
 
 
 
-@pytest.fixture
-def seeded():
-    """Tests that call mindspore.set_seed leave the global seed as they found it."""
-    saved = (_seed._GLOBAL_SEED, dict(_seed._KERNEL_SEED), np.random.get_state())
-    generator = ms.get_rng_state()
-    yield
-    _seed._GLOBAL_SEED = saved[0]
-    _seed._KERNEL_SEED.clear()
-    _seed._KERNEL_SEED.update(saved[1])
-    np.random.set_state(saved[2])
-    ms.set_rng_state(generator)
-
 
 def same(expected, actual) -> bool:
     return len(expected) == len(actual) and all(
