@@ -250,15 +250,9 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        # As FlopCounterMode: an op without a formula may decompose into ops with one.
-        if func not in self.registry and func is not torch.ops.prim.device.default:
-            with self:
-                out = func.decompose(*args, **kwargs)
-                if out is not NotImplemented:
-                    return out
-        start = self.clock()
-        out = func(*args, **kwargs)
-        seconds = self.clock() - start
+        out, seconds = _run_timed(self, func, args, kwargs)
+        if seconds is None:  # decomposed: its parts were recorded
+            return out
         formula = self.registry.get(func.overloadpacket)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         self._record().ops.append(_Op(self._next(), self.call, flops, seconds))
@@ -477,6 +471,20 @@ def _attribute(
     return private, pairs, shared, spread
 
 
+def _run_timed(mode: Any, func: Any, args: Any, kwargs: Any) -> tuple[Any, float | None]:
+    """Run ``func`` under ``mode`` (which has ``registry`` and ``clock``) and time it; as
+    FlopCounterMode does, an op without a FLOP formula first tries to decompose into ops
+    with one, which ``mode`` then sees one by one (seconds None)."""
+    if func not in mode.registry and func is not torch.ops.prim.device.default:
+        with mode:
+            out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out, None
+    start = mode.clock()
+    out = func(*args, **kwargs)
+    return out, mode.clock() - start
+
+
 class _OpTimer(TorchDispatchMode):
     """Times every ATen op of a forward, in order (decomposing as ``_Recorder`` does)."""
 
@@ -487,15 +495,9 @@ class _OpTimer(TorchDispatchMode):
         self.seconds: list[float] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if func not in self.registry and func is not torch.ops.prim.device.default:
-            with self:
-                out = func.decompose(*args, **kwargs)
-                if out is not NotImplemented:
-                    return out
-        start = self.clock()
-        out = func(*args, **kwargs)
-        self.seconds.append(self.clock() - start)
+        out, seconds = _run_timed(self, func, args, kwargs or {})
+        if seconds is not None:
+            self.seconds.append(seconds)
         return out
 
 
