@@ -143,6 +143,24 @@ def tally_calls(run: Callable[[], Any]) -> int:
     return CALLS["tally"]
 
 
+def compiled_tally_against_eager(step: Any, w: torch.Tensor, check_breaks: bool = False) -> int:
+    """Run ``step`` on a fresh input eagerly, then compiled (aot_eager, fullgraph): the
+    compiled gradients of the input and ``w`` must equal the eager ones. Returns how often
+    the counted op ran in one compiled step (after a first one that compiles)."""
+    x = torch.randn(4, 8, requires_grad=True)
+    step(x).backward()
+    eager = [x.grad.clone(), w.grad.clone()]  # type: ignore[union-attr]
+    x.grad = w.grad = None
+    if check_breaks:
+        assert explain_breaks(step, x) == []
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled(x).backward()
+    x.grad = w.grad = None
+    runs = tally_calls(lambda: compiled(x).backward())
+    assert_equal([x.grad, w.grad], eager)  # type: ignore[list-item]
+    return runs
+
+
 def assert_equal(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
@@ -190,16 +208,7 @@ def test_checkpoint_function_and_wrapper_compile_fullgraph() -> None:
         h = checkpoint(lambda t: torch.cos(region(torch.relu(t))) @ w, x)
         return block(h).sum()
 
-    x = torch.randn(4, 8, requires_grad=True)
-    step(x).backward()
-    eager = [x.grad.clone(), w.grad.clone()]  # type: ignore[union-attr]
-    x.grad = w.grad = None
-    assert explain_breaks(step, x) == []
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    compiled(x).backward()
-    x.grad = w.grad = None
-    assert tally_calls(lambda: compiled(x).backward()) == 1
-    assert_equal([x.grad, w.grad], eager)  # type: ignore[list-item]
+    assert compiled_tally_against_eager(step, w, check_breaks=True) == 1
 
 
 # --------------------------------------------------------------------------- run once
@@ -279,16 +288,7 @@ def test_selective_checkpoint_policy_composes_compiled() -> None:
     def step(x: torch.Tensor) -> torch.Tensor:
         return checkpoint(body, x, context_fn=context_fn).sum()
 
-    x = torch.randn(4, 8, requires_grad=True)
-    step(x).backward()
-    eager = [x.grad.clone(), w.grad.clone()]  # type: ignore[union-attr]
-    x.grad = w.grad = None
-    assert explain_breaks(step, x) == []
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    compiled(x).backward()
-    x.grad = w.grad = None
-    assert tally_calls(lambda: compiled(x).backward()) == 1 + 2
-    assert_equal([x.grad, w.grad], eager)  # type: ignore[list-item]
+    assert compiled_tally_against_eager(step, w, check_breaks=True) == 1 + 2
 
 
 def test_save_output_false_chain_compiled() -> None:
@@ -300,15 +300,7 @@ def test_save_output_false_chain_compiled() -> None:
     def step(x: torch.Tensor) -> torch.Tensor:
         return checkpoint(lambda t: torch.tanh(second(first(torch.relu(t)))), x).sum()
 
-    x = torch.randn(4, 8, requires_grad=True)
-    step(x).backward()
-    eager = [x.grad.clone(), w.grad.clone()]  # type: ignore[union-attr]
-    x.grad = w.grad = None
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    compiled(x).backward()
-    x.grad = w.grad = None
-    assert tally_calls(lambda: compiled(x).backward()) == 2
-    assert_equal([x.grad, w.grad], eager)  # type: ignore[list-item]
+    assert compiled_tally_against_eager(step, w) == 2
 
 
 def test_nested_recomp_checkpoints_compiled() -> None:
@@ -325,15 +317,7 @@ def test_nested_recomp_checkpoints_compiled() -> None:
     def step(x: torch.Tensor) -> torch.Tensor:
         return checkpoint(outer, x).sum()
 
-    x = torch.randn(4, 8, requires_grad=True)
-    step(x).backward()
-    eager = [x.grad.clone(), w.grad.clone()]  # type: ignore[union-attr]
-    x.grad = w.grad = None
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    compiled(x).backward()
-    x.grad = w.grad = None
-    assert tally_calls(lambda: compiled(x).backward()) == 1
-    assert_equal([x.grad, w.grad], eager)  # type: ignore[list-item]
+    assert compiled_tally_against_eager(step, w) == 1
 
 
 def test_use_reentrant_true_still_raises_compiled() -> None:
