@@ -121,13 +121,17 @@ def main(argv: list[str] | None = None) -> int:
 
         write_json(args.profile_json, planning.result["profile"])
     profile_text = profile_table(Profile.from_dict(planning.result["profile"]))
-    if args.no_measure:
+
+    def show_plan() -> None:
         progress.close()
         if args.show_profile:
             print(profile_text + "\n")
         print(plan_table(plan))
         if args.json:
             print(f"wrote {args.json}")
+
+    if args.no_measure:
+        show_plan()
         return 0
 
     config.extra = {**config.extra, "plans": {strategy: made}}
@@ -140,12 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     _run_jobs([measuring], 1, progress, offset)
     _run_jobs([timing], 1, progress, offset)
-    progress.close()
-    if args.show_profile:
-        print(profile_text + "\n")
-    print(plan_table(plan))
-    if args.json:
-        print(f"wrote {args.json}")
+    show_plan()
     if measuring.result is None or timing.result is None:
         print(f"recomp plan: running the plan failed: {measuring.error or timing.error}")
         return 1
