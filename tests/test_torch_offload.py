@@ -20,6 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import random_programs as rp
 import recomp.torch as rt
 from memory import run_measured
+from recomp import _testing
 from recomp.errors import CachedValueMutatedError
 from recomp.torch import _offload
 from test_properties_torch import OPS, RegionModule, _region_params
@@ -113,28 +114,16 @@ def test_offloads_saved_tensors_and_output_not_inputs_or_parameters():
     assert off.pending_copies == 0
 
 
-def test_restores_run_in_backward_order_one_region_ahead(monkeypatch):
+def test_restores_run_in_backward_order_one_region_ahead():
     off = host_offloader()
     model = make(3)
     for i, layer in enumerate(model):
         layer.attn = rt.checkpoint_exclude_wrapper(layer.attn, offload=off, name=f"attn{i}")
         model[i] = rt.checkpoint_wrapper(layer)
-    events = []
-    restore, fetch = rt.Offloader._restore, rt.Offloader._fetch
-
-    def logged_restore(self, stored, ahead):
-        events.append(("copy back" if ahead else "copy back on read", stored.group().name))
-        restore(self, stored, ahead)
-
-    def logged_fetch(self, stored):
-        events.append(("read", stored.group().name))
-        return fetch(self, stored)
-
-    monkeypatch.setattr(rt.Offloader, "_restore", logged_restore)
-    monkeypatch.setattr(rt.Offloader, "_fetch", logged_fetch)
-    loss = model(torch.randn(*X_SHAPE)).pow(2).sum()
-    assert events == []
-    loss.backward()
+    with _testing.offload_events(off) as events:
+        loss = model(torch.randn(*X_SHAPE)).pow(2).sum()
+        assert events == []
+        loss.backward()
 
     def layer(i, chained):
         name = f"attn{i}"

@@ -24,10 +24,44 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
-#: type -> (flatten: obj -> (children, context), unflatten: (children, context) -> obj), or None
-Registry = Callable[
-    [type], "tuple[Callable[[Any], tuple[list[Any], Any]], Callable[[list[Any], Any], Any]] | None"
-]
+from .errors import internal_error
+
+#: (flatten: obj -> (children, context), unflatten: (children, context) -> obj)
+Node = tuple[Callable[[Any], tuple[list[Any], Any]], Callable[[list[Any], Any], Any]]
+
+
+class Registry:
+    """A framework's registry of container types, as the walker consults it, with the
+    types it found to be leaves.
+
+    ``lookup(kind)`` gives the (flatten, unflatten) pair of a registered type, or
+    None. ``generation()`` changes whenever a type is registered (the registry's
+    size will do): the leaf cache is then started anew, so a type walked as a leaf
+    and registered later is looked into from then on. Each registry has its own
+    cache: a type that is a leaf for one walk may be a node for another.
+    """
+
+    __slots__ = ("_generation", "generation", "leaf_types", "lookup")
+
+    def __init__(
+        self, lookup: Callable[[type], Node | None], generation: Callable[[], int] = lambda: 0
+    ) -> None:
+        self.lookup = lookup
+        self.generation = generation
+        self._generation = generation()
+        #: types found to be leaves under this registry as it is now
+        self.leaf_types: set[type] = set()
+
+    def refresh(self) -> None:
+        """Forget the leaf types if a type was registered since the last walk."""
+        generation = self.generation()
+        if generation != self._generation:
+            self._generation = generation
+            self.leaf_types = set()
+
+
+#: The walk without a framework registry (built-in containers and dataclasses only).
+NO_REGISTRY = Registry(lambda kind: None)
 
 
 class TreeSpec:
@@ -84,30 +118,27 @@ class TreeSpec:
             body = "(" + ", ".join(map(repr, self.children)) + ")"
             if self.kind == "list":
                 body = "[" + body[1:-1] + "]"
-        if self.kind in ("tuple", "list", "dict"):
+        if self.kind in ("tuple", "list", "dict") or self.type is None:
             return body
-        assert self.type is not None
         return f"{self.type.__name__}{body}"
 
 
 _LEAF = TreeSpec("leaf")
 
 
-def flatten(tree: Any, registry: Registry | None = None) -> tuple[list[Any], TreeSpec]:
+def flatten(tree: Any, registry: Registry = NO_REGISTRY) -> tuple[list[Any], TreeSpec]:
     """Return the leaves of ``tree`` in a fixed order and the spec to rebuild it."""
     leaves: list[Any] = []
+    # Types found to be leaves are remembered per registry: most leaves are tensors,
+    # and this runs on every excluded call, twice.
+    registry.refresh()
     spec = _flatten_into(tree, leaves, registry)
     return leaves, spec
 
 
-# Types found to be leaves (no container, no dataclass, not in the registry then):
-# most leaves are tensors, and this runs on every excluded call, twice.
-_LEAF_TYPES: set[type] = set()
-
-
-def _flatten_into(tree: Any, leaves: list[Any], registry: Registry | None) -> TreeSpec:
+def _flatten_into(tree: Any, leaves: list[Any], registry: Registry) -> TreeSpec:
     kind = type(tree)
-    if kind in _LEAF_TYPES:
+    if kind in registry.leaf_types:
         leaves.append(tree)
         return _LEAF
     # Exact built-in containers first.
@@ -123,13 +154,12 @@ def _flatten_into(tree: Any, leaves: list[Any], registry: Registry | None) -> Tr
         return TreeSpec(
             "list", list, None, tuple([_flatten_into(v, leaves, registry) for v in tree])
         )
-    if registry is not None:
-        node = registry(kind)
-        if node is not None:
-            flatten_node, unflatten_node = node
-            children_values, context = flatten_node(tree)
-            children = tuple([_flatten_into(v, leaves, registry) for v in children_values])
-            return TreeSpec("registered", kind, context, children, unflatten_node)
+    node = registry.lookup(kind)
+    if node is not None:
+        flatten_node, unflatten_node = node
+        children_values, context = flatten_node(tree)
+        children = tuple([_flatten_into(v, leaves, registry) for v in children_values])
+        return TreeSpec("registered", kind, context, children, unflatten_node)
     if isinstance(tree, tuple):
         children = tuple([_flatten_into(v, leaves, registry) for v in tree])
         if hasattr(kind, "_fields"):
@@ -158,7 +188,7 @@ def _flatten_into(tree: Any, leaves: list[Any], registry: Registry | None) -> Tr
         children = tuple([_flatten_into(getattr(tree, n), leaves, registry) for n in names])
         return TreeSpec("dataclass", kind, names, children, template)
     if not isinstance(tree, type):  # a class object may become a dataclass's instance type
-        _LEAF_TYPES.add(kind)
+        registry.leaf_types.add(kind)
     leaves.append(tree)
     return _LEAF
 
@@ -181,7 +211,8 @@ def _build(it: Iterator[Any], spec: TreeSpec) -> Any:
         return values
     if kind == "dict":
         return dict(zip(spec.context, values))
-    assert spec.type is not None
+    if spec.type is None:
+        raise internal_error(f"a {kind!r} tree spec without its type")
     if kind == "registered":
         return spec.rebuild(values, spec.context)
     if kind == "namedtuple":

@@ -1,50 +1,55 @@
-"""What one recomp checkpoint call records: the exclusion cache and its bookkeeping.
+"""What one recomp checkpoint call records, shared by its forward and its replays.
 
 An :class:`Invocation` is created per checkpoint call (see ``_engine.begin``)
-and carried by the recompute state of that call's forward and replays. It is
-the engine's: the state (``_state``) only tells it, through the
-:class:`~recomp._state.PhaseListener` methods, when a replay starts and when
-the forward ends. Each excluded-region call appends one :class:`CacheEntry`.
+and carried by the recompute state of that call's forward and replays. The
+state (``_state``) only tells it, through the :class:`~recomp._state.PhaseListener`
+methods, when a replay starts and when the forward ends. Each excluded-region
+call in the forward appends one entry: a ``recomp._region.RegionCall``,
+which this module knows only through the :class:`RecordedCall` interface.
+Also here: the pieces a region call is made of (:class:`Snapshot`,
+:class:`CachedOutput`, :class:`MutatedInput`, :class:`StorageRegistry`).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .errors import CachedValueMutatedError, OutputNotSavedError, ReplayMismatchError
+from ._state import RecomputeState
+from .errors import OutputNotSavedError, ReplayMismatchError, internal_error
 
 if TYPE_CHECKING:
     from ._backend import Backend
-    from ._engine import ExcludedRegion, InputSlot
-    from ._pytree import TreeSpec
+    from ._hooks import Held
     from ._state import CallIdentity
 
 
 class Snapshot:
     """A tensor kept by recomp, and a way to tell whether it was changed in place since.
 
-    ``value`` is what is kept: an alias without autograd history (see
-    ``Backend.keep_saved``). The version counters of the original and of
+    What is kept is either ``value``, an alias without autograd history (see
+    ``Backend.keep_saved``), or ``held``, where a placement (offload) moved it
+    (``recomp._hooks.Held``). The version counters of the original and of
     ``value`` are both checked: some frameworks give an alias a counter of its
     own. The original is referenced weakly, except that a cached output holds it
     (``hold=True``) until the end of its checkpoint's forward, when the first
     check runs (``release``): holding it longer would tie the cache to the
-    autograd graph in a cycle the collector cannot see.
+    autograd graph in a cycle the collector cannot see (rule 2 of NOTE
+    [ How an excluded region is kept out of the replay ]).
 
     Version counters are read by :meth:`read_versions`, which the engine calls
     once per batch of snapshots (after one ``Backend.sync``), not per tensor.
     """
 
-    __slots__ = ("held", "offloaded", "origin", "origin_version", "value", "value_version")
+    __slots__ = ("held", "holding", "origin", "origin_version", "value", "value_version")
 
-    def __init__(self, tensor: Any, value: Any, hold: bool = False, offload: Any = None) -> None:
-        # With ``offload`` (an offload group, see recomp.torch._offload), a host copy
-        # is kept instead of ``value`` where the group takes the tensor.
-        self.offloaded = offload.put(tensor) if offload is not None else None
-        self.value = value if self.offloaded is None else None
-        self.held = tensor if hold else None
+    def __init__(
+        self, tensor: Any, value: Any, hold: bool = False, held: Held | None = None
+    ) -> None:
+        self.held = held
+        self.value = value if held is None else None
+        self.holding = tensor if hold else None
         # Weak from the start: a kept tensor's autograd node holds this snapshot, so a
         # strong reference would close a cycle through the graph (a region that raises
         # before its versions are read would leak it).
@@ -54,7 +59,7 @@ class Snapshot:
 
     def read_versions(self, backend: Backend) -> None:
         """Record the current versions (the framework's queue already drained)."""
-        origin = self.held if self.held is not None else self.origin()
+        origin = self.holding if self.holding is not None else self.origin()
         self.value_version = backend.version(self.value)
         self.origin_version = None if origin is None else backend.version(origin)
         if self.origin_version is None:
@@ -63,25 +68,25 @@ class Snapshot:
     def retarget(self, tensor: Any, backend: Backend) -> None:
         """Watch ``tensor`` instead of the original: the alias of it that the caller
         receives (frameworks whose aliases have their own version counters)."""
-        if self.held is not None:
-            self.held = tensor
+        if self.holding is not None:
+            self.holding = tensor
         self.origin = weakref.ref(tensor)
         self.read_versions(backend)
 
     def changed(self, backend: Backend) -> bool:
-        origin = self.held if self.held is not None else self.origin and self.origin()
+        origin = self.holding if self.holding is not None else self.origin and self.origin()
         if origin is not None and backend.version(origin) != self.origin_version:
             return True
-        if self.offloaded is not None:
-            return bool(self.offloaded.changed())
+        if self.held is not None:
+            return self.held.changed()
         return backend.version(self.value) != self.value_version
 
     def get(self) -> Any:
-        """The kept tensor (brought back from the host if it was offloaded)."""
-        return self.value if self.offloaded is None else self.offloaded.get()
+        """The kept tensor (brought back by its placement if one took it)."""
+        return self.value if self.held is None else self.held.get()
 
     def release(self) -> None:
-        self.held = None
+        self.holding = None
 
 
 class CachedOutput:
@@ -108,87 +113,6 @@ class MutatedInput:
         self.snapshot = snapshot
 
 
-class CacheEntry:
-    """One call of an excluded region in one invocation."""
-
-    __slots__ = (
-        "boundary_inputs",
-        "callee",
-        "in_spec",
-        "mutated_inputs",
-        "offload",
-        "out_leaves",
-        "out_spec",
-        "outputs",
-        "region",
-        "rng_state",
-        "saves_after",
-        "slots",
-        "unreachable",
-    )
-
-    def __init__(self, region: ExcludedRegion, callee: Any, in_spec: TreeSpec) -> None:
-        self.region = region
-        # What was called (see _engine.callee_identity): a replay may come through
-        # another wrapper object around the same callable.
-        self.callee = callee
-        self.in_spec = in_spec
-        self.out_spec: TreeSpec | None = None
-        # Output leaves with each tensor replaced by an index into ``outputs``.
-        self.out_leaves: list[Any] = []
-        self.outputs: list[CachedOutput] = []
-        self.mutated_inputs: list[MutatedInput] = []
-        # Input leaf indices saved by the boundary (empty: no boundary).
-        self.boundary_inputs: list[int] = []
-        # Weak: a slot lives as long as some saved handle of the region needs it.
-        self.slots: list[weakref.ref[InputSlot]] = []
-        self.rng_state: Any = None
-        # Tensors the checkpoint had saved when this call returned (None: unknown).
-        self.saves_after: int | None = None
-        self.unreachable = False
-        self.offload: Any = None  # offload group of this call, prefetched by the replay
-
-    def snapshots(self) -> list[Snapshot]:
-        out = [c.snapshot for c in self.outputs if c.snapshot is not None]
-        out.extend(m.snapshot for m in self.mutated_inputs)
-        return out
-
-    def check_outputs_unchanged(self) -> None:
-        """Raise if a cached output was changed in place since the region returned.
-
-        Checked at the end of the forward (the original may be gone by the replay,
-        and some frameworks give the cached alias a version counter of its own) and
-        again in each replay. The caller has synced the backend."""
-        backend = self.region.backend
-        for cached in self.outputs:
-            if cached.snapshot is not None and cached.snapshot.changed(backend):
-                raise CachedValueMutatedError(
-                    f"The output of excluded region {self.region.name!r} was modified in place "
-                    "after the region returned. The replay would hand the changed value to the "
-                    "code after the region. Make the in-place operation out-of-place (e.g. "
-                    "`y = y * 2` instead of `y.mul_(2)`); or, where that code cannot be changed "
-                    "(a library's `out += identity` or `ReLU(inplace=True)`), wrap the region with "
-                    "checkpoint_exclude_wrapper(..., copy_output=True) (with "
-                    "apply_activation_checkpointing: copy_output_fn=), which caches a copy of the "
-                    "output that later in-place changes do not reach."
-                )
-
-    def release(self) -> None:
-        """The forward is over (or failed): stop holding the original outputs."""
-        for snapshot in self.snapshots():
-            snapshot.release()
-
-    def drop_cache(self) -> None:
-        """Called when the checkpoint saved nothing after this call: an early-stopping
-        replay ends before the code after it runs (at the latest in the boundary,
-        which still binds the deferred inputs), so its outputs need not be kept."""
-        self.unreachable = True
-        for cached in self.outputs:
-            if cached.snapshot is not None:
-                self.region.saved_bytes -= cached.nbytes
-                cached.snapshot = None
-
-
 class StorageRegistry:
     """Storages seen in a checkpoint's forward, by ``Backend.storage_key``, with the
     tensors that own them held until the forward ends: while a key is in here its
@@ -212,18 +136,71 @@ class StorageRegistry:
         self._held.clear()
 
 
+def callee_identity(fn: Any) -> Any:
+    """What identifies the code a region runs, across wrapper objects: the module or
+    object of a bound method with its function, a function's code, else the callable.
+    A module made around a plain function (``_recomp_function``) is that function."""
+    owner = getattr(fn, "__self__", None)
+    func = getattr(fn, "__func__", None)
+    if owner is not None and func is not None:
+        inner = getattr(owner, "_recomp_function", None)
+        return callee_identity(inner) if inner is not None else (owner, func)
+    return getattr(fn, "__code__", None) or fn
+
+
+def describe_callee(callee: Any) -> str:
+    """A readable name for a :func:`callee_identity`."""
+    if isinstance(callee, tuple):
+        owner, func = callee
+        return (
+            f"{type(owner).__name__}.{getattr(func, '__name__', func)} of object at {id(owner):#x}"
+        )
+    code = getattr(callee, "co_name", None)
+    if code is not None:
+        return f"function {code} at {callee.co_filename}:{callee.co_firstlineno}"
+    return repr(callee)
+
+
+class RecordedCall(Protocol):
+    """What an :class:`Invocation` needs of one recorded excluded-region call
+    (implemented by ``recomp._region.RegionCall``)."""
+
+    #: how many tensors the checkpoint had saved when the call returned (None: unknown)
+    saves_after: int | None
+
+    def matches(self, region: Any, fn: Any) -> bool:
+        """Whether a replay's call of ``region`` running ``fn`` is this call."""
+
+    def describe(self) -> str:
+        """The region and what it called, for error messages."""
+
+    def replay(self, region: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Hand the cached outputs to the replay's call instead of running the region."""
+
+    def check_outputs_unchanged(self) -> None:
+        """Raise if a cached output was changed in place since the call returned."""
+
+    def drop_cache(self) -> None:
+        """No replay will reach the code after this call: stop caching its outputs."""
+
+    def release(self) -> None:
+        """The forward is over: stop holding the original outputs."""
+
+
 class Invocation:
     """Everything one checkpoint call shares between its forward and its replays.
 
     Held by the recompute state that the framework's checkpoint keeps in its
     frame (through ``context_fn``), so it lives exactly as long as the
-    checkpoint's autograd graph.
+    checkpoint's autograd graph (rule 1 of NOTE [ How an excluded region is kept
+    out of the replay ]).
     """
 
     __slots__ = (
         "__weakref__",
         "_counter_asked",
         "align_rng",
+        "backend",
         "call",
         "checkpoint_inputs",
         "child_cursor",
@@ -232,18 +209,25 @@ class Invocation:
         "entries",
         "excluded_outputs",
         "replay_cursor",
+        "rewind",
         "save_counter",
         "unsaved_outputs",
     )
 
-    def __init__(self, call: CallIdentity, *, align_rng: bool = True) -> None:
+    def __init__(
+        self, call: CallIdentity, backend: Backend, *, align_rng: bool = True, rewind: bool = True
+    ) -> None:
         # What the user sees of this call (its id, its resources), the same in every phase.
         self.call = call
+        self.backend = backend
         # Whether the replay restores the RNG state of the forward; only then
         # does skipping a region need to fast-forward the generators.
         self.align_rng = align_rng
+        # Whether each replay starts from the first entry (always, but for the test
+        # seam that shows why it must).
+        self.rewind = rewind
         # Exclusion cache: one entry per excluded-region call, in call order.
-        self.entries: list[CacheEntry] = []
+        self.entries: list[RecordedCall] = []
         self.replay_cursor = 0
         # Storages of the checkpoint's own inputs and of the outputs of excluded
         # regions (forward only): region inputs that alias these are already held
@@ -264,17 +248,43 @@ class Invocation:
         self.save_counter: Callable[[], int] | None = None
         self._counter_asked = False
 
-    def ask_save_counter(self, backend: Backend) -> Callable[[], int] | None:
+    def saves_so_far(self) -> int | None:
+        """How many tensors the checkpoint has saved up to now, where its replay stops
+        after the last of them (see :class:`RecordedCall.saves_after`); else None."""
         if not self._counter_asked:
             self._counter_asked = True
-            self.save_counter = backend.save_counter()
-        return self.save_counter
+            self.save_counter = self.backend.save_counter()
+        return None if self.save_counter is None else self.save_counter()
 
     def disable_pruning(self) -> None:
         """Keep every cached output: an enclosing checkpoint's replay re-runs this
         call in full, beyond where this checkpoint's own replay would stop."""
         self._counter_asked = True
         self.save_counter = None
+
+    def next_entry(self, region: Any, fn: Any, name: str) -> RecordedCall:
+        """The recorded call that the replay's call of ``region`` (running ``fn``) stands
+        for: entries are consumed in call order (rule 1)."""
+        cursor = self.replay_cursor
+        if cursor >= len(self.entries):
+            raise ReplayMismatchError(
+                f"The checkpoint's replay called excluded region {name!r}, but its forward "
+                f"recorded only {len(self.entries)} excluded call(s), all already replayed. The "
+                "checkpointed function must call its excluded regions in the same order and "
+                "number in the forward and in the replay (no control flow that depends on "
+                "is_recomputing() or on values that change between the two)."
+            )
+        entry = self.entries[cursor]
+        if not entry.matches(region, fn):
+            raise ReplayMismatchError(
+                f"The checkpoint's replay called excluded region {name!r} "
+                f"({describe_callee(callee_identity(fn))}) where its forward called "
+                f"{entry.describe()} (excluded call #{cursor + 1}). The checkpointed function "
+                "must call its excluded regions in the same order in the forward and in the "
+                "replay."
+            )
+        self.replay_cursor = cursor + 1
+        return entry
 
     def next_child(self) -> Invocation:
         """The invocation of the nested checkpoint that this replay is re-running."""
@@ -292,8 +302,9 @@ class Invocation:
 
     def on_replay_start(self) -> None:
         """Each replay starts from the first cached region (``retain_graph`` replays again)."""
-        self.replay_cursor = 0
-        self.child_cursor = 0
+        if self.rewind:
+            self.replay_cursor = 0
+            self.child_cursor = 0
 
     def on_forward_end(self, ok: bool) -> None:
         """End of the checkpoint's forward: prune, check and release the cache."""
@@ -307,14 +318,14 @@ class Invocation:
             return
         if self.save_counter is not None:
             # A replay that stops at the last saved tensor never reaches the regions
-            # recorded after it: their cached outputs would only take memory.
+            # recorded after it: their cached outputs would only take memory (rule 7).
             total = self.save_counter()
             for entry in self.entries:
                 if entry.saves_after == total:
                     entry.drop_cache()
         try:
             if self.entries:
-                self.entries[0].region.backend.sync()
+                self.backend.sync()
             for entry in self.entries:
                 entry.check_outputs_unchanged()
         finally:
@@ -328,3 +339,14 @@ class Invocation:
                     "a cached copy the replay cannot hand it to other code. Use save_output=True "
                     "for this region."
                 )
+
+
+def invocation_of(state: RecomputeState) -> Invocation:
+    """The engine's record of the checkpoint call ``state`` belongs to."""
+    record = state.record
+    if not isinstance(record, Invocation):
+        raise internal_error("a recompute state carries no invocation")
+    return record
+
+
+# --------------------------------------------------------------------------- checkpoint

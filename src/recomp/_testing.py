@@ -3,7 +3,8 @@
 Tests otherwise go through the public API. What is here lets a test show that
 a mechanism is what makes a guarantee hold (turn it off, see the guarantee
 fail) and see what the engine keeps, without patching private functions.
-Not part of the public API.
+Watching goes through the same interface as every other observer of a region
+call (``recomp._hooks.RegionObserver``). Not part of the public API.
 """
 
 from __future__ import annotations
@@ -12,9 +13,36 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import _engine, _state
-from ._record import Invocation
+from . import _region, _state
+from ._engine import SWITCHES
+from ._hooks import RegionCall, RegionObserver, observing
+from ._record import Invocation, invocation_of
+from ._region import RegionCall as RecordedRegionCall
 from ._state import RecomputeState
+
+
+class _CallbackObserver(RegionObserver):
+    def __init__(
+        self,
+        kept: Callable[[Any, Any], None] | None,
+        deferred: Callable[[bool], None] | None,
+        boundary: Callable[[list[Any], list[Any]], None] | None,
+    ) -> None:
+        self.kept = kept
+        self.deferred = deferred
+        self.boundary = boundary
+
+    def tensor_kept(self, call: RegionCall, original: Any, kept: Any) -> None:
+        if self.kept is not None:
+            self.kept(original, kept)
+
+    def tensor_deferred(self, call: RegionCall, original: Any, is_view: bool) -> None:
+        if self.deferred is not None:
+            self.deferred(is_view)
+
+    def boundary_applied(self, call: RegionCall, saved: list[Any], outputs: list[Any]) -> None:
+        if self.boundary is not None:
+            self.boundary(saved, outputs)
 
 
 @contextlib.contextmanager
@@ -27,33 +55,43 @@ def observe(
     """Call ``kept(original, kept_value)`` for each non-parameter tensor a region keeps
     for real, ``deferred(is_view)`` for each saved tensor deferred to the replay, and
     ``boundary(saved_inputs, outputs)`` each time a forward applies the boundary."""
-    observers = _engine.OBSERVERS
-    previous = observers.kept, observers.deferred, observers.boundary
-    observers.kept, observers.deferred, observers.boundary = kept, deferred, boundary
-    try:
+    with observing(_CallbackObserver(kept, deferred, boundary)):
         yield
-    finally:
-        observers.kept, observers.deferred, observers.boundary = previous
 
 
 @contextlib.contextmanager
 def without_rng_alignment() -> Iterator[None]:
-    """Regions recorded here do not restore the random state after them in the replay."""
-    _engine.OBSERVERS.rng_alignment = False
+    """Checkpoint calls started here do not restore the random state after a skipped
+    region in their replay."""
+    SWITCHES.rng_alignment = False
     try:
         yield
     finally:
-        _engine.OBSERVERS.rng_alignment = True
+        SWITCHES.rng_alignment = True
 
 
 @contextlib.contextmanager
 def without_replay_rewind() -> Iterator[None]:
-    """Replays entered here continue from where the last replay stopped."""
-    _engine.OBSERVERS.rewind = False
+    """Replays of checkpoint calls started here continue from where the last replay stopped."""
+    SWITCHES.replay_rewind = False
     try:
         yield
     finally:
-        _engine.OBSERVERS.rewind = True
+        SWITCHES.replay_rewind = True
+
+
+@contextlib.contextmanager
+def offload_events(offloader: Any) -> Iterator[list[tuple[str, str]]]:
+    """Collect what ``offloader`` (a ``recomp.torch.Offloader``) does in backward, as
+    (event, region name): "copy back" (started ahead of the read), "copy back on
+    read" and "read"."""
+    events: list[tuple[str, str]] = []
+    previous = offloader.trace
+    offloader.trace = lambda event, name: events.append((event, name))
+    try:
+        yield events
+    finally:
+        offloader.trace = previous
 
 
 class _ProcessGlobal:
@@ -76,33 +114,37 @@ class _ProcessGlobal:
 @contextlib.contextmanager
 def process_global_state() -> Iterator[None]:
     """Replace recomp's per-context variables by process-wide ones."""
-    saved = _engine.ACTIVE_REGION, _state.CURRENT
-    _engine.ACTIVE_REGION = _ProcessGlobal(None)  # type: ignore[assignment]
+    saved = _region.ACTIVE_REGION, _state.CURRENT
+    _region.ACTIVE_REGION = _ProcessGlobal(None)  # type: ignore[assignment]
     _state.CURRENT = _ProcessGlobal(None)  # type: ignore[assignment]
     try:
         yield
     finally:
-        _engine.ACTIVE_REGION, _state.CURRENT = saved
+        _region.ACTIVE_REGION, _state.CURRENT = saved
 
 
 def uses_context_variables() -> bool:
-    return all(type(v).__name__ == "ContextVar" for v in (_engine.ACTIVE_REGION, _state.CURRENT))
+    variables = (_region.ACTIVE_REGION, _state.CURRENT)
+    return all(type(v).__name__ == "ContextVar" for v in variables)
 
 
 def record_of(state: RecomputeState) -> Invocation:
     """The engine's record of the checkpoint call ``state`` belongs to."""
-    record = state.record
-    assert isinstance(record, Invocation)
-    return record
+    return invocation_of(state)
+
+
+def region_calls(record: Invocation) -> list[RecordedRegionCall]:
+    """The region calls the record holds, in call order."""
+    return [entry for entry in record.entries if isinstance(entry, RecordedRegionCall)]
 
 
 def cached_values(record: Invocation) -> list[Any]:
     """The tensors the record's last region call cached as outputs."""
-    entry = record.entries[-1]
+    entry = region_calls(record)[-1]
     return [c.snapshot.value for c in entry.outputs if c.snapshot is not None]
 
 
 def active_region_name() -> str | None:
     """The excluded region whose forward runs in this context, if any."""
-    region = _engine.ACTIVE_REGION.get()
+    region = _region.ACTIVE_REGION.get()
     return None if region is None else region.name

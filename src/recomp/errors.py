@@ -9,6 +9,7 @@ __all__ = [
     "NestedExclusionError",
     "OutputNotSavedError",
     "RecompError",
+    "RecompInternalError",
     "ReplayMismatchError",
     "UnreplayableDropoutWarning",
     "WrapperNotReachedWarning",
@@ -17,6 +18,26 @@ __all__ = [
 
 class RecompError(RuntimeError):
     """Base class of recomp's run-time errors."""
+
+
+class RecompInternalError(RecompError):
+    """An invariant recomp relies on did not hold: a bug in recomp, not in your code."""
+
+
+def internal_error(what: str) -> RecompInternalError:
+    """The error for a broken invariant of recomp's own (``what`` says which)."""
+    return RecompInternalError(
+        f"Internal error in recomp: {what}. This is a bug in recomp, not in your model; "
+        "please report it with the code that triggered it."
+    )
+
+
+def internal_assert(condition: bool, what: str) -> None:
+    """Check one of recomp's own invariants (the numbered rules of the NOTE blocks in
+    ``recomp._region``). Unlike ``assert`` it also runs under ``python -O``; a
+    failure means recomp itself is wrong, and the message says so."""
+    if not condition:
+        raise internal_error(what)
 
 
 class NestedExclusionError(RecompError):

@@ -69,6 +69,10 @@ def _flat(args: tuple[Any, ...], kwargs: Any) -> Iterator[Any]:
             yield a
 
 
+# PyTorch's pytree registry (transformers registers ModelOutput there), with its own leaf cache.
+_PYTREE_REGISTRY = _pytree.Registry(_compat.pytree_node, _compat.pytree_generation)
+
+
 class TorchBackend(Backend):
     name = "torch"
     foreign_checkpoint = "torch.utils.checkpoint"
@@ -147,7 +151,7 @@ class TorchBackend(Backend):
         return base.as_strided(shape, stride, offset)
 
     def flatten(self, tree: Any) -> tuple[list[Any], Any]:
-        return _pytree.flatten(tree, _compat.pytree_node)
+        return _pytree.flatten(tree, _PYTREE_REGISTRY)
 
     def register_hint(self, kind: type) -> str:
         return (

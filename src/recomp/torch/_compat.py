@@ -228,6 +228,17 @@ def _supported_nodes() -> dict[type, Any] | None:
 _SUPPORTED_NODES = _supported_nodes()
 
 
+def pytree_generation() -> int:
+    """A number that changes when a type is registered as a PyTorch pytree node.
+
+    Why: recomp's walker remembers which types are leaves; a type registered after
+    it was first walked must be looked into from then on.
+    If it changes: the registry's size is still what this reads (0 without it).
+    Retired by: a registry that announces registrations, or no leaf cache.
+    """
+    return len(_SUPPORTED_NODES) if _SUPPORTED_NODES is not None else 0
+
+
 # --------------------------------------------------------------------------- dispatch-level tools
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from .. import _engine
+from .._hooks import RegionCall, RegionObserver, observing
 from ..errors import RecompError
 from . import _compat
 
@@ -65,7 +65,7 @@ def debug_options(
 # --------------------------------------------------------------------------- the op log
 
 
-class _PhaseLog:
+class _PhaseLog(RegionObserver):
     """The ops of one forward or replay, as lines, with region markers."""
 
     def __init__(self, phase: str) -> None:
@@ -84,15 +84,17 @@ class _PhaseLog:
         call = f"{qualified}({_describe_call(args, kwargs)}) -> {_describe(out)}"
         self.lines.append(f"{len(self.ops):5d}  {indent}{call}    {_caller()}")
 
-    def region_event(self, event: str, name: str) -> None:
-        if event == "enter":
-            self.region = name
-            self.lines.append(f"       >> excluded region {name!r} runs (kept, not replayed)")
-        elif event == "exit":
-            self.region = None
-            self.lines.append(f"       << end of excluded region {name!r}")
-        else:
-            self.lines.append(f"       -- excluded region {name!r} skipped: cached output returned")
+    def region_started(self, call: RegionCall) -> None:
+        self.region = name = call.region_name
+        self.lines.append(f"       >> excluded region {name!r} runs (kept, not replayed)")
+
+    def region_finished(self, call: RegionCall, ok: bool) -> None:
+        self.region = None
+        self.lines.append(f"       << end of excluded region {call.region_name!r}")
+
+    def region_skipped(self, call: RegionCall) -> None:
+        name = call.region_name
+        self.lines.append(f"       -- excluded region {name!r} skipped: cached output returned")
 
     def render(self) -> str:
         extra = len(self.ops) - _MAX_LISTED
@@ -137,8 +139,7 @@ class _Phase:
                     )
             else:
                 self.owner.replay = log  # each replay (retain_graph) starts a new log
-            token = _engine.REGION_LISTENER.set(log.region_event)
-            stack.callback(_engine.REGION_LISTENER.reset, token)
+            stack.enter_context(observing(log))
             stack.enter_context(self.user_context)
             stack.enter_context(_OpRecorder(log))
             self._stacks.append(stack.pop_all())

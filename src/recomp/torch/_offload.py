@@ -53,12 +53,13 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from ..errors import internal_error
 from . import _compat
 
 ENV_HOST_COPY = "RECOMP_OFFLOAD_HOST_COPY"
@@ -252,6 +253,9 @@ class Offloader:
         self._groups: list[weakref.ref[OffloadGroup]] = []  # region calls, forward order
         self._streams: dict[torch.device, Any] = {}
         self._host_mode = False
+        # Told (event, region name) for each copy back ("ahead" or "on read") and each
+        # read of an offloaded storage: the test seam (``recomp._testing.offload_events``).
+        self.trace: Callable[[str, str], None] | None = None
 
     # -- what the engine calls ---------------------------------------------------
 
@@ -355,8 +359,11 @@ class Offloader:
         copy.source = None  # the device storage goes back to the allocator here
 
     def _restore(self, stored: _Stored, ahead: bool) -> None:
+        if self.trace is not None:
+            self.trace("copy back" if ahead else "copy back on read", _group_name(stored))
         host = stored.host
-        assert host is not None
+        if host is None:
+            raise internal_error("restoring a storage that was never copied to the host")
         if stored.device.type == "cuda":
             with torch.cuda.device(stored.device):
                 compute = torch.cuda.current_stream()
@@ -387,6 +394,8 @@ class Offloader:
 
     def _fetch(self, stored: _Stored) -> torch.Tensor:
         """The storage's bytes on the device, usable on the current stream."""
+        if self.trace is not None:
+            self.trace("read", _group_name(stored))
         self.poll()
         self._collect_timings()
         if stored.source is not None:  # still being copied out: use the original
@@ -395,7 +404,8 @@ class Offloader:
         if stored.resident is None:
             self._restore(stored, ahead=False)
         buffer = stored.resident
-        assert buffer is not None
+        if buffer is None:
+            raise internal_error("a restored storage has no device buffer")
         if stored.ready is not None:
             current = torch.cuda.current_stream(stored.device)
             current.wait_event(stored.ready)
@@ -436,6 +446,11 @@ class Offloader:
             else:
                 pending.append((started, ended))
         self._timed = pending
+
+
+def _group_name(stored: _Stored) -> str:
+    group = stored.group()
+    return "?" if group is None else group.name
 
 
 def _event(timing: bool) -> Any:

@@ -1,0 +1,115 @@
+"""The typed interfaces through which other parts of recomp watch or change a region call.
+
+Two kinds of parties take part in an excluded-region call besides the engine:
+
+* **observers** (:class:`RegionObserver`) watch it: the debug report's op log,
+  the test seam (``recomp._testing``), memory reports. They are installed for a
+  stretch of code with :func:`observing` (a context variable, so per thread and
+  task) and see every region call that starts there. Each method has a no-op
+  default; an observer overrides what it needs.
+* a **placement** (:class:`Placement`) decides where the tensors a region keeps
+  live while they wait for backward. The default, no placement, keeps them as
+  device aliases. ``offload=True`` (``recomp.torch._offload``) is the other
+  implementation: host copies.
+
+Neither is allowed to change what the region computes, only to watch it or
+move its kept tensors. This module imports nothing of recomp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+
+class RegionCall(Protocol):
+    """What an observer may read of a region call (``recomp._region.RegionCall``)."""
+
+    @property
+    def region_name(self) -> str:
+        """The region's name, as in recomp's error messages."""
+
+
+class RegionObserver:
+    """Watches excluded-region calls; every method does nothing unless overridden."""
+
+    def region_started(self, call: RegionCall) -> None:
+        """The region's forward is about to run."""
+
+    def region_finished(self, call: RegionCall, ok: bool) -> None:
+        """The region's forward returned (``ok``) or raised."""
+
+    def region_skipped(self, call: RegionCall) -> None:
+        """A replay reached the region and gets the cached outputs instead of running it."""
+
+    def tensor_kept(self, call: RegionCall, original: Any, kept: Any) -> None:
+        """An activation the region's autograd saved is kept for backward (``kept`` is
+        the alias recomp holds, or None when a placement took it elsewhere).
+        Parameters are not reported."""
+
+    def tensor_deferred(self, call: RegionCall, original: Any, is_view: bool) -> None:
+        """A saved tensor is (a view of) a region input that the replay rebuilds, so
+        the region keeps only a handle to it (see NOTE [ Deferred inputs ])."""
+
+    def output_cached(self, call: RegionCall, output: Any, nbytes: int) -> None:
+        """A tensor output is cached for the replay; ``nbytes`` is what it adds beyond
+        the storages the region already keeps (0 when shared)."""
+
+    def boundary_applied(self, call: RegionCall, saved: list[Any], outputs: list[Any]) -> None:
+        """The forward put the region's outputs through the boundary (see NOTE
+        [ Deferred inputs ]), saving ``saved`` under the checkpoint's hook."""
+
+
+_OBSERVERS: contextvars.ContextVar[tuple[RegionObserver, ...]] = contextvars.ContextVar(
+    "recomp_region_observers", default=()
+)
+
+
+def current_observers() -> tuple[RegionObserver, ...]:
+    """The observers installed here (empty in normal use)."""
+    return _OBSERVERS.get()
+
+
+@contextlib.contextmanager
+def observing(observer: RegionObserver) -> Iterator[None]:
+    """Report every region call that starts inside the block to ``observer`` too."""
+    token = _OBSERVERS.set((*_OBSERVERS.get(), observer))
+    try:
+        yield
+    finally:
+        _OBSERVERS.reset(token)
+
+
+class Held(Protocol):
+    """A kept tensor that a placement moved away from its device alias."""
+
+    def get(self) -> Any:
+        """The tensor, back where backward needs it."""
+
+    def changed(self) -> bool:
+        """Whether the original was changed in place before the placement had it all."""
+
+
+class Placement(Protocol):
+    """Where one region call keeps its tensors; see the module docstring."""
+
+    def put(self, tensor: Any) -> Held | None:
+        """Take ``tensor`` (a saved tensor or cached output); None leaves it a device alias."""
+
+    def close(self) -> None:
+        """The region returned and its outputs are recorded."""
+
+    def abort(self) -> None:
+        """The region raised: finish or drop whatever is in flight."""
+
+    def prefetch(self) -> None:
+        """A replay reached the region: its backward comes later in this pass."""
+
+
+class Placer(Protocol):
+    """A region option that opens one :class:`Placement` per region call."""
+
+    def open_group(self, name: str) -> Placement | None:
+        """The placement for a call of region ``name``; None keeps its tensors as aliases."""
