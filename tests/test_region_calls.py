@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import recomp
 import recomp.torch as rt
 from recomp._hooks import RegionObserver, observing
 
@@ -127,3 +128,38 @@ def test_internal_assert_survives_python_O_and_names_a_recomp_bug():
     assert proc.returncode == 0, proc.stderr
     assert "one is not two" in proc.stdout
     assert "bug in recomp" in proc.stdout
+
+
+class Branchy(nn.Module):
+    """Calls its excluded projection on the first call only: the replay takes the other
+    branch, which saves as many tensors of the same shapes, so only recomp can notice."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.proj = rt.checkpoint_exclude_wrapper(nn.Linear(8, 8), name="proj")
+
+    def forward(self, x):
+        self.calls += 1
+        h = x.tanh()
+        y = self.proj(h) if self.calls == 1 else h.exp()
+        return y.sin()
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_replay_that_takes_another_branch_is_named_as_such(debug):
+    torch.manual_seed(0)
+    model = rt.checkpoint_wrapper(Branchy(), debug=debug)
+    out = model(torch.randn(4, 8, requires_grad=True))
+    with pytest.raises(recomp.ReplayMismatchError) as info:
+        out.sum().backward()
+    message = str(info.value)
+    assert "replay did not reach excluded region 'proj'" in message
+    assert "input args[0]" in message and "counter, a flag" in message
+    assert ".detach()" not in message  # not the output-left-the-graph story
+    if debug:  # the op listing of both phases, and where they part
+        assert "Ops in the forward" in message and "Ops in the replay" in message
+        assert "replay op 3 is aten.exp.default" in message
+    else:
+        assert "Ops in the forward" not in message
+

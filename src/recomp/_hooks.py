@@ -61,6 +61,12 @@ class RegionObserver:
         """The forward put the region's outputs through the boundary (see NOTE
         [ Deferred inputs ]), saving ``saved`` under the checkpoint's hook."""
 
+    def explain(self, message: str) -> str:
+        """An error about a call this observer saw is raised later, in backward: return
+        its message, with whatever the observer can add (the debug report adds its op
+        listing)."""
+        return message
+
 
 _OBSERVERS: contextvars.ContextVar[tuple[RegionObserver, ...]] = contextvars.ContextVar(
     "recomp_region_observers", default=()

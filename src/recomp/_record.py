@@ -209,6 +209,7 @@ class Invocation:
         "entries",
         "excluded_outputs",
         "replay_cursor",
+        "replays",
         "rewind",
         "save_counter",
         "unsaved_outputs",
@@ -229,6 +230,7 @@ class Invocation:
         # Exclusion cache: one entry per excluded-region call, in call order.
         self.entries: list[RecordedCall] = []
         self.replay_cursor = 0
+        self.replays = 0  # replays started so far (one per backward that needs this call)
         # Storages of the checkpoint's own inputs and of the outputs of excluded
         # regions (forward only): region inputs that alias these are already held
         # elsewhere, so a region saves them as they are instead of deferring.
@@ -302,6 +304,7 @@ class Invocation:
 
     def on_replay_start(self) -> None:
         """Each replay starts from the first cached region (``retain_graph`` replays again)."""
+        self.replays += 1
         if self.rewind:
             self.replay_cursor = 0
             self.child_cursor = 0

@@ -556,13 +556,34 @@ class _Kept:
 class InputSlot:
     """One region input that the replay will supply; bound when the replay reaches the region."""
 
-    __slots__ = ("__weakref__", "bound", "index", "layout", "path", "region")
+    __slots__ = (
+        "__weakref__",
+        "bound",
+        "index",
+        "invocation",
+        "layout",
+        "observers",
+        "path",
+        "region",
+    )
 
-    def __init__(self, region: ExcludedRegion, index: int, path: str, layout: Hashable) -> None:
+    def __init__(
+        self,
+        region: ExcludedRegion,
+        invocation: Invocation,
+        index: int,
+        path: str,
+        layout: Hashable,
+        observers: tuple[RegionObserver, ...],
+    ) -> None:
         self.region = region
+        # Weak: the graph holds the slot, and the invocation must die with its checkpoint.
+        self.invocation = weakref.ref(invocation)
         self.index = index
         self.path = path
         self.layout = layout
+        # The forward's observers, to explain an error raised later, in backward.
+        self.observers = observers
         self.bound: Any = None
 
     def bind(self, replayed: Any) -> None:
@@ -579,6 +600,35 @@ class InputSlot:
             )
         self.bound = backend.detach(replayed)
 
+    def not_reached_error(self) -> ReplayMismatchError:
+        """The region's backward needs this input, and no replay has bound it."""
+        name = self.region.name
+        invocation = self.invocation()
+        if invocation is not None and invocation.replays:
+            # The boundary's backward made the checkpoint replay first (NOTE [ Deferred
+            # inputs ], D1), so that replay ran and did not call this region.
+            message = (
+                f"The checkpoint's replay did not reach excluded region {name!r}, whose "
+                f"backward needs its input {self.path} from that replay: the replay ran other "
+                "code than the forward. A Python branch that depends on state that changed "
+                "between the two (a counter, a flag, is_recomputing()) skipped the region or "
+                "called other code in its place. Make the checkpointed code take the same path "
+                "in the forward and in the replay; checkpoint(..., debug=True) lists the ops "
+                "of both."
+            )
+        else:
+            message = (
+                f"Excluded region {name!r} needs its input {self.path} from the checkpoint's "
+                "replay, but no replay of that checkpoint has run. This happens when the "
+                "region's output is used outside the autograd graph of its checkpoint (for "
+                "example through .detach() and re-attached), or when it is kept inside an "
+                "object recomp does not look into. Pass the output on unchanged, or exclude "
+                "the region from a recomp checkpoint only."
+            )
+        for observer in self.observers:
+            message = observer.explain(message)
+        return ReplayMismatchError(message)
+
 
 class _Deferred:
     """Stands in for a saved tensor that is (a view of) a region input the replay reproduces."""
@@ -592,14 +642,7 @@ class _Deferred:
     def unpack(self) -> Any:
         slot = self.slot
         if slot.bound is None:
-            raise ReplayMismatchError(
-                f"Excluded region {slot.region.name!r} needs its input {slot.path} from the "
-                "checkpoint's replay, but the replay has not reached the region. This happens "
-                "when the region's output is used outside the autograd graph of its checkpoint "
-                "(for example through .detach() and re-attached), or when it is kept inside an "
-                "object recomp does not look into. Pass the output on unchanged, or exclude the "
-                "region from a recomp checkpoint only."
-            )
+            raise slot.not_reached_error()
         if self.view is IDENTITY:
             return slot.bound
         return slot.region.backend.apply_view(self.view, slot.bound)
@@ -635,6 +678,7 @@ class _SaveHook:
         self.observers = observers
         self.fn: Callable[..., Any] | None = fn
         self.placement = placement
+        self.invocation = inv
         self.checkpoint_inputs = inv.checkpoint_inputs
         self._parameter_keys: set[Hashable] | None = None
         self.leaves: list[Any] = leaves
@@ -680,7 +724,9 @@ class _SaveHook:
                 slot = self.slots.get(index)
                 if slot is None:
                     path = _input_path(backend.leaf_paths(self.in_spec)[index])
-                    slot = self.slots[index] = InputSlot(region, index, path, backend.layout(base))
+                    slot = self.slots[index] = InputSlot(
+                        region, self.invocation, index, path, backend.layout(base), self.observers
+                    )
                 self.deferred_versions.append((index, version))
                 for observer in self.observers:
                     observer.tensor_deferred(self.call, t, view is not IDENTITY)
@@ -743,6 +789,7 @@ class _SaveHook:
         self._parameter_keys = None
         self.placement = None
         self.observers = ()
+        self.invocation = None  # type: ignore[assignment]
         return kept, slots
 
 

@@ -68,8 +68,9 @@ def debug_options(
 class _PhaseLog(RegionObserver):
     """The ops of one forward or replay, as lines, with region markers."""
 
-    def __init__(self, phase: str) -> None:
+    def __init__(self, phase: str, owner: _DebugLog | None = None) -> None:
         self.phase = phase
+        self.owner = owner
         self.lines: list[str] = []
         self.ops: list[tuple[str, bool]] = []  # (op, inside an excluded region)
         self.region: str | None = None
@@ -95,6 +96,10 @@ class _PhaseLog(RegionObserver):
     def region_skipped(self, call: RegionCall) -> None:
         name = call.region_name
         self.lines.append(f"       -- excluded region {name!r} skipped: cached output returned")
+
+    def explain(self, message: str) -> str:
+        # An error in a region's backward, after the replay: add the debug report.
+        return message if self.owner is None else self.owner.report(message)
 
     def render(self) -> str:
         extra = len(self.ops) - _MAX_LISTED
@@ -129,7 +134,7 @@ class _Phase:
 
     def __enter__(self) -> None:
         with contextlib.ExitStack() as stack:
-            log = _PhaseLog(self.phase)
+            log = _PhaseLog(self.phase, self.owner)
             if self.phase == "forward":
                 self.owner.forward = log
                 stack.enter_context(self.owner.report_errors())
