@@ -163,3 +163,26 @@ def test_a_replay_that_takes_another_branch_is_named_as_such(debug):
     else:
         assert "Ops in the forward" not in message
 
+
+
+def test_every_numbered_rule_is_cited_and_every_citation_exists():
+    """The NOTE in recomp/_region.py numbers the rules the engine relies on; the code that
+    enforces one cites it as "rule N". A renumbering that leaves stale citations fails here."""
+    import re
+    from pathlib import Path
+
+    import recomp._region as region_module
+
+    src = Path(region_module.__file__).parent
+    note = region_module.__doc__ or ""
+    rules_text = note.split("Rules the code relies on")[1].split("NOTE [ Deferred inputs ]")[0]
+    numbered = {int(n) for n in re.findall(r"^\s+(\d+)\. ", rules_text, flags=re.M)}
+    assert numbered == set(range(1, 9))
+    cited: set[int] = set()
+    for path in src.rglob("*.py"):
+        text = path.read_text()
+        if path.name == "_region.py":
+            text = text.replace(note, "")  # citations only, not the NOTE itself
+        cited |= {int(n) for n in re.findall(r"\brules? (\d+)\b", text)}
+    assert cited <= numbered, f"citations of rules that do not exist: {sorted(cited - numbered)}"
+    assert numbered <= cited, f"rules no code cites: {sorted(numbered - cited)}"

@@ -35,7 +35,7 @@ class Snapshot:
     own. The original is referenced weakly, except that a cached output holds it
     (``hold=True``) until the end of its checkpoint's forward, when the first
     check runs (``release``): holding it longer would tie the cache to the
-    autograd graph in a cycle the collector cannot see (rule 2 of NOTE
+    autograd graph in a cycle the collector cannot see (rule 3 of NOTE
     [ How an excluded region is kept out of the replay ]).
 
     Version counters are read by :meth:`read_versions`, which the engine calls
@@ -192,7 +192,7 @@ class Invocation:
 
     Held by the recompute state that the framework's checkpoint keeps in its
     frame (through ``context_fn``), so it lives exactly as long as the
-    checkpoint's autograd graph (rule 1 of NOTE [ How an excluded region is kept
+    checkpoint's autograd graph (rule 2 of NOTE [ How an excluded region is kept
     out of the replay ]).
     """
 
@@ -266,7 +266,7 @@ class Invocation:
 
     def next_entry(self, region: Any, fn: Any, name: str) -> RecordedCall:
         """The recorded call that the replay's call of ``region`` (running ``fn``) stands
-        for: entries are consumed in call order (rule 1)."""
+        for: entries are consumed in call order (rule 2)."""
         cursor = self.replay_cursor
         if cursor >= len(self.entries):
             raise ReplayMismatchError(
@@ -303,7 +303,8 @@ class Invocation:
     # -- PhaseListener ---------------------------------------------------------------
 
     def on_replay_start(self) -> None:
-        """Each replay starts from the first cached region (``retain_graph`` replays again)."""
+        """Each replay starts from the first cached region (``retain_graph`` replays
+        again; rule 2)."""
         self.replays += 1
         if self.rewind:
             self.replay_cursor = 0
@@ -321,7 +322,7 @@ class Invocation:
             return
         if self.save_counter is not None:
             # A replay that stops at the last saved tensor never reaches the regions
-            # recorded after it: their cached outputs would only take memory (rule 7).
+            # recorded after it: their cached outputs would only take memory (rule 8).
             total = self.save_counter()
             for entry in self.entries:
                 if entry.saves_after == total:
