@@ -68,24 +68,20 @@ class RegionObserver:
         return message
 
 
-_OBSERVERS: contextvars.ContextVar[tuple[RegionObserver, ...]] = contextvars.ContextVar(
+#: The observers installed here (an empty tuple in normal use); read on every region call.
+OBSERVERS: contextvars.ContextVar[tuple[RegionObserver, ...]] = contextvars.ContextVar(
     "recomp_region_observers", default=()
 )
-
-
-def current_observers() -> tuple[RegionObserver, ...]:
-    """The observers installed here (empty in normal use)."""
-    return _OBSERVERS.get()
 
 
 @contextlib.contextmanager
 def observing(observer: RegionObserver) -> Iterator[None]:
     """Report every region call that starts inside the block to ``observer`` too."""
-    token = _OBSERVERS.set((*_OBSERVERS.get(), observer))
+    token = OBSERVERS.set((*OBSERVERS.get(), observer))
     try:
         yield
     finally:
-        _OBSERVERS.reset(token)
+        OBSERVERS.reset(token)
 
 
 class Held(Protocol):

@@ -41,23 +41,17 @@ class Registry:
     cache: a type that is a leaf for one walk may be a node for another.
     """
 
-    __slots__ = ("_generation", "generation", "leaf_types", "lookup")
+    __slots__ = ("generation", "last_generation", "leaf_types", "lookup")
 
     def __init__(
-        self, lookup: Callable[[type], Node | None], generation: Callable[[], int] = lambda: 0
+        self, lookup: Callable[[type], Node | None], generation: Callable[[], int] = int
     ) -> None:
         self.lookup = lookup
+        # Called on every walk: a builtin (a dict's ``__len__``) costs least.
         self.generation = generation
-        self._generation = generation()
+        self.last_generation = generation()
         #: types found to be leaves under this registry as it is now
         self.leaf_types: set[type] = set()
-
-    def refresh(self) -> None:
-        """Forget the leaf types if a type was registered since the last walk."""
-        generation = self.generation()
-        if generation != self._generation:
-            self._generation = generation
-            self.leaf_types = set()
 
 
 #: The walk without a framework registry (built-in containers and dataclasses only).
@@ -131,7 +125,10 @@ def flatten(tree: Any, registry: Registry = NO_REGISTRY) -> tuple[list[Any], Tre
     leaves: list[Any] = []
     # Types found to be leaves are remembered per registry: most leaves are tensors,
     # and this runs on every excluded call, twice.
-    registry.refresh()
+    generation = registry.generation()
+    if generation != registry.last_generation:  # a type was registered since the last walk
+        registry.last_generation = generation
+        registry.leaf_types = set()
     spec = _flatten_into(tree, leaves, registry)
     return leaves, spec
 

@@ -102,7 +102,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from ._backend import IDENTITY, NOT_A_VIEW, Backend
-from ._hooks import Placement, Placer, RegionObserver, current_observers
+from ._hooks import OBSERVERS, Placement, Placer, RegionObserver
 from ._pytree import TreeSpec
 from ._record import (
     CachedOutput,
@@ -214,6 +214,7 @@ class RegionCall:
     __slots__ = (
         "__weakref__",
         "boundary_inputs",
+        "cached_bytes",
         "callee",
         "in_spec",
         "kept_bytes",
@@ -249,8 +250,10 @@ class RegionCall:
         self.saves_after: int | None = None
         self.unreachable = False
         self.placement: Placement | None = None
-        # Bytes of the saved tensors kept for real (each storage once, parameters aside).
+        # Bytes of the saved tensors kept for real (each storage once, parameters aside),
+        # and what the cached outputs add to them.
         self.kept_bytes = 0
+        self.cached_bytes = 0
 
     @property
     def region_name(self) -> str:
@@ -279,7 +282,7 @@ class RegionCall:
         backend = region.backend
         leaves, in_spec = backend.flatten((args, kwargs))
         call = cls(region, callee_identity(fn), in_spec)
-        observers = current_observers()
+        observers = OBSERVERS.get()
         placer = region.offloader
         placement = placer.open_group(region.name) if placer is not None else None
         hook = _SaveHook(call, inv, fn, leaves, placement, observers)
@@ -369,6 +372,7 @@ class RegionCall:
                     observer.output_cached(self, leaf, nbytes)
             self.out_leaves.append(_OutputIndex(len(self.outputs)))
             self.outputs.append(CachedOutput(cached, requires_grad, nbytes, region.copy_output))
+            self.cached_bytes += nbytes
             if requires_grad:
                 differentiable.append(pos)
         for index in mutated:
@@ -410,15 +414,14 @@ class RegionCall:
         """``region_saved_bytes``: what the region's last call keeps until backward."""
         region = self.region
         if region.last_call() is self:
-            cached = sum(c.nbytes for c in self.outputs if c.snapshot is not None)
-            region.saved_bytes = self.kept_bytes + cached
+            region.saved_bytes = self.kept_bytes + self.cached_bytes
 
     # -- replay ----------------------------------------------------------------------
 
     def replay(self, region: ExcludedRegion, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Hand the cached outputs to a replay that reached this call (not running it)."""
         backend = region.backend
-        for observer in current_observers():
+        for observer in OBSERVERS.get():
             observer.region_skipped(self)
         leaves, in_spec = backend.flatten((args, kwargs))
         if in_spec != self.in_spec:
@@ -508,6 +511,7 @@ class RegionCall:
         self.unreachable = True
         for cached in self.outputs:
             cached.snapshot = None
+        self.cached_bytes = 0
         self._publish_saved_bytes()
 
 

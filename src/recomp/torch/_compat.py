@@ -228,15 +228,15 @@ def _supported_nodes() -> dict[type, Any] | None:
 _SUPPORTED_NODES = _supported_nodes()
 
 
-def pytree_generation() -> int:
-    """A number that changes when a type is registered as a PyTorch pytree node.
-
-    Why: recomp's walker remembers which types are leaves; a type registered after
-    it was first walked must be looked into from then on.
-    If it changes: the registry's size is still what this reads (0 without it).
-    Retired by: a registry that announces registrations, or no leaf cache.
-    """
-    return len(_SUPPORTED_NODES) if _SUPPORTED_NODES is not None else 0
+#: A number that changes when a type is registered as a PyTorch pytree node: the
+#: registry's size (a builtin, as it is read on every walk).
+#: Why: recomp's walker remembers which types are leaves; a type registered after it
+#: was first walked must be looked into from then on.
+#: If it changes: without the registry it is always 0, and so is nothing remembered wrongly.
+#: Retired by: a registry that announces registrations, or no leaf cache.
+pytree_generation: Callable[[], int] = (
+    _SUPPORTED_NODES.__len__ if _SUPPORTED_NODES is not None else int
+)
 
 
 # --------------------------------------------------------------------------- dispatch-level tools
