@@ -43,9 +43,16 @@ class PyNativeOnly:
         if cell is None:
             return self.function
         frame = inspect.currentframe()
-        caller = frame.f_back if frame is not None else None
-        if caller is not None and caller.f_code in graph_parser_lookups():
-            raise pynative_error(self.api)
+        try:
+            caller = frame.f_back if frame is not None else None
+            if caller is not None and caller.f_code in graph_parser_lookups():
+                raise pynative_error(self.api)
+        finally:
+            # A frame kept in a local of its own refers to itself: a reference cycle
+            # that would hold the caller's locals (a step's tensors) until the
+            # garbage collector runs.
+            del frame
+            caller = None
         return self.function.__get__(cell, owner)
 
 
