@@ -350,9 +350,12 @@ class ReachCheck:
         if self.done or self.is_compiling():
             return
         self.done = True
-        for handle in self.handles:
+        # This hook is running now, and MindSpore iterates a Cell's hooks without
+        # taking a copy: removing it here would break that loop for every hook
+        # registered after it. It stays, and does nothing from now on.
+        for handle in self.handles[:-1]:
             handle.remove()
-        self.handles = []
+        self.handles = self.handles[-1:]
         if not self.reached:
             shown = ", ".join(repr(p) for p in self.paths[:3])
             more = f" and {len(self.paths) - 3} more" if len(self.paths) > 3 else ""
