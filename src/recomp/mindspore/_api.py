@@ -57,7 +57,21 @@ def checkpoint(
     )
 
 
-class CheckpointWrapper(_wrapping.WrapperMixin, nn.Cell):
+class _NamesKept:
+    """Assigning a wrapped Cell back to the attribute it came from keeps its parameters'
+    names. MindSpore's ``Cell.__setattr__`` re-prefixes a Cell's parameters with the
+    bare attribute name (``layers.0.attn.weight`` becomes ``attn.weight``), which an
+    optimizer built right after wrapping sees as duplicates; recomp wraps in place,
+    so the Cell is where it was and its names are already right."""
+
+    def update_parameters_name(self, prefix: str = "", recurse: bool = True) -> None:
+        named = list(self.parameters_and_names(expand=recurse))  # type: ignore[attr-defined]
+        if prefix and named and all(p.name.endswith(f".{prefix}{n}") for n, p in named):
+            return
+        super().update_parameters_name(prefix, recurse)  # type: ignore[misc]
+
+
+class CheckpointWrapper(_NamesKept, _wrapping.WrapperMixin, nn.Cell):
     """The class of every Cell wrapped by :func:`checkpoint_wrapper` derives from this.
 
     ``construct`` runs the Cell's own ``construct`` as a recomp :func:`checkpoint`.
@@ -90,7 +104,7 @@ class CheckpointWrapper(_wrapping.WrapperMixin, nn.Cell):
         return ", ".join(part for part in (super().extend_repr(), own) if part)
 
 
-class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Cell):
+class ExcludeWrapper(RegionCounters, _NamesKept, _wrapping.WrapperMixin, nn.Cell):
     """The class of every Cell wrapped by :func:`checkpoint_exclude_wrapper` derives from this.
 
     Inside a recomp checkpoint, a call of the Cell (its hooks included) runs
