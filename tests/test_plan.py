@@ -485,8 +485,8 @@ def test_bench_every_and_plan_strategies(bench_rows):
 
 
 def test_bench_plan_targets_and_summary(bench_rows):
+    from recomp.bench.plan_cli import comparison
     from recomp.bench.report import attach_predictions, evaluate_targets, plan_summary
-    from recomp.plan.cli import comparison
 
     made, rows = bench_rows
     rows = copy.deepcopy(rows)
@@ -524,7 +524,7 @@ def test_bench_plan_targets_and_summary(bench_rows):
 
 def test_import_recomp_plan_stays_framework_free():
     code = (
-        "import sys, recomp.plan, recomp.plan.cli;"
+        "import sys, recomp.plan, recomp.bench.plan_cli;"
         "print(sorted(m for m in ('torch', 'mindspore') if m in sys.modules))"
     )
     proc = subprocess.run(

@@ -18,7 +18,6 @@ import bisect
 import contextlib
 import glob
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +28,7 @@ import numpy as np
 from mindspore import Tensor, nn
 
 from .config import BenchConfig, call_factory, load_factory
-from .runner_stats import count_delta, region_counts, saved_bytes
+from .runner_stats import count_delta, region_counts, saved_bytes, time_interleaved
 
 MS_STRATEGIES = ("none", "full", "exclude-attn")
 MS_DEFAULT_MODEL = "recomp.bench.ms_models:llama"
@@ -140,6 +139,9 @@ class Trainer:
         loss, grads = self.grad_fn(self.x)
         self.optimizer(grads)
         loss.asnumpy()  # wait for the step to finish
+
+    def sync(self) -> None:
+        """Nothing to wait for: ``step`` returns once the step has finished."""
 
 
 class _CallCounter:
@@ -263,22 +265,4 @@ def time_strategies(
 ) -> dict[str, dict[str, list[float]]]:
     setup(config)
     trainers = {s: Trainer(config, s) for s in strategies}
-    for _ in range(max(1, config.warmup)):
-        for trainer in trainers.values():
-            trainer.step()
-    times: dict[str, list[float]] = {s: [] for s in strategies}
-    cpu: dict[str, list[float]] = {s: [] for s in strategies}
-    for r in range(config.steps):
-        order = strategies if r % 2 == 0 else list(reversed(strategies))
-        for s in order:
-            t0, c0 = time.perf_counter(), time.process_time()
-            trainers[s].step()
-            times[s].append(time.perf_counter() - t0)
-            cpu[s].append(time.process_time() - c0)
-        if progress is not None:
-            progress(r + 1, config.steps)
-    return {"wall": times, "cpu": cpu}
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)
+    return time_interleaved(trainers, config.steps, config.warmup, progress)

@@ -12,7 +12,6 @@ compiled graph; nor is the CPU peak (sampled around each ATen op in eager mode).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -20,9 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..plan.modelcall import call_model, mean_square_loss
 from .config import BenchConfig, call_factory, load_factory, row_label
 from .measure import CpuMemory, RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader
-from .runner_stats import count_delta, region_counts, saved_bytes
+from .runner_stats import count_delta, region_counts, saved_bytes, time_interleaved
 from .strategies import Prepared, parse, prepare
 
 
@@ -47,13 +47,6 @@ def build(config: BenchConfig) -> tuple[nn.Module, Any, Callable[[Any], torch.Te
     return model, x, loss_fn
 
 
-def mean_square_loss(out: Any) -> torch.Tensor:
-    """The default loss: mean square of the output (its first element if a tuple)."""
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    return out.float().pow(2).mean()
-
-
 def _to(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(device)
@@ -62,15 +55,6 @@ def _to(x: Any, device: torch.device) -> Any:
     if isinstance(x, dict):
         return {k: _to(v, device) for k, v in x.items()}
     return x
-
-
-def call_model(model: nn.Module, x: Any) -> Any:
-    """``model(**x)`` for a dict, ``model(*x)`` for a tuple, else ``model(x)``."""
-    if isinstance(x, dict):
-        return model(**x)
-    if isinstance(x, tuple):
-        return model(*x)
-    return model(x)
 
 
 class Trainer:
@@ -294,22 +278,4 @@ def time_strategies(
     torch.set_num_threads(max(1, config.threads))
     # Same seed, same weights: every trainer starts from the same model.
     trainers = {s: Trainer(config, s) for s in strategies}
-    for _ in range(max(1, config.warmup)):
-        for trainer in trainers.values():
-            trainer.step()
-    times: dict[str, list[float]] = {s: [] for s in strategies}
-    cpu: dict[str, list[float]] = {s: [] for s in strategies}
-    for r in range(config.steps):
-        # Alternate the order so no strategy always follows the same one.
-        order = strategies if r % 2 == 0 else list(reversed(strategies))
-        for s in order:
-            trainer = trainers[s]
-            trainer.sync()
-            t0, c0 = time.perf_counter(), time.process_time()
-            trainer.step()
-            trainer.sync()
-            times[s].append(time.perf_counter() - t0)
-            cpu[s].append(time.process_time() - c0)
-        if progress is not None:
-            progress(r + 1, config.steps)
-    return {"wall": times, "cpu": cpu}
+    return time_interleaved(trainers, config.steps, config.warmup, progress)

@@ -45,11 +45,10 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 
-from ..bench.measure import CPU_ATTENTION_FORMULAS
-from ..bench.runner import call_model, mean_square_loss
 from ..torch import _compat
 from ..torch._backend import BACKEND
 from ..torch._compat import TorchDispatchMode
+from .modelcall import call_model, cpu_flop_formulas, mean_square_loss
 from .planfile import exclude_option
 from .planner import LayerProfile, OptionProfile, Profile, RegionProfile
 
@@ -215,7 +214,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.clock = clock
         counter = flop_counter.FlopCounterMode(
-            display=False, custom_mapping=dict(CPU_ATTENTION_FORMULAS)
+            display=False, custom_mapping=cpu_flop_formulas()
         )
         self.registry = counter.flop_registry
         self.preexisting = preexisting

@@ -1,8 +1,10 @@
 """``recomp plan``: profile a model, print the fastest plan that fits the budget, then run
 it and print the measured activation memory and step time beside the predicted ones.
 
-The profile and the measurements run in child processes (``recomp.bench.worker``), as
-the benchmark's do: allocator readings need a process of their own.
+The command lives with the benchmark because it is one: the profile and the
+measurements of the plan run in child processes (``recomp.bench.worker``), as the
+benchmark's do, since allocator readings need a process of their own. The planner itself,
+``recomp.plan``, is a library below it and imports nothing of ``recomp.bench``.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ import argparse
 import sys
 from typing import Any
 
-from ..bench.config import DEFAULT_MODEL, BenchConfig
-from .budget import parse_budget
+from ..plan.budget import parse_budget
+from .config import DEFAULT_MODEL, add_config_arguments, config_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,14 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", metavar="PATH", help="write the plan here")
     p.add_argument("--profile-json", metavar="PATH", help="write the profile here")
-    p.add_argument("--layers", type=int, default=BenchConfig.layers)
-    p.add_argument("--hidden", type=int, default=BenchConfig.hidden)
-    p.add_argument("--heads", type=int, default=BenchConfig.heads)
-    p.add_argument("--seq", type=int, default=BenchConfig.seq)
-    p.add_argument("--batch", type=int, default=BenchConfig.batch)
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
-    p.add_argument("--steps", type=int, default=4, help="timed steps of the plan (and of none)")
+    add_config_arguments(
+        p,
+        steps=4,
+        steps_help="timed steps of the plan (and of none)",
+        device_help="cpu or cuda[:N]",
+    )
     p.add_argument(
         "--clock",
         choices=("auto", "wall", "cpu"),
@@ -65,11 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..bench.cli import Job, Progress, _run_jobs
-    from ..bench.report import attach_predictions
-    from ..bench.runner_stats import summarize_times
-    from .planfile import load_plan, save_plan
-    from .planner import Profile, plan_table, profile_table
+    from ..plan.planfile import load_plan, save_plan
+    from ..plan.planner import Profile, plan_table, profile_table
+    from .jobs import Job, Progress, run_jobs
+    from .report import attach_predictions
+    from .runner_stats import summarize_times
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -79,18 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     strategy = f"plan@{budget.text}"
     extra: dict[str, Any] = {} if args.clock == "auto" else {"plan_clock": args.clock}
-    config = BenchConfig(
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        seq=args.seq,
-        batch=args.batch,
-        steps=args.steps,
-        device=args.device,
-        threads=args.threads,
-        model=args.model,
-        extra=extra,
-    )
+    config = config_from_args(args, **extra)
     progress = Progress(3 if args.no_measure else 3 + 2 + args.steps + 2, not args.quiet)
     offset = [0.0]
     planning = Job(
@@ -103,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         3,
     )
-    _run_jobs([planning], 1, progress, offset)
+    run_jobs([planning], 1, progress, offset)
     if planning.result is None:
         progress.close()
         print(f"recomp plan: profiling failed: {planning.error}", file=sys.stderr)
@@ -117,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         save_plan(plan, args.json)
     if args.profile_json:
-        from ..bench.report import write_json
+        from .report import write_json
 
         write_json(args.profile_json, planning.result["profile"])
     profile_text = profile_table(Profile.from_dict(planning.result["profile"]))
@@ -142,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         {**task, "kind": "time", "strategies": ["none", strategy]},
         args.steps + 2,
     )
-    _run_jobs([measuring], 1, progress, offset)
-    _run_jobs([timing], 1, progress, offset)
+    run_jobs([measuring], 1, progress, offset)
+    run_jobs([timing], 1, progress, offset)
     show_plan()
     if measuring.result is None or timing.result is None:
         print(f"recomp plan: running the plan failed: {measuring.error or timing.error}")
