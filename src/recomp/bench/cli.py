@@ -18,9 +18,9 @@ from .report import (
     plan_summary,
     table,
     targets_text,
-    write_json,
     write_plot,
 )
+from .results import Report, Result, write_report
 
 TORCH_STRATEGIES = ("none", "full", "sac", "torch-remat", "exclude-attn", "exclude-mlp")
 COMPILED_STRATEGIES = ("none", "full", "sac", "exclude-attn")
@@ -259,18 +259,18 @@ def main(argv: list[str] | None = None) -> int:
         print("note: " + note)
     print(f"\n{len(results)} strategies in {elapsed:.0f} s")
 
-    report = {
-        "command": "recomp bench " + " ".join(sys.argv[2:] if argv is None else argv),
-        "environment": _environment(),
-        "elapsed_s": elapsed,
-        "results": results,
-        "scenario": scenario,
-        "overhead": overhead,
-        "targets": targets,
-        "notes": notes,
-    }
+    report = Report(
+        command="recomp bench " + " ".join(sys.argv[2:] if argv is None else argv),
+        environment=_environment(),
+        elapsed_s=elapsed,
+        results=results,
+        scenario=scenario,
+        overhead=overhead,
+        targets=targets,
+        notes=notes,
+    )
     if args.json:
-        write_json(args.json, report)
+        write_report(args.json, report)
         print(f"wrote {args.json}")
     if args.plot:
         try:
@@ -278,15 +278,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.plot}")
         except ImportError:
             print("no plot: matplotlib is not installed (pip install recomp[bench])")
-    failed = [r for r in results + scenario if "error" in r]
+    failed = [r for r in results + scenario if r.error is not None]
     return 1 if failed and len(failed) == len(results + scenario) else 0
 
 
 def _collect(
     plan: list[tuple[str, BenchConfig, list[str]]], measure_jobs: list[Job], time_jobs: list[Job]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    from .runner_stats import summarize_times
-
+) -> tuple[list[Result], list[Result]]:
     times: dict[str, dict[str, list[float]]] = {}
     cpu_times: dict[str, dict[str, list[float]]] = {}
     time_errors: dict[str, str] = {}
@@ -297,28 +295,24 @@ def _collect(
             cpu_times[fw] = job.result["times"]["cpu"]
         else:
             time_errors[fw] = job.error or "timing failed"
-    results: list[dict[str, Any]] = []
-    scenario: list[dict[str, Any]] = []
+    results: list[Result] = []
+    scenario: list[Result] = []
     for job in measure_jobs:
         target = scenario if job.task["config"]["model"] == SCENARIO_MODEL else results
         if job.result is None:
             for s in job.task["strategies"]:
                 label = row_label(job.task["framework"], job.task["config"])
-                target.append({"framework": label, "strategy": s, "error": job.error or "?"})
+                target.append(Result(label, s, error=job.error or "?"))
             continue
-        for r in job.result["results"]:
-            fw, s = r["framework"], r["strategy"]  # framework: the row label (torch+inductor)
-            if target is results and "error" not in r:
+        for row in job.result["results"]:
+            r = Result.from_dict(row)
+            fw, s = r.framework, r.strategy  # framework: the row label (torch+inductor)
+            if target is results and r.error is None:
                 samples = times.get(fw, {}).get(s)
                 if samples:
-                    median, spread = summarize_times(samples)
-                    r.update(step_time_s=median, step_time_spread_s=spread, step_times_s=samples)
-                    cpu = cpu_times[fw][s]
-                    r.update(step_cpu_time_s=summarize_times(cpu)[0], step_cpu_times_s=cpu)
-                else:
-                    r.update(step_time_s=None, step_time_spread_s=None)
-                    if fw in time_errors:
-                        r["timing_error"] = time_errors[fw]
+                    r.set_step_times(samples, cpu_times[fw][s])
+                elif fw in time_errors:
+                    r.timing_error = time_errors[fw]
             target.append(r)
     return results, scenario
 

@@ -28,6 +28,7 @@ import numpy as np
 from mindspore import Tensor, nn
 
 from .config import BenchConfig, call_factory, load_factory
+from .results import Result
 from .runner_stats import count_delta, region_counts, saved_bytes, time_interleaved
 
 MS_STRATEGIES = ("none", "full", "exclude-attn")
@@ -201,7 +202,7 @@ def _allocated_at(rows: list[tuple[int, int]], t: int) -> int:
     return rows[i][1]
 
 
-def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
+def measure_strategy(config: BenchConfig, strategy: str) -> Result:
     setup(config)
     _, reference = Trainer(config, "none").grads()
     ref = [g.asnumpy() for g in reference]
@@ -235,27 +236,24 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
         raise RuntimeError("MindSpore's profiler wrote no memory record")
     base = _allocated_at(rows, start)
     in_step = [a for t, a in rows if start <= t <= end]
-    return {
-        "framework": "mindspore",
-        "strategy": strategy,
-        "device": "cpu",
-        "memory_source": "mindspore profiler memory record",
-        "activation_bytes": _allocated_at(rows, forward_end) - base,
-        "peak_bytes": max(in_step, default=base) - base,
-        "retained_after_step_bytes": _allocated_at(rows, end) - base,
-        "forward_flops": None,
-        "replay_flops": None,
-        "backward_flops": None,
-        "excluded_flops": None,
-        "region_runs": count_delta(runs_after, runs_before),
-        "region_skips": count_delta(skips_after, skips_before),
-        "region_calls": dict(counter.calls),
-        "region_saved_bytes": saved_bytes(trainer.prepared.exclude_wrappers),
-        "max_grad_diff": grad_diff,
-        "loss": first_loss,
-        "num_layers": len(trainer.model.layers),
-        "config": config.to_dict(),
-    }
+    # FLOPs stay None: MindSpore has no FLOP counter.
+    return Result(
+        framework="mindspore",
+        strategy=strategy,
+        device="cpu",
+        memory_source="mindspore profiler memory record",
+        activation_bytes=_allocated_at(rows, forward_end) - base,
+        peak_bytes=max(in_step, default=base) - base,
+        retained_after_step_bytes=_allocated_at(rows, end) - base,
+        region_runs=count_delta(runs_after, runs_before),
+        region_skips=count_delta(skips_after, skips_before),
+        region_calls=dict(counter.calls),
+        region_saved_bytes=saved_bytes(trainer.prepared.exclude_wrappers),
+        max_grad_diff=grad_diff,
+        loss=first_loss,
+        num_layers=len(trainer.model.layers),
+        config=config,
+    )
 
 
 def time_strategies(

@@ -10,11 +10,13 @@ benchmark's do, since allocator readings need a process of their own. The planne
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
 from ..plan.budget import parse_budget
 from .config import DEFAULT_MODEL, add_config_arguments, config_from_args
+from .results import Result, write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     from ..plan.planner import Profile, plan_table, profile_table
     from .jobs import Job, Progress, run_jobs
     from .report import attach_predictions
-    from .runner_stats import summarize_times
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -106,8 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         save_plan(plan, args.json)
     if args.profile_json:
-        from .report import write_json
-
         write_json(args.profile_json, planning.result["profile"])
     profile_text = profile_table(Profile.from_dict(planning.result["profile"]))
 
@@ -137,19 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     if measuring.result is None or timing.result is None:
         print(f"recomp plan: running the plan failed: {measuring.error or timing.error}")
         return 1
-    row = measuring.result["results"][0]
-    if "error" in row:
-        print(f"recomp plan: running the plan failed: {row['error']}")
+    row = Result.from_dict(measuring.result["results"][0])
+    if row.error is not None:
+        print(f"recomp plan: running the plan failed: {row.error}")
         return 1
-    rows = [row, {"framework": "torch", "strategy": "none"}]
+    rows = [row, Result("torch", "none")]
     for r in rows:
-        wall = timing.result["times"]["wall"][r["strategy"]]
-        cpu = timing.result["times"]["cpu"][r["strategy"]]
-        r.update(
-            step_time_s=summarize_times(wall)[0],
-            step_cpu_time_s=summarize_times(cpu)[0],
-            step_times_s=wall,
-            step_cpu_times_s=cpu,
+        r.set_step_times(
+            timing.result["times"]["wall"][r.strategy], timing.result["times"]["cpu"][r.strategy]
         )
     attach_predictions(rows, {strategy: {**made, "clock": planning.result["clock"]}})
     print()
@@ -157,29 +151,40 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def comparison(row: dict[str, Any], none: dict[str, Any]) -> str:
+def comparison(row: Result, none: Result) -> str:
     """Predicted against measured: activation memory, replay FLOPs, step time."""
-    p = row["plan"]
-    clock = p["clock"]
-    step_key = "step_cpu_time_s" if clock == "cpu" else "step_time_s"
+    p = row.plan
+    assert p is not None, "comparison() needs a row with its plan attached"
+    clock = p.clock
+
+    def step(r: Result) -> float:
+        value = r.step_cpu_time_s if clock == "cpu" else r.step_time_s
+        return math.nan if value is None else value
+
+    def pct(measured: float | None, predicted: float | None) -> str:
+        if measured is None or not predicted:
+            return "-"
+        return f"{(measured / predicted - 1) * 100:+.1f}%"
+
+    def num(value: float | None, scale: float, digits: int) -> str:
+        return f"{'-':>12}" if value is None else f"{value / scale:12.{digits}f}"
+
     mib = float(1 << 20)
-
-    def pct(measured: float, predicted: float) -> str:
-        return f"{(measured / predicted - 1) * 100:+.1f}%" if predicted else "-"
-
+    replay_error = (
+        pct(row.replay_flops, p.predicted_replay_flops) if p.predicted_replay_flops else ""
+    )
     lines = [
         f"{'':34}{'predicted':>12}{'measured':>12}{'error':>9}",
-        f"{'activation memory (MiB)':34}{p['predicted_activation_bytes'] / mib:12.2f}"
-        f"{row['activation_bytes'] / mib:12.2f}"
-        f"{pct(row['activation_bytes'], p['predicted_activation_bytes']):>9}",
-        f"{'replay (GFLOP)':34}{p['predicted_replay_flops'] / 1e9:12.3f}"
-        f"{row['replay_flops'] / 1e9:12.3f}"
-        f"{pct(row['replay_flops'], p['predicted_replay_flops']) if p['predicted_replay_flops'] else '':>9}",
-        f"{f'step time, {clock} clock (ms)':34}{p['predicted_step_time_s'] * 1e3:12.1f}"
-        f"{row[step_key] * 1e3:12.1f}{pct(row[step_key], p['predicted_step_time_s']):>9}",
+        f"{'activation memory (MiB)':34}{num(p.predicted_activation_bytes, mib, 2)}"
+        f"{num(row.activation_bytes, mib, 2)}"
+        f"{pct(row.activation_bytes, p.predicted_activation_bytes):>9}",
+        f"{'replay (GFLOP)':34}{num(p.predicted_replay_flops, 1e9, 3)}"
+        f"{num(row.replay_flops, 1e9, 3)}{replay_error:>9}",
+        f"{f'step time, {clock} clock (ms)':34}{p.predicted_step_time_s * 1e3:12.1f}"
+        f"{step(row) * 1e3:12.1f}{pct(step(row), p.predicted_step_time_s):>9}",
     ]
-    if p.get("measured_ratio_to_none") is not None:
-        predicted, measured = p["predicted_ratio_to_none"], p["measured_ratio_to_none"]
+    if p.measured_ratio_to_none is not None and p.predicted_ratio_to_none is not None:
+        predicted, measured = p.predicted_ratio_to_none, p.measured_ratio_to_none
         lines.append(
             f"{'  slowdown over no checkpointing':34}{predicted:11.3f}x{measured:11.3f}x"
             f"{pct(measured, predicted):>9}"
@@ -188,10 +193,13 @@ def comparison(row: dict[str, Any], none: dict[str, Any]) -> str:
         "slowdown: the plan's step time over no checkpointing's, predicted from the profile, "
         "measured as the median of per-round ratios (the two are timed interleaved)"
     )
+    wall_plan = math.nan if row.step_time_s is None else row.step_time_s
+    wall_none = math.nan if none.step_time_s is None else none.step_time_s
+    grad = math.nan if row.max_grad_diff is None else row.max_grad_diff
     lines.append(
-        f"budget {p['budget_bytes'] / mib:.2f} MiB; no checkpointing in the same run: "
-        f"{none[step_key] * 1e3:.1f} ms per step ({clock} clock), wall time: plan "
-        f"{row['step_time_s'] * 1e3:.1f} ms, none {none['step_time_s'] * 1e3:.1f} ms; "
-        f"gradients differ from none by at most {row['max_grad_diff']:.1e}"
+        f"budget {p.budget_bytes / mib:.2f} MiB; no checkpointing in the same run: "
+        f"{step(none) * 1e3:.1f} ms per step ({clock} clock), wall time: plan "
+        f"{wall_plan * 1e3:.1f} ms, none {wall_none * 1e3:.1f} ms; "
+        f"gradients differ from none by at most {grad:.1e}"
     )
     return "\n".join(lines)

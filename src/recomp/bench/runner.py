@@ -22,6 +22,7 @@ from torch import nn
 from ..plan.modelcall import call_model, mean_square_loss
 from .config import BenchConfig, call_factory, load_factory, row_label
 from .measure import CpuMemory, RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader
+from .results import Offload, Result
 from .runner_stats import count_delta, region_counts, saved_bytes, time_interleaved
 from .strategies import Prepared, parse, prepare
 
@@ -65,9 +66,7 @@ class Trainer:
         plan = None
         if parse(strategy)[0] == "plan":
             plan = plan_for(config, strategy, model, self.x, self.loss_fn)
-        self.prepared: Prepared = prepare(
-            strategy, model, plan, compiled=bool(config.compile)
-        )
+        self.prepared: Prepared = prepare(strategy, model, plan, compiled=bool(config.compile))
         self.model = self.prepared.model
         # What the step calls: the model, or the model compiled with the chosen backend.
         self.run_model: Any = (
@@ -148,7 +147,7 @@ def reference_grads(config: BenchConfig) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.detach().clone() for p in trainer.params]
 
 
-def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
+def measure_strategy(config: BenchConfig, strategy: str) -> Result:
     """Memory, FLOPs, region runs and gradient difference of ``strategy`` (one process)."""
     torch.set_num_threads(max(1, config.threads))
     reference = reference_grads(replace(config, compile=None))  # eager, no checkpoint
@@ -183,17 +182,17 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
     trainer.optimizer.zero_grad(set_to_none=False)
     after_step = memory.read()
     runs_after, skips_after = region_counts(trainer.prepared.exclude_wrappers)
-    offload: dict[str, Any] | None = None
+    offload: Offload | None = None
     if offloader is not None:
         offloader.synchronize()
         offloader.timing = False
         moved = offloader.stats - offload_before
-        offload = {
-            "host_bytes": moved.offloaded_bytes,
-            "restored_bytes": moved.restored_bytes,
-            "prefetched_bytes": moved.prefetched_bytes,
-            "copy_s": moved.copy_seconds,
-        }
+        offload = Offload(
+            host_bytes=moved.offloaded_bytes,
+            restored_bytes=moved.restored_bytes,
+            prefetched_bytes=moved.prefetched_bytes,
+            copy_s=moved.copy_seconds,
+        )
 
     compiled = bool(config.compile)
     # Peak of a whole step, above the same baseline.
@@ -205,36 +204,30 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
             trainer.step()
         peak = memory.peak() - base
 
-    result = {
-        "framework": row_label("torch", config.to_dict()),
-        "strategy": strategy,
-        "device": str(trainer.device),
-        "memory_source": memory.source,
-        "activation_bytes": after_forward - before,
-        "peak_bytes": peak,
-        "retained_after_step_bytes": after_step - before,
-        "offload": offload,
-        "max_grad_diff": grad_diff,
-        "loss": first_loss,
-        "num_layers": len(trainer.prepared.units),
-        "config": config.to_dict(),
-    }
-    if compiled:
-        return result
-    return {
-        **result,
-        **_flops_and_calls(trainer, runs_after, runs_before, skips_after, skips_before),
-    }
+    result = Result(
+        framework=row_label("torch", config.to_dict()),
+        strategy=strategy,
+        device=str(trainer.device),
+        memory_source=memory.source,
+        activation_bytes=after_forward - before,
+        peak_bytes=peak,
+        retained_after_step_bytes=after_step - before,
+        offload=offload,
+        max_grad_diff=grad_diff,
+        loss=first_loss,
+        num_layers=len(trainer.prepared.units),
+        config=config,
+    )
+    if not compiled:
+        _count_flops_and_calls(result, trainer)
+        result.region_runs = count_delta(runs_after, runs_before)
+        result.region_skips = count_delta(skips_after, skips_before)
+    return result
 
 
-def _flops_and_calls(
-    trainer: Trainer,
-    runs_after: dict[str, int],
-    runs_before: dict[str, int],
-    skips_after: dict[str, int],
-    skips_before: dict[str, int],
-) -> dict[str, Any]:
-    """FLOPs of one step split by phase, and region calls and runs (eager models only)."""
+def _count_flops_and_calls(result: Result, trainer: Trainer) -> None:
+    """Fill in the FLOPs of one more step split by phase, the calls of each region in it
+    and the bytes each region keeps after it (eager models only)."""
     regions = RegionTracker()
     regions.track(trainer.prepared.regions)
     layers = RegionTracker()
@@ -252,20 +245,16 @@ def _flops_and_calls(
     layers.remove()
     split = counter.split
 
-    return {
-        "forward_flops": split["forward"],
-        "replay_flops": split["replay"],
-        "replay_flops_recomp_state": split["replay_recomp"],
-        "backward_flops": split["backward"],
-        "excluded_flops": split["excluded"],
-        "layer_forward_flops": split["layers"],
-        "total_flops": int(counter.get_total_flops()),
-        "flops_by_op": {k: v for k, v in counter.ops.items() if v},
-        "region_runs": count_delta(runs_after, runs_before),
-        "region_skips": count_delta(skips_after, skips_before),
-        "region_calls": dict(regions.calls),
-        "region_saved_bytes": saved_bytes(trainer.prepared.exclude_wrappers),
-    }
+    result.forward_flops = split["forward"]
+    result.replay_flops = split["replay"]
+    result.replay_flops_recomp_state = split["replay_recomp"]
+    result.backward_flops = split["backward"]
+    result.excluded_flops = split["excluded"]
+    result.layer_forward_flops = split["layers"]
+    result.total_flops = int(counter.get_total_flops())
+    result.flops_by_op = {k: v for k, v in counter.ops.items() if v}
+    result.region_calls = dict(regions.calls)
+    result.region_saved_bytes = saved_bytes(trainer.prepared.exclude_wrappers)
 
 
 def time_strategies(
