@@ -49,8 +49,8 @@ from ..torch import _compat
 from ..torch._backend import BACKEND
 from ..torch._compat import TorchDispatchMode
 from .modelcall import call_model, cpu_flop_formulas, mean_square_loss
-from .planfile import exclude_option
-from .planner import LayerProfile, OptionProfile, Profile, RegionProfile
+from .planfile import NO_CHECKPOINT, exclude_option
+from .planner import LayerProfile, OptionProfile, OptionSlot, Profile, RegionProfile
 
 LayerSpec = Callable[[nn.Module], bool] | Sequence[str] | None
 
@@ -153,6 +153,14 @@ def option_sets(count: int) -> list[tuple[int, ...]]:
     return [(i,) for i in range(count)] + [tuple(range(count))]
 
 
+def layer_option_sets(count: int) -> list[tuple[int, ...] | None]:
+    """The options of a layer with ``count`` candidates, in the order of ``OptionSlot``:
+    no checkpoint (``None``), full checkpoint (nothing excluded, ``()``), then the sets of
+    candidate indices of ``option_sets``."""
+    fixed: dict[OptionSlot, tuple[int, ...] | None] = {OptionSlot.NONE: None, OptionSlot.FULL: ()}
+    return [fixed[slot] for slot in sorted(fixed)] + list(option_sets(count))
+
+
 # --------------------------------------------------------------------------- recording
 
 
@@ -213,9 +221,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, preexisting: set[Hashable], clock: Callable[[], float]) -> None:
         super().__init__()
         self.clock = clock
-        counter = flop_counter.FlopCounterMode(
-            display=False, custom_mapping=cpu_flop_formulas()
-        )
+        counter = flop_counter.FlopCounterMode(display=False, custom_mapping=cpu_flop_formulas())
         self.registry = counter.flop_registry
         self.preexisting = preexisting
         self.seq = 0
@@ -376,7 +382,7 @@ def _analyse_option(
 
     if excluded is None:
         saved = {s.key: s.nbytes for s in record.saves if not s.is_parameter}
-        return _OptionResult("none", activations(saved), [], {}, 0)
+        return _OptionResult(NO_CHECKPOINT, activations(saved), [], {}, 0)
 
     chosen = set(excluded)
     kept: dict[Hashable, int] = dict(record.input_keys)
@@ -792,7 +798,7 @@ def _profile(
     per_save = _per_save_seconds(clock) if device.type == "cpu" else 0.0
     analysed: list[list[_OptionResult]] = []
     for index, record in enumerate(recorder.layers):
-        sets: list[tuple[int, ...] | None] = [None, (), *option_sets(len(candidates[index]))]
+        sets = layer_option_sets(len(candidates[index]))
         analysed.append([_analyse_option(record, candidates[index], s, preexisting) for s in sets])
     private, pairs, shared, spread = _attribute(
         [[o.kept for o in options] for options in analysed], outside
@@ -823,7 +829,7 @@ def _profile(
             )
         options = []
         for o, result in enumerate(analysed[index]):
-            checkpoints = 0 if result.name == "none" else 1
+            checkpoints = 0 if o == OptionSlot.NONE else 1
             options.append(
                 OptionProfile(
                     name=result.name,
@@ -841,8 +847,8 @@ def _profile(
                 type=type(layer).__name__,
                 forward_s=forward_s[path],
                 forward_flops=sum(op.flops for op in record.ops),
-                no_checkpoint_bytes=sum(analysed[index][0].kept.values()),
-                checkpoint_input_bytes=sum(analysed[index][1].kept.values()),
+                no_checkpoint_bytes=sum(analysed[index][OptionSlot.NONE].kept.values()),
+                checkpoint_input_bytes=sum(analysed[index][OptionSlot.FULL].kept.values()),
                 regions=region_profiles,
                 options=options,
                 pair_bytes=[[a, b, n] for (a, b), n in sorted(pairs[index].items()) if n],
