@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 
-from ..plan.modelcall import cpu_flop_formulas
-from ..torch._compat import TorchDispatchMode
+from .._modelcall import flop_formulas
+from ..torch._compat import TorchDispatchMode, cpu_attention_ops
 from .memory import malloc_in_use
 
 # --------------------------------------------------------------------------- memory
@@ -155,8 +155,8 @@ class RegionTracker:
 # --------------------------------------------------------------------------- FLOPs
 
 
-# PyTorch's table lacks the CPU attention kernels (see ``recomp.plan.modelcall``).
-CPU_ATTENTION_FORMULAS = cpu_flop_formulas()
+# PyTorch's table lacks the CPU attention kernels (see ``recomp._modelcall``).
+CPU_ATTENTION_FORMULAS = flop_formulas(cpu_attention_ops())
 
 BUCKETS = ("forward", "excluded", "layers", "replay", "replay_recomp", "backward", "other")
 

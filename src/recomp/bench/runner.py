@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plan.modelcall import call_model, mean_square_loss
+from .._modelcall import call_model, mean_square_loss
 from .config import BenchConfig, call_factory, load_factory, row_label
 from .measure import CpuMemory, RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader
 from .results import Offload, Result

@@ -45,10 +45,10 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 
+from .._modelcall import call_model, flop_formulas, mean_square_loss
 from ..torch import _compat
 from ..torch._backend import BACKEND
 from ..torch._compat import TorchDispatchMode
-from .modelcall import call_model, cpu_flop_formulas, mean_square_loss
 from .planfile import NO_CHECKPOINT, exclude_option
 from .planner import LayerProfile, OptionProfile, OptionSlot, Profile, RegionProfile
 
@@ -221,7 +221,9 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, preexisting: set[Hashable], clock: Callable[[], float]) -> None:
         super().__init__()
         self.clock = clock
-        counter = flop_counter.FlopCounterMode(display=False, custom_mapping=cpu_flop_formulas())
+        counter = flop_counter.FlopCounterMode(
+            display=False, custom_mapping=flop_formulas(_compat.cpu_attention_ops())
+        )
         self.registry = counter.flop_registry
         self.preexisting = preexisting
         self.seq = 0

@@ -1,5 +1,5 @@
 """How the planner's profile and ``recomp bench`` call a model, score its output and
-count its FLOPs, written once for both (the benchmark imports it from here).
+count its FLOPs, written once for both.
 
 * the calling protocol: ``model(**x)`` for a dict, ``model(*x)`` for a tuple, else
   ``model(x)``;
@@ -8,8 +8,9 @@ count its FLOPs, written once for both (the benchmark imports it from here).
   PyTorch's own table: its table has the CUDA attention kernels but not the CPU one,
   which would otherwise count zero.
 
-Importing this module imports no framework: ``cpu_flop_formulas`` imports PyTorch when
-called.
+Importing this module imports no framework, and it sits below the framework packages:
+``flop_formulas`` imports PyTorch when called and takes the attention ops from its
+caller (``recomp.torch._compat.cpu_attention_ops()``).
 """
 
 from __future__ import annotations
@@ -47,13 +48,12 @@ def _cpu_sdpa_backward_flop(
     return int(flop_counter.sdpa_backward_flop_count(grad_out, query, key, value))
 
 
-def cpu_flop_formulas() -> dict[Any, Any]:
-    """``custom_mapping`` for ``FlopCounterMode``: the CPU attention kernels, forward and
-    backward, with PyTorch's own attention formulas (causal masking is not discounted,
-    as there). Empty where this PyTorch has no such kernels."""
-    from ..torch._compat import cpu_attention_ops
-
-    ops = cpu_attention_ops()
-    if ops is None:
+def flop_formulas(attention_ops: tuple[Any, Any] | None) -> dict[Any, Any]:
+    """``custom_mapping`` for ``FlopCounterMode``: the CPU attention kernels
+    ``attention_ops`` (forward, backward), with PyTorch's own attention formulas (causal
+    masking is not discounted, as there). Empty where this PyTorch has no such kernels
+    (``attention_ops`` None)."""
+    if attention_ops is None:
         return {}
-    return {ops[0]: _cpu_sdpa_flop, ops[1]: _cpu_sdpa_backward_flop}
+    forward, backward = attention_ops
+    return {forward: _cpu_sdpa_flop, backward: _cpu_sdpa_backward_flop}
