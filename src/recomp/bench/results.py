@@ -10,9 +10,9 @@ The JSON keeps the flat layout of the first files (``results[i]["replay_flops"]`
 * version 1 (files without ``"version"``): rows carried only the keys their measurement
   filled in, targets had no ``id``, and three different targets were labelled 4;
 * version 2: every row of a measurement carries every key, ``null`` where the quantity
-  was not measured (FLOPs of compiled or MindSpore runs, step times of the scenario);
-  error rows still carry only ``framework``, ``strategy`` and ``error``; each target has
-  a unique ``id``.
+  was not measured (FLOPs of compiled or MindSpore runs, step times of the scenario),
+  except ``plan`` and ``timing_error``, present when set; error rows still carry only
+  ``framework``, ``strategy`` and ``error``; each target has a unique ``id``.
 
 ``load_report`` reads both.
 """
