@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 from recomp.bench.config import BenchConfig  # noqa: E402
 from recomp.bench.memory import child_env  # noqa: E402
 from recomp.bench.report import evaluate_targets, table  # noqa: E402
+from recomp.bench.results import Result, load_report  # noqa: E402
 from recomp.bench.runner_stats import summarize_times  # noqa: E402
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -76,25 +77,25 @@ def measured() -> dict[str, dict]:
 
 def test_forward_flops_match_the_model(measured):
     for r in measured.values():
-        assert r["forward_flops"] == L * LAYER_FLOPS
-        assert r["layer_forward_flops"] == L * LAYER_FLOPS
+        assert r.forward_flops == L * LAYER_FLOPS
+        assert r.layer_forward_flops == L * LAYER_FLOPS
 
 
 def test_cpu_attention_is_counted(measured):
-    per_op = measured["none"]["flops_by_op"]["forward"]
+    per_op = measured["none"].flops_by_op["forward"]
     attention = [v for k, v in per_op.items() if "scaled_dot_product" in k]
     assert attention == [L * 2 * _mm(B * S, S, H)]
-    assert measured["none"]["backward_flops"] > 2 * measured["none"]["forward_flops"] - 1
+    assert measured["none"].backward_flops > 2 * measured["none"].forward_flops - 1
 
 
 def test_no_replay_without_checkpoint(measured):
-    assert measured["none"]["replay_flops"] == 0
+    assert measured["none"].replay_flops == 0
 
 
 def test_full_replays_the_layers_up_to_early_stop(measured):
     # torch.utils.checkpoint stops the replay once the last saved tensor is rebuilt:
     # the last matmul (down_proj) saved only its input, so it is not rerun.
-    assert measured["full"]["replay_flops"] == L * (LAYER_FLOPS - DOWN_FLOPS)
+    assert measured["full"].replay_flops == L * (LAYER_FLOPS - DOWN_FLOPS)
 
 
 def test_full_replay_equals_layer_forward_without_early_stop():
@@ -104,13 +105,13 @@ def test_full_replay_equals_layer_forward_without_early_stop():
 
     with set_checkpoint_early_stop(False):
         r = measure_strategy(TINY, "full")
-    assert r["replay_flops"] == r["layer_forward_flops"] == L * LAYER_FLOPS
+    assert r.replay_flops == r.layer_forward_flops == L * LAYER_FLOPS
 
 
 def test_exclude_attn_replay_is_full_minus_excluded_exactly(measured):
     full, excl = measured["full"], measured["exclude-attn"]
-    assert excl["excluded_flops"] == L * ATTN_FLOPS
-    assert excl["replay_flops"] == full["replay_flops"] - excl["excluded_flops"]
+    assert excl.excluded_flops == L * ATTN_FLOPS
+    assert excl.replay_flops == full.replay_flops - excl.excluded_flops
 
 
 def test_replay_attribution_agrees_with_recomp_state(measured):
@@ -118,28 +119,28 @@ def test_replay_attribution_agrees_with_recomp_state(measured):
     # must pick the same ops for recomp's checkpoints ...
     for name in ("exclude-attn", "exclude-mlp"):
         r = measured[name]
-        assert r["replay_flops"] == r["replay_flops_recomp_state"] > 0
+        assert r.replay_flops == r.replay_flops_recomp_state > 0
     # ... and recomp's state stays off under other libraries' checkpoints.
-    assert measured["full"]["replay_flops_recomp_state"] == 0
+    assert measured["full"].replay_flops_recomp_state == 0
 
 
 def test_kept_regions_are_not_replayed(measured):
     sac, remat, keep = measured["sac"], measured["torch-remat"], measured["keep-attn"]
-    assert sac["replay_flops"] == measured["exclude-attn"]["replay_flops"]
-    assert keep["replay_flops"] == measured["exclude-attn"]["replay_flops"]
+    assert sac.replay_flops == measured["exclude-attn"].replay_flops
+    assert keep.replay_flops == measured["exclude-attn"].replay_flops
     # torch-remat replays the whole layer body but the kept region (no early stop).
-    assert remat["replay_flops"] == L * (LAYER_FLOPS - ATTN_FLOPS)
-    assert measured["exclude-mlp"]["replay_flops"] == L * ATTN_FLOPS
+    assert remat.replay_flops == L * (LAYER_FLOPS - ATTN_FLOPS)
+    assert measured["exclude-mlp"].replay_flops == L * ATTN_FLOPS
 
 
 def test_region_runs(measured):
     excl = measured["exclude-attn"]
-    assert excl["region_runs"] == {f"layers.{i}.attn": 1 for i in range(L)}
-    assert excl["region_skips"] == {f"layers.{i}.attn": 1 for i in range(L)}
-    assert excl["region_calls"] == {f"layers.{i}.attn": 1 for i in range(L)}
+    assert excl.region_runs == {f"layers.{i}.attn": 1 for i in range(L)}
+    assert excl.region_skips == {f"layers.{i}.attn": 1 for i in range(L)}
+    assert excl.region_calls == {f"layers.{i}.attn": 1 for i in range(L)}
     # SAC runs the region's Python code in the replay too (its ops come from a cache).
-    assert set(measured["sac"]["region_calls"].values()) == {2}
-    assert set(measured["torch-remat"]["region_calls"].values()) == {1}
+    assert set(measured["sac"].region_calls.values()) == {2}
+    assert set(measured["torch-remat"].region_calls.values()) == {1}
 
 
 # --------------------------------------------------------------------------- strategies
@@ -147,7 +148,7 @@ def test_region_runs(measured):
 
 def test_every_strategy_gives_the_gradient_of_none(measured):
     for name, r in measured.items():
-        assert r["max_grad_diff"] <= 1e-6, name
+        assert r.max_grad_diff <= 1e-6, name
 
 
 def test_strategy_names():
@@ -218,7 +219,7 @@ def test_activation_readings_count_kept_tensors():
         from recomp.bench.config import BenchConfig
         from recomp.bench.runner import measure_strategy
         cfg = BenchConfig.from_dict({cfg.to_dict()!r})
-        print(json.dumps({{s: measure_strategy(cfg, s)["activation_bytes"]
+        print(json.dumps({{s: measure_strategy(cfg, s).activation_bytes
                           for s in ("full", "exclude-proj", "keep-proj")}}))
         """
     )
@@ -298,6 +299,12 @@ def test_json_schema_torch(tmp_path):
     assert full["activation_bytes"] < excl["activation_bytes"] < none["activation_bytes"]
     assert excl["region_runs"] == {"layers.0.attn": 1}
     assert {t["verdict"] for t in report["targets"]} <= {"met", "MISSED", "n/a"}
+    ids = [t["id"] for t in report["targets"]]
+    assert len(ids) == len(set(ids)) and report["version"] == 2
+    # The file reads back into the same typed report.
+    again = load_report(tmp_path / "bench.json")
+    assert again.to_dict() == report
+    assert [r.strategy for r in again.results] == ["none", "full", "exclude-attn"]
 
 
 def _mindspore_ready() -> bool:
@@ -340,17 +347,9 @@ def test_import_recomp_and_cli_stay_framework_free():
 # --------------------------------------------------------------------------- report
 
 
-def _result(strategy: str, **kw) -> dict:
-    base = {
-        "framework": "torch",
-        "strategy": strategy,
-        "activation_bytes": 100,
-        "replay_flops": 0,
-        "excluded_flops": 0,
-        "step_time_s": 1.0,
-    }
-    base.update(kw)
-    return base
+def _result(strategy: str, **kw) -> Result:
+    base = {"activation_bytes": 100, "replay_flops": 0, "excluded_flops": 0, "step_time_s": 1.0}
+    return Result("torch", strategy, **{**base, **kw})
 
 
 def test_target_verdicts():
@@ -361,20 +360,19 @@ def test_target_verdicts():
         _result("torch-remat", activation_bytes=90, step_time_s=1.1),
     ]
     targets = {
-        t["target"][:2]: t
-        for t in evaluate_targets(results, None, {"in_checkpoint_us": 31, "outside_us": 2})
+        t.id: t for t in evaluate_targets(results, None, {"in_checkpoint_us": 31, "outside_us": 2})
     }
-    assert targets["1 "]["verdict"] == "met"
-    assert targets["2a"]["verdict"] == "MISSED"  # 101 / 90 > 1.02
-    assert targets["2b"]["verdict"] == "n/a"
-    assert targets["3a"]["verdict"] == "met"  # 1 / 0.99 <= 1.02, < full
-    assert targets["3b"]["verdict"] == "MISSED"
-    results[1]["replay_flops"] = 610
-    assert evaluate_targets(results)[0]["verdict"] == "MISSED"
+    assert targets["1"].verdict == "met"
+    assert targets["2a"].verdict == "MISSED"  # 101 / 90 > 1.02
+    assert targets["2b"].verdict == "n/a"
+    assert targets["3a"].verdict == "met"  # 1 / 0.99 <= 1.02, < full
+    assert targets["3b"].verdict == "MISSED"
+    results[1].replay_flops = 610
+    assert evaluate_targets(results)[0].verdict == "MISSED"
 
 
 def test_table_lists_errors_below():
-    text = table([_result("full"), {"framework": "torch", "strategy": "sac", "error": "Boom: x"}])
+    text = table([_result("full"), Result("torch", "sac", error="Boom: x")])
     assert "torch sac: Boom: x" in text
 
 
@@ -382,3 +380,95 @@ def test_summarize_times():
     assert summarize_times([3.0, 1.0, 2.0]) == (2.0, 2.0)
     median, spread = summarize_times([1.0, 2.0, 3.0, 4.0, 100.0])
     assert median == 3.0 and 0 < spread < 99
+
+
+# --------------------------------------------------------------------------- JSON files
+
+BENCHMARKS = os.path.join(os.path.dirname(SRC), "benchmarks")
+
+
+@pytest.mark.parametrize("name", ["bench.json", "bench_compile.json", "plan.json"])
+def test_committed_version_1_files_are_read(name):
+    """The files written before results were typed (no version, targets without ids,
+    rows with only the keys their measurement filled in) read into the typed report, and
+    the report code works on them as on a fresh run."""
+    path = os.path.join(BENCHMARKS, name)
+    with open(path) as f:
+        raw = json.load(f)
+    assert "version" not in raw
+    report = load_report(path)
+    assert len(report.results) == len(raw["results"])
+    for r, row in zip(report.results, raw["results"]):
+        assert (r.framework, r.strategy) == (row["framework"], row["strategy"])
+        assert r.activation_bytes == row["activation_bytes"]
+        assert r.replay_flops == row.get("replay_flops")
+        assert r.step_times_s == row.get("step_times_s")
+        assert r.config is not None and r.config.layers == row["config"]["layers"]
+        # What a version-1 row holds comes back unchanged in version 2 (its configuration
+        # gains the fields added since, at their defaults).
+        again = r.to_dict()
+        assert {k: again[k] for k in row if k != "config"} == {
+            k: v for k, v in row.items() if k != "config"
+        }
+        assert {k: again["config"][k] for k in row["config"]} == row["config"]
+    assert [t.text for t in report.targets] == [t["target"] for t in raw["targets"]]
+    assert table(report.results)
+    # The verdicts of the old file are found again from its own rows.
+    targets = evaluate_targets(report.results, report.scenario, report.overhead)
+    old = {t["target"]: t["verdict"] for t in raw["targets"]}
+    for t in targets:
+        if t.text in old:
+            assert t.verdict == old[t.text], t.text
+    if name == "plan.json":
+        planned = [r for r in report.results if r.plan is not None]
+        assert planned and all(r.plan.budget_bytes > 0 for r in planned)
+
+
+def test_report_version_2_round_trip_and_unknown_versions(tmp_path):
+    from recomp.bench.results import Offload, Report, ReportFormatError, write_report
+
+    rows = [
+        _result("full", config=TINY, offload=None, region_runs={"layers.0.attn": 1}),
+        _result("exclude-attn-offload", offload=Offload(10, 10, 5, 0.25), device="cuda:0"),
+        Result("mindspore", "sac", error="ValueError: no"),
+    ]
+    report = Report("recomp bench", {"python": "3"}, 1.5, rows, [], None, [], ["a note"])
+    path = tmp_path / "r.json"
+    write_report(path, report)
+    again = load_report(path)
+    assert again == report
+    data = json.loads(path.read_text())
+    assert data["version"] == 2
+    assert data["results"][2] == {
+        "framework": "mindspore",
+        "strategy": "sac",
+        "error": "ValueError: no",
+    }
+    data["version"] = 3
+    path.write_text(json.dumps(data))
+    with pytest.raises(ReportFormatError, match="version 3"):
+        load_report(path)
+
+
+def test_target_ids_are_unique_with_offload_compiled_and_plan_rows():
+    """Offload, compiled and plan targets each have an id of their own (all three were
+    labelled 4 once)."""
+    from recomp.bench.results import Offload, PlanCheck
+
+    plan = PlanCheck("50%", 100, {"layers.0": "full"}, 90, 0, 1.0, 1.0, 0.0, "wall")
+    results = [
+        _result("full", peak_bytes=100),
+        _result("exclude-attn"),
+        _result("exclude-attn-offload", offload=Offload(10, 10, 5, 0.1), device="cuda:0"),
+        _result("plan@50%", plan=plan, activation_bytes=90),
+        Result("torch+inductor", "exclude-attn", activation_bytes=100, step_time_s=1.0),
+        Result("torch+inductor", "sac", activation_bytes=100, step_time_s=1.0),
+        Result("torch+aot_eager", "exclude-attn", activation_bytes=100, step_time_s=1.0),
+    ]
+    targets = evaluate_targets(results)
+    ids = [t.id for t in targets]
+    assert len(ids) == len(set(ids)), ids
+    labels = [t.text.split(":")[0].split()[0] for t in targets]
+    assert labels.count("4") == 1  # the offload target only
+    assert {"4", "5 torch+inductor", "5 torch+aot_eager", "6a plan@50%"} <= set(ids)
+    assert {t.id: t.verdict for t in targets}["5 torch+inductor"] == "met"

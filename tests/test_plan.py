@@ -386,7 +386,7 @@ cfg = BenchConfig.from_dict({cfg.to_dict()!r})
 names = ["plan@0%", "plan@50%", "plan@100%"]
 made = make_plans(cfg, names)
 cfg.extra["plans"] = made["plans"]
-result = {{"made": made, "measured": {{s: measure_strategy(cfg, s) for s in names}}}}
+result = {{"made": made, "measured": {{s: measure_strategy(cfg, s).to_dict() for s in names}}}}
 """
     got = run_measured(code)
     from recomp.plan import Profile
@@ -475,56 +475,58 @@ def test_bench_every_and_plan_strategies(bench_rows):
     made, rows = bench_rows
     _, full, every, planned = rows
     # every@2 checkpoints the second of two layers: half of full's replay
-    assert every["replay_flops"] * 2 == full["replay_flops"]
+    assert every.replay_flops * 2 == full.replay_flops
     plan = load_plan(made["plans"]["plan@50%"])
-    assert planned["replay_flops"] == plan.predicted["replay_flops"]
+    assert planned.replay_flops == plan.predicted["replay_flops"]
     excluded = {f"{layer.path}.{region}" for layer in plan.layers for region in layer.excluded}
-    assert planned["region_runs"] == dict.fromkeys(excluded, 1)
+    assert planned.region_runs == dict.fromkeys(excluded, 1)
     for r in rows:
-        assert r["max_grad_diff"] == 0.0, r["strategy"]
+        assert r.max_grad_diff == 0.0, r.strategy
 
 
 def test_bench_plan_targets_and_summary(bench_rows):
+    from recomp.bench.plan_cli import comparison
     from recomp.bench.report import attach_predictions, evaluate_targets, plan_summary
-    from recomp.plan.cli import comparison
 
     made, rows = bench_rows
     rows = copy.deepcopy(rows)
     # Three timing rounds; the machine slows down in the second: per-round ratios hold.
     for r, cpu in zip(rows, ((0.9, 1.8, 0.9), (1.2, 2.4, 1.2), (1.1, 2.2, 1.1), (1.0, 2.0, 1.0))):
-        r.update(step_cpu_times_s=list(cpu), step_cpu_time_s=cpu[0])
-        r.update(step_times_s=[t + 0.1 for t in cpu], step_time_s=cpu[0] + 0.1)
+        r.step_cpu_times_s, r.step_cpu_time_s = list(cpu), cpu[0]
+        r.step_times_s, r.step_time_s = [t + 0.1 for t in cpu], cpu[0] + 0.1
     attach_predictions(rows, {"plan@50%": {**made["plans"]["plan@50%"], "clock": "cpu"}})
-    p = rows[3]["plan"]
+    p = rows[3].plan
+    assert p is not None
     # Readings in this process are not a clean heap: put in figures that fit or do not.
-    budget = p["budget_bytes"]
+    budget = p.budget_bytes
     for r, nbytes in zip(rows, (3 * budget, budget // 4, 2 * budget, budget)):
-        r["activation_bytes"] = nbytes
-    predicted = 1 + p["predicted_replay_s"] / p["profiled_baseline_step_s"]
-    assert p["predicted_ratio_to_none"] == pytest.approx(predicted)
-    assert p["measured_ratio_to_none"] == pytest.approx(1.0 / 0.9)
-    assert p["predicted_step_time_same_run_s"] == pytest.approx(0.9 * predicted)
-    targets = {t["target"].split()[0]: t for t in evaluate_targets(rows)}
-    assert targets["4a"]["verdict"] == "met"
+        r.activation_bytes = nbytes
+    predicted = 1 + p.predicted_replay_s / p.profiled_baseline_step_s
+    assert p.predicted_ratio_to_none == pytest.approx(predicted)
+    assert p.measured_ratio_to_none == pytest.approx(1.0 / 0.9)
+    assert p.predicted_step_time_same_run_s == pytest.approx(0.9 * predicted)
+    targets = {t.id: t for t in evaluate_targets(rows)}
+    assert targets["6a plan@50%"].verdict == "met"
     # full fits every budget: the plan replays no more than full
-    assert "full" in targets["4b"]["replay"] and targets["4b"]["verdict"] == "met"
-    assert targets["4c"]["clock"] == "cpu"
-    assert targets["4c"]["ratios"]["full"] == pytest.approx(1.0 / 1.2)
-    assert targets["4e"]["verdict"] == "n/a"  # every@2 does not fit
-    assert targets["4d"]["bytes_error"] == pytest.approx(
-        budget / p["predicted_activation_bytes"] - 1
+    replay = targets["6b plan@50%"]
+    assert "full" in replay.details["replay"] and replay.verdict == "met"
+    assert targets["6c plan@50%"].details["clock"] == "cpu"
+    assert targets["6c plan@50%"].details["ratios"]["full"] == pytest.approx(1.0 / 1.2)
+    assert targets["6e plan@50%"].verdict == "n/a"  # every@2 does not fit
+    assert targets["6d plan@50%"].details["bytes_error"] == pytest.approx(
+        budget / p.predicted_activation_bytes - 1
     )
     assert "plan@50%" in plan_summary(rows)
     text = comparison(rows[3], rows[0])
     assert "activation memory (MiB)" in text and "replay (GFLOP)" in text
-    rows[3]["activation_bytes"] = 2 * p["budget_bytes"]
-    again = {t["target"].split()[0]: t for t in evaluate_targets(rows)}
-    assert again["4a"]["verdict"] == "MISSED"
+    rows[3].activation_bytes = 2 * p.budget_bytes
+    again = {t.id: t for t in evaluate_targets(rows)}
+    assert again["6a plan@50%"].verdict == "MISSED"
 
 
 def test_import_recomp_plan_stays_framework_free():
     code = (
-        "import sys, recomp.plan, recomp.plan.cli;"
+        "import sys, recomp.plan, recomp.bench.plan_cli;"
         "print(sorted(m for m in ('torch', 'mindspore') if m in sys.modules))"
     )
     proc = subprocess.run(

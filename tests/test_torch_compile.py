@@ -639,10 +639,10 @@ def test_bench_measures_compiled_strategies() -> None:
     config = BenchConfig(layers=2, hidden=32, heads=2, seq=16, batch=2, compile="aot_eager")
     rows = [measure_strategy(config, s) for s in ("sac", "exclude-attn")]
     for row in rows:
-        assert "error" not in row
-        assert row["framework"] == "torch+aot_eager"
-        assert row["max_grad_diff"] < 1e-6  # against eager, no checkpoint
-        assert row["activation_bytes"] > 0
-        assert row.get("forward_flops") is None  # not counted inside compiled graphs
-    targets = {t["target"][:1]: t for t in evaluate_targets(rows)}
-    assert "activation_ratio_sac" in targets["4"]
+        assert row.error is None
+        assert row.framework == "torch+aot_eager"
+        assert row.max_grad_diff < 1e-6  # against eager, no checkpoint
+        assert row.activation_bytes > 0
+        assert row.forward_flops is None  # not counted inside compiled graphs
+    targets = {t.id: t for t in evaluate_targets(rows)}
+    assert "activation_ratio_sac" in targets["5 torch+aot_eager"].details

@@ -508,6 +508,8 @@ def test_random_programs_gradients_equal_with_and_without_offload(program):
 
 
 def test_bench_strategy_reports_host_bytes(monkeypatch):
+    from dataclasses import replace
+
     from recomp.bench.config import BenchConfig
     from recomp.bench.report import evaluate_targets, table
     from recomp.bench.runner import measure_strategy
@@ -518,31 +520,31 @@ def test_bench_strategy_reports_host_bytes(monkeypatch):
     config = BenchConfig(layers=2, hidden=32, heads=2, seq=16, batch=1, warmup=1)
     monkeypatch.delenv(_offload.ENV_HOST_COPY, raising=False)
     plain = measure_strategy(config, "exclude-attn-offload")
-    assert plain["offload"]["host_bytes"] == 0  # CPU: nothing to do
+    assert plain.offload.host_bytes == 0  # CPU: nothing to do
     monkeypatch.setenv(_offload.ENV_HOST_COPY, "1")
     forced = measure_strategy(config, "exclude-attn-offload")
     # Below the default 1 MiB threshold nothing moves; the bench model's attention
     # keeps 4 KiB storages, so count them with a threshold of 0.
-    assert forced["offload"]["host_bytes"] == 0
+    assert forced.offload.host_bytes == 0
     monkeypatch.setattr(_offload, "DEFAULT_MIN_BYTES", 0)
     forced = measure_strategy(config, "exclude-attn-offload")
-    kept = sum(forced["region_saved_bytes"].values())
-    assert forced["offload"]["host_bytes"] == kept > 0
-    assert forced["offload"]["restored_bytes"] == kept
-    assert forced["max_grad_diff"] == 0.0
-    assert forced["region_runs"] == {"layers.0.attn": 1, "layers.1.attn": 1}
-    forced["step_time_s"] = 1.0
+    kept = sum(forced.region_saved_bytes.values())
+    assert forced.offload.host_bytes == kept > 0
+    assert forced.offload.restored_bytes == kept
+    assert forced.max_grad_diff == 0.0
+    assert forced.region_runs == {"layers.0.attn": 1, "layers.1.attn": 1}
+    forced.step_time_s = 1.0
     assert "host MiB/step" in table([forced])
     target = evaluate_targets([forced])[-1]
-    assert target["target"].startswith("4 ") and target["host_bytes_per_step"] == kept
-    assert target["verdict"] == "n/a"  # judged on a GPU only
-    full = {**forced, "strategy": "full", "peak_bytes": forced["peak_bytes"] * 0.9}
-    excl = {**forced, "strategy": "exclude-attn", "step_time_s": 0.99}
-    cuda = {**forced, "device": "cuda:0", "offload": {**forced["offload"], "copy_s": 0.02}}
+    assert target.id == "4" and target.details["host_bytes_per_step"] == kept
+    assert target.verdict == "n/a"  # judged on a GPU only
+    full = replace(forced, strategy="full", peak_bytes=forced.peak_bytes * 0.9)
+    excl = replace(forced, strategy="exclude-attn", step_time_s=0.99)
+    cuda = replace(forced, device="cuda:0", offload=replace(forced.offload, copy_s=0.02))
     target = evaluate_targets([full, excl, cuda])[-1]
-    assert target["peak_vs_full"] == pytest.approx(1 / 0.9)
-    assert target["verdict"] == "MISSED"  # peak 1.11 x full, step not below full
-    assert target["copy_hidden_share"] == pytest.approx(0.5)  # 10 ms added of 20 ms
+    assert target.details["peak_vs_full"] == pytest.approx(1 / 0.9)
+    assert target.verdict == "MISSED"  # peak 1.11 x full, step not below full
+    assert target.details["copy_hidden_share"] == pytest.approx(0.5)  # 10 ms added of 20 ms
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(rest)
     if command == "plan":
-        from recomp.plan.cli import main as plan_main
+        from recomp.bench.plan_cli import main as plan_main
 
         return plan_main(rest)
     print(f"recomp: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)

@@ -3,29 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import queue
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import replace
 from typing import Any
 
-from .config import DEFAULT_MODEL, BenchConfig, row_label
-from .memory import child_env
+from .config import DEFAULT_MODEL, BenchConfig, add_config_arguments, config_from_args, row_label
+from .jobs import Job, Progress, run_jobs
 from .report import (
     attach_predictions,
     evaluate_targets,
     plan_summary,
     table,
     targets_text,
-    write_json,
     write_plot,
 )
+from .results import Report, Result, write_report
 
 TORCH_STRATEGIES = ("none", "full", "sac", "torch-remat", "exclude-attn", "exclude-mlp")
 COMPILED_STRATEGIES = ("none", "full", "sac", "exclude-attn")
@@ -61,12 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="PyTorch model factory MODULE:FACTORY (default: the built-in Llama-style decoder)",
     )
     p.add_argument("--ms-model", help="MindSpore model factory MODULE:FACTORY (a Cell)")
-    p.add_argument("--layers", type=int, default=BenchConfig.layers)
-    p.add_argument("--hidden", type=int, default=BenchConfig.hidden)
-    p.add_argument("--heads", type=int, default=BenchConfig.heads)
-    p.add_argument("--seq", type=int, default=BenchConfig.seq)
-    p.add_argument("--batch", type=int, default=BenchConfig.batch)
-    p.add_argument("--steps", type=int, default=BenchConfig.steps, help="timed steps per strategy")
+    add_config_arguments(
+        p,
+        steps=BenchConfig.steps,
+        steps_help="timed steps per strategy",
+        device_help="cpu or cuda[:N] (PyTorch only)",
+    )
     p.add_argument(
         "--ms-steps",
         type=int,
@@ -74,7 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
         "takes about five times as long as a PyTorch one)",
     )
     p.add_argument("--warmup", type=int, default=BenchConfig.warmup)
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (PyTorch only)")
     p.add_argument(
         "--dtype",
         default=BenchConfig.dtype,
@@ -92,7 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
             "unless --strategies names others; their rows read torch+BACKEND"
         ),
     )
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     p.add_argument(
         "--jobs",
         type=int,
@@ -105,123 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
-
-
-# --------------------------------------------------------------------------- progress
-
-
-class Progress:
-    """A plain-text progress bar on stderr (redrawn in place on a terminal)."""
-
-    def __init__(self, total: int, enabled: bool = True) -> None:
-        self.total = max(1, total)
-        self.done = 0.0
-        self.enabled = enabled
-        self.tty = sys.stderr.isatty()
-        self.start = time.monotonic()
-        self.label = ""
-        self._last_line = ""
-
-    def update(self, done: float | None = None, label: str | None = None) -> None:
-        if done is not None:
-            self.done = min(done, self.total)
-        if label is not None:
-            self.label = label
-        if not self.enabled:
-            return
-        frac = self.done / self.total
-        width = 30
-        fill = round(frac * width)
-        elapsed = time.monotonic() - self.start
-        text = (
-            f"[{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}%  "
-            f"{elapsed:5.0f}s  {self.label}"
-        )
-        if self.tty:
-            sys.stderr.write("\r" + text[:110].ljust(110))
-            sys.stderr.flush()
-        elif self.label != self._last_line:
-            sys.stderr.write(text + "\n")
-            sys.stderr.flush()
-            self._last_line = self.label
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
-# --------------------------------------------------------------------------- child runs
-
-
-class Job:
-    def __init__(self, name: str, task: dict[str, Any], units: int) -> None:
-        self.name = name
-        self.task = task
-        self.units = units
-        self.done_units = 0.0
-        self.result: dict[str, Any] | None = None
-        self.error: str | None = None
-
-
-def _run_jobs(jobs: list[Job], parallel: int, progress: Progress, offset: list[float]) -> None:
-    """Run ``jobs`` as worker processes, ``parallel`` at a time, feeding the progress bar."""
-    events: queue.Queue[tuple[Job, str]] = queue.Queue()
-    pending = list(jobs)
-    running: list[tuple[Job, subprocess.Popen[str], str]] = []
-    tmp = tempfile.mkdtemp(prefix="recomp-bench-")
-
-    def reader(job: Job, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            events.put((job, line))
-        events.put((job, "\0EOF"))
-
-    def total_done() -> float:
-        return offset[0] + sum(j.done_units for j in jobs)
-
-    finished = 0
-    while pending or running:
-        while pending and len(running) < max(1, parallel):
-            job = pending.pop(0)
-            task_path = os.path.join(tmp, f"{id(job)}-task.json")
-            result_path = os.path.join(tmp, f"{id(job)}-result.json")
-            with open(task_path, "w") as f:
-                json.dump(job.task, f)
-            err_path = result_path + ".err"
-            err = open(err_path, "w")  # noqa: SIM115 - closed when the job ends
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "recomp.bench.worker", task_path, result_path],
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                env=child_env(job.task["config"]["threads"]),
-            )
-            err.close()
-            running.append((job, proc, result_path))
-            threading.Thread(target=reader, args=(job, proc), daemon=True).start()
-            progress.update(total_done(), job.name)
-        job, line = events.get()
-        if line.startswith("PROGRESS"):
-            _, done, total = line.split()
-            job.done_units = job.units * int(done) / max(1, int(total))
-            progress.update(total_done(), f"{job.name} {done}/{total}")
-        elif line == "\0EOF":
-            entry = next(e for e in running if e[0] is job)
-            running.remove(entry)
-            _, proc, result_path = entry
-            code = proc.wait()
-            job.done_units = job.units
-            finished += 1
-            if code == 0 and os.path.exists(result_path):
-                with open(result_path) as f:
-                    job.result = json.load(f)
-            else:
-                with open(result_path + ".err") as f:
-                    tail = f.read().strip().splitlines()
-                job.error = (tail[-1] if tail else f"exit code {code}")[:300]
-            progress.update(total_done(), f"{job.name} done")
-    offset[0] += sum(j.units for j in jobs)
 
 
 # --------------------------------------------------------------------------- main
@@ -245,19 +121,7 @@ def _ms_supported(strategy: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    base = BenchConfig(
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        seq=args.seq,
-        batch=args.batch,
-        steps=args.steps,
-        warmup=args.warmup,
-        device=args.device,
-        dtype=args.dtype,
-        threads=args.threads,
-        model=args.model,
-    )
+    base = config_from_args(args)
     frameworks = ["torch", "mindspore"] if args.framework == "all" else [args.framework]
     plan: list[tuple[str, BenchConfig, list[str]]] = []
     notes: list[str] = []
@@ -300,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     offset = [0.0]
     if plan_job_list:
-        _run_jobs([j for _, j in plan_job_list], 1, progress, offset)
+        run_jobs([j for _, j in plan_job_list], 1, progress, offset)
     for i, job in plan_job_list:
         fw, cfg, strategies = plan[i]
         if job.result is None:
@@ -361,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     progress.total = max(1, total_units + sum(j.units for j in measure_jobs + time_jobs))
-    _run_jobs(measure_jobs, args.jobs, progress, offset)
-    _run_jobs(time_jobs, 1, progress, offset)
+    run_jobs(measure_jobs, args.jobs, progress, offset)
+    run_jobs(time_jobs, 1, progress, offset)
     progress.close()
 
     results, scenario = _collect(plan, measure_jobs, time_jobs)
@@ -395,18 +259,18 @@ def main(argv: list[str] | None = None) -> int:
         print("note: " + note)
     print(f"\n{len(results)} strategies in {elapsed:.0f} s")
 
-    report = {
-        "command": "recomp bench " + " ".join(sys.argv[2:] if argv is None else argv),
-        "environment": _environment(),
-        "elapsed_s": elapsed,
-        "results": results,
-        "scenario": scenario,
-        "overhead": overhead,
-        "targets": targets,
-        "notes": notes,
-    }
+    report = Report(
+        command="recomp bench " + " ".join(sys.argv[2:] if argv is None else argv),
+        environment=_environment(),
+        elapsed_s=elapsed,
+        results=results,
+        scenario=scenario,
+        overhead=overhead,
+        targets=targets,
+        notes=notes,
+    )
     if args.json:
-        write_json(args.json, report)
+        write_report(args.json, report)
         print(f"wrote {args.json}")
     if args.plot:
         try:
@@ -414,15 +278,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.plot}")
         except ImportError:
             print("no plot: matplotlib is not installed (pip install recomp[bench])")
-    failed = [r for r in results + scenario if "error" in r]
+    failed = [r for r in results + scenario if r.error is not None]
     return 1 if failed and len(failed) == len(results + scenario) else 0
 
 
 def _collect(
     plan: list[tuple[str, BenchConfig, list[str]]], measure_jobs: list[Job], time_jobs: list[Job]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    from .runner_stats import summarize_times
-
+) -> tuple[list[Result], list[Result]]:
     times: dict[str, dict[str, list[float]]] = {}
     cpu_times: dict[str, dict[str, list[float]]] = {}
     time_errors: dict[str, str] = {}
@@ -433,28 +295,24 @@ def _collect(
             cpu_times[fw] = job.result["times"]["cpu"]
         else:
             time_errors[fw] = job.error or "timing failed"
-    results: list[dict[str, Any]] = []
-    scenario: list[dict[str, Any]] = []
+    results: list[Result] = []
+    scenario: list[Result] = []
     for job in measure_jobs:
         target = scenario if job.task["config"]["model"] == SCENARIO_MODEL else results
         if job.result is None:
             for s in job.task["strategies"]:
                 label = row_label(job.task["framework"], job.task["config"])
-                target.append({"framework": label, "strategy": s, "error": job.error or "?"})
+                target.append(Result(label, s, error=job.error or "?"))
             continue
-        for r in job.result["results"]:
-            fw, s = r["framework"], r["strategy"]  # framework: the row label (torch+inductor)
-            if target is results and "error" not in r:
+        for row in job.result["results"]:
+            r = Result.from_dict(row)
+            fw, s = r.framework, r.strategy  # framework: the row label (torch+inductor)
+            if target is results and r.error is None:
                 samples = times.get(fw, {}).get(s)
                 if samples:
-                    median, spread = summarize_times(samples)
-                    r.update(step_time_s=median, step_time_spread_s=spread, step_times_s=samples)
-                    cpu = cpu_times[fw][s]
-                    r.update(step_cpu_time_s=summarize_times(cpu)[0], step_cpu_times_s=cpu)
-                else:
-                    r.update(step_time_s=None, step_time_spread_s=None)
-                    if fw in time_errors:
-                        r["timing_error"] = time_errors[fw]
+                    r.set_step_times(samples, cpu_times[fw][s])
+                elif fw in time_errors:
+                    r.timing_error = time_errors[fw]
             target.append(r)
     return results, scenario
 

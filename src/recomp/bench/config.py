@@ -1,11 +1,13 @@
-"""Benchmark configuration and model loading, shared by the parent and child processes."""
+"""Benchmark configuration and model loading, shared by the parent and child processes,
+and the command-line options that make a configuration (``recomp bench``, ``recomp plan``)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import inspect
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 DEFAULT_MODEL = "recomp.bench.models:llama"
@@ -35,6 +37,38 @@ class BenchConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchConfig:
         return cls(**data)
+
+
+# Fields the command line does not set directly: ``compile`` makes a second, compiled
+# configuration next to the eager one; ``extra`` carries plans and per-command settings.
+_NOT_FROM_ARGS = ("compile", "extra", "seed")
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser, *, steps: int, steps_help: str, device_help: str
+) -> None:
+    """The options both commands share: model size, timed steps, device, threads."""
+    parser.add_argument("--layers", type=int, default=BenchConfig.layers)
+    parser.add_argument("--hidden", type=int, default=BenchConfig.hidden)
+    parser.add_argument("--heads", type=int, default=BenchConfig.heads)
+    parser.add_argument("--seq", type=int, default=BenchConfig.seq)
+    parser.add_argument("--batch", type=int, default=BenchConfig.batch)
+    parser.add_argument("--steps", type=int, default=steps, help=steps_help)
+    parser.add_argument("--device", default=BenchConfig.device, help=device_help)
+    parser.add_argument(
+        "--threads", type=int, default=BenchConfig.threads, help="intra-op threads per process"
+    )
+
+
+def config_from_args(args: argparse.Namespace, **extra: Any) -> BenchConfig:
+    """The configuration the parsed options describe: every field of ``BenchConfig`` that
+    the parser defines (the others keep their defaults), with ``extra`` as its extras."""
+    values = {
+        f.name: getattr(args, f.name)
+        for f in fields(BenchConfig)
+        if f.name not in _NOT_FROM_ARGS and hasattr(args, f.name)
+    }
+    return BenchConfig(**values, extra=dict(extra))
 
 
 def row_label(framework: str, config: dict[str, Any]) -> str:

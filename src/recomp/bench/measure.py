@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 
+from .._modelcall import flop_formulas
 from ..torch._compat import TorchDispatchMode, cpu_attention_ops
 from .memory import malloc_in_use
 
@@ -154,24 +155,8 @@ class RegionTracker:
 # --------------------------------------------------------------------------- FLOPs
 
 
-def _cpu_sdpa_flop(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-    return int(flop_counter.sdpa_flop_count(query, key, value))
-
-
-def _cpu_sdpa_backward_flop(
-    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
-) -> int:
-    return int(flop_counter.sdpa_backward_flop_count(grad_out, query, key, value))
-
-
-# PyTorch's table has the CUDA attention kernels but not the CPU one, which would count
-# as zero. Same formulas as PyTorch's (causal masking is not discounted, as there).
-_CPU_ATTENTION = cpu_attention_ops()
-CPU_ATTENTION_FORMULAS = (
-    {}
-    if _CPU_ATTENTION is None
-    else {_CPU_ATTENTION[0]: _cpu_sdpa_flop, _CPU_ATTENTION[1]: _cpu_sdpa_backward_flop}
-)
+# PyTorch's table lacks the CPU attention kernels (see ``recomp._modelcall``).
+CPU_ATTENTION_FORMULAS = flop_formulas(cpu_attention_ops())
 
 BUCKETS = ("forward", "excluded", "layers", "replay", "replay_recomp", "backward", "other")
 

@@ -18,7 +18,6 @@ import bisect
 import contextlib
 import glob
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +28,8 @@ import numpy as np
 from mindspore import Tensor, nn
 
 from .config import BenchConfig, call_factory, load_factory
-from .runner_stats import count_delta, region_counts, saved_bytes
+from .results import Result
+from .runner_stats import count_delta, region_counts, saved_bytes, time_interleaved
 
 MS_STRATEGIES = ("none", "full", "exclude-attn")
 MS_DEFAULT_MODEL = "recomp.bench.ms_models:llama"
@@ -141,6 +141,9 @@ class Trainer:
         self.optimizer(grads)
         loss.asnumpy()  # wait for the step to finish
 
+    def sync(self) -> None:
+        """Nothing to wait for: ``step`` returns once the step has finished."""
+
 
 class _CallCounter:
     def __init__(self, cells: dict[str, nn.Cell]) -> None:
@@ -199,7 +202,7 @@ def _allocated_at(rows: list[tuple[int, int]], t: int) -> int:
     return rows[i][1]
 
 
-def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
+def measure_strategy(config: BenchConfig, strategy: str) -> Result:
     setup(config)
     _, reference = Trainer(config, "none").grads()
     ref = [g.asnumpy() for g in reference]
@@ -233,27 +236,24 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
         raise RuntimeError("MindSpore's profiler wrote no memory record")
     base = _allocated_at(rows, start)
     in_step = [a for t, a in rows if start <= t <= end]
-    return {
-        "framework": "mindspore",
-        "strategy": strategy,
-        "device": "cpu",
-        "memory_source": "mindspore profiler memory record",
-        "activation_bytes": _allocated_at(rows, forward_end) - base,
-        "peak_bytes": max(in_step, default=base) - base,
-        "retained_after_step_bytes": _allocated_at(rows, end) - base,
-        "forward_flops": None,
-        "replay_flops": None,
-        "backward_flops": None,
-        "excluded_flops": None,
-        "region_runs": count_delta(runs_after, runs_before),
-        "region_skips": count_delta(skips_after, skips_before),
-        "region_calls": dict(counter.calls),
-        "region_saved_bytes": saved_bytes(trainer.prepared.exclude_wrappers),
-        "max_grad_diff": grad_diff,
-        "loss": first_loss,
-        "num_layers": len(trainer.model.layers),
-        "config": config.to_dict(),
-    }
+    # FLOPs stay None: MindSpore has no FLOP counter.
+    return Result(
+        framework="mindspore",
+        strategy=strategy,
+        device="cpu",
+        memory_source="mindspore profiler memory record",
+        activation_bytes=_allocated_at(rows, forward_end) - base,
+        peak_bytes=max(in_step, default=base) - base,
+        retained_after_step_bytes=_allocated_at(rows, end) - base,
+        region_runs=count_delta(runs_after, runs_before),
+        region_skips=count_delta(skips_after, skips_before),
+        region_calls=dict(counter.calls),
+        region_saved_bytes=saved_bytes(trainer.prepared.exclude_wrappers),
+        max_grad_diff=grad_diff,
+        loss=first_loss,
+        num_layers=len(trainer.model.layers),
+        config=config,
+    )
 
 
 def time_strategies(
@@ -263,22 +263,4 @@ def time_strategies(
 ) -> dict[str, dict[str, list[float]]]:
     setup(config)
     trainers = {s: Trainer(config, s) for s in strategies}
-    for _ in range(max(1, config.warmup)):
-        for trainer in trainers.values():
-            trainer.step()
-    times: dict[str, list[float]] = {s: [] for s in strategies}
-    cpu: dict[str, list[float]] = {s: [] for s in strategies}
-    for r in range(config.steps):
-        order = strategies if r % 2 == 0 else list(reversed(strategies))
-        for s in order:
-            t0, c0 = time.perf_counter(), time.process_time()
-            trainers[s].step()
-            times[s].append(time.perf_counter() - t0)
-            cpu[s].append(time.process_time() - c0)
-        if progress is not None:
-            progress(r + 1, config.steps)
-    return {"wall": times, "cpu": cpu}
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)
+    return time_interleaved(trainers, config.steps, config.warmup, progress)

@@ -12,7 +12,6 @@ compiled graph; nor is the CPU peak (sampled around each ATen op in eager mode).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -20,9 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._modelcall import call_model, mean_square_loss
 from .config import BenchConfig, call_factory, load_factory, row_label
 from .measure import CpuMemory, RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader
-from .runner_stats import count_delta, region_counts, saved_bytes
+from .results import Offload, Result
+from .runner_stats import count_delta, region_counts, saved_bytes, time_interleaved
 from .strategies import Prepared, parse, prepare
 
 
@@ -47,13 +48,6 @@ def build(config: BenchConfig) -> tuple[nn.Module, Any, Callable[[Any], torch.Te
     return model, x, loss_fn
 
 
-def mean_square_loss(out: Any) -> torch.Tensor:
-    """The default loss: mean square of the output (its first element if a tuple)."""
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    return out.float().pow(2).mean()
-
-
 def _to(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(device)
@@ -64,15 +58,6 @@ def _to(x: Any, device: torch.device) -> Any:
     return x
 
 
-def call_model(model: nn.Module, x: Any) -> Any:
-    """``model(**x)`` for a dict, ``model(*x)`` for a tuple, else ``model(x)``."""
-    if isinstance(x, dict):
-        return model(**x)
-    if isinstance(x, tuple):
-        return model(*x)
-    return model(x)
-
-
 class Trainer:
     """One strategy's model, its SGD optimizer, and a step function."""
 
@@ -81,9 +66,7 @@ class Trainer:
         plan = None
         if parse(strategy)[0] == "plan":
             plan = plan_for(config, strategy, model, self.x, self.loss_fn)
-        self.prepared: Prepared = prepare(
-            strategy, model, plan, compiled=bool(config.compile)
-        )
+        self.prepared: Prepared = prepare(strategy, model, plan, compiled=bool(config.compile))
         self.model = self.prepared.model
         # What the step calls: the model, or the model compiled with the chosen backend.
         self.run_model: Any = (
@@ -164,7 +147,7 @@ def reference_grads(config: BenchConfig) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.detach().clone() for p in trainer.params]
 
 
-def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
+def measure_strategy(config: BenchConfig, strategy: str) -> Result:
     """Memory, FLOPs, region runs and gradient difference of ``strategy`` (one process)."""
     torch.set_num_threads(max(1, config.threads))
     reference = reference_grads(replace(config, compile=None))  # eager, no checkpoint
@@ -199,17 +182,17 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
     trainer.optimizer.zero_grad(set_to_none=False)
     after_step = memory.read()
     runs_after, skips_after = region_counts(trainer.prepared.exclude_wrappers)
-    offload: dict[str, Any] | None = None
+    offload: Offload | None = None
     if offloader is not None:
         offloader.synchronize()
         offloader.timing = False
         moved = offloader.stats - offload_before
-        offload = {
-            "host_bytes": moved.offloaded_bytes,
-            "restored_bytes": moved.restored_bytes,
-            "prefetched_bytes": moved.prefetched_bytes,
-            "copy_s": moved.copy_seconds,
-        }
+        offload = Offload(
+            host_bytes=moved.offloaded_bytes,
+            restored_bytes=moved.restored_bytes,
+            prefetched_bytes=moved.prefetched_bytes,
+            copy_s=moved.copy_seconds,
+        )
 
     compiled = bool(config.compile)
     # Peak of a whole step, above the same baseline.
@@ -221,36 +204,30 @@ def measure_strategy(config: BenchConfig, strategy: str) -> dict[str, Any]:
             trainer.step()
         peak = memory.peak() - base
 
-    result = {
-        "framework": row_label("torch", config.to_dict()),
-        "strategy": strategy,
-        "device": str(trainer.device),
-        "memory_source": memory.source,
-        "activation_bytes": after_forward - before,
-        "peak_bytes": peak,
-        "retained_after_step_bytes": after_step - before,
-        "offload": offload,
-        "max_grad_diff": grad_diff,
-        "loss": first_loss,
-        "num_layers": len(trainer.prepared.units),
-        "config": config.to_dict(),
-    }
-    if compiled:
-        return result
-    return {
-        **result,
-        **_flops_and_calls(trainer, runs_after, runs_before, skips_after, skips_before),
-    }
+    result = Result(
+        framework=row_label("torch", config.to_dict()),
+        strategy=strategy,
+        device=str(trainer.device),
+        memory_source=memory.source,
+        activation_bytes=after_forward - before,
+        peak_bytes=peak,
+        retained_after_step_bytes=after_step - before,
+        offload=offload,
+        max_grad_diff=grad_diff,
+        loss=first_loss,
+        num_layers=len(trainer.prepared.units),
+        config=config,
+    )
+    if not compiled:
+        _count_flops_and_calls(result, trainer)
+        result.region_runs = count_delta(runs_after, runs_before)
+        result.region_skips = count_delta(skips_after, skips_before)
+    return result
 
 
-def _flops_and_calls(
-    trainer: Trainer,
-    runs_after: dict[str, int],
-    runs_before: dict[str, int],
-    skips_after: dict[str, int],
-    skips_before: dict[str, int],
-) -> dict[str, Any]:
-    """FLOPs of one step split by phase, and region calls and runs (eager models only)."""
+def _count_flops_and_calls(result: Result, trainer: Trainer) -> None:
+    """Fill in the FLOPs of one more step split by phase, the calls of each region in it
+    and the bytes each region keeps after it (eager models only)."""
     regions = RegionTracker()
     regions.track(trainer.prepared.regions)
     layers = RegionTracker()
@@ -268,20 +245,16 @@ def _flops_and_calls(
     layers.remove()
     split = counter.split
 
-    return {
-        "forward_flops": split["forward"],
-        "replay_flops": split["replay"],
-        "replay_flops_recomp_state": split["replay_recomp"],
-        "backward_flops": split["backward"],
-        "excluded_flops": split["excluded"],
-        "layer_forward_flops": split["layers"],
-        "total_flops": int(counter.get_total_flops()),
-        "flops_by_op": {k: v for k, v in counter.ops.items() if v},
-        "region_runs": count_delta(runs_after, runs_before),
-        "region_skips": count_delta(skips_after, skips_before),
-        "region_calls": dict(regions.calls),
-        "region_saved_bytes": saved_bytes(trainer.prepared.exclude_wrappers),
-    }
+    result.forward_flops = split["forward"]
+    result.replay_flops = split["replay"]
+    result.replay_flops_recomp_state = split["replay_recomp"]
+    result.backward_flops = split["backward"]
+    result.excluded_flops = split["excluded"]
+    result.layer_forward_flops = split["layers"]
+    result.total_flops = int(counter.get_total_flops())
+    result.flops_by_op = {k: v for k, v in counter.ops.items() if v}
+    result.region_calls = dict(regions.calls)
+    result.region_saved_bytes = saved_bytes(trainer.prepared.exclude_wrappers)
 
 
 def time_strategies(
@@ -294,22 +267,4 @@ def time_strategies(
     torch.set_num_threads(max(1, config.threads))
     # Same seed, same weights: every trainer starts from the same model.
     trainers = {s: Trainer(config, s) for s in strategies}
-    for _ in range(max(1, config.warmup)):
-        for trainer in trainers.values():
-            trainer.step()
-    times: dict[str, list[float]] = {s: [] for s in strategies}
-    cpu: dict[str, list[float]] = {s: [] for s in strategies}
-    for r in range(config.steps):
-        # Alternate the order so no strategy always follows the same one.
-        order = strategies if r % 2 == 0 else list(reversed(strategies))
-        for s in order:
-            trainer = trainers[s]
-            trainer.sync()
-            t0, c0 = time.perf_counter(), time.process_time()
-            trainer.step()
-            trainer.sync()
-            times[s].append(time.perf_counter() - t0)
-            cpu[s].append(time.process_time() - c0)
-        if progress is not None:
-            progress(r + 1, config.steps)
-    return {"wall": times, "cpu": cpu}
+    return time_interleaved(trainers, config.steps, config.warmup, progress)

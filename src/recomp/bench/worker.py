@@ -13,6 +13,7 @@ import traceback
 from typing import Any
 
 from .config import BenchConfig, row_label
+from .results import Result
 
 
 def _progress(done: int, total: int) -> None:
@@ -33,10 +34,12 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
         results = []
         for i, strategy in enumerate(strategies):
             try:
-                results.append(fw.measure_strategy(config, strategy))
+                result = fw.measure_strategy(config, strategy)
             except Exception as exc:
                 traceback.print_exc()
-                results.append(_error(row_label(framework, task["config"]), strategy, exc))
+                label = row_label(framework, task["config"])
+                result = Result(label, strategy, error=f"{type(exc).__name__}: {exc}")
+            results.append(result.to_dict())
             _progress(i + 1, len(strategies))
         return {"results": results}
     if task["kind"] == "plan":
@@ -53,10 +56,6 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
             out["overhead"] = measure_overhead()
         return out
     raise ValueError(f"unknown task kind {task['kind']!r}")
-
-
-def _error(framework: str, strategy: str, exc: BaseException) -> dict[str, Any]:
-    return {"framework": framework, "strategy": strategy, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def main(argv: list[str] | None = None) -> int:

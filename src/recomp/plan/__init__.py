@@ -20,7 +20,7 @@ from typing import Any
 
 from .budget import Budget, BudgetTooSmallError, parse_budget
 from .planfile import LayerPlan, Plan, PlanFormatError, load_plan, save_plan
-from .planner import Profile, make_plan, plan_table, profile_table
+from .planner import OptionSlot, Profile, make_plan, plan_table, profile_table
 from .solver import LayerOptions, Option, Solution, evaluate, minimum_bytes, solve
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "LayerOptions",
     "LayerPlan",
     "Option",
+    "OptionSlot",
     "Plan",
     "PlanFormatError",
     "Profile",

@@ -20,6 +20,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PLAN_VERSION = 1
+# The option names: a layer not checkpointed, checkpointed whole, or with exclusions.
+NO_CHECKPOINT = "none"
+FULL_CHECKPOINT = "full"
 EXCLUDE_PREFIX = "exclude:"
 
 
@@ -44,7 +47,7 @@ class LayerPlan:
 
     @property
     def checkpointed(self) -> bool:
-        return parse_option(self.option)[0] != "none"
+        return parse_option(self.option)[0] != NO_CHECKPOINT
 
 
 @dataclass
@@ -97,7 +100,7 @@ class Plan:
 
 def parse_option(option: str) -> tuple[str, tuple[str, ...]]:
     """``"none"`` -> ``("none", ())``; ``"exclude:attn+mlp"`` -> ``("exclude", ("attn", "mlp"))``."""
-    if option in ("none", "full"):
+    if option in (NO_CHECKPOINT, FULL_CHECKPOINT):
         return option, ()
     if option.startswith(EXCLUDE_PREFIX):
         regions = tuple(r for r in option[len(EXCLUDE_PREFIX) :].split("+") if r)
@@ -110,7 +113,7 @@ def parse_option(option: str) -> tuple[str, tuple[str, ...]]:
 
 
 def exclude_option(regions: tuple[str, ...] | list[str]) -> str:
-    return EXCLUDE_PREFIX + "+".join(regions) if regions else "full"
+    return EXCLUDE_PREFIX + "+".join(regions) if regions else FULL_CHECKPOINT
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:

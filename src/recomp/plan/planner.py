@@ -18,13 +18,24 @@ The model behind the numbers:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import IntEnum
 from typing import Any
 
 from .budget import Budget, format_bytes, parse_budget
-from .planfile import LayerPlan, Plan, parse_option
+from .planfile import FULL_CHECKPOINT, NO_CHECKPOINT, LayerPlan, Plan, parse_option
 from .solver import LayerOptions, Option, evaluate, minimum_bytes, solve
 
 MiB = float(1 << 20)
+
+
+class OptionSlot(IntEnum):
+    """Where the options sit in every ``LayerProfile.options`` list, and so in the
+    solver's choices and in ``pair_bytes``: no checkpoint first, then full checkpoint,
+    then the exclusions (from ``EXCLUSIONS`` on)."""
+
+    NONE = 0
+    FULL = 1
+    EXCLUSIONS = 2
 
 
 @dataclass
@@ -67,6 +78,14 @@ class LayerProfile:
     # [previous layer's option index, this layer's option index, bytes]
     pair_bytes: list[list[int]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        names = [o.name for o in self.options[: OptionSlot.EXCLUSIONS]]
+        if self.options and names != [NO_CHECKPOINT, FULL_CHECKPOINT]:
+            raise ValueError(
+                f"layer {self.path!r}: the options start with {names}, not "
+                f"{[NO_CHECKPOINT, FULL_CHECKPOINT]} (see OptionSlot)"
+            )
+
     def option(self, name: str) -> OptionProfile:
         for option in self.options:
             if option.name == name:
@@ -105,6 +124,11 @@ class Profile:
         choice = [[o.name for o in layer.options].index(option) for layer in self.layers]
         return evaluate(self.layer_options(), choice, self.shared_bytes).kept_bytes
 
+    def uniform_slot_bytes(self, slot: OptionSlot) -> int:
+        """Predicted activation memory with the option at ``slot`` on every layer."""
+        choice = [int(slot)] * len(self.layers)
+        return evaluate(self.layer_options(), choice, self.shared_bytes).kept_bytes
+
     def predict(self, options: list[str]) -> dict[str, Any]:
         """Predicted memory, replay and step time of one option name per layer."""
         names = [[o.name for o in layer.options] for layer in self.layers]
@@ -140,7 +164,9 @@ def resolve_budget(profile: Profile, budget: str | int | float | Budget) -> tupl
     """The budget as given and in bytes (a percentage lies between full checkpointing of
     every layer, 0%, and no checkpointing, 100%)."""
     parsed = parse_budget(budget)
-    return parsed, parsed.resolve(profile.uniform_bytes("full"), profile.uniform_bytes("none"))
+    return parsed, parsed.resolve(
+        profile.uniform_slot_bytes(OptionSlot.FULL), profile.uniform_slot_bytes(OptionSlot.NONE)
+    )
 
 
 def make_plan(profile: Profile, budget: str | int | float | Budget) -> Plan:
@@ -176,8 +202,8 @@ def make_plan(profile: Profile, budget: str | int | float | Budget) -> Plan:
         "replay_flops": solution.replay_flops,
         "baseline_step_ms": profile.baseline_step_s * 1e3,
         "step_ms": (profile.baseline_step_s + solution.replay_s) * 1e3,
-        "full_bytes": profile.uniform_bytes("full"),
-        "none_bytes": profile.uniform_bytes("none"),
+        "full_bytes": profile.uniform_slot_bytes(OptionSlot.FULL),
+        "none_bytes": profile.uniform_slot_bytes(OptionSlot.NONE),
         "minimum_bytes": least.kept_bytes,
         "device": profile.device,
     }
@@ -186,13 +212,13 @@ def make_plan(profile: Profile, budget: str | int | float | Budget) -> Plan:
 
 def explain(layer: LayerProfile, option: OptionProfile) -> str:
     """One line: what the option buys against full checkpointing of the layer."""
-    full = layer.option("full")
+    full = layer.options[OptionSlot.FULL]
     more = format_bytes(option.kept_bytes - full.kept_bytes)
     saved_ms = (full.replay_s - option.replay_s) * 1e3
     kind, regions = parse_option(option.name)
-    if kind == "full":
+    if kind == FULL_CHECKPOINT:
         return f"checkpoint: keeps only its input, replays {full.replay_s * 1e3:.1f} ms"
-    if kind == "none":
+    if kind == NO_CHECKPOINT:
         return f"no checkpoint: no replay (saves {saved_ms:.1f} ms) for {more} more than full"
     return (
         f"exclude {'+'.join(regions)}: saves {saved_ms:.1f} ms of replay for {more} more than full"

@@ -45,13 +45,12 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 
-from ..bench.measure import CPU_ATTENTION_FORMULAS
-from ..bench.runner import call_model, mean_square_loss
+from .._modelcall import call_model, flop_formulas, mean_square_loss
 from ..torch import _compat
 from ..torch._backend import BACKEND
 from ..torch._compat import TorchDispatchMode
-from .planfile import exclude_option
-from .planner import LayerProfile, OptionProfile, Profile, RegionProfile
+from .planfile import NO_CHECKPOINT, exclude_option
+from .planner import LayerProfile, OptionProfile, OptionSlot, Profile, RegionProfile
 
 LayerSpec = Callable[[nn.Module], bool] | Sequence[str] | None
 
@@ -154,6 +153,14 @@ def option_sets(count: int) -> list[tuple[int, ...]]:
     return [(i,) for i in range(count)] + [tuple(range(count))]
 
 
+def layer_option_sets(count: int) -> list[tuple[int, ...] | None]:
+    """The options of a layer with ``count`` candidates, in the order of ``OptionSlot``:
+    no checkpoint (``None``), full checkpoint (nothing excluded, ``()``), then the sets of
+    candidate indices of ``option_sets``."""
+    fixed: dict[OptionSlot, tuple[int, ...] | None] = {OptionSlot.NONE: None, OptionSlot.FULL: ()}
+    return [fixed[slot] for slot in sorted(fixed)] + list(option_sets(count))
+
+
 # --------------------------------------------------------------------------- recording
 
 
@@ -215,7 +222,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.clock = clock
         counter = flop_counter.FlopCounterMode(
-            display=False, custom_mapping=dict(CPU_ATTENTION_FORMULAS)
+            display=False, custom_mapping=flop_formulas(_compat.cpu_attention_ops())
         )
         self.registry = counter.flop_registry
         self.preexisting = preexisting
@@ -377,7 +384,7 @@ def _analyse_option(
 
     if excluded is None:
         saved = {s.key: s.nbytes for s in record.saves if not s.is_parameter}
-        return _OptionResult("none", activations(saved), [], {}, 0)
+        return _OptionResult(NO_CHECKPOINT, activations(saved), [], {}, 0)
 
     chosen = set(excluded)
     kept: dict[Hashable, int] = dict(record.input_keys)
@@ -793,7 +800,7 @@ def _profile(
     per_save = _per_save_seconds(clock) if device.type == "cpu" else 0.0
     analysed: list[list[_OptionResult]] = []
     for index, record in enumerate(recorder.layers):
-        sets: list[tuple[int, ...] | None] = [None, (), *option_sets(len(candidates[index]))]
+        sets = layer_option_sets(len(candidates[index]))
         analysed.append([_analyse_option(record, candidates[index], s, preexisting) for s in sets])
     private, pairs, shared, spread = _attribute(
         [[o.kept for o in options] for options in analysed], outside
@@ -824,7 +831,7 @@ def _profile(
             )
         options = []
         for o, result in enumerate(analysed[index]):
-            checkpoints = 0 if result.name == "none" else 1
+            checkpoints = 0 if o == OptionSlot.NONE else 1
             options.append(
                 OptionProfile(
                     name=result.name,
@@ -842,8 +849,8 @@ def _profile(
                 type=type(layer).__name__,
                 forward_s=forward_s[path],
                 forward_flops=sum(op.flops for op in record.ops),
-                no_checkpoint_bytes=sum(analysed[index][0].kept.values()),
-                checkpoint_input_bytes=sum(analysed[index][1].kept.values()),
+                no_checkpoint_bytes=sum(analysed[index][OptionSlot.NONE].kept.values()),
+                checkpoint_input_bytes=sum(analysed[index][OptionSlot.FULL].kept.values()),
                 regions=region_profiles,
                 options=options,
                 pair_bytes=[[a, b, n] for (a, b), n in sorted(pairs[index].items()) if n],

@@ -1,18 +1,22 @@
 """``recomp plan``: profile a model, print the fastest plan that fits the budget, then run
 it and print the measured activation memory and step time beside the predicted ones.
 
-The profile and the measurements run in child processes (``recomp.bench.worker``), as
-the benchmark's do: allocator readings need a process of their own.
+The command lives with the benchmark because it is one: the profile and the
+measurements of the plan run in child processes (``recomp.bench.worker``), as the
+benchmark's do, since allocator readings need a process of their own. The planner itself,
+``recomp.plan``, is a library below it and imports nothing of ``recomp.bench``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
-from ..bench.config import DEFAULT_MODEL, BenchConfig
-from .budget import parse_budget
+from ..plan.budget import parse_budget
+from .config import DEFAULT_MODEL, add_config_arguments, config_from_args
+from .results import Result, write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,14 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", metavar="PATH", help="write the plan here")
     p.add_argument("--profile-json", metavar="PATH", help="write the profile here")
-    p.add_argument("--layers", type=int, default=BenchConfig.layers)
-    p.add_argument("--hidden", type=int, default=BenchConfig.hidden)
-    p.add_argument("--heads", type=int, default=BenchConfig.heads)
-    p.add_argument("--seq", type=int, default=BenchConfig.seq)
-    p.add_argument("--batch", type=int, default=BenchConfig.batch)
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
-    p.add_argument("--steps", type=int, default=4, help="timed steps of the plan (and of none)")
+    add_config_arguments(
+        p,
+        steps=4,
+        steps_help="timed steps of the plan (and of none)",
+        device_help="cpu or cuda[:N]",
+    )
     p.add_argument(
         "--clock",
         choices=("auto", "wall", "cpu"),
@@ -65,11 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..bench.cli import Job, Progress, _run_jobs
-    from ..bench.report import attach_predictions
-    from ..bench.runner_stats import summarize_times
-    from .planfile import load_plan, save_plan
-    from .planner import Profile, plan_table, profile_table
+    from ..plan.planfile import load_plan, save_plan
+    from ..plan.planner import Profile, plan_table, profile_table
+    from .jobs import Job, Progress, run_jobs
+    from .report import attach_predictions
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -79,18 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     strategy = f"plan@{budget.text}"
     extra: dict[str, Any] = {} if args.clock == "auto" else {"plan_clock": args.clock}
-    config = BenchConfig(
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        seq=args.seq,
-        batch=args.batch,
-        steps=args.steps,
-        device=args.device,
-        threads=args.threads,
-        model=args.model,
-        extra=extra,
-    )
+    config = config_from_args(args, **extra)
     progress = Progress(3 if args.no_measure else 3 + 2 + args.steps + 2, not args.quiet)
     offset = [0.0]
     planning = Job(
@@ -103,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         3,
     )
-    _run_jobs([planning], 1, progress, offset)
+    run_jobs([planning], 1, progress, offset)
     if planning.result is None:
         progress.close()
         print(f"recomp plan: profiling failed: {planning.error}", file=sys.stderr)
@@ -117,8 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         save_plan(plan, args.json)
     if args.profile_json:
-        from ..bench.report import write_json
-
         write_json(args.profile_json, planning.result["profile"])
     profile_text = profile_table(Profile.from_dict(planning.result["profile"]))
 
@@ -142,25 +130,20 @@ def main(argv: list[str] | None = None) -> int:
         {**task, "kind": "time", "strategies": ["none", strategy]},
         args.steps + 2,
     )
-    _run_jobs([measuring], 1, progress, offset)
-    _run_jobs([timing], 1, progress, offset)
+    run_jobs([measuring], 1, progress, offset)
+    run_jobs([timing], 1, progress, offset)
     show_plan()
     if measuring.result is None or timing.result is None:
         print(f"recomp plan: running the plan failed: {measuring.error or timing.error}")
         return 1
-    row = measuring.result["results"][0]
-    if "error" in row:
-        print(f"recomp plan: running the plan failed: {row['error']}")
+    row = Result.from_dict(measuring.result["results"][0])
+    if row.error is not None:
+        print(f"recomp plan: running the plan failed: {row.error}")
         return 1
-    rows = [row, {"framework": "torch", "strategy": "none"}]
+    rows = [row, Result("torch", "none")]
     for r in rows:
-        wall = timing.result["times"]["wall"][r["strategy"]]
-        cpu = timing.result["times"]["cpu"][r["strategy"]]
-        r.update(
-            step_time_s=summarize_times(wall)[0],
-            step_cpu_time_s=summarize_times(cpu)[0],
-            step_times_s=wall,
-            step_cpu_times_s=cpu,
+        r.set_step_times(
+            timing.result["times"]["wall"][r.strategy], timing.result["times"]["cpu"][r.strategy]
         )
     attach_predictions(rows, {strategy: {**made, "clock": planning.result["clock"]}})
     print()
@@ -168,29 +151,40 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def comparison(row: dict[str, Any], none: dict[str, Any]) -> str:
+def comparison(row: Result, none: Result) -> str:
     """Predicted against measured: activation memory, replay FLOPs, step time."""
-    p = row["plan"]
-    clock = p["clock"]
-    step_key = "step_cpu_time_s" if clock == "cpu" else "step_time_s"
+    p = row.plan
+    assert p is not None, "comparison() needs a row with its plan attached"
+    clock = p.clock
+
+    def step(r: Result) -> float:
+        value = r.step_cpu_time_s if clock == "cpu" else r.step_time_s
+        return math.nan if value is None else value
+
+    def pct(measured: float | None, predicted: float | None) -> str:
+        if measured is None or not predicted:
+            return "-"
+        return f"{(measured / predicted - 1) * 100:+.1f}%"
+
+    def num(value: float | None, scale: float, digits: int) -> str:
+        return f"{'-':>12}" if value is None else f"{value / scale:12.{digits}f}"
+
     mib = float(1 << 20)
-
-    def pct(measured: float, predicted: float) -> str:
-        return f"{(measured / predicted - 1) * 100:+.1f}%" if predicted else "-"
-
+    replay_error = (
+        pct(row.replay_flops, p.predicted_replay_flops) if p.predicted_replay_flops else ""
+    )
     lines = [
         f"{'':34}{'predicted':>12}{'measured':>12}{'error':>9}",
-        f"{'activation memory (MiB)':34}{p['predicted_activation_bytes'] / mib:12.2f}"
-        f"{row['activation_bytes'] / mib:12.2f}"
-        f"{pct(row['activation_bytes'], p['predicted_activation_bytes']):>9}",
-        f"{'replay (GFLOP)':34}{p['predicted_replay_flops'] / 1e9:12.3f}"
-        f"{row['replay_flops'] / 1e9:12.3f}"
-        f"{pct(row['replay_flops'], p['predicted_replay_flops']) if p['predicted_replay_flops'] else '':>9}",
-        f"{f'step time, {clock} clock (ms)':34}{p['predicted_step_time_s'] * 1e3:12.1f}"
-        f"{row[step_key] * 1e3:12.1f}{pct(row[step_key], p['predicted_step_time_s']):>9}",
+        f"{'activation memory (MiB)':34}{num(p.predicted_activation_bytes, mib, 2)}"
+        f"{num(row.activation_bytes, mib, 2)}"
+        f"{pct(row.activation_bytes, p.predicted_activation_bytes):>9}",
+        f"{'replay (GFLOP)':34}{num(p.predicted_replay_flops, 1e9, 3)}"
+        f"{num(row.replay_flops, 1e9, 3)}{replay_error:>9}",
+        f"{f'step time, {clock} clock (ms)':34}{p.predicted_step_time_s * 1e3:12.1f}"
+        f"{step(row) * 1e3:12.1f}{pct(step(row), p.predicted_step_time_s):>9}",
     ]
-    if p.get("measured_ratio_to_none") is not None:
-        predicted, measured = p["predicted_ratio_to_none"], p["measured_ratio_to_none"]
+    if p.measured_ratio_to_none is not None and p.predicted_ratio_to_none is not None:
+        predicted, measured = p.predicted_ratio_to_none, p.measured_ratio_to_none
         lines.append(
             f"{'  slowdown over no checkpointing':34}{predicted:11.3f}x{measured:11.3f}x"
             f"{pct(measured, predicted):>9}"
@@ -199,10 +193,13 @@ def comparison(row: dict[str, Any], none: dict[str, Any]) -> str:
         "slowdown: the plan's step time over no checkpointing's, predicted from the profile, "
         "measured as the median of per-round ratios (the two are timed interleaved)"
     )
+    wall_plan = math.nan if row.step_time_s is None else row.step_time_s
+    wall_none = math.nan if none.step_time_s is None else none.step_time_s
+    grad = math.nan if row.max_grad_diff is None else row.max_grad_diff
     lines.append(
-        f"budget {p['budget_bytes'] / mib:.2f} MiB; no checkpointing in the same run: "
-        f"{none[step_key] * 1e3:.1f} ms per step ({clock} clock), wall time: plan "
-        f"{row['step_time_s'] * 1e3:.1f} ms, none {none['step_time_s'] * 1e3:.1f} ms; "
-        f"gradients differ from none by at most {row['max_grad_diff']:.1e}"
+        f"budget {p.budget_bytes / mib:.2f} MiB; no checkpointing in the same run: "
+        f"{step(none) * 1e3:.1f} ms per step ({clock} clock), wall time: plan "
+        f"{wall_plan * 1e3:.1f} ms, none {wall_none * 1e3:.1f} ms; "
+        f"gradients differ from none by at most {grad:.1e}"
     )
     return "\n".join(lines)
