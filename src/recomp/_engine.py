@@ -33,7 +33,14 @@ from ._record import Invocation, invocation_of
 from ._region import ExcludedRegion, check_flag
 from ._state import CallIdentity, PhaseContext, RecomputeState, get_recompute_state
 
-__all__ = ["ExcludedRegion", "begin", "check_flag", "check_use_reentrant", "make_context_fn"]
+__all__ = [
+    "ComposedContext",
+    "ExcludedRegion",
+    "begin",
+    "check_flag",
+    "check_use_reentrant",
+    "make_context_fn",
+]
 
 
 class MechanismSwitches:
@@ -50,7 +57,7 @@ class MechanismSwitches:
 SWITCHES = MechanismSwitches()
 
 
-class _ComposedContext:
+class ComposedContext:
     """Enter several contexts in order, exit in reverse; re-enterable like ``PhaseContext``."""
 
     def __init__(self, *contexts: Any) -> None:
@@ -112,8 +119,8 @@ def make_context_fn(
             forward.append(user_forward)
             replay.append(user_replay)
         return (
-            forward[0] if len(forward) == 1 else _ComposedContext(*forward),
-            replay[0] if len(replay) == 1 else _ComposedContext(*replay),
+            forward[0] if len(forward) == 1 else ComposedContext(*forward),
+            replay[0] if len(replay) == 1 else ComposedContext(*replay),
         )
 
     return context_fn

@@ -13,7 +13,7 @@ from .._wrapping import CHECKPOINT_KWARGS, REGION, RegionCounters, check_callabl
 from ._backend import BACKEND, check_pynative
 from ._cache import adapt_cache_kwargs
 from ._dropout import exclude_dropout_too, warn_recomputed_dropout
-from ._early_stop import explain_stop_in_dropout
+from ._early_stop import explain_stop_inside_an_op
 from ._graph_mode import pynative_only
 
 
@@ -39,7 +39,7 @@ def checkpoint(
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     check_pynative("checkpoint")
     if kwargs.setdefault("early_stop", False):
-        context_fn = explain_stop_in_dropout(context_fn)
+        context_fn = explain_stop_inside_an_op(context_fn)
     if BACKEND.grad_enabled():
         adapt_cache_kwargs(function, kwargs, ExcludeWrapper)
     warn_recomputed_dropout(function, ExcludeWrapper, "checkpoint")
