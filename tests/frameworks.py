@@ -164,3 +164,41 @@ class MindSpore:
 
 
 ADAPTERS = {"torch": Torch, "mindspore": MindSpore}
+
+
+def assert_region_output_type(
+    fw: Any, build: Callable[[Any, Any], Any], read: Callable[[Any], Any], name: str
+) -> None:
+    """A region that returns ``build(a, b)`` hands back an object of the same type in the
+    forward and in the replay, with the gradients of the unwrapped code (``read`` turns
+    the region's output into one tensor)."""
+    dense, ref = fw.dense_pair(4, 4)
+    ops = fw.ops
+
+    def region_of(layer: Any) -> Callable[[Any], Any]:
+        return lambda h: build(ops.tanh(layer(h)), ops.sin(h))
+
+    def body(t: Any, region: Any, seen: list[type]) -> Any:
+        out = region(ops.cos(t))
+        seen.append(type(out))
+        return ops.exp(read(out))
+
+    def total(v: Any) -> Any:
+        return v.sum()
+
+    x = fw.tensor(3, 4)
+    expected_type = type(region_of(ref)(x))
+    _, expected = fw.grads(
+        lambda t: body(t, region_of(ref), []), x, params=fw.parameters(ref), loss=total
+    )
+    region = fw.api.checkpoint_exclude_wrapper(region_of(dense), name=name)
+    seen: list[type] = []
+    _, got = fw.grads(
+        lambda t: fw.api.checkpoint(body, t, region, seen),
+        x,
+        params=fw.parameters(dense),
+        loss=total,
+    )
+    assert seen == [expected_type, expected_type]  # the forward and the replay
+    assert_same(expected, got)
+    assert (region.region_runs, region.region_skips) == (1, 1)

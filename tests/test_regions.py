@@ -10,10 +10,14 @@ tested in the per-framework files.
 
 from __future__ import annotations
 
+import dataclasses
+from collections import OrderedDict, namedtuple
+from typing import Any
+
 import pytest
 
 import recomp
-from frameworks import assert_same
+from frameworks import assert_region_output_type, assert_same
 from recomp import _testing
 
 
@@ -255,3 +259,44 @@ def test_non_callable_is_rejected(fw, bad):
 def test_non_bool_save_output_is_rejected(fw, bad):
     with pytest.raises(ValueError, match="save_output must be True or False"):
         fw.api.checkpoint_exclude_wrapper(fw.dense(2, 2), save_output=bad)
+
+
+# --------------------------------------------------------------------------- output containers
+
+Pair = namedtuple("Pair", "a b")
+
+
+class TupleSub(tuple):
+    pass
+
+
+class ListSub(list):
+    pass
+
+
+class DictSub(dict):
+    pass
+
+
+@dataclasses.dataclass
+class Hidden:
+    hidden: Any
+    scale: int = 3
+
+
+# name -> (build the region's output from two tensors, read it back into one tensor); each
+# framework's own containers are in its outputs test file
+CONTAINERS = {
+    "OrderedDict": (lambda a, b: OrderedDict(x=a, y=b), lambda o: o["x"] * next(iter(o.values()))),
+    "namedtuple": (lambda a, b: Pair(a, b), lambda o: o.a * o.b),
+    "tuple subclass": (lambda a, b: TupleSub((a, b)), lambda o: o[0] * o[1]),
+    "list subclass": (lambda a, b: ListSub([a, b]), lambda o: o[0] * o[1]),
+    "dict subclass": (lambda a, b: DictSub(x=a, y=b), lambda o: o["x"] * o["y"]),
+    "dataclass": (lambda a, b: Hidden(a * b), lambda o: o.hidden * o.scale),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONTAINERS))
+def test_region_output_comes_back_as_the_same_type(fw, kind):
+    build, read = CONTAINERS[kind]
+    assert_region_output_type(fw, build, read, kind)
