@@ -169,6 +169,24 @@ def test_replay_that_calls_regions_differently_raises(fw, recover):
         fw.grads(lambda t: fw.api.checkpoint(diverging, t), fw.tensor(2, 4), params=[])
 
 
+def test_save_output_false_view_of_the_checkpoint_input_counts_as_consumed(fw):
+    """Found by the property tests: a save_output=False output that is a view of the
+    checkpoint's input counts as consumed by the next excluded region."""
+    split = fw.api.checkpoint_exclude_wrapper(lambda t: t.reshape(24), save_output=False)
+    mix = fw.api.checkpoint_exclude_wrapper(fw.ops.sin)
+    x = fw.tensor(4, 6)
+
+    def total(v):
+        return v.sum()
+
+    _, expected = fw.grads(lambda t: fw.ops.sin(t.reshape(24)), x, params=[], loss=total)
+    _, got = fw.grads(
+        lambda t: fw.api.checkpoint(lambda u: mix(split(u)), t), x, params=[], loss=total
+    )
+    assert_same(expected, got)
+    assert (split.region_runs, mix.region_runs) == (1, 1)
+
+
 def no_state_left() -> bool:
     return recomp.get_recompute_state() is None and _testing.active_region_name() is None
 
