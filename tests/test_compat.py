@@ -382,7 +382,7 @@ class TestTorch:
         torch = self.torch
         seen = []
 
-        class Counter(_compat.OpFlopCounter):
+        class Counter(_compat.op_flop_counter()):
             def on_op(self, func_packet, flops):
                 seen.append((func_packet, flops))
 

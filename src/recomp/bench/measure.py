@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 
-from ..torch._compat import OpFlopCounter, TorchDispatchMode, cpu_attention_ops
+from ..torch._compat import TorchDispatchMode, cpu_attention_ops, op_flop_counter
 from .memory import malloc_in_use
 
 # --------------------------------------------------------------------------- memory
@@ -176,7 +176,7 @@ CPU_ATTENTION_FORMULAS = (
 BUCKETS = ("forward", "excluded", "layers", "replay", "replay_recomp", "backward", "other")
 
 
-class SplitFlopCounter(OpFlopCounter):
+class SplitFlopCounter(op_flop_counter()):  # type: ignore[misc]
     """``FlopCounterMode`` that also files each count under a phase (see module docstring).
 
     Set ``phase`` to ``"forward"``, ``"backward"`` or ``"other"`` around the parts of a

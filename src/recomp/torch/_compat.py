@@ -348,43 +348,48 @@ def dynamo_bypassing_wrapper() -> Callable[..., Any]:
 # --------------------------------------------------------------------------- FLOPs per op
 
 
-def _flop_counter_base() -> type:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    return FlopCounterMode
-
-
-class OpFlopCounter(_flop_counter_base()):  # type: ignore[misc]
-    """``FlopCounterMode`` that also hands every counted op to :meth:`on_op` as it runs.
+def op_flop_counter() -> type:
+    """A ``FlopCounterMode`` subclass that also hands every counted op to its method
+    ``on_op(func_packet, flops)`` as it runs (made on first use: importing
+    ``torch.utils.flop_counter`` takes a while, and only the benchmark needs it).
 
     Why: the benchmark files each op's FLOPs under the phase it ran in (forward,
     replay, backward, inside an excluded region), which only a per-op hook can
     tell. ``FlopCounterMode``'s public results are totals per module; its one
     per-op step is the private ``_count_flops(func_packet, out, args, kwargs)``,
     which its dispatch mode calls for every op, overridden here.
-    If it changes: constructing the counter raises a ``RecompError`` that names it
-    (a per-phase split cannot be rebuilt from totals); nothing else in recomp uses it.
+    If it changes: this raises a ``RecompError`` that names it (a per-phase split
+    cannot be rebuilt from totals); nothing else in recomp uses it.
     Retired by: a public per-op callback on ``FlopCounterMode``.
     """
+    global _OP_FLOP_COUNTER
+    if _OP_FLOP_COUNTER is not None:
+        return _OP_FLOP_COUNTER
+    from torch.utils.flop_counter import FlopCounterMode
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if not callable(getattr(_flop_counter_base(), "_count_flops", None)):
-            from ..errors import RecompError
+    if not callable(getattr(FlopCounterMode, "_count_flops", None)):
+        from ..errors import RecompError
 
-            raise RecompError(
-                "recomp's FLOP split overrides torch.utils.flop_counter.FlopCounterMode."
-                f"_count_flops, which this PyTorch ({torch.__version__}) does not have."
-            )
-        super().__init__(*args, **kwargs)
+        raise RecompError(
+            "recomp's FLOP split overrides torch.utils.flop_counter.FlopCounterMode."
+            f"_count_flops, which this PyTorch ({torch.__version__}) does not have."
+        )
 
-    def on_op(self, func_packet: Any, flops: int) -> None:
-        """Called once per op that has a FLOP formula, with its count."""
+    class OpFlopCounter(FlopCounterMode):
+        def on_op(self, func_packet: Any, flops: int) -> None:
+            """Called once per op that has a FLOP formula, with its count."""
 
-    def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
-        formula = self.flop_registry.get(func_packet)
-        if formula is not None:
-            self.on_op(func_packet, int(formula(*args, **kwargs, out_val=out)))
-        return super()._count_flops(func_packet, out, args, kwargs)
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            formula = self.flop_registry.get(func_packet)
+            if formula is not None:
+                self.on_op(func_packet, int(formula(*args, **kwargs, out_val=out)))
+            return super()._count_flops(func_packet, out, args, kwargs)
+
+    _OP_FLOP_COUNTER = OpFlopCounter
+    return OpFlopCounter
+
+
+_OP_FLOP_COUNTER: type | None = None
 
 
 # --------------------------------------------------------------------------- transformers
