@@ -41,3 +41,20 @@ def seeded():
     seed._KERNEL_SEED.update(saved[1])
     np.random.set_state(saved[2])
     ms.set_rng_state(generator)
+
+
+@pytest.fixture(params=["torch", "mindspore"])
+def fw(request):
+    """The framework adapter (``tests/frameworks.py``) of a test written once for both."""
+    pytest.importorskip(request.param)
+    import frameworks
+
+    return frameworks.ADAPTERS[request.param]()
+
+
+@pytest.fixture
+def recover(fw, request):
+    """``recover_mindspore`` for the MindSpore run of a test written for both frameworks
+    that raises inside a gradient computation."""
+    if fw.name == "mindspore":
+        request.getfixturevalue("recover_mindspore")

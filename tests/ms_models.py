@@ -42,6 +42,25 @@ def copy_params(src: nn.Cell, dst: nn.Cell) -> None:
     assert not not_loaded, not_loaded
 
 
+def twin_stack(n: int = 3) -> tuple[Stack, Stack]:
+    """Two stacks of ``n`` blocks with the same parameter values."""
+    ref, model = Stack(n), Stack(n)
+    copy_params(ref, model)
+    return ref, model
+
+
+def exclude_attention(model: Stack, checkpoint: bool = True) -> Stack:
+    """Exclude every block's attention from the replay and (with ``checkpoint``)
+    checkpoint every block, in place; returns ``model``."""
+    import recomp.mindspore as rm
+
+    for i, layer in enumerate(model.layers):
+        layer.attn = rm.checkpoint_exclude_wrapper(layer.attn)
+        if checkpoint:
+            model.layers[i] = rm.checkpoint_wrapper(layer)
+    return model
+
+
 def tensor(*shape: int, seed: int = 0) -> ms.Tensor:
     return ms.Tensor(np.random.RandomState(seed).randn(*shape).astype(np.float32))
 
@@ -62,4 +81,15 @@ def assert_same(expected, actual) -> None:
         assert np.array_equal(a, b), f"gradient {i}: max diff {np.abs(a - b).max()}"
 
 
-__all__ = ["Block", "Stack", "assert_same", "copy_params", "grads", "nn", "ops", "tensor"]
+__all__ = [
+    "Block",
+    "Stack",
+    "assert_same",
+    "copy_params",
+    "exclude_attention",
+    "grads",
+    "nn",
+    "ops",
+    "tensor",
+    "twin_stack",
+]

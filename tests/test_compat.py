@@ -7,8 +7,10 @@ modules touches private API (``tools/check_private_api.py``).
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
+import textwrap
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 
@@ -39,6 +41,207 @@ def test_the_checker_finds_private_use(tmp_path):
     )
     assert result.returncode == 1
     assert "torch.utils._pytree" in result.stdout and "._C" in result.stdout
+
+
+def _checker():
+    spec = importlib.util.spec_from_file_location(
+        "check_private_api", ROOT / "tools" / "check_private_api.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CHECKER = _checker()
+
+
+def _flagged(tmp_path, source: str) -> list[str]:
+    path = tmp_path / "module.py"
+    path.write_text(textwrap.dedent(source))
+    return CHECKER.problems(path, "module.py")
+
+
+@pytest.mark.parametrize(
+    ("source", "name"),
+    [
+        ('def f(t):\n    return getattr(t, "_version", None)\n', "_version"),
+        ('def f(cell):\n    return getattr(cell, "_recompute_cell", None)\n', "_recompute_cell"),
+        ('def f(m):\n    return hasattr(m, "_hooks")\n', "_hooks"),
+        ('def f(m):\n    setattr(m, "_hooks", 1)\n', "_hooks"),
+        ('def f(m):\n    delattr(m, "_hooks")\n', "_hooks"),
+        ('def f(m):\n    object.__setattr__(m, "_hooks", 1)\n', "_hooks"),
+        ('import inspect\ninspect.getattr_static(int, "_hooks")\n', "_hooks"),
+    ],
+    ids=[
+        "getattr",
+        "recompute-not-a-recomp-tag",
+        "hasattr",
+        "setattr",
+        "delattr",
+        "object-setattr",
+        "getattr_static",
+    ],
+)
+def test_the_checker_finds_private_attributes_named_by_a_string(tmp_path, source, name):
+    found = _flagged(tmp_path, source)
+    assert len(found) == 1 and repr(name) in found[0], found
+
+
+def test_the_checker_passes_attributes_named_by_a_string_that_are_not_private(tmp_path):
+    assert not _flagged(
+        tmp_path,
+        """
+        def f(t, kind, name):
+            getattr(t, "_recomp_region", None)  # recomp's own tag
+            hasattr(kind, "_fields")            # namedtuple API
+            getattr(t, "__dict__", None)
+            getattr(t, name)                    # not a constant
+            object.__setattr__(t, "_recomp_function", f)
+
+        class C:
+            def g(self):
+                return getattr(self, "_own", None)
+        """,
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "what"),
+    [
+        ("from transformers.modeling_layers import _helper\n", "_helper"),
+        ("from peft.tuners._private import x\n", "peft.tuners._private"),
+        ("import accelerate._internal\n", "accelerate._internal"),
+        ("from functools import _lru_cache_wrapper\n", "_lru_cache_wrapper"),
+        ("import mindspore.common._grad_function\n", "mindspore.common._grad_function"),
+    ],
+    ids=["transformers", "peft", "accelerate", "stdlib", "mindspore"],
+)
+def test_the_checker_finds_private_imports_of_any_other_package(tmp_path, source, what):
+    found = _flagged(tmp_path, source)
+    assert len(found) == 1 and what in found[0], found
+
+
+def test_the_checker_passes_public_imports_and_recomps_own_modules(tmp_path):
+    assert not _flagged(
+        tmp_path,
+        """
+        import peft
+        from transformers import PreTrainedModel
+        from transformers.modeling_layers import GradientCheckpointingLayer
+        from recomp._engine import ExcludedRegion
+        from .._engine import ExcludedRegion
+        from . import _compat
+        """,
+    )
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        'import importlib\nimportlib.import_module("mindspore.common._grad_function")\n',
+        'import sys\nsys.modules["torch.utils._pytree"]\n',
+        'import sys\nsys.modules.get("transformers._private")\n',
+    ],
+    ids=["import_module", "sys.modules[]", "sys.modules.get"],
+)
+def test_the_checker_finds_private_modules_named_by_a_string(tmp_path, source):
+    found = _flagged(tmp_path, source)
+    assert len(found) == 1 and "by name" in found[0], found
+
+
+def test_the_checker_passes_public_modules_named_by_a_string(tmp_path):
+    assert not _flagged(
+        tmp_path,
+        """
+        import importlib, sys
+        sys.modules.get("transformers.modeling_layers")
+        importlib.import_module("recomp._engine")
+        sys.modules[name]
+        """,
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "name"),
+    [
+        (
+            """
+            from torch.utils import flop_counter
+
+            class Counter(flop_counter.FlopCounterMode):
+                def _count_flops(self, func_packet, out, args, kwargs):
+                    return super()._count_flops(func_packet, out, args, kwargs)
+            """,
+            "_count_flops",
+        ),
+        (
+            """
+            from torch import nn
+
+            class Block(nn.Module):
+                _version = 2
+            """,
+            "_version",
+        ),
+        (
+            """
+            import mindspore
+
+            class Block(mindspore.nn.Cell):
+                def __init__(self):
+                    super().__init__()
+                    self._cells = {}
+            """,
+            "_cells",
+        ),
+        (
+            """
+            from ..torch._compat import TorchDispatchMode
+
+            class Recorder(TorchDispatchMode):
+                def _next(self):
+                    return 1
+            """,
+            "_next",
+        ),
+    ],
+    ids=["method-override", "class-attribute", "self-attribute", "class-from-compat"],
+)
+def test_the_checker_finds_private_names_defined_on_a_subclass_of_another_packages_class(
+    tmp_path, source, name
+):
+    found = _flagged(tmp_path, source)
+    assert len(found) == 1 and f"private name {name} defined on a subclass" in found[0], found
+
+
+def test_the_checker_passes_public_and_tagged_names_on_subclasses_and_private_names_on_own_classes(
+    tmp_path,
+):
+    assert not _flagged(
+        tmp_path,
+        """
+        import ctypes
+        from torch import nn
+
+        class Block(nn.Module):
+            _recomp_prefix = "Checkpoint"
+
+            def __init__(self):
+                super().__init__()
+                self.proj = nn.Linear(2, 2)
+                self._recomp_region = None
+
+            def helper(self):
+                return self.proj
+
+        class Own:
+            def _helper(self):
+                self._state = 1
+
+        class Info(ctypes.Structure):
+            _fields_ = [("n", ctypes.c_int)]
+        """,
+    )
 
 
 # --------------------------------------------------------------------------- torch
@@ -173,6 +376,22 @@ class TestTorch:
 
         assert _compat.cpu_attention_ops() is not None
 
+    def test_op_flop_counter_hands_each_counted_op_to_on_op(self):
+        from recomp.torch import _compat
+
+        torch = self.torch
+        seen = []
+
+        class Counter(_compat.op_flop_counter()):
+            def on_op(self, func_packet, flops):
+                seen.append((func_packet, flops))
+
+        with Counter(display=False) as counter:
+            torch.mm(torch.randn(2, 3), torch.randn(3, 4))
+            torch.sin(torch.randn(2))  # no formula: not handed on
+        assert seen == [(torch.ops.aten.mm, 2 * 2 * 3 * 4)]
+        assert counter.get_total_flops() == 2 * 2 * 3 * 4  # FlopCounterMode still counts
+
 
 # --------------------------------------------------------------------------- MindSpore
 
@@ -240,6 +459,14 @@ class TestMindSpore:
         view = _compat.as_strided()(base, (2,), (2,), 1)
         assert view.asnumpy().tolist() == [2.0, 4.0]
 
+    def test_recompute_called_follows_cell_recompute(self):
+        from recomp.mindspore import _compat
+
+        cell = self.ms.nn.Dense(2, 2)
+        assert not _compat.recompute_called(cell)
+        cell.recompute()
+        assert _compat.recompute_called(cell)
+
     def test_kernel_seeds_are_a_dict_that_dropout_fills(self):
         from recomp.mindspore import _compat
 
@@ -291,3 +518,16 @@ def test_dynamo_bypassing_wrapper_exists():
     from recomp.torch import _compat
 
     assert callable(_compat.dynamo_bypassing_wrapper())
+
+
+def test_hf_layers_that_only_read_their_cache_say_so():
+    pytest.importorskip("torch")
+    modeling_layers = pytest.importorskip("transformers.modeling_layers")
+    from transformers.models.diffusion_gemma import modeling_diffusion_gemma
+    from transformers.models.llama import modeling_llama
+
+    from recomp.torch import _compat
+
+    assert _compat.hf_layer_keeps_cache(modeling_diffusion_gemma.DiffusionGemmaDecoderTextLayer)
+    assert not _compat.hf_layer_keeps_cache(modeling_llama.LlamaDecoderLayer)
+    assert not _compat.hf_layer_keeps_cache(modeling_layers.GradientCheckpointingLayer)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections import OrderedDict, namedtuple
+from collections import OrderedDict, defaultdict, namedtuple
 
 import pytest
 
 from recomp import _pytree
+from trees import assert_same_tree
 
 BLOCK_FRAMEWORKS = (
     "import sys\n"
@@ -57,7 +58,9 @@ Point = namedtuple("Point", ["x", "y"])
 )
 def test_pytree_round_trip(tree):
     leaves, spec = _pytree.flatten(tree)
-    assert _pytree.unflatten(leaves, spec) == tree
+    rebuilt = _pytree.unflatten(leaves, spec)
+    assert rebuilt == tree
+    assert_same_tree(rebuilt, tree)  # == cannot tell a namedtuple from a tuple
     assert len(_pytree.leaf_paths(spec)) == len(leaves)
 
 
@@ -66,3 +69,20 @@ def test_pytree_paths_and_spec_equality():
     assert _pytree.leaf_paths(spec) == ["[0][0]", "[0][1]['mask']", "[1]['scale']"]
     assert spec == _pytree.flatten(((7, {"mask": 8}), {"scale": 9}))[1]
     assert spec != _pytree.flatten(((7, {"mask": 8}), {"other": 9}))[1]
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected"),
+    [
+        ((1, 2), Point(1, 2)),
+        ({"z": 1, "a": 2}, OrderedDict(z=1, a=2)),
+        (OrderedDict(a=2, z=1), OrderedDict(z=1, a=2)),
+        ([(1, [2])], [(1, (2,))]),
+        (defaultdict(list, a=1), defaultdict(int, a=1)),
+        ({"p": Point(1, 2.0)}, {"p": Point(1, 2)}),
+    ],
+    ids=["namedtuple", "ordereddict", "key-order", "nested", "default-factory", "leaf-type"],
+)
+def test_tree_comparison_sees_what_equality_does_not(actual, expected):
+    with pytest.raises(AssertionError):
+        assert_same_tree(actual, expected)

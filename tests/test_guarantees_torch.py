@@ -24,7 +24,7 @@ from torch.utils.checkpoint import (
 
 import recomp
 import recomp.torch as rt
-from torch_models import assert_same_grads, grads_of, stack, twin
+from torch_models import assert_same_grads, exclude_attention, grads_of, stack, twin
 
 
 class DropoutBlock(nn.Module):
@@ -75,10 +75,7 @@ def test_rng_alignment_is_what_makes_the_test_above_pass():
 
 def test_retain_graph_second_backward_gives_the_same_gradients():
     ref = stack(2)
-    model = twin(ref)
-    for i, blk in enumerate(model):
-        blk.attn = rt.checkpoint_exclude_wrapper(blk.attn)
-        model[i] = rt.checkpoint_wrapper(blk)
+    model = exclude_attention(twin(ref))
     x = torch.randn(3, 4, 8)
 
     def twice(m):
@@ -203,9 +200,7 @@ def test_selective_checkpointing_policy_does_not_see_excluded_ops():
 def test_nested_recomp_checkpoints_do_not_rerun_the_inner_regions():
     torch.manual_seed(0)
     ref = stack(2)
-    model = twin(ref)
-    for blk in model:
-        blk.attn = rt.checkpoint_exclude_wrapper(blk.attn)
+    model = exclude_attention(twin(ref), checkpoint=False)
 
     def inner(blk, t):
         return rt.checkpoint(blk, t)
@@ -226,10 +221,7 @@ def test_nested_recomp_checkpoints_do_not_rerun_the_inner_regions():
 def test_autocast_bfloat16():
     torch.manual_seed(0)
     ref = stack(2)
-    model = twin(ref)
-    for i, blk in enumerate(model):
-        blk.attn = rt.checkpoint_exclude_wrapper(blk.attn)
-        model[i] = rt.checkpoint_wrapper(blk)
+    model = exclude_attention(twin(ref))
     x = torch.randn(2, 3, 8, requires_grad=True)
 
     def loss(out):
@@ -245,10 +237,7 @@ def test_autocast_bfloat16():
 @pytest.mark.parametrize("early_stop", [True, False])
 def test_early_stop_on_and_off(early_stop):
     ref = stack(2)
-    model = twin(ref)
-    for i, blk in enumerate(model):
-        blk.attn = rt.checkpoint_exclude_wrapper(blk.attn)
-        model[i] = rt.checkpoint_wrapper(blk)
+    model = exclude_attention(twin(ref))
     x = torch.randn(2, 3, 8, requires_grad=True)
     with set_checkpoint_early_stop(early_stop):
         _, g = grads_of(model, lambda o: o.pow(2).sum(), x)
@@ -263,10 +252,7 @@ def test_two_threads_training_two_models():
     def train(seed):
         torch.manual_seed(seed)
         ref = stack(2, seed=seed)
-        model = twin(ref)
-        for i, blk in enumerate(model):
-            blk.attn = rt.checkpoint_exclude_wrapper(blk.attn)
-            model[i] = rt.checkpoint_wrapper(blk)
+        model = exclude_attention(twin(ref))
         x = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(seed), requires_grad=True)
         barrier.wait()
         ok = True
@@ -282,31 +268,6 @@ def test_two_threads_training_two_models():
     for t in threads:
         t.join(timeout=120)
     assert results == {1: (True, [20, 20]), 2: (True, [20, 20])}
-
-
-def test_failure_in_the_replay_leaves_nothing_behind():
-    region = rt.checkpoint_exclude_wrapper(nn.Linear(4, 4), name="lin")
-    x = torch.randn(2, 4, requires_grad=True)
-    fail = {"now": False}
-
-    def body(t):
-        if fail["now"] and recomp.is_recomputing():
-            raise RuntimeError("replay failed")
-        return torch.tanh(region(torch.sin(t)))
-
-    fail["now"] = True
-    out = rt.checkpoint(body, x)
-    with pytest.raises(RuntimeError, match="replay failed"):
-        out.sum().backward()
-    assert recomp.get_recompute_state() is None
-    assert not x.__dict__ and not out.__dict__  # recomp tags no tensor
-    fail["now"] = False
-    x.grad = None
-    rt.checkpoint(body, x).sum().backward()
-    expected = torch.autograd.grad(
-        torch.tanh(F.linear(torch.sin(x), region.weight, region.bias)).sum(), x
-    )[0]
-    assert torch.equal(x.grad, expected)
 
 
 def test_saved_tensors_and_replay_bindings_die_with_the_graph():

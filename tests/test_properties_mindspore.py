@@ -204,19 +204,6 @@ def recover_mindspore():
     _pynative_executor.clear_res()
 
 
-def test_save_output_false_view_of_checkpoint_input():
-    """Found by the property test (fixed in the engine; the torch twin is in
-    test_torch_exclude.py): a save_output=False output that is a view of the
-    checkpoint's input counts as consumed by the next excluded region."""
-    split = rm.checkpoint_exclude_wrapper(lambda t: t.reshape(24), save_output=False)
-    mix = rm.checkpoint_exclude_wrapper(ops.sin)
-    x = ms.Tensor(np.random.RandomState(0).randn(4, 6).astype(np.float32))
-    got = ms.grad(lambda t: rm.checkpoint(lambda u: mix(split(u)), t).sum(), 0)(x)
-    expected = ms.grad(lambda t: ops.sin(t.reshape(24)).sum(), 0)(x)
-    assert np.array_equal(got.asnumpy(), expected.asnumpy())
-    assert (split.region_runs, mix.region_runs) == (1, 1)
-
-
 @pytest.mark.xfail(strict=True, raises=RuntimeError, reason="MindSpore 2.10 bug, without recomp")
 def test_mindspore_early_stop_at_layernorm(recover_mindspore):
     """Canary for the workaround in run(): drop it once this passes."""

@@ -17,89 +17,11 @@ from torch import nn
 
 import recomp
 import recomp.torch as rt
-from torch_models import Block, assert_same_grads, grads_of, stack, twin
+from torch_models import Block, assert_same_grads, grads_of, twin
 
 
 def square_sum(out):
     return out.pow(2).sum()
-
-
-def exclude_attn_every_block(model: nn.Sequential) -> nn.Sequential:
-    for i, blk in enumerate(model):
-        blk.attn = rt.checkpoint_exclude_wrapper(blk.attn)
-        model[i] = rt.checkpoint_wrapper(blk)
-    return model
-
-
-def test_gradients_equal_unwrapped_and_region_runs_once():
-    ref = stack(3)
-    model = exclude_attn_every_block(twin(ref))
-    x = torch.randn(4, 5, 8, requires_grad=True)
-    for step in range(1, 3):
-        loss_ref, g_ref = grads_of(ref, square_sum, x)
-        loss, g = grads_of(model, square_sum, x)
-        assert torch.equal(loss_ref, loss)
-        assert_same_grads(g_ref, g)
-        for blk in model:
-            assert blk.attn.region_runs == step  # once per step: never in the replay
-            assert blk.attn.region_skips == step  # one replay per step returned the cache
-
-
-def test_without_exclusion_the_region_is_replayed():
-    """Control for the counts above: a plain recomp checkpoint replays the same module."""
-    calls = []
-    ref = stack(1)
-    model = twin(ref)
-    model[0].attn.register_forward_hook(lambda *a: calls.append(1))
-    model[0] = rt.checkpoint_wrapper(model[0])
-    grads_of(model, square_sum, torch.randn(2, 8, requires_grad=True))
-    assert len(calls) == 2
-
-
-def test_excluded_region_is_plain_call_outside_checkpoint_and_without_grad():
-    wrapped = rt.checkpoint_exclude_wrapper(nn.Linear(4, 4))
-    lin = rt.unwrap(twin(wrapped))  # the same linear, unwrapped
-    x = torch.randn(2, 4, requires_grad=True)
-    assert torch.equal(wrapped(x), lin(x))
-    with torch.no_grad():
-        assert torch.equal(wrapped(x), lin(x))
-        # under no_grad a checkpoint has nothing to replay: the region is a plain call too
-        rt.checkpoint(lambda t: wrapped(t) * 2, x)
-    assert wrapped.region_runs == 3
-    assert wrapped.region_skips == 0
-
-
-def test_same_wrapper_called_several_times_replays_in_order():
-    lin = nn.Linear(6, 6)
-    ref = twin(lin)
-    wrapped = rt.checkpoint_exclude_wrapper(lin)
-
-    def body(m, x):
-        a = torch.tanh(m(x))
-        b = torch.sin(m(a * 2))
-        return torch.cos(m(b + a))
-
-    x = torch.randn(3, 6, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_()
-    body(ref, x).sum().backward()
-    rt.checkpoint(body, wrapped, x2).sum().backward()
-    assert wrapped.region_runs == 3 and wrapped.region_skips == 3
-    assert torch.equal(x.grad, x2.grad)
-    assert torch.equal(ref.weight.grad, lin.weight.grad)
-
-
-def test_several_invocations_of_one_wrapper_keep_separate_caches():
-    """One excluded module shared by several checkpoints (micro-batches) of different values."""
-    lin = nn.Linear(5, 5)
-    ref = twin(lin)
-    wrapped = rt.checkpoint_exclude_wrapper(lin)
-    xs = [torch.randn(2, 5) * (i + 1) for i in range(3)]
-    loss_ref = sum(torch.relu(ref(torch.tanh(x))).pow(2).sum() for x in xs)
-    loss_ref.backward()
-    outs = [rt.checkpoint(lambda t: torch.relu(wrapped(torch.tanh(t))), x) for x in xs]
-    sum(o.pow(2).sum() for o in outs).backward()
-    assert torch.equal(ref.weight.grad, lin.weight.grad)
-    assert wrapped.region_runs == 3 and wrapped.region_skips == 3
 
 
 class Router(nn.Module):
@@ -177,30 +99,6 @@ def test_region_output_returned_from_checkpoint_and_deferred_input():
     assert torch.equal(x.grad, x2.grad) and torch.equal(ref.weight.grad, lin.weight.grad)
 
 
-def test_save_output_false_chain_gives_same_gradients():
-    torch.manual_seed(2)
-    up, down = nn.Linear(8, 16), nn.Linear(16, 8)
-    ref_up, ref_down = twin(up), twin(down)
-    first = rt.checkpoint_exclude_wrapper(nn.Sequential(up, nn.ReLU()), save_output=False)
-    second = rt.checkpoint_exclude_wrapper(down)
-
-    x = torch.randn(4, 8, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_()
-    torch.tanh(ref_down(torch.relu(ref_up(torch.sin(x))))).pow(2).sum().backward()
-    rt.checkpoint(lambda t: torch.tanh(second(first(torch.sin(t)))), x2).pow(2).sum().backward()
-    for a, b in [(x, x2), (ref_up.weight, up.weight), (ref_down.weight, down.weight)]:
-        assert torch.equal(a.grad, b.grad)
-    assert (first.region_runs, first.region_skips) == (1, 1)
-    assert (second.region_runs, second.region_skips) == (1, 1)
-
-
-def test_save_output_false_output_that_feeds_no_excluded_region_raises_in_forward():
-    first = rt.checkpoint_exclude_wrapper(nn.Linear(4, 4), save_output=False, name="proj")
-    x = torch.randn(2, 4, requires_grad=True)
-    with pytest.raises(recomp.OutputNotSavedError, match=r"'proj'.*save_output=True"):
-        rt.checkpoint(lambda t: torch.tanh(first(t)) * 2, x)
-
-
 def test_save_output_false_output_also_used_by_recomputed_code_raises_in_replay():
     first = rt.checkpoint_exclude_wrapper(nn.Linear(4, 4), save_output=False, name="proj")
     second = rt.checkpoint_exclude_wrapper(nn.Linear(4, 4))
@@ -212,70 +110,6 @@ def test_save_output_false_output_also_used_by_recomputed_code_raises_in_replay(
     out = rt.checkpoint(body, torch.randn(2, 4, requires_grad=True))
     with pytest.raises(recomp.OutputNotSavedError, match=r"'proj'.*save_output=True"):
         out.sum().backward()
-
-
-class TwoExcluded(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
-
-
-def test_nested_exclusion_raises_naming_both():
-    outer = TwoExcluded()
-    outer.a = rt.checkpoint_exclude_wrapper(outer.a, name="inner_a")
-    wrapped = rt.checkpoint_exclude_wrapper(outer, name="outer")
-    x = torch.randn(2, 4, requires_grad=True)
-    with pytest.raises(recomp.NestedExclusionError, match=r"'inner_a'.*inside.*'outer'"):
-        rt.checkpoint(wrapped, x)
-
-
-def test_replay_that_calls_regions_differently_raises():
-    wrapped = rt.checkpoint_exclude_wrapper(nn.Linear(4, 4), name="lin")
-
-    def diverging(x):
-        y = wrapped(x)
-        if recomp.is_recomputing():
-            y = wrapped(y)  # an extra call the forward never made
-        return torch.tanh(y)
-
-    out = rt.checkpoint(diverging, torch.randn(2, 4, requires_grad=True))
-    with pytest.raises(recomp.ReplayMismatchError, match=r"'lin'.*recorded only 1"):
-        out.sum().backward()
-
-
-def test_failure_inside_region_leaves_no_state_and_next_step_works():
-    class Flaky(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-            self.fail = True
-
-        def forward(self, x):
-            y = self.lin(x)
-            if self.fail:
-                raise ValueError("boom")
-            return y
-
-    flaky = Flaky()
-    wrapped = rt.checkpoint_exclude_wrapper(flaky)
-    x = torch.randn(2, 4, requires_grad=True)
-    with pytest.raises(ValueError, match="boom"):
-        rt.checkpoint(lambda t: torch.tanh(wrapped(torch.sin(t))), x)
-    assert recomp.get_recompute_state() is None
-    from recomp import _testing
-
-    assert _testing.active_region_name() is None
-    assert wrapped.region_runs == 0
-    flaky.fail = False
-    rt.checkpoint(lambda t: torch.tanh(wrapped(torch.sin(t))), x).sum().backward()
-    plain = rt.unwrap(twin(wrapped))  # the same module, unwrapped
-    expected = torch.autograd.grad(torch.tanh(plain(torch.sin(x))).sum(), x)[0]
-    assert torch.equal(x.grad, expected)
-    assert wrapped.region_runs == 1 and wrapped.region_skips == 1
 
 
 def test_cache_is_freed_with_the_graph():
@@ -341,27 +175,6 @@ def test_user_context_fn_is_composed_inside_recomp_state():
     rt.checkpoint(torch.sin, x, context_fn=lambda: (Ctx("fwd"), Ctx("replay"))).sum().backward()
     # recomp's state is entered first, so the user's replay context already sees it
     assert events == [("fwd", False), ("replay", True)]
-
-
-def test_use_reentrant_true_is_rejected():
-    with pytest.raises(ValueError, match="non-reentrant"):
-        rt.checkpoint(torch.sin, torch.randn(2, requires_grad=True), use_reentrant=True)
-    with pytest.raises(ValueError, match="non-reentrant"):
-        rt.checkpoint_wrapper(nn.Linear(2, 2), use_reentrant=True)
-
-
-@pytest.mark.parametrize("bad", [None, 3, "linear", torch.zeros(2)])
-def test_non_callable_is_rejected(bad):
-    with pytest.raises(ValueError, match="module or a callable"):
-        rt.checkpoint_exclude_wrapper(bad)
-    with pytest.raises(ValueError, match="module or a callable"):
-        rt.checkpoint_wrapper(bad)
-
-
-@pytest.mark.parametrize("bad", [1, 0, None, "yes"])
-def test_non_bool_save_output_is_rejected(bad):
-    with pytest.raises(ValueError, match="save_output must be True or False"):
-        rt.checkpoint_exclude_wrapper(nn.Linear(2, 2), save_output=bad)
 
 
 def test_view_of_input_is_deferred_not_kept():
@@ -436,11 +249,3 @@ def test_output_that_gets_no_gradient_leaves_parameters_without_grad():
     a.sum().backward()
     assert used.weight.grad is not None
     assert unused.weight.grad is None and unused.bias.grad is None
-
-
-def test_save_output_false_view_of_the_checkpoint_input_counts_as_consumed():
-    first = rt.checkpoint_exclude_wrapper(lambda t: t.view(-1), save_output=False)
-    second = rt.checkpoint_exclude_wrapper(torch.sin)
-    x = torch.randn(2, 3, requires_grad=True)
-    rt.checkpoint(lambda t: second(first(t)), x).sum().backward()
-    assert torch.equal(x.grad, torch.cos(x.detach()).view(-1).view(2, 3))

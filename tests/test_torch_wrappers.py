@@ -7,16 +7,12 @@ import torch
 from torch import nn
 
 import recomp.torch as rt
-from torch_models import Block, assert_same_grads, grads_of, stack, twin
+from torch_models import Block, assert_same_grads, exclude_attention, grads_of, stack, twin
 
 
 def wrapped_stack():
     ref = stack(2)
-    model = twin(ref)
-    for i, blk in enumerate(model):
-        blk.attn = rt.checkpoint_exclude_wrapper(blk.attn)
-        model[i] = rt.checkpoint_wrapper(blk)
-    return ref, model
+    return ref, exclude_attention(twin(ref))
 
 
 def test_attributes_fall_through():

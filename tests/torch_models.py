@@ -31,6 +31,18 @@ def twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 
 
+def exclude_attention(model: nn.Sequential, checkpoint: bool = True) -> nn.Sequential:
+    """Exclude every block's attention from the replay and (with ``checkpoint``)
+    checkpoint every block, in place; returns ``model``."""
+    import recomp.torch as rt
+
+    for i, blk in enumerate(model):
+        blk.attn = rt.checkpoint_exclude_wrapper(blk.attn)
+        if checkpoint:
+            model[i] = rt.checkpoint_wrapper(blk)
+    return model
+
+
 def grads_of(model: nn.Module, loss_fn, *inputs: torch.Tensor):
     """Run one forward/backward from fresh leaf copies of ``inputs``; return (loss, grads)."""
     model.zero_grad(set_to_none=True)

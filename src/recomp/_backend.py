@@ -59,10 +59,12 @@ class Backend:
         raise NotImplementedError
 
     def version(self, t: Any) -> int | None:
-        """In-place modification counter of ``t``, or None if the framework has none.
+        """In-place modification counter of ``t``, or None if the framework has none
+        (mutation checks are then skipped). Frameworks read theirs in their compat
+        module.
 
         Where ``versions_need_sync`` is set, only valid after :meth:`sync`."""
-        return getattr(t, "_version", None)
+        return None
 
     def sync(self) -> None:
         """Wait until version counters reflect every queued in-place operation."""

@@ -3,6 +3,14 @@ read per-rank reports of the same shape."""
 
 from __future__ import annotations
 
+#: The checkpointed variants each tensor-parallel example runs besides its reference.
+VARIANTS = [
+    "recomp",
+    "recomp_no_exclusion",
+    "recomp_full_replay",
+    "recomp_full_replay_no_exclusion",
+]
+
 
 def assert_replay_all_reduces_without_exclusion(reports: list[dict]) -> None:
     """Control: without exclusions the replay does issue all-reduces, so the counter sees
@@ -15,6 +23,20 @@ def assert_replay_all_reduces_without_exclusion(reports: list[dict]) -> None:
         assert v["recomp_full_replay_no_exclusion"]["counts"]["replay"] == {
             "all_reduce": 2 * layers
         }
+
+
+def assert_gradients_equal_the_reference(reports: list[dict], variant: str) -> None:
+    """The variant's gradients are bit-equal to the parallel model's without checkpoints,
+    its output equal, and recomp adds or removes no communication outside the replay
+    (torch reports: Megatron-style and DTensor)."""
+    for r in reports:
+        v = r["variants"][variant]
+        g = v["grads_vs_reference"]
+        assert g["same_names"] and g["bitwise_equal"], g
+        assert v["output_equal"]
+        ref = r["variants"]["reference"]["counts"]
+        assert v["counts"]["forward"] == ref["forward"]
+        assert v["counts"]["backward"] == ref["backward"]
 
 
 def assert_parallel_model_matches_dense(reports: list[dict], value: str) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pytest
 from report_checks import (
+    VARIANTS,
     assert_all_checks_pass,
+    assert_gradients_equal_the_reference,
     assert_parallel_model_matches_dense,
     assert_replay_all_reduces_without_exclusion,
 )
@@ -39,19 +41,9 @@ def test_excluded_rowwise_linears_issue_nothing_in_replay(reports, variant):
         assert all(s["runs"] == 1 for s in v["exclusions"].values())
 
 
-@pytest.mark.parametrize(
-    "variant",
-    ["recomp", "recomp_no_exclusion", "recomp_full_replay", "recomp_full_replay_no_exclusion"],
-)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_gradients_bit_equal(reports, variant):
-    for r in reports:
-        v = r["variants"][variant]
-        g = v["grads_vs_reference"]
-        assert g["same_names"] and g["bitwise_equal"], g
-        assert v["output_equal"]
-        ref = r["variants"]["reference"]["counts"]
-        assert v["counts"]["forward"] == ref["forward"]
-        assert v["counts"]["backward"] == ref["backward"]
+    assert_gradients_equal_the_reference(reports, variant)
 
 
 def test_without_exclusion_the_replay_all_reduces(reports):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from dist_harness import EXAMPLES, child_env, free_port
 from report_checks import (
+    VARIANTS,
     assert_all_checks_pass,
     assert_parallel_model_matches_dense,
     assert_replay_all_reduces_without_exclusion,
@@ -82,10 +83,7 @@ def test_excluded_all_reduce_is_not_replayed(reports, variant):
         assert skips == [1] * (2 * layers)
 
 
-@pytest.mark.parametrize(
-    "variant",
-    ["recomp", "recomp_no_exclusion", "recomp_full_replay", "recomp_full_replay_no_exclusion"],
-)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_gradients_bit_equal(reports, variant):
     for r in reports:
         v = r["variants"][variant]

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import pytest
 from report_checks import (
+    VARIANTS,
     assert_all_checks_pass,
+    assert_gradients_equal_the_reference,
     assert_parallel_model_matches_dense,
     assert_replay_all_reduces_without_exclusion,
 )
@@ -55,19 +57,9 @@ def test_exclusions_are_skipped_in_the_replay(reports):
         }
 
 
-@pytest.mark.parametrize(
-    "variant",
-    ["recomp", "recomp_no_exclusion", "recomp_full_replay", "recomp_full_replay_no_exclusion"],
-)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_gradients_equal_the_non_checkpointed_model(reports, variant):
-    for r in reports:
-        v = r["variants"][variant]
-        g = v["grads_vs_reference"]
-        assert g["same_names"] and g["bitwise_equal"], g
-        assert v["output_equal"]
-        # Recomp does not add or remove communication outside the replay.
-        assert v["counts"]["forward"] == r["variants"]["reference"]["counts"]["forward"]
-        assert v["counts"]["backward"] == r["variants"]["reference"]["counts"]["backward"]
+    assert_gradients_equal_the_reference(reports, variant)
 
 
 def test_without_exclusion_the_replay_all_reduces(reports):

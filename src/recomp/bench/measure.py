@@ -25,10 +25,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import flop_counter
 
 from .._modelcall import flop_formulas
-from ..torch._compat import TorchDispatchMode, cpu_attention_ops
+from ..torch._compat import TorchDispatchMode, cpu_attention_ops, op_flop_counter
 from .memory import malloc_in_use
 
 # --------------------------------------------------------------------------- memory
@@ -161,7 +160,7 @@ CPU_ATTENTION_FORMULAS = flop_formulas(cpu_attention_ops())
 BUCKETS = ("forward", "excluded", "layers", "replay", "replay_recomp", "backward", "other")
 
 
-class SplitFlopCounter(flop_counter.FlopCounterMode):
+class SplitFlopCounter(op_flop_counter()):  # type: ignore[misc]
     """``FlopCounterMode`` that also files each count under a phase (see module docstring).
 
     Set ``phase`` to ``"forward"``, ``"backward"`` or ``"other"`` around the parts of a
@@ -179,17 +178,13 @@ class SplitFlopCounter(flop_counter.FlopCounterMode):
         self.split = dict.fromkeys(BUCKETS, 0)
         self.ops: dict[str, dict[str, int]] = {b: {} for b in BUCKETS}
 
-    def _count_flops(self, func_packet, out, args, kwargs):  # type: ignore[no-untyped-def]
-        formula = self.flop_registry.get(func_packet)
-        if formula is not None:
-            flops = int(formula(*args, **kwargs, out_val=out))
-            for bucket in self._buckets():
-                self.split[bucket] += flops
-                per_op = self.ops[bucket]
-                per_op[str(func_packet)] = per_op.get(str(func_packet), 0) + flops
-        return super()._count_flops(func_packet, out, args, kwargs)
+    def on_op(self, func_packet: Any, flops: int) -> None:
+        for bucket in self.buckets():
+            self.split[bucket] += flops
+            per_op = self.ops[bucket]
+            per_op[str(func_packet)] = per_op.get(str(func_packet), 0) + flops
 
-    def _buckets(self) -> Iterator[str]:
+    def buckets(self) -> Iterator[str]:
         if self.phase == "forward":
             yield "forward"
             if self.regions is not None and self.regions.depth > 0:

@@ -10,6 +10,7 @@ from mindspore import nn
 
 from .. import _engine, _wrapping
 from .._wrapping import CHECKPOINT_KWARGS, REGION, RegionCounters, check_callable, default_name
+from . import _compat
 from ._backend import BACKEND, check_pynative
 from ._cache import adapt_cache_kwargs
 from ._dropout import exclude_dropout_too, warn_recomputed_dropout
@@ -153,7 +154,7 @@ class PlainFunction(nn.Cell):
 
 def _check_reachable(cell: Any, api: str) -> None:
     """Raise if MindSpore would run ``cell`` without calling its ``construct`` attribute."""
-    if getattr(cell, "_recompute_cell", None) is not None:
+    if _compat.recompute_called(cell):
         raise ValueError(
             f"{api} cannot checkpoint {type(cell).__name__}: Cell.recompute() was called on it, "
             f"so MindSpore runs the construct it saw then and would never reach recomp's "

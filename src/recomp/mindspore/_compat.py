@@ -179,3 +179,20 @@ def graph_parser_lookups() -> frozenset[Any]:
         except (ImportError, AttributeError):
             continue
     return frozenset(codes)
+
+
+# --------------------------------------------------------------------------- Cell.recompute
+
+
+def recompute_called(cell: Any) -> bool:
+    """Whether ``Cell.recompute()`` was called on ``cell``.
+
+    Why: such a Cell is then run through the checkpointed ``construct`` MindSpore
+    captured at that call, never through its ``construct`` attribute, so a recomp
+    wrapper put on it later would never run; recomp refuses to wrap it and says
+    why. ``Cell.recompute`` keeps that captured call in ``_recompute_cell``.
+    If it changes: False, and the refusal is not given (the wrapper then has no
+    effect on such a Cell, as before the check existed).
+    Retired by: a public query of whether a Cell is set to recompute.
+    """
+    return getattr(cell, "_recompute_cell", None) is not None

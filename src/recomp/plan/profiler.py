@@ -235,10 +235,10 @@ class _Recorder(TorchDispatchMode):
         # that no later storage reuses their address as key.
         self.pinned: list[Any] = []
 
-    def _record(self) -> _LayerRecord:
+    def current_record(self) -> _LayerRecord:
         return self.outside if self.layer is None else self.layers[self.layer]
 
-    def _next(self) -> int:
+    def next_seq(self) -> int:
         self.seq += 1
         return self.seq
 
@@ -248,8 +248,8 @@ class _Recorder(TorchDispatchMode):
         found = _storage(t)
         if found is not None:
             key, nbytes = found
-            self._record().saves.append(
-                _Save(self._next(), key, nbytes, isinstance(t, nn.Parameter), self.call)
+            self.current_record().saves.append(
+                _Save(self.next_seq(), key, nbytes, isinstance(t, nn.Parameter), self.call)
             )
         return t
 
@@ -262,7 +262,7 @@ class _Recorder(TorchDispatchMode):
             return out
         formula = self.registry.get(func.overloadpacket)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-        self._record().ops.append(_Op(self._next(), self.call, flops, seconds))
+        self.current_record().ops.append(_Op(self.next_seq(), self.call, flops, seconds))
         return out
 
     # -- module hooks ----------------------------------------------------------
@@ -274,21 +274,21 @@ class _Recorder(TorchDispatchMode):
         for index, (path, layer) in enumerate(layers):
             self.layers.append(_LayerRecord())
             handles.append(
-                layer.register_forward_pre_hook(self._layer_enter(index, path), with_kwargs=True)
+                layer.register_forward_pre_hook(self.layer_enter(index, path), with_kwargs=True)
             )
-            handles.append(layer.register_forward_hook(self._layer_exit(index), always_call=True))
+            handles.append(layer.register_forward_hook(self.layer_exit(index), always_call=True))
             for c, (_, region) in enumerate(candidates[index]):
                 handles.append(
                     region.register_forward_pre_hook(
-                        self._region_enter(index, c, region), with_kwargs=True
+                        self.region_enter(index, c, region), with_kwargs=True
                     )
                 )
                 handles.append(
-                    region.register_forward_hook(self._region_exit(index), always_call=True)
+                    region.register_forward_hook(self.region_exit(index), always_call=True)
                 )
         return handles
 
-    def _layer_enter(self, index: int, path: str):  # type: ignore[no-untyped-def]
+    def layer_enter(self, index: int, path: str):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             record = self.layers[index]
             record.calls_seen += 1
@@ -304,7 +304,7 @@ class _Recorder(TorchDispatchMode):
                     "not nest"
                 )
             self.layer = index
-            record.start = self._next()
+            record.start = self.next_seq()
             for t in _tensors((args, kwargs)):
                 found = _storage(t)
                 if found is not None:
@@ -313,20 +313,20 @@ class _Recorder(TorchDispatchMode):
 
         return hook
 
-    def _layer_exit(self, index: int):  # type: ignore[no-untyped-def]
+    def layer_exit(self, index: int):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self.layers[index].end = self._next()
+            self.layers[index].end = self.next_seq()
             self.layer = None
             self.pinned.extend(_tensors(output))
 
         return hook
 
-    def _region_enter(self, index: int, candidate: int, region: nn.Module):  # type: ignore[no-untyped-def]
+    def region_enter(self, index: int, candidate: int, region: nn.Module):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if self.layer != index or self.call is not None:
                 return
             record = self.layers[index]
-            call = _RegionCall(candidate, self._next())
+            call = _RegionCall(candidate, self.next_seq())
             call.parameter_keys = {
                 k[0] for k in (_storage(p) for p in region.parameters()) if k is not None
             }
@@ -340,14 +340,14 @@ class _Recorder(TorchDispatchMode):
 
         return hook
 
-    def _region_exit(self, index: int):  # type: ignore[no-untyped-def]
+    def region_exit(self, index: int):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self.layer != index or self.call is None:
                 return
             call = self.layers[index].calls[self.call]
             if call.end >= 0:
                 return
-            call.end = self._next()
+            call.end = self.next_seq()
             for t in _tensors(output):
                 found = _storage(t)
                 if found is not None:

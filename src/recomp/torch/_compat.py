@@ -354,3 +354,70 @@ def dynamo_bypassing_wrapper() -> Callable[..., Any]:
             "layers without recomp's exclusions."
         ) from exc
     return wrapper  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------- FLOPs per op
+
+
+def op_flop_counter() -> type:
+    """A ``FlopCounterMode`` subclass that also hands every counted op to its method
+    ``on_op(func_packet, flops)`` as it runs (made on first use: importing
+    ``torch.utils.flop_counter`` takes a while, and only the benchmark needs it).
+
+    Why: the benchmark files each op's FLOPs under the phase it ran in (forward,
+    replay, backward, inside an excluded region), which only a per-op hook can
+    tell. ``FlopCounterMode``'s public results are totals per module; its one
+    per-op step is the private ``_count_flops(func_packet, out, args, kwargs)``,
+    which its dispatch mode calls for every op, overridden here.
+    If it changes: this raises a ``RecompError`` that names it (a per-phase split
+    cannot be rebuilt from totals); nothing else in recomp uses it.
+    Retired by: a public per-op callback on ``FlopCounterMode``.
+    """
+    global _OP_FLOP_COUNTER
+    if _OP_FLOP_COUNTER is not None:
+        return _OP_FLOP_COUNTER
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if not callable(getattr(FlopCounterMode, "_count_flops", None)):
+        from ..errors import RecompError
+
+        raise RecompError(
+            "recomp's FLOP split overrides torch.utils.flop_counter.FlopCounterMode."
+            f"_count_flops, which this PyTorch ({torch.__version__}) does not have."
+        )
+
+    class OpFlopCounter(FlopCounterMode):
+        def on_op(self, func_packet: Any, flops: int) -> None:
+            """Called once per op that has a FLOP formula, with its count."""
+
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            formula = self.flop_registry.get(func_packet)
+            if formula is not None:
+                self.on_op(func_packet, int(formula(*args, **kwargs, out_val=out)))
+            return super()._count_flops(func_packet, out, args, kwargs)
+
+    _OP_FLOP_COUNTER = OpFlopCounter
+    return OpFlopCounter
+
+
+_OP_FLOP_COUNTER: type | None = None
+
+
+# --------------------------------------------------------------------------- transformers
+# Private API of libraries built on PyTorch that recomp works with is fenced here too.
+
+
+def hf_layer_keeps_cache(layer: Any) -> bool:
+    """Whether a transformers ``GradientCheckpointingLayer`` may keep its KV cache
+    arguments (``cache``, ``layer_past``) under a checkpoint.
+
+    Why: a layer that only reads its cache (transformers' diffusion decoders) sets
+    the class attribute ``_can_checkpoint_with_cache``; HF's own checkpointing then
+    keeps the cache, and recomp follows the same rule.
+    If it changes: False, and such a layer's cache is dropped under a recomp
+    checkpoint with a warning, as for every other layer (an error where the cache
+    holds entries): no silent change of results.
+    Retired by: a public attribute of ``GradientCheckpointingLayer``.
+    Checked on transformers 5.24.0.
+    """
+    return bool(getattr(layer, "_can_checkpoint_with_cache", False))

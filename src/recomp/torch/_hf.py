@@ -33,6 +33,7 @@ from torch import nn
 from .. import _kv_cache
 from .._engine import ExcludedRegion
 from ..errors import DoubleCheckpointError
+from . import _compat
 
 __all__ = ["adapt_hf_layer_call"]
 
@@ -86,9 +87,7 @@ def _turn_off_rewritten_cache(layer: nn.Module, kwargs: dict[str, Any]) -> None:
     ):
         return
     # HF layers that may keep a cache through a checkpoint say so themselves.
-    _kv_cache.turn_off(
-        layer, kwargs, drop_caches=not getattr(layer, "_can_checkpoint_with_cache", False)
-    )
+    _kv_cache.turn_off(layer, kwargs, drop_caches=not _compat.hf_layer_keeps_cache(layer))
 
 
 def _is_excluded_region(module: nn.Module) -> bool:
