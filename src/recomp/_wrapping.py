@@ -144,6 +144,10 @@ class ModelOps:
     is_compiling: Callable[[], bool]
     # Raises if the framework would run ``module`` without calling the wrapper's method.
     check_reachable: Callable[[Any, str], None]
+    # Whether a module's hook may remove itself while it runs: PyTorch loops over a copy
+    # of the hooks; MindSpore loops over the dictionary itself, and removing a hook that
+    # others follow breaks that loop ("OrderedDict mutated during iteration").
+    hooks_may_remove_themselves: bool = True
 
 
 def same_region(
@@ -336,6 +340,7 @@ class ReachCheck:
 
     def __init__(self, ops: ModelOps, model: Any, wrapped: list[tuple[Any, str]]) -> None:
         self.is_compiling = ops.is_compiling
+        self.remove_running_hook = ops.hooks_may_remove_themselves
         self.model_name = type(model).__qualname__
         self.paths = [path or "(the model itself)" for _, path in wrapped]
         self.reached = False
@@ -350,12 +355,12 @@ class ReachCheck:
         if self.done or self.is_compiling():
             return
         self.done = True
-        # This hook is running now, and MindSpore iterates a Cell's hooks without
-        # taking a copy: removing it here would break that loop for every hook
-        # registered after it. It stays, and does nothing from now on.
-        for handle in self.handles[:-1]:
+        # The last handle is this hook's own: where the framework's loop over the
+        # model's hooks cannot take a removal (see ModelOps), it stays and does nothing.
+        keep = 0 if self.remove_running_hook else 1
+        for handle in self.handles[: len(self.handles) - keep]:
             handle.remove()
-        self.handles = self.handles[-1:]
+        self.handles = self.handles[len(self.handles) - keep :]
         if not self.reached:
             shown = ", ".join(repr(p) for p in self.paths[:3])
             more = f" and {len(self.paths) - 3} more" if len(self.paths) > 3 else ""
@@ -380,6 +385,7 @@ def _not_compiling() -> bool:
 def _finished_check() -> ReachCheck:
     check = ReachCheck.__new__(ReachCheck)
     check.is_compiling = _not_compiling
+    check.remove_running_hook = True
     check.model_name, check.paths, check.handles = "", [], []
     check.reached = check.done = True
     return check

@@ -261,4 +261,5 @@ _MODEL_OPS = _wrapping.ModelOps(
     children=lambda c: [(n, child) for n, child in c.name_cells().items() if child is not None],
     is_compiling=lambda: False,
     check_reachable=_check_reachable,
+    hooks_may_remove_themselves=False,
 )
