@@ -60,6 +60,11 @@ class WrapperMixin:
         """A new, uninitialised instance of ``cls`` (the framework's own allocation)."""
         raise NotImplementedError
 
+    def __repr__(self) -> str:
+        # The class reports the original name (tools that look classes up by name
+        # must find it); the repr still shows the wrapper.
+        return self._recomp_prefix + super().__repr__()
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         # copy.deepcopy and pickle rebuild the wrapped class from (mixin, original
         # class), since the cached subclass cannot be found by name.
@@ -78,14 +83,23 @@ def _rebuild(mixin: type, base: type) -> Any:
 
 
 def wrapped_class(mixin: type, base: type) -> type:
-    """The cached subclass of (``mixin``, ``base``) that a wrapped module gets."""
+    """The cached subclass of (``mixin``, ``base``) that a wrapped module gets.
+
+    It carries ``base``'s name, qualified name and module: code that finds layer
+    classes by ``module.__class__.__name__`` (accelerate's FSDP wrap policies,
+    ``_no_split_modules``, DeepSpeed's leaf modules) sees the model as it was.
+    ``recomp_wrapper_of`` tells the wrapped class apart, and the repr shows it.
+    """
     cls = _CLASSES.get((mixin, base))
     if cls is None:
-        name = getattr(mixin, "_recomp_prefix", "") + base.__name__
         cls = type(
-            name,
+            base.__name__,
             (mixin, base),
-            {"__module__": base.__module__, "__qualname__": name, "_recomp_base": base},
+            {
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "_recomp_base": base,
+            },
         )
         _CLASSES[(mixin, base)] = cls
     return cls
