@@ -13,12 +13,15 @@ original class all stay. What recomp adds lives in the instance ``__dict__`` und
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ._engine import ExcludedRegion
-from .errors import WrapperNotReachedWarning
+from ._region import ACTIVE_REGION
+from ._state import get_recompute_state
+from .errors import IneffectiveSelectionWarning, WrapperNotReachedWarning
 
 # Instance attributes recomp sets on a wrapped module (all removed by unwrap).
 CHECKPOINT_KWARGS = "_recomp_checkpoint_kwargs"
@@ -278,13 +281,16 @@ def apply_activation_checkpointing(
     exclude_fn: Callable[[Any], bool] | None,
     wrap_checkpoint: Callable[[Any], Any],
     wrap_exclude: Callable[[Any, str], Any],
+    also_exclude: Callable[[Any], bool] | None = None,
 ) -> Any:
     """Wrap, in place, each sub-module for which ``checkpoint_fn`` holds with
     ``wrap_checkpoint``, and inside those each sub-module for which ``exclude_fn``
-    holds with ``wrap_exclude`` (named by its path, for error messages). Checkpoints
-    are not nested; modules already wrapped are left as they are. Every module is
-    checked before any is changed, so an error leaves the model as it was. Returns
-    the model."""
+    (or the framework's own ``also_exclude``) holds with ``wrap_exclude`` (named by
+    its path, for error messages). Checkpoints are not nested; modules already
+    wrapped are left as they are. Every module is checked before any is changed, so
+    an error leaves the model as it was. Warns (``IneffectiveSelectionWarning``)
+    when ``checkpoint_fn`` or ``exclude_fn`` selects nothing that takes effect.
+    Returns the model."""
     if not isinstance(model, ops.module_type):
         raise ValueError(
             f"apply_activation_checkpointing needs a {ops.module_type.__module__}."
@@ -292,6 +298,10 @@ def apply_activation_checkpointing(
         )
     planned: list[tuple[Any, str, bool]] = []  # (module, path, checkpoint?)
     claimed: set[int] = set()
+    # What the user's selections did, for the warnings below.
+    checkpoints: list[str] = []  # planned or already wrapped
+    exclusions: list[str] = []  # by exclude_fn, planned or already wrapped
+    excluded_checkpoints: list[str] = []  # checkpointed modules exclude_fn also matches
 
     def plan(module: Any, path: str, checkpoint: bool) -> None:
         if id(module) not in claimed:
@@ -299,13 +309,21 @@ def apply_activation_checkpointing(
             planned.append((module, path, checkpoint))
 
     def exclude_inside(module: Any, path: str) -> None:
-        if exclude_fn is None:
+        if exclude_fn is None and also_exclude is None:
             return
         for name, child in ops.children(module):
             child_path = f"{path}.{name}" if path else name
-            if isinstance(child, ops.exclude_wrapper) or id(child) in claimed:
+            if isinstance(child, ops.exclude_wrapper):
+                exclusions.append(child_path)
                 continue
-            if not isinstance(child, ops.checkpoint_wrapper) and exclude_fn(child):
+            if id(child) in claimed:
+                continue
+            if isinstance(child, ops.checkpoint_wrapper):
+                exclude_inside(child, child_path)
+            elif exclude_fn is not None and exclude_fn(child):
+                exclusions.append(child_path)
+                plan(child, child_path, False)
+            elif also_exclude is not None and also_exclude(child):
                 plan(child, child_path, False)
             else:
                 exclude_inside(child, child_path)
@@ -314,8 +332,12 @@ def apply_activation_checkpointing(
         if isinstance(module, ops.exclude_wrapper) or id(module) in claimed:
             return
         if isinstance(module, ops.checkpoint_wrapper):
+            checkpoints.append(path)
             exclude_inside(module, path)
         elif checkpoint_fn(module):
+            checkpoints.append(path)
+            if exclude_fn is not None and exclude_fn(module):
+                excluded_checkpoints.append(path or "(the model itself)")
             plan(module, path, True)
             exclude_inside(module, path)
         else:
@@ -336,7 +358,115 @@ def apply_activation_checkpointing(
             wrap_checkpoint(module)
     if planned:
         ReachCheck(ops, model, [(m, p) for m, p, _ in planned])
+    if not checkpoints:
+        _warn_selection(
+            f"checkpoint_fn matched no module of {type(model).__name__}, so nothing is "
+            f"checkpointed and the model trains as without recomp. Its module classes "
+            f"include {_class_names(ops, model)}; check that checkpoint_fn tests for one of "
+            f"them (a class of the same name imported from another module is another class)."
+        )
+    elif exclude_fn is not None:
+        _check_exclusions(ops, model, exclude_fn, exclusions, excluded_checkpoints)
     return model
+
+
+def _check_exclusions(
+    ops: ModelOps,
+    model: Any,
+    exclude_fn: Callable[[Any], bool],
+    exclusions: list[str],
+    excluded_checkpoints: list[str],
+) -> None:
+    """Warn when ``exclude_fn`` selected modules where an exclusion cannot take effect."""
+    reasons = []
+    if excluded_checkpoints:
+        reasons.append(
+            f"it matches checkpointed modules themselves ({_shown(excluded_checkpoints)}): a "
+            f"module is either checkpointed or excluded, and these are checkpointed; to keep "
+            f"part of one out of the replay, make exclude_fn select its sub-modules"
+        )
+    if not exclusions:
+        outside = [
+            path or "(the model itself)"
+            for path, module in _outside_checkpoints(ops, model, "")
+            if exclude_fn(module)
+        ]
+        if outside:
+            reasons.append(
+                f"it matches only modules outside every checkpoint ({_shown(outside)}), "
+                f"which no replay recomputes anyway"
+            )
+        elif not excluded_checkpoints:
+            reasons.append("it matches no module inside a checkpoint")
+    if reasons:
+        head = (
+            "exclude_fn excluded no module inside a checkpoint: "
+            if not exclusions
+            else f"exclude_fn excluded {len(exclusions)} module(s), but "
+        )
+        _warn_selection(f"{head}{'; '.join(reasons)}.")
+
+
+def _outside_checkpoints(ops: ModelOps, module: Any, path: str) -> Iterable[tuple[str, Any]]:
+    """``module`` and the modules below it that no checkpoint encloses."""
+    if isinstance(module, ops.checkpoint_wrapper):
+        return
+    yield path, module
+    for name, child in ops.children(module):
+        yield from _outside_checkpoints(ops, child, f"{path}.{name}" if path else name)
+
+
+def _class_names(ops: ModelOps, model: Any, limit: int = 8) -> str:
+    """The model's module classes, those of the model's own code before the framework's."""
+    names: list[str] = []
+    for module in _walk(ops, model):
+        name = type(module).__name__
+        if name not in names:
+            names.append(name)
+    own = {
+        type(m).__name__
+        for m in _walk(ops, model)
+        if type(m).__module__.split(".")[0] != ops.framework
+    }
+    names.sort(key=lambda name: name not in own)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _shown(paths: list[str], limit: int = 3) -> str:
+    more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
+    return ", ".join(repr(p) for p in paths[:limit]) + more
+
+
+def _warn_selection(message: str) -> None:
+    # Called from apply_activation_checkpointing: the user's call is 3 frames up.
+    warnings.warn(
+        f"apply_activation_checkpointing: {message}", IneffectiveSelectionWarning, stacklevel=4
+    )
+
+
+# Regions already warned about being called through their method (once each).
+_warned_bypass: weakref.WeakSet[ExcludedRegion] = weakref.WeakSet()
+
+
+def check_method_call(region: ExcludedRegion, method: str) -> None:
+    """Called by an exclude wrapper's ``forward``/``construct``: warn once if that method
+    runs inside a recomp checkpoint without the wrapper's call around it (the model
+    calls ``self.attn.forward(x)``), where the exclusion does not take effect."""
+    if ACTIVE_REGION.get() is region or get_recompute_state() is None:
+        return
+    if region in _warned_bypass or not region.backend.grad_enabled():
+        return
+    _warned_bypass.add(region)
+    warnings.warn(
+        f"Excluded module {region.name!r} was called as .{method}(...) inside a recomp "
+        f"checkpoint. That bypasses the module call that recomp's exclusion wraps: this call "
+        f"is not an excluded region (region_runs does not count it) and the replay "
+        f"recomputes it like the code around it. Call the module itself (self.attn(x), not "
+        f"self.attn.{method}(x)).",
+        IneffectiveSelectionWarning,
+        stacklevel=4,
+    )
 
 
 class ReachCheck:

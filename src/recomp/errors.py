@@ -6,6 +6,7 @@ __all__ = [
     "CachedValueMutatedError",
     "DoubleCheckpointError",
     "ForeignCheckpointWarning",
+    "IneffectiveSelectionWarning",
     "NestedExclusionError",
     "OutputNotSavedError",
     "RecompError",
@@ -67,6 +68,12 @@ class ForeignCheckpointWarning(UserWarning):
 class WrapperNotReachedWarning(UserWarning):
     """The model's first forward after ``apply_activation_checkpointing`` called none of
     the modules it wrapped, so no checkpoint or exclusion took effect."""
+
+
+class IneffectiveSelectionWarning(UserWarning):
+    """Part of what was asked for does not take effect: a ``checkpoint_fn`` that matches
+    no module, an ``exclude_fn`` that excludes nothing inside a checkpoint, or an
+    excluded module called through its ``forward``/``construct`` method."""
 
 
 class UnreplayableDropoutWarning(UserWarning):

@@ -12,7 +12,7 @@ from .. import _engine, _wrapping
 from .._wrapping import CHECKPOINT_KWARGS, REGION, RegionCounters, check_callable, default_name
 from ._backend import BACKEND, check_pynative
 from ._cache import adapt_cache_kwargs
-from ._dropout import exclude_dropout_too, warn_recomputed_dropout
+from ._dropout import is_unreplayable_dropout, warn_recomputed_dropout
 from ._early_stop import explain_stop_in_dropout
 from ._graph_mode import pynative_only
 
@@ -114,8 +114,8 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Cell):
 
     @pynative_only("checkpoint_exclude_wrapper")
     def construct(self, *args: Any, **kwargs: Any) -> Any:
-        # Reached directly only when MindSpore compiles the Cell (GRAPH_MODE, jit).
-        check_pynative("checkpoint_exclude_wrapper")
+        check_pynative("checkpoint_exclude_wrapper")  # GRAPH_MODE, jit compile this directly
+        _wrapping.check_method_call(self._recomp_region, "construct")
         return super().construct(*args, **kwargs)
 
     def extend_repr(self) -> str:
@@ -231,9 +231,10 @@ def apply_activation_checkpointing(
         _MODEL_OPS,
         model,
         checkpoint_fn,
-        exclude_dropout_too(exclude_fn),
+        exclude_fn,
         lambda c: checkpoint_wrapper(c, **checkpoint_kwargs),
         lambda c, path: checkpoint_exclude_wrapper(c, name=path, copy_output=bool(choose_copy(c))),
+        also_exclude=is_unreplayable_dropout,
     )
 
 

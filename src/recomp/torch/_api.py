@@ -115,6 +115,11 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
             return _compile.excluded_call(self._recomp_region.name, super().__call__, args, kwargs)
         return self._recomp_region.call(super().__call__, args, kwargs)
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not _compile.is_compiling():
+            _wrapping.check_method_call(self._recomp_region, "forward")
+        return super().forward(*args, **kwargs)
+
     def extra_repr(self) -> str:
         own = f"region={self.region.name!r}, save_output={self.save_output}"
         if self.region.offloader is not None:
