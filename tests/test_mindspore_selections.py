@@ -95,3 +95,22 @@ def test_excluded_cell_called_through_construct_warns():
     assert len(messages) == 1
     assert "'dense' was called as .construct(...)" in messages[0]
     assert block.dense.region_runs == 0
+
+
+def test_classes_select_by_isinstance_and_other_values_raise():
+    by_class, by_lambda = resnet(), resnet()
+    assert apply(by_class, checkpoint_fn=mindcv_resnet.BasicBlock, exclude_fn=(nn.Conv2d,)) == []
+    apply(
+        by_lambda,
+        checkpoint_fn=lambda c: isinstance(c, mindcv_resnet.BasicBlock),
+        exclude_fn=lambda c: isinstance(c, nn.Conv2d),
+    )
+    assert wrapped(by_class) == wrapped(by_lambda) and len(wrapped(by_class)) == 4 + 8 + 3
+    model = resnet()
+    (message,) = apply(model, checkpoint_fn=nn.Identity)  # never called as nn.Identity(cell)
+    assert "matched no module" in message and wrapped(model) == []
+    with pytest.raises(TypeError, match="exclude_fn must be a class, a tuple of classes or a"):
+        rm.apply_activation_checkpointing(
+            model, checkpoint_fn=mindcv_resnet.BasicBlock, exclude_fn=["Conv2d"]
+        )
+    assert wrapped(model) == []

@@ -165,3 +165,62 @@ def test_excluded_module_called_through_forward_warns_once():
         warnings.simplefilter("error")
         with torch.no_grad():
             model(ids, use_cache=False)
+
+
+def test_a_class_or_a_tuple_of_classes_selects_by_isinstance():
+    by_lambda, by_class = llama(), llama()
+    apply(
+        by_lambda,
+        checkpoint_fn=lambda m: isinstance(m, Layer),
+        exclude_fn=lambda m: isinstance(m, (Attention, modeling_llama.LlamaMLP)),
+    )
+    assert (
+        apply(by_class, checkpoint_fn=Layer, exclude_fn=(Attention, modeling_llama.LlamaMLP)) == []
+    )
+    assert wrapped(by_class) == wrapped(by_lambda)
+    assert len(wrapped(by_class)) == 6  # 2 layers, their attention and MLP
+    ids = torch.randint(0, 100, (2, 8))
+    for model in (by_lambda, by_class):
+        model(ids, labels=ids, use_cache=False).loss.backward()
+    for a, b in zip(by_lambda.parameters(), by_class.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_a_class_is_never_called_as_a_predicate():
+    model = llama()
+    # nn.Identity(module) would build an Identity, which is truthy: the root was checkpointed.
+    (message,) = apply(model, checkpoint_fn=nn.Identity)
+    assert "checkpoint_fn matched no module" in message
+    assert wrapped(model) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument", "hint"),
+    [
+        ({"checkpoint_fn": "LlamaDecoderLayer"}, "checkpoint_fn", "pass the class itself"),
+        (
+            {"checkpoint_fn": [Layer]},
+            "checkpoint_fn",
+            "as a tuple: checkpoint_fn=(LlamaDecoderLayer,)",
+        ),
+        ({"checkpoint_fn": None}, "checkpoint_fn", "got NoneType"),
+        (
+            {"checkpoint_fn": Layer, "exclude_fn": "LlamaAttention"},
+            "exclude_fn",
+            "type(m).__name__",
+        ),
+        (
+            {"checkpoint_fn": Layer, "exclude_fn": Attention, "copy_output_fn": 1},
+            "copy_output_fn",
+            "int",
+        ),
+    ],
+)
+def test_a_selection_that_is_no_predicate_raises_and_changes_nothing(kwargs, argument, hint):
+    model = llama()
+    with pytest.raises(
+        TypeError, match=rf"apply_activation_checkpointing: {argument} must be"
+    ) as info:
+        rt.apply_activation_checkpointing(model, **kwargs)
+    assert hint in str(info.value)
+    assert wrapped(model) == []

@@ -526,6 +526,48 @@ def _finished_check() -> ReachCheck:
     return check
 
 
+def as_predicate(value: Any, argument: str, required: bool = False) -> Any:
+    """``value`` as a function of a module, for an ``apply_activation_checkpointing``
+    argument: a class or a tuple of classes stands for an ``isinstance`` test (a class
+    is never called as a predicate), None stays None unless ``required``, other
+    callables are used as they are. Anything else raises ``TypeError`` naming the
+    argument, before anything is wrapped."""
+    if value is None and not required:
+        return None
+    if isinstance(value, tuple) and value and all(isinstance(c, type) for c in value):
+        return _IsInstance(value)
+    if isinstance(value, type):
+        return _IsInstance((value,))
+    if callable(value):
+        return value
+    if isinstance(value, str):
+        hint = (
+            f"a string is not looked up: pass the class itself ({argument}={value}), or "
+            f"{argument}=lambda m: type(m).__name__ == {value!r}"
+        )
+    elif isinstance(value, (list, set, frozenset)) and all(isinstance(c, type) for c in value):
+        hint = f"pass the classes as a tuple: {argument}=({', '.join(c.__name__ for c in value)},)"
+    else:
+        hint = f"for example {argument}=DecoderLayer or {argument}=lambda m: isinstance(m, DecoderLayer)"
+    raise TypeError(
+        f"apply_activation_checkpointing: {argument} must be a class, a tuple of classes or "
+        f"a function of a module, got {type(value).__name__} ({value!r}); {hint}."
+    )
+
+
+class _IsInstance:
+    """The predicate a class (or tuple of classes) given as a selection stands for."""
+
+    def __init__(self, classes: tuple[type, ...]) -> None:
+        self.classes = classes
+
+    def __call__(self, module: Any) -> bool:
+        return isinstance(module, self.classes)
+
+    def __repr__(self) -> str:
+        return f"isinstance(m, {self.classes!r})"
+
+
 def check_option_fns(exclude_fn: Any, **option_fns: Any) -> None:
     """Per-region option callables of ``apply_activation_checkpointing`` need ``exclude_fn``."""
     for name, fn in option_fns.items():

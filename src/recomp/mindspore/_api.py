@@ -207,9 +207,9 @@ def unwrap(module: Any) -> Any:
 def apply_activation_checkpointing(
     model: Any,
     *,
-    checkpoint_fn: Callable[[Any], bool],
-    exclude_fn: Callable[[Any], bool] | None = None,
-    copy_output_fn: Callable[[Any], bool] | None = None,
+    checkpoint_fn: Callable[[Any], bool] | type | tuple[type, ...],
+    exclude_fn: Callable[[Any], bool] | type | tuple[type, ...] | None = None,
+    copy_output_fn: Callable[[Any], bool] | type | tuple[type, ...] | None = None,
     **checkpoint_kwargs: Any,
 ) -> Any:
     """Checkpoint every sub-cell for which ``checkpoint_fn`` is true, excluding inside them
@@ -222,16 +222,20 @@ def apply_activation_checkpointing(
     excluded too, whatever ``exclude_fn`` says: MindSpore cannot restore their
     random state, so a replay would draw another mask and give wrong gradients.
     ``copy_output_fn`` gives, for each excluded cell, its ``copy_output=`` option
-    (see :func:`checkpoint_exclude_wrapper`).
+    (see :func:`checkpoint_exclude_wrapper`). Each ``*_fn`` may also be a class or a
+    tuple of classes, meaning ``isinstance(c, classes)``.
     """
-    _wrapping.check_option_fns(exclude_fn, copy_output_fn=copy_output_fn)
-    choose_copy = copy_output_fn or (lambda c: False)
+    select_checkpoint = _wrapping.as_predicate(checkpoint_fn, "checkpoint_fn", required=True)
+    select_exclude = _wrapping.as_predicate(exclude_fn, "exclude_fn")
+    select_copy = _wrapping.as_predicate(copy_output_fn, "copy_output_fn")
+    _wrapping.check_option_fns(select_exclude, copy_output_fn=select_copy)
+    choose_copy = select_copy or (lambda c: False)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     return _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
         model,
-        checkpoint_fn,
-        exclude_fn,
+        select_checkpoint,
+        select_exclude,
         lambda c: checkpoint_wrapper(c, **checkpoint_kwargs),
         lambda c, path: checkpoint_exclude_wrapper(c, name=path, copy_output=bool(choose_copy(c))),
         also_exclude=is_unreplayable_dropout,

@@ -216,10 +216,10 @@ def unwrap(module: Any) -> Any:
 def apply_activation_checkpointing(
     model: nn.Module,
     *,
-    checkpoint_fn: Callable[[nn.Module], bool],
-    exclude_fn: Callable[[nn.Module], bool] | None = None,
-    offload_fn: Callable[[nn.Module], bool | Offloader] | None = None,
-    copy_output_fn: Callable[[nn.Module], bool] | None = None,
+    checkpoint_fn: Callable[[nn.Module], bool] | type | tuple[type, ...],
+    exclude_fn: Callable[[nn.Module], bool] | type | tuple[type, ...] | None = None,
+    offload_fn: Callable[[nn.Module], bool | Offloader] | type | tuple[type, ...] | None = None,
+    copy_output_fn: Callable[[nn.Module], bool] | type | tuple[type, ...] | None = None,
     **checkpoint_kwargs: Any,
 ) -> nn.Module:
     """Checkpoint every sub-module for which ``checkpoint_fn`` is true, excluding inside them
@@ -232,6 +232,9 @@ def apply_activation_checkpointing(
             exclude_fn=lambda m: isinstance(m, Attention),
         )
 
+    Each ``*_fn`` may also be a class or a tuple of classes, meaning
+    ``isinstance(m, classes)`` (``checkpoint_fn=DecoderLayer``).
+
     Checkpoints are not nested: below a checkpointed module only exclusions are
     applied. Modules already wrapped by recomp are left as they are. Every module
     is checked before any is wrapped: on an error the model is unchanged.
@@ -241,15 +244,21 @@ def apply_activation_checkpointing(
     whose output the code after it changes in place (torchvision's BatchNorms,
     followed by ``ReLU(inplace=True)`` and ``out += identity``).
     """
+    select_checkpoint = _wrapping.as_predicate(checkpoint_fn, "checkpoint_fn", required=True)
+    select_exclude = _wrapping.as_predicate(exclude_fn, "exclude_fn")
+    select_offload = _wrapping.as_predicate(offload_fn, "offload_fn")
+    select_copy = _wrapping.as_predicate(copy_output_fn, "copy_output_fn")
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
-    _wrapping.check_option_fns(exclude_fn, offload_fn=offload_fn, copy_output_fn=copy_output_fn)
-    choose_offload = offload_fn or (lambda m: False)
-    choose_copy = copy_output_fn or (lambda m: False)
+    _wrapping.check_option_fns(
+        select_exclude, offload_fn=select_offload, copy_output_fn=select_copy
+    )
+    choose_offload = select_offload or (lambda m: False)
+    choose_copy = select_copy or (lambda m: False)
     return _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
         model,
-        checkpoint_fn,
-        exclude_fn,
+        select_checkpoint,
+        select_exclude,
         lambda m: checkpoint_wrapper(m, **checkpoint_kwargs),
         lambda m, path: checkpoint_exclude_wrapper(
             m, name=path, offload=choose_offload(m), copy_output=bool(choose_copy(m))
