@@ -19,6 +19,7 @@ CORE = {
     "recomp._hooks",
     "recomp._record",
     "recomp._region",
+    "recomp._running_stats",
     "recomp._engine",
     "recomp._wrapping",
     "recomp._kv_cache",

@@ -16,6 +16,7 @@ from .errors import (
     RecompError,
     RecompInternalError,
     ReplayMismatchError,
+    RunningStatisticsWarning,
     UnreplayableDropoutWarning,
     WrapperNotReachedWarning,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "RecompInternalError",
     "RecomputeState",
     "ReplayMismatchError",
+    "RunningStatisticsWarning",
     "UnreplayableDropoutWarning",
     "WrapperNotReachedWarning",
     "__version__",

@@ -12,6 +12,7 @@ __all__ = [
     "RecompError",
     "RecompInternalError",
     "ReplayMismatchError",
+    "RunningStatisticsWarning",
     "UnreplayableDropoutWarning",
     "WrapperNotReachedWarning",
 ]
@@ -74,6 +75,11 @@ class IneffectiveSelectionWarning(UserWarning):
     """Part of what was asked for does not take effect: a ``checkpoint_fn`` that matches
     no module, an ``exclude_fn`` that excludes nothing inside a checkpoint, or an
     excluded module called through its ``forward``/``construct`` method."""
+
+
+class RunningStatisticsWarning(UserWarning):
+    """Recomputed code holds a BatchNorm-like module whose running statistics recomp
+    cannot find, so a replay would update them a second time."""
 
 
 class UnreplayableDropoutWarning(UserWarning):

@@ -9,6 +9,7 @@ import mindspore
 from mindspore import nn
 
 from .. import _engine, _wrapping
+from .._running_stats import warn_unhandled
 from .._wrapping import CHECKPOINT_KWARGS, REGION, RegionCounters, check_callable, default_name
 from ._backend import BACKEND, check_pynative
 from ._cache import adapt_cache_kwargs
@@ -45,7 +46,13 @@ def checkpoint(
     warn_recomputed_dropout(function, ExcludeWrapper, "checkpoint")
     restore_rng = bool(kwargs.pop("save_rng_state", True))
     context = _engine.begin(
-        BACKEND, args, kwargs, context_fn, align_rng=restore_rng, restore_rng=restore_rng
+        BACKEND,
+        args,
+        kwargs,
+        context_fn,
+        align_rng=restore_rng,
+        restore_rng=restore_rng,
+        function=function,
     )
     return mindspore.recompute(
         function,
@@ -161,6 +168,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
     warn_recomputed_dropout(module, ExcludeWrapper, "checkpoint_wrapper")
+    warn_unhandled(BACKEND, module, "checkpoint_wrapper")
     return _wrapping.wrap_in_place(
         _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )

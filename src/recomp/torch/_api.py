@@ -10,6 +10,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .. import _engine, _wrapping
+from .._running_stats import warn_unhandled
 from .._wrapping import (
     CHECKPOINT_KWARGS,
     REGION,
@@ -47,7 +48,12 @@ def checkpoint(
     adapt_hf_layer_call(function, kwargs)
     context_fn, kwargs, torch_debug_off = debug_options(context_fn, kwargs)
     context = _engine.begin(
-        BACKEND, args, kwargs, context_fn, align_rng=kwargs.get("preserve_rng_state", True)
+        BACKEND,
+        args,
+        kwargs,
+        context_fn,
+        align_rng=kwargs.get("preserve_rng_state", True),
+        function=function,
     )
     with torch_debug_off:
         return torch.utils.checkpoint.checkpoint(
@@ -154,6 +160,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     if not isinstance(module, nn.Module):
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
+    warn_unhandled(BACKEND, module, "checkpoint_wrapper")
     return _wrapping.wrap_in_place(
         _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
