@@ -161,6 +161,11 @@ class ModelOps:
     is_compiling: Callable[[], bool]
     # Raises if the framework would run ``module`` without calling the wrapper's method.
     check_reachable: Callable[[Any, str], None]
+    # For a module whose class another library derived from recomp's after wrapping
+    # (a PyTorch parametrization): the class it gets when recomp's is taken out from
+    # under the other one, given (module, recomp's class, the original class); None
+    # where the framework knows no way.
+    rebase_foreign: Callable[[Any, type, type], type | None] = lambda m, wrapped, base: None
 
 
 def same_region(
@@ -240,26 +245,56 @@ def unwrap(ops: ModelOps, module: Any) -> Any:
     fn = getattr(module, "_recomp_function", None)
     if fn is not None and recomp_wrapper_of(module) is not None:
         return fn
-    wrapped = [m for m in _walk(ops, module) if recomp_wrapper_of(m) is not None]
+    named = [(p, m) for p, m in _walk_named(ops, module) if recomp_wrapper_of(m) is not None]
+    wrapped = [m for _, m in named]
     if not wrapped:
         raise ValueError(
             f"{type(module).__name__} carries no recomp wrapper (neither it nor a module "
             f"below it was wrapped by checkpoint_wrapper or checkpoint_exclude_wrapper)."
         )
-    for m in wrapped:
-        if "_recomp_base" not in type(m).__dict__:
-            raise ValueError(
-                f"{type(m).__name__} was wrapped again after recomp (its class is now "
-                f"{type(m).__qualname__}); undo that wrapping before unwrapping recomp's."
+    # Modules whose class another library derived from recomp's after wrapping: recomp's
+    # class is taken out from under that one where the framework knows how; everything
+    # is decided before anything changes.
+    rebased: dict[int, type] = {}
+    stuck = []
+    for path, m in named:
+        if "_recomp_base" in type(m).__dict__:
+            continue
+        ours = next(c for c in type(m).__mro__ if "_recomp_base" in c.__dict__)
+        new_class = ops.rebase_foreign(m, ours, ours.__dict__["_recomp_base"])
+        if new_class is None:
+            stuck.append(
+                f"{path or type(module).__name__} ({type(m).__module__}.{type(m).__qualname__})"
             )
+        else:
+            rebased[id(m)] = new_class
+    if stuck:
+        raise ValueError(
+            f"recomp.{ops.framework}.unwrap: {len(stuck)} module(s) got another class on top of "
+            f"recomp's after recomp wrapped them: {', '.join(stuck[:3])}. recomp cannot take its "
+            f"class out from under that one, so nothing was unwrapped. Undo that other wrapping "
+            f"first, call unwrap, then apply it again if you still need it."
+        )
     for m in wrapped:
-        m.__class__ = type(m).__dict__["_recomp_base"]
+        m.__class__ = rebased.get(id(m)) or type(m).__dict__["_recomp_base"]
         moved = m.__dict__.pop(MOVED_METHOD, None)
         for name in _RECOMP_ATTRS:
             m.__dict__.pop(name, None)
         if moved is not None:
             m.__dict__[ops.method] = moved
     return module
+
+
+def _walk_named(ops: ModelOps, root: Any) -> list[tuple[str, Any]]:
+    """``root`` and every module below it, each once, with its path from ``root``."""
+    seen = {id(root)}
+    out = [("", root)]
+    for path, module in out:
+        for name, child in ops.children(module):
+            if id(child) not in seen:
+                seen.add(id(child))
+                out.append((f"{path}.{name}" if path else name, child))
+    return out
 
 
 def _walk(ops: ModelOps, root: Any) -> list[Any]:

@@ -273,6 +273,19 @@ def apply_activation_checkpointing(
     )
 
 
+def _rebase_parametrization(module: nn.Module, wrapped: type, base: type) -> type | None:
+    """The class of a module parametrized (``weight_norm``, ``spectral_norm``) after recomp
+    wrapped it, with recomp's class taken out from under it: PyTorch gives each
+    parametrized module a class of its own, derived from the class the module had,
+    whose namespace holds the parametrized attributes; the same namespace over the
+    original class is what parametrizing the unwrapped module would have given."""
+    cls = type(module)
+    if not torch.nn.utils.parametrize.is_parametrized(module) or cls.__bases__ != (wrapped,):
+        return None
+    namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+    return type(cls.__name__, (base,), namespace)
+
+
 _MODEL_OPS = _wrapping.ModelOps(
     framework="torch",
     module_type=nn.Module,
@@ -283,4 +296,5 @@ _MODEL_OPS = _wrapping.ModelOps(
     is_compiling=torch.compiler.is_compiling,
     # An instance ``forward`` is moved aside by wrap_in_place; nothing else bypasses it.
     check_reachable=lambda module, api: None,
+    rebase_foreign=_rebase_parametrization,
 )
