@@ -21,7 +21,7 @@ from .._wrapping import (
 from . import _compile
 from ._backend import BACKEND
 from ._debug import debug_options
-from ._hf import adapt_hf_layer_call
+from ._hf import adapt_hf_layer_call, guard_model_cache
 from ._offload import Offloader, resolve
 
 
@@ -261,7 +261,7 @@ def apply_activation_checkpointing(
     )
     choose_offload = select_offload or (lambda m: False)
     choose_copy = select_copy or (lambda m: False)
-    return _wrapping.apply_activation_checkpointing(
+    _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
         model,
         select_checkpoint,
@@ -271,6 +271,8 @@ def apply_activation_checkpointing(
             m, name=path, offload=choose_offload(m), copy_output=bool(choose_copy(m))
         ),
     )
+    guard_model_cache(model)
+    return model
 
 
 def _rebase_parametrization(module: nn.Module, wrapped: type, base: type) -> type | None:
