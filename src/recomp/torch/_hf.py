@@ -84,7 +84,10 @@ def _hf_layer(function: Any) -> nn.Module | None:
 
 
 def _turn_off_rewritten_cache(layer: nn.Module, kwargs: dict[str, Any]) -> None:
-    if not _kv_cache.uses_cache(kwargs) or _kv_cache.written_once(
+    # Only a layer whose replay writes a cache again: an encoder layer (no module with a
+    # layer_idx; HF passes it config.use_cache all the same) or one whose cache writers
+    # are all excluded is left as it is, without a warning.
+    if not _kv_cache.uses_cache(kwargs) or not _kv_cache.rewritten(
         layer, lambda m: m.children(), _is_excluded_region
     ):
         return
