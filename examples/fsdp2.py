@@ -14,7 +14,7 @@ Wrapping order: first recomp, then FSDP2, from the inside out::
     fully_shard(model)                                   # 3. then the root
 
 Both wrap each layer in place by giving it a subclass of its own class
-(``FSDPCheckpointedBlock``). recomp's checkpoint covers the layer's ``forward``
+(FSDP2's ``FSDPBlock`` over recomp's, which keeps the name ``Block``). recomp's checkpoint covers the layer's ``forward``
 only, so FSDP2's hooks on the layer stay outside it: its all-gather runs in the
 forward and, before the layer's backward, in its pre-backward hook, so the
 replay finds the parameters already unsharded and issues no collective. The
@@ -168,6 +168,7 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
             "counts": counts.as_dict(),
             "exclusions": exclude_stats(model),
             "wrapping": [type(m).__name__ for m in model.layers],
+            "bases": [[b.__name__ for b in type(m).__bases__] for m in model.layers],
         }
         if variant != "reference":
             entry["grads_vs_reference"] = compare(grads[variant], grads["reference"])

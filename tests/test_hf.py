@@ -33,6 +33,7 @@ from transformers.models.qwen2_moe import modeling_qwen2_moe  # noqa: E402
 
 import recomp  # noqa: E402
 from recomp.torch import ExcludeWrapper, apply_activation_checkpointing  # noqa: E402
+from recomp.torch import unwrap as rt_unwrap  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ = 8
@@ -527,9 +528,16 @@ def test_use_cache_in_training_is_turned_off_for_recomputed_attention() -> None:
     assert _cache_length(expected) == SEQ
     with pytest.warns(UserWarning, match=r"KV cache is turned off .*use_cache=False"):
         got = train_step(model, ids, use_cache=True)
-    # Not written twice (that gave 2 * SEQ): off, as with HF's own checkpointing.
-    assert _cache_length(got) in (0, None)
+    # Not written twice (that gave 2 * SEQ), nor an empty cache the layers were told not
+    # to write (that gave 0): no cache, as HF's own checkpointing returns.
+    assert _cache_length(got) is None
     assert_same_grads(reference, model)
+    # The config's default (use_cache=True) too; a copy of the model behaves the same.
+    with pytest.warns(UserWarning, match=r"KV cache is turned off .*LlamaForCausalLM"):
+        assert _cache_length(copy.deepcopy(model)(ids)) is None
+    # Unwrapped, the model writes its cache in training again.
+    rt_unwrap(model)
+    assert _cache_length(model(ids, use_cache=True)) == SEQ
 
 
 def test_use_cache_in_training_kept_when_attention_is_excluded() -> None:

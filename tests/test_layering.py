@@ -175,6 +175,7 @@ CORE_ORDER = [
     "recomp._hooks",
     "recomp._record",
     "recomp._region",
+    "recomp._running_stats",
     "recomp._engine",
     "recomp._kv_cache",
     "recomp._collectives",

@@ -109,6 +109,40 @@ class Backend:
         repeating an in-place change a region made to its input in the forward)."""
         raise NotImplementedError
 
+    # -- modules ------------------------------------------------------------------
+
+    # Attribute names under which the framework's BatchNorm modules keep the running
+    # statistics that their training forward updates.
+    running_stat_names: tuple[str, ...] = ()
+
+    def module_of(self, fn: Any) -> Any | None:
+        """The module a checkpointed function runs: the module itself, or the module of a
+        bound method (a wrapper's ``forward``); None for any other function."""
+        return None
+
+    def named_children(self, module: Any) -> list[tuple[str, Any]]:
+        """``module``'s direct sub-modules, with their attribute names."""
+        return []
+
+    def is_training(self, module: Any) -> bool:
+        raise NotImplementedError
+
+    def running_statistics(self, module: Any) -> list[Any] | str | None:
+        """For ``module`` alone (not its children): the running-statistics tensors its
+        forward updates now (empty in eval mode or without tracked statistics); a reason,
+        for a module that looks like a BatchNorm but keeps none under
+        ``running_stat_names``; None for any other module."""
+        found = [getattr(module, name, None) for name in self.running_stat_names]
+        tensors = [t for t in found if self.is_tensor(t)]
+        if tensors:
+            return tensors if self.is_training(module) else []
+        looks_like_batchnorm = any("batchnorm" in c.__name__.lower() for c in type(module).__mro__)
+        if not looks_like_batchnorm or getattr(module, "track_running_stats", True) is False:
+            return None
+        if not self.is_training(module):
+            return []
+        return f"no tensor attribute named {' or '.join(self.running_stat_names)}"
+
     # -- views --------------------------------------------------------------------
 
     def geometry(self, t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:

@@ -19,6 +19,7 @@ Where things live, bottom up (each module imports only those above it in this li
 * ``_region``    ``ExcludedRegion`` and ``RegionCall``: one excluded-region call, its
   whole life, what it keeps, defers, caches and hands back to replays. Its NOTE
   blocks state the rules the engine relies on, numbered; the code cites them;
+* ``_running_stats``  BatchNorm running statistics that a replay must leave as it found them;
 * ``_engine``    (here) checkpoint calls: ``begin``, ``context_fn``, nesting.
 """
 
@@ -31,6 +32,7 @@ from typing import Any
 from ._backend import Backend
 from ._record import Invocation, invocation_of
 from ._region import ExcludedRegion, check_flag
+from ._running_stats import RestoreStatistics, replayed_statistics
 from ._state import CallIdentity, PhaseContext, RecomputeState, get_recompute_state
 
 __all__ = [
@@ -97,6 +99,7 @@ def make_context_fn(
     *,
     forward_replays: bool = False,
     rng_backend: Backend | None = None,
+    statistics: RestoreStatistics | None = None,
 ) -> Callable[[], tuple[Any, Any]]:
     """The ``context_fn`` handed to the framework's checkpoint: recomp's state outermost.
 
@@ -104,6 +107,7 @@ def make_context_fn(
     enclosing checkpoint, a call whose forward already ran (see ``begin``);
     its excluded regions must then return their cached outputs.
     ``rng_backend``: restore the RNG for the replay here (see ``_ReplayRng``).
+    ``statistics``: running statistics the replay must leave as it found them.
     """
 
     call = invocation.call
@@ -112,6 +116,8 @@ def make_context_fn(
         forward_state = RecomputeState(invocation, call, is_recomputing=forward_replays)
         forward: list[Any] = [PhaseContext(forward_state)]
         replay: list[Any] = [PhaseContext(RecomputeState(invocation, call, is_recomputing=True))]
+        if statistics is not None:
+            replay.append(statistics)
         if rng_backend is not None:
             replay.append(_ReplayRng(rng_backend))
         if user_context_fn is not None:
@@ -134,12 +140,16 @@ def begin(
     *,
     align_rng: bool,
     restore_rng: bool = False,
+    function: Any = None,
 ) -> Callable[[], tuple[Any, Any]]:
     """Start one checkpoint call; return the ``context_fn`` for the framework's checkpoint.
 
     A checkpoint called inside the replay of another recomp checkpoint is a
     re-run of a call that already ran in that checkpoint's forward: it gets
     the same invocation back, so its excluded regions are not executed again.
+    If ``function`` is a module (or a module's bound method), the running
+    statistics of the BatchNorm-like modules its replay re-runs are restored
+    after each replay (see ``_running_stats``).
     """
     parent = get_recompute_state()
     if parent is not None and parent.is_recomputing:
@@ -162,11 +172,13 @@ def begin(
             # every cached output then, even those this checkpoint's own replay skips.
             invocation.disable_pruning()
         replaying = False
+    tensors = replayed_statistics(backend, function)
     return make_context_fn(
         invocation,
         user_context_fn,
         forward_replays=replaying,
         rng_backend=backend if restore_rng else None,
+        statistics=RestoreStatistics(backend, tensors) if tensors else None,
     )
 
 

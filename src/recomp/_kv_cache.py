@@ -31,6 +31,25 @@ def written_once(
 ) -> bool:
     """True if every module below ``layer`` that addresses the cache (an int
     ``layer_idx``, as HF attention modules have) runs inside an excluded region."""
+    writers, excluded = _cache_writers(layer, children, is_excluded)
+    return writers > 0 and writers == excluded
+
+
+def rewritten(
+    layer: Any, children: Callable[[Any], Iterable[Any]], is_excluded: Callable[[Any], bool]
+) -> bool:
+    """True if some module below ``layer`` that addresses the cache (an int ``layer_idx``)
+    runs outside every excluded region, so that a replay of ``layer`` writes the cache
+    again. A layer with no such module (an encoder layer: its attention has no
+    ``layer_idx``) writes no cache, whatever ``use_cache`` it is given."""
+    writers, excluded = _cache_writers(layer, children, is_excluded)
+    return writers > excluded
+
+
+def _cache_writers(
+    layer: Any, children: Callable[[Any], Iterable[Any]], is_excluded: Callable[[Any], bool]
+) -> tuple[int, int]:
+    """(modules below ``layer`` with an int ``layer_idx``, how many of them are excluded)."""
     writers = excluded = 0
 
     def visit(module: Any, in_region: bool) -> None:
@@ -44,7 +63,7 @@ def written_once(
             visit(child, in_region)
 
     visit(layer, False)
-    return writers > 0 and writers == excluded
+    return writers, excluded
 
 
 def turn_off(layer: Any, kwargs: dict[str, Any], *, drop_caches: bool = True) -> None:

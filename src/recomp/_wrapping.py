@@ -13,12 +13,15 @@ original class all stay. What recomp adds lives in the instance ``__dict__`` und
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ._engine import ExcludedRegion
-from .errors import WrapperNotReachedWarning
+from ._region import ACTIVE_REGION
+from ._state import get_recompute_state
+from .errors import IneffectiveSelectionWarning, WrapperNotReachedWarning
 
 # Instance attributes recomp sets on a wrapped module (all removed by unwrap).
 CHECKPOINT_KWARGS = "_recomp_checkpoint_kwargs"
@@ -60,6 +63,11 @@ class WrapperMixin:
         """A new, uninitialised instance of ``cls`` (the framework's own allocation)."""
         raise NotImplementedError
 
+    def __repr__(self) -> str:
+        # The class reports the original name (tools that look classes up by name
+        # must find it); the repr still shows the wrapper.
+        return self._recomp_prefix + super().__repr__()
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         # copy.deepcopy and pickle rebuild the wrapped class from (mixin, original
         # class), since the cached subclass cannot be found by name.
@@ -78,14 +86,23 @@ def _rebuild(mixin: type, base: type) -> Any:
 
 
 def wrapped_class(mixin: type, base: type) -> type:
-    """The cached subclass of (``mixin``, ``base``) that a wrapped module gets."""
+    """The cached subclass of (``mixin``, ``base``) that a wrapped module gets.
+
+    It carries ``base``'s name, qualified name and module: code that finds layer
+    classes by ``module.__class__.__name__`` (accelerate's FSDP wrap policies,
+    ``_no_split_modules``, DeepSpeed's leaf modules) sees the model as it was.
+    ``recomp_wrapper_of`` tells the wrapped class apart, and the repr shows it.
+    """
     cls = _CLASSES.get((mixin, base))
     if cls is None:
-        name = getattr(mixin, "_recomp_prefix", "") + base.__name__
         cls = type(
-            name,
+            base.__name__,
             (mixin, base),
-            {"__module__": base.__module__, "__qualname__": name, "_recomp_base": base},
+            {
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "_recomp_base": base,
+            },
         )
         _CLASSES[(mixin, base)] = cls
     return cls
@@ -148,6 +165,11 @@ class ModelOps:
     # of the hooks; MindSpore loops over the dictionary itself, and removing a hook that
     # others follow breaks that loop ("OrderedDict mutated during iteration").
     hooks_may_remove_themselves: bool = True
+    # For a module whose class another library derived from recomp's after wrapping
+    # (a PyTorch parametrization): the class it gets when recomp's is taken out from
+    # under the other one, given (module, recomp's class, the original class); None
+    # where the framework knows no way.
+    rebase_foreign: Callable[[Any, type, type], type | None] = lambda m, wrapped, base: None
 
 
 def same_region(
@@ -227,26 +249,56 @@ def unwrap(ops: ModelOps, module: Any) -> Any:
     fn = getattr(module, "_recomp_function", None)
     if fn is not None and recomp_wrapper_of(module) is not None:
         return fn
-    wrapped = [m for m in _walk(ops, module) if recomp_wrapper_of(m) is not None]
+    named = [(p, m) for p, m in _walk_named(ops, module) if recomp_wrapper_of(m) is not None]
+    wrapped = [m for _, m in named]
     if not wrapped:
         raise ValueError(
             f"{type(module).__name__} carries no recomp wrapper (neither it nor a module "
             f"below it was wrapped by checkpoint_wrapper or checkpoint_exclude_wrapper)."
         )
-    for m in wrapped:
-        if "_recomp_base" not in type(m).__dict__:
-            raise ValueError(
-                f"{type(m).__name__} was wrapped again after recomp (its class is now "
-                f"{type(m).__qualname__}); undo that wrapping before unwrapping recomp's."
+    # Modules whose class another library derived from recomp's after wrapping: recomp's
+    # class is taken out from under that one where the framework knows how; everything
+    # is decided before anything changes.
+    rebased: dict[int, type] = {}
+    stuck = []
+    for path, m in named:
+        if "_recomp_base" in type(m).__dict__:
+            continue
+        ours = next(c for c in type(m).__mro__ if "_recomp_base" in c.__dict__)
+        new_class = ops.rebase_foreign(m, ours, ours.__dict__["_recomp_base"])
+        if new_class is None:
+            stuck.append(
+                f"{path or type(module).__name__} ({type(m).__module__}.{type(m).__qualname__})"
             )
+        else:
+            rebased[id(m)] = new_class
+    if stuck:
+        raise ValueError(
+            f"recomp.{ops.framework}.unwrap: {len(stuck)} module(s) got another class on top of "
+            f"recomp's after recomp wrapped them: {', '.join(stuck[:3])}. recomp cannot take its "
+            f"class out from under that one, so nothing was unwrapped. Undo that other wrapping "
+            f"first, call unwrap, then apply it again if you still need it."
+        )
     for m in wrapped:
-        m.__class__ = type(m).__dict__["_recomp_base"]
+        m.__class__ = rebased.get(id(m)) or type(m).__dict__["_recomp_base"]
         moved = m.__dict__.pop(MOVED_METHOD, None)
         for name in _RECOMP_ATTRS:
             m.__dict__.pop(name, None)
         if moved is not None:
             m.__dict__[ops.method] = moved
     return module
+
+
+def _walk_named(ops: ModelOps, root: Any) -> list[tuple[str, Any]]:
+    """``root`` and every module below it, each once, with its path from ``root``."""
+    seen = {id(root)}
+    out = [("", root)]
+    for path, module in out:
+        for name, child in ops.children(module):
+            if id(child) not in seen:
+                seen.add(id(child))
+                out.append((f"{path}.{name}" if path else name, child))
+    return out
 
 
 def _walk(ops: ModelOps, root: Any) -> list[Any]:
@@ -268,13 +320,16 @@ def apply_activation_checkpointing(
     exclude_fn: Callable[[Any], bool] | None,
     wrap_checkpoint: Callable[[Any], Any],
     wrap_exclude: Callable[[Any, str], Any],
+    also_exclude: Callable[[Any], bool] | None = None,
 ) -> Any:
     """Wrap, in place, each sub-module for which ``checkpoint_fn`` holds with
     ``wrap_checkpoint``, and inside those each sub-module for which ``exclude_fn``
-    holds with ``wrap_exclude`` (named by its path, for error messages). Checkpoints
-    are not nested; modules already wrapped are left as they are. Every module is
-    checked before any is changed, so an error leaves the model as it was. Returns
-    the model."""
+    (or the framework's own ``also_exclude``) holds with ``wrap_exclude`` (named by
+    its path, for error messages). Checkpoints are not nested; modules already
+    wrapped are left as they are. Every module is checked before any is changed, so
+    an error leaves the model as it was. Warns (``IneffectiveSelectionWarning``)
+    when ``checkpoint_fn`` or ``exclude_fn`` selects nothing that takes effect.
+    Returns the model."""
     if not isinstance(model, ops.module_type):
         raise ValueError(
             f"apply_activation_checkpointing needs a {ops.module_type.__module__}."
@@ -282,6 +337,10 @@ def apply_activation_checkpointing(
         )
     planned: list[tuple[Any, str, bool]] = []  # (module, path, checkpoint?)
     claimed: set[int] = set()
+    # What the user's selections did, for the warnings below.
+    checkpoints: list[str] = []  # planned or already wrapped
+    exclusions: list[str] = []  # by exclude_fn, planned or already wrapped
+    excluded_checkpoints: list[str] = []  # checkpointed modules exclude_fn also matches
 
     def plan(module: Any, path: str, checkpoint: bool) -> None:
         if id(module) not in claimed:
@@ -289,13 +348,21 @@ def apply_activation_checkpointing(
             planned.append((module, path, checkpoint))
 
     def exclude_inside(module: Any, path: str) -> None:
-        if exclude_fn is None:
+        if exclude_fn is None and also_exclude is None:
             return
         for name, child in ops.children(module):
             child_path = f"{path}.{name}" if path else name
-            if isinstance(child, ops.exclude_wrapper) or id(child) in claimed:
+            if isinstance(child, ops.exclude_wrapper):
+                exclusions.append(child_path)
                 continue
-            if not isinstance(child, ops.checkpoint_wrapper) and exclude_fn(child):
+            if id(child) in claimed:
+                continue
+            if isinstance(child, ops.checkpoint_wrapper):
+                exclude_inside(child, child_path)
+            elif exclude_fn is not None and exclude_fn(child):
+                exclusions.append(child_path)
+                plan(child, child_path, False)
+            elif also_exclude is not None and also_exclude(child):
                 plan(child, child_path, False)
             else:
                 exclude_inside(child, child_path)
@@ -304,8 +371,12 @@ def apply_activation_checkpointing(
         if isinstance(module, ops.exclude_wrapper) or id(module) in claimed:
             return
         if isinstance(module, ops.checkpoint_wrapper):
+            checkpoints.append(path)
             exclude_inside(module, path)
         elif checkpoint_fn(module):
+            checkpoints.append(path)
+            if exclude_fn is not None and exclude_fn(module):
+                excluded_checkpoints.append(path or "(the model itself)")
             plan(module, path, True)
             exclude_inside(module, path)
         else:
@@ -326,7 +397,115 @@ def apply_activation_checkpointing(
             wrap_checkpoint(module)
     if planned:
         ReachCheck(ops, model, [(m, p) for m, p, _ in planned])
+    if not checkpoints:
+        _warn_selection(
+            f"checkpoint_fn matched no module of {type(model).__name__}, so nothing is "
+            f"checkpointed and the model trains as without recomp. Its module classes "
+            f"include {_class_names(ops, model)}; check that checkpoint_fn tests for one of "
+            f"them (a class of the same name imported from another module is another class)."
+        )
+    elif exclude_fn is not None:
+        _check_exclusions(ops, model, exclude_fn, exclusions, excluded_checkpoints)
     return model
+
+
+def _check_exclusions(
+    ops: ModelOps,
+    model: Any,
+    exclude_fn: Callable[[Any], bool],
+    exclusions: list[str],
+    excluded_checkpoints: list[str],
+) -> None:
+    """Warn when ``exclude_fn`` selected modules where an exclusion cannot take effect."""
+    reasons = []
+    if excluded_checkpoints:
+        reasons.append(
+            f"it matches checkpointed modules themselves ({_shown(excluded_checkpoints)}): a "
+            f"module is either checkpointed or excluded, and these are checkpointed; to keep "
+            f"part of one out of the replay, make exclude_fn select its sub-modules"
+        )
+    if not exclusions:
+        outside = [
+            path or "(the model itself)"
+            for path, module in _outside_checkpoints(ops, model, "")
+            if exclude_fn(module)
+        ]
+        if outside:
+            reasons.append(
+                f"it matches only modules outside every checkpoint ({_shown(outside)}), "
+                f"which no replay recomputes anyway"
+            )
+        elif not excluded_checkpoints:
+            reasons.append("it matches no module inside a checkpoint")
+    if reasons:
+        head = (
+            "exclude_fn excluded no module inside a checkpoint: "
+            if not exclusions
+            else f"exclude_fn excluded {len(exclusions)} module(s), but "
+        )
+        _warn_selection(f"{head}{'; '.join(reasons)}.")
+
+
+def _outside_checkpoints(ops: ModelOps, module: Any, path: str) -> Iterable[tuple[str, Any]]:
+    """``module`` and the modules below it that no checkpoint encloses."""
+    if isinstance(module, ops.checkpoint_wrapper):
+        return
+    yield path, module
+    for name, child in ops.children(module):
+        yield from _outside_checkpoints(ops, child, f"{path}.{name}" if path else name)
+
+
+def _class_names(ops: ModelOps, model: Any, limit: int = 8) -> str:
+    """The model's module classes, those of the model's own code before the framework's."""
+    names: list[str] = []
+    for module in _walk(ops, model):
+        name = type(module).__name__
+        if name not in names:
+            names.append(name)
+    own = {
+        type(m).__name__
+        for m in _walk(ops, model)
+        if type(m).__module__.split(".")[0] != ops.framework
+    }
+    names.sort(key=lambda name: name not in own)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _shown(paths: list[str], limit: int = 3) -> str:
+    more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
+    return ", ".join(repr(p) for p in paths[:limit]) + more
+
+
+def _warn_selection(message: str) -> None:
+    # Called from apply_activation_checkpointing: the user's call is 3 frames up.
+    warnings.warn(
+        f"apply_activation_checkpointing: {message}", IneffectiveSelectionWarning, stacklevel=4
+    )
+
+
+# Regions already warned about being called through their method (once each).
+_warned_bypass: weakref.WeakSet[ExcludedRegion] = weakref.WeakSet()
+
+
+def check_method_call(region: ExcludedRegion, method: str) -> None:
+    """Called by an exclude wrapper's ``forward``/``construct``: warn once if that method
+    runs inside a recomp checkpoint without the wrapper's call around it (the model
+    calls ``self.attn.forward(x)``), where the exclusion does not take effect."""
+    if ACTIVE_REGION.get() is region or get_recompute_state() is None:
+        return
+    if region in _warned_bypass or not region.backend.grad_enabled():
+        return
+    _warned_bypass.add(region)
+    warnings.warn(
+        f"Excluded module {region.name!r} was called as .{method}(...) inside a recomp "
+        f"checkpoint. That bypasses the module call that recomp's exclusion wraps: this call "
+        f"is not an excluded region (region_runs does not count it) and the replay "
+        f"recomputes it like the code around it. Call the module itself (self.attn(x), not "
+        f"self.attn.{method}(x)).",
+        IneffectiveSelectionWarning,
+        stacklevel=4,
+    )
 
 
 class ReachCheck:
@@ -389,6 +568,48 @@ def _finished_check() -> ReachCheck:
     check.model_name, check.paths, check.handles = "", [], []
     check.reached = check.done = True
     return check
+
+
+def as_predicate(value: Any, argument: str, required: bool = False) -> Any:
+    """``value`` as a function of a module, for an ``apply_activation_checkpointing``
+    argument: a class or a tuple of classes stands for an ``isinstance`` test (a class
+    is never called as a predicate), None stays None unless ``required``, other
+    callables are used as they are. Anything else raises ``TypeError`` naming the
+    argument, before anything is wrapped."""
+    if value is None and not required:
+        return None
+    if isinstance(value, tuple) and value and all(isinstance(c, type) for c in value):
+        return _IsInstance(value)
+    if isinstance(value, type):
+        return _IsInstance((value,))
+    if callable(value):
+        return value
+    if isinstance(value, str):
+        hint = (
+            f"a string is not looked up: pass the class itself ({argument}={value}), or "
+            f"{argument}=lambda m: type(m).__name__ == {value!r}"
+        )
+    elif isinstance(value, (list, set, frozenset)) and all(isinstance(c, type) for c in value):
+        hint = f"pass the classes as a tuple: {argument}=({', '.join(c.__name__ for c in value)},)"
+    else:
+        hint = f"for example {argument}=DecoderLayer or {argument}=lambda m: isinstance(m, DecoderLayer)"
+    raise TypeError(
+        f"apply_activation_checkpointing: {argument} must be a class, a tuple of classes or "
+        f"a function of a module, got {type(value).__name__} ({value!r}); {hint}."
+    )
+
+
+class _IsInstance:
+    """The predicate a class (or tuple of classes) given as a selection stands for."""
+
+    def __init__(self, classes: tuple[type, ...]) -> None:
+        self.classes = classes
+
+    def __call__(self, module: Any) -> bool:
+        return isinstance(module, self.classes)
+
+    def __repr__(self) -> str:
+        return f"isinstance(m, {self.classes!r})"
 
 
 def check_option_fns(exclude_fn: Any, **option_fns: Any) -> None:

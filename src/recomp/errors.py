@@ -6,11 +6,13 @@ __all__ = [
     "CachedValueMutatedError",
     "DoubleCheckpointError",
     "ForeignCheckpointWarning",
+    "IneffectiveSelectionWarning",
     "NestedExclusionError",
     "OutputNotSavedError",
     "RecompError",
     "RecompInternalError",
     "ReplayMismatchError",
+    "RunningStatisticsWarning",
     "UnreplayableDropoutWarning",
     "WrapperNotReachedWarning",
 ]
@@ -67,6 +69,17 @@ class ForeignCheckpointWarning(UserWarning):
 class WrapperNotReachedWarning(UserWarning):
     """The model's first forward after ``apply_activation_checkpointing`` called none of
     the modules it wrapped, so no checkpoint or exclusion took effect."""
+
+
+class IneffectiveSelectionWarning(UserWarning):
+    """Part of what was asked for does not take effect: a ``checkpoint_fn`` that matches
+    no module, an ``exclude_fn`` that excludes nothing inside a checkpoint, or an
+    excluded module called through its ``forward``/``construct`` method."""
+
+
+class RunningStatisticsWarning(UserWarning):
+    """Recomputed code holds a BatchNorm-like module whose running statistics recomp
+    cannot find, so a replay would update them a second time."""
 
 
 class UnreplayableDropoutWarning(UserWarning):

@@ -24,8 +24,11 @@ def test_wrapping_order(reports):
     layers = reports[0]["layers"]
     # Both wrap in place by giving the layer a subclass of its class: fully_shard's
     # class derives from recomp's in the documented order, and the other way round.
-    assert v["recomp"]["wrapping"] == ["FSDPCheckpointedBlock"] * layers
-    assert v["recomp_after_fsdp"]["wrapping"] == ["CheckpointedFSDPBlock"] * layers
+    # recomp's class keeps the name of the class it wraps.
+    assert v["recomp"]["wrapping"] == ["FSDPBlock"] * layers
+    assert v["recomp_after_fsdp"]["wrapping"] == ["FSDPBlock"] * layers
+    assert v["recomp"]["bases"] == [["FSDPModule", "Block"]] * layers
+    assert v["recomp_after_fsdp"]["bases"] == [["CheckpointWrapper", "FSDPBlock"]] * layers
 
 
 @pytest.mark.parametrize("variant", ["recomp", "recomp_after_fsdp"])

@@ -9,11 +9,12 @@ import mindspore
 from mindspore import nn
 
 from .. import _engine, _wrapping
+from .._running_stats import warn_unhandled
 from .._wrapping import CHECKPOINT_KWARGS, REGION, RegionCounters, check_callable, default_name
 from . import _compat
 from ._backend import BACKEND, check_pynative
 from ._cache import adapt_cache_kwargs
-from ._dropout import exclude_dropout_too, warn_recomputed_dropout
+from ._dropout import is_unreplayable_dropout, warn_recomputed_dropout
 from ._early_stop import explain_stop_inside_an_op
 from ._graph_mode import pynative_only
 
@@ -46,7 +47,13 @@ def checkpoint(
     warn_recomputed_dropout(function, ExcludeWrapper, "checkpoint")
     restore_rng = bool(kwargs.pop("save_rng_state", True))
     context = _engine.begin(
-        BACKEND, args, kwargs, context_fn, align_rng=restore_rng, restore_rng=restore_rng
+        BACKEND,
+        args,
+        kwargs,
+        context_fn,
+        align_rng=restore_rng,
+        restore_rng=restore_rng,
+        function=function,
     )
     return mindspore.recompute(
         function,
@@ -129,8 +136,8 @@ class ExcludeWrapper(RegionCounters, _NamesKept, _wrapping.WrapperMixin, nn.Cell
 
     @pynative_only("checkpoint_exclude_wrapper")
     def construct(self, *args: Any, **kwargs: Any) -> Any:
-        # Reached directly only when MindSpore compiles the Cell (GRAPH_MODE, jit).
-        check_pynative("checkpoint_exclude_wrapper")
+        check_pynative("checkpoint_exclude_wrapper")  # GRAPH_MODE, jit compile this directly
+        _wrapping.check_method_call(self._recomp_region, "construct")
         return super().construct(*args, **kwargs)
 
     def extend_repr(self) -> str:
@@ -176,6 +183,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
     warn_recomputed_dropout(module, ExcludeWrapper, "checkpoint_wrapper")
+    warn_unhandled(BACKEND, module, "checkpoint_wrapper")
     return _wrapping.wrap_in_place(
         _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
@@ -222,9 +230,9 @@ def unwrap(module: Any) -> Any:
 def apply_activation_checkpointing(
     model: Any,
     *,
-    checkpoint_fn: Callable[[Any], bool],
-    exclude_fn: Callable[[Any], bool] | None = None,
-    copy_output_fn: Callable[[Any], bool] | None = None,
+    checkpoint_fn: Callable[[Any], bool] | type | tuple[type, ...],
+    exclude_fn: Callable[[Any], bool] | type | tuple[type, ...] | None = None,
+    copy_output_fn: Callable[[Any], bool] | type | tuple[type, ...] | None = None,
     **checkpoint_kwargs: Any,
 ) -> Any:
     """Checkpoint every sub-cell for which ``checkpoint_fn`` is true, excluding inside them
@@ -237,18 +245,23 @@ def apply_activation_checkpointing(
     excluded too, whatever ``exclude_fn`` says: MindSpore cannot restore their
     random state, so a replay would draw another mask and give wrong gradients.
     ``copy_output_fn`` gives, for each excluded cell, its ``copy_output=`` option
-    (see :func:`checkpoint_exclude_wrapper`).
+    (see :func:`checkpoint_exclude_wrapper`). Each ``*_fn`` may also be a class or a
+    tuple of classes, meaning ``isinstance(c, classes)``.
     """
-    _wrapping.check_option_fns(exclude_fn, copy_output_fn=copy_output_fn)
-    choose_copy = copy_output_fn or (lambda c: False)
+    select_checkpoint = _wrapping.as_predicate(checkpoint_fn, "checkpoint_fn", required=True)
+    select_exclude = _wrapping.as_predicate(exclude_fn, "exclude_fn")
+    select_copy = _wrapping.as_predicate(copy_output_fn, "copy_output_fn")
+    _wrapping.check_option_fns(select_exclude, copy_output_fn=select_copy)
+    choose_copy = select_copy or (lambda c: False)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     return _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
         model,
-        checkpoint_fn,
-        exclude_dropout_too(exclude_fn),
+        select_checkpoint,
+        select_exclude,
         lambda c: checkpoint_wrapper(c, **checkpoint_kwargs),
         lambda c, path: checkpoint_exclude_wrapper(c, name=path, copy_output=bool(choose_copy(c))),
+        also_exclude=is_unreplayable_dropout,
     )
 
 

@@ -66,6 +66,25 @@ class MindSporeBackend(Backend):
         except (RuntimeError, TypeError, AttributeError):
             return None
 
+    # nn.BatchNorm*: moving_mean/moving_variance; mint.nn.BatchNorm*: running_*.
+    running_stat_names = (
+        "moving_mean",
+        "moving_variance",
+        "running_mean",
+        "running_var",
+        "num_batches_tracked",
+    )
+
+    def module_of(self, fn: Any) -> Any | None:
+        owner = getattr(fn, "__self__", fn)
+        return owner if isinstance(owner, mindspore.nn.Cell) else None
+
+    def named_children(self, module: Any) -> list[tuple[str, Any]]:
+        return [(n, c) for n, c in module.name_cells().items() if c is not None]
+
+    def is_training(self, module: Any) -> bool:
+        return bool(module.training)
+
     def parameters_of(self, fn: Any) -> list[Any]:
         owner = getattr(fn, "__self__", fn)  # a Cell, or a Cell's bound construct
         return list(owner.get_parameters()) if isinstance(owner, mindspore.nn.Cell) else []

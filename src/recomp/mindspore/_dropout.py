@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from mindspore import nn
@@ -45,14 +45,6 @@ def is_unreplayable_dropout(cell: Any) -> bool:
     if drop_prob is None:
         drop_prob = getattr(cell, "prob", None)  # nn.Dropout1d
     return not (drop_prob is not None and drop_prob <= 0)
-
-
-def exclude_dropout_too(exclude_fn: Callable[[Any], bool] | None) -> Callable[[Any], bool]:
-    """``exclude_fn``, extended to active ``nn.Dropout``-family cells."""
-    if exclude_fn is None:
-        return is_unreplayable_dropout
-    user_fn = exclude_fn
-    return lambda cell: bool(user_fn(cell)) or is_unreplayable_dropout(cell)
 
 
 def _recomputed_dropouts(cell: nn.Cell, path: str, exclude_type: type) -> Iterator[str]:

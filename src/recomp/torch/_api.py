@@ -10,6 +10,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .. import _engine, _wrapping
+from .._running_stats import warn_unhandled
 from .._wrapping import (
     CHECKPOINT_KWARGS,
     REGION,
@@ -20,7 +21,7 @@ from .._wrapping import (
 from . import _compile
 from ._backend import BACKEND
 from ._debug import debug_options
-from ._hf import adapt_hf_layer_call
+from ._hf import adapt_hf_layer_call, guard_model_cache
 from ._offload import Offloader, resolve
 
 
@@ -47,7 +48,12 @@ def checkpoint(
     adapt_hf_layer_call(function, kwargs)
     context_fn, kwargs, torch_debug_off = debug_options(context_fn, kwargs)
     context = _engine.begin(
-        BACKEND, args, kwargs, context_fn, align_rng=kwargs.get("preserve_rng_state", True)
+        BACKEND,
+        args,
+        kwargs,
+        context_fn,
+        align_rng=kwargs.get("preserve_rng_state", True),
+        function=function,
     )
     with torch_debug_off:
         return torch.utils.checkpoint.checkpoint(
@@ -115,6 +121,11 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
             return _compile.excluded_call(self._recomp_region.name, super().__call__, args, kwargs)
         return self._recomp_region.call(super().__call__, args, kwargs)
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not _compile.is_compiling():
+            _wrapping.check_method_call(self._recomp_region, "forward")
+        return super().forward(*args, **kwargs)
+
     def extra_repr(self) -> str:
         own = f"region={self.region.name!r}, save_output={self.save_output}"
         if self.region.offloader is not None:
@@ -149,6 +160,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     if not isinstance(module, nn.Module):
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
+    warn_unhandled(BACKEND, module, "checkpoint_wrapper")
     return _wrapping.wrap_in_place(
         _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
@@ -211,10 +223,10 @@ def unwrap(module: Any) -> Any:
 def apply_activation_checkpointing(
     model: nn.Module,
     *,
-    checkpoint_fn: Callable[[nn.Module], bool],
-    exclude_fn: Callable[[nn.Module], bool] | None = None,
-    offload_fn: Callable[[nn.Module], bool | Offloader] | None = None,
-    copy_output_fn: Callable[[nn.Module], bool] | None = None,
+    checkpoint_fn: Callable[[nn.Module], bool] | type | tuple[type, ...],
+    exclude_fn: Callable[[nn.Module], bool] | type | tuple[type, ...] | None = None,
+    offload_fn: Callable[[nn.Module], bool | Offloader] | type | tuple[type, ...] | None = None,
+    copy_output_fn: Callable[[nn.Module], bool] | type | tuple[type, ...] | None = None,
     **checkpoint_kwargs: Any,
 ) -> nn.Module:
     """Checkpoint every sub-module for which ``checkpoint_fn`` is true, excluding inside them
@@ -227,6 +239,9 @@ def apply_activation_checkpointing(
             exclude_fn=lambda m: isinstance(m, Attention),
         )
 
+    Each ``*_fn`` may also be a class or a tuple of classes, meaning
+    ``isinstance(m, classes)`` (``checkpoint_fn=DecoderLayer``).
+
     Checkpoints are not nested: below a checkpointed module only exclusions are
     applied. Modules already wrapped by recomp are left as they are. Every module
     is checked before any is wrapped: on an error the model is unchanged.
@@ -236,20 +251,41 @@ def apply_activation_checkpointing(
     whose output the code after it changes in place (torchvision's BatchNorms,
     followed by ``ReLU(inplace=True)`` and ``out += identity``).
     """
+    select_checkpoint = _wrapping.as_predicate(checkpoint_fn, "checkpoint_fn", required=True)
+    select_exclude = _wrapping.as_predicate(exclude_fn, "exclude_fn")
+    select_offload = _wrapping.as_predicate(offload_fn, "offload_fn")
+    select_copy = _wrapping.as_predicate(copy_output_fn, "copy_output_fn")
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
-    _wrapping.check_option_fns(exclude_fn, offload_fn=offload_fn, copy_output_fn=copy_output_fn)
-    choose_offload = offload_fn or (lambda m: False)
-    choose_copy = copy_output_fn or (lambda m: False)
-    return _wrapping.apply_activation_checkpointing(
+    _wrapping.check_option_fns(
+        select_exclude, offload_fn=select_offload, copy_output_fn=select_copy
+    )
+    choose_offload = select_offload or (lambda m: False)
+    choose_copy = select_copy or (lambda m: False)
+    _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
         model,
-        checkpoint_fn,
-        exclude_fn,
+        select_checkpoint,
+        select_exclude,
         lambda m: checkpoint_wrapper(m, **checkpoint_kwargs),
         lambda m, path: checkpoint_exclude_wrapper(
             m, name=path, offload=choose_offload(m), copy_output=bool(choose_copy(m))
         ),
     )
+    guard_model_cache(model)
+    return model
+
+
+def _rebase_parametrization(module: nn.Module, wrapped: type, base: type) -> type | None:
+    """The class of a module parametrized (``weight_norm``, ``spectral_norm``) after recomp
+    wrapped it, with recomp's class taken out from under it: PyTorch gives each
+    parametrized module a class of its own, derived from the class the module had,
+    whose namespace holds the parametrized attributes; the same namespace over the
+    original class is what parametrizing the unwrapped module would have given."""
+    cls = type(module)
+    if not torch.nn.utils.parametrize.is_parametrized(module) or cls.__bases__ != (wrapped,):
+        return None
+    namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+    return type(cls.__name__, (base,), namespace)
 
 
 _MODEL_OPS = _wrapping.ModelOps(
@@ -262,4 +298,5 @@ _MODEL_OPS = _wrapping.ModelOps(
     is_compiling=torch.compiler.is_compiling,
     # An instance ``forward`` is moved aside by wrap_in_place; nothing else bypasses it.
     check_reachable=lambda module, api: None,
+    rebase_foreign=_rebase_parametrization,
 )

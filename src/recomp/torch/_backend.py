@@ -105,6 +105,18 @@ class TorchBackend(Backend):
     def version(self, t: torch.Tensor) -> int | None:
         return _compat.version(t)
 
+    running_stat_names = ("running_mean", "running_var", "num_batches_tracked")
+
+    def module_of(self, fn: Any) -> Any | None:
+        owner = getattr(fn, "__self__", fn)
+        return owner if isinstance(owner, torch.nn.Module) else None
+
+    def named_children(self, module: Any) -> list[tuple[str, Any]]:
+        return list(module.named_children())
+
+    def is_training(self, module: Any) -> bool:
+        return bool(module.training)
+
     def saved_tensors_hooks(
         self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]
     ) -> contextlib.AbstractContextManager[None]:

@@ -26,16 +26,19 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
+import weakref
 from typing import Any
 
 from torch import nn
 
 from .. import _kv_cache
 from .._engine import ExcludedRegion
+from .._wrapping import CHECKPOINT_KWARGS
 from ..errors import DoubleCheckpointError
 from . import _compat
 
-__all__ = ["adapt_hf_layer_call"]
+__all__ = ["adapt_hf_layer_call", "guard_model_cache"]
 
 # Keyword arguments under which HF layers receive a KV cache (names differ per model).
 
@@ -82,7 +85,10 @@ def _hf_layer(function: Any) -> nn.Module | None:
 
 
 def _turn_off_rewritten_cache(layer: nn.Module, kwargs: dict[str, Any]) -> None:
-    if not _kv_cache.uses_cache(kwargs) or _kv_cache.written_once(
+    # Only a layer whose replay writes a cache again: an encoder layer (no module with a
+    # layer_idx; HF passes it config.use_cache all the same) or one whose cache writers
+    # are all excluded is left as it is, without a warning.
+    if not _kv_cache.uses_cache(kwargs) or not _kv_cache.rewritten(
         layer, lambda m: m.children(), _is_excluded_region
     ):
         return
@@ -92,3 +98,73 @@ def _turn_off_rewritten_cache(layer: nn.Module, kwargs: dict[str, Any]) -> None:
 
 def _is_excluded_region(module: nn.Module) -> bool:
     return isinstance(vars(module).get("_recomp_region"), ExcludedRegion)
+
+
+def guard_model_cache(model: nn.Module) -> None:
+    """Turn ``use_cache`` off at the HF model itself, in training, where its checkpointed
+    layers would have their cache turned off: the model then returns no cache, as with
+    HF's own checkpointing, rather than the empty cache it made before its layers were
+    told not to write it. Registered on each HF ``PreTrainedModel`` in ``model`` (itself
+    included) that holds such layers; inert once they are unwrapped."""
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    model_type = getattr(modeling_utils, "PreTrainedModel", None)
+    if model_type is None:
+        return
+    for module in model.modules():
+        if not isinstance(module, model_type):
+            continue
+        layers = [m for m in module.modules() if _is_checkpointed_hf_layer(m)]
+        if layers and not _guarded(module):
+            module.register_forward_pre_hook(_CacheOffInTraining(layers), with_kwargs=True)
+
+
+# HF models that already have the hook (applying recomp twice registers it once).
+_GUARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _guarded(module: nn.Module) -> bool:
+    if module in _GUARDED:
+        return True
+    _GUARDED.add(module)
+    return False
+
+
+def _is_checkpointed_hf_layer(module: nn.Module) -> bool:
+    return CHECKPOINT_KWARGS in vars(module) and _hf_layer(module) is not None
+
+
+class _CacheOffInTraining:
+    """Forward pre-hook of an HF model: ``use_cache=False`` in training with gradients on
+    when a layer recomp checkpoints would otherwise have its cache turned off."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers = layers
+
+    def __call__(self, model: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        import torch
+
+        if not model.training or not torch.is_grad_enabled():
+            return None
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(getattr(model, "config", None), "use_cache", False)
+        if not use_cache or not any(self._rewrites_cache(layer) for layer in self.layers):
+            return None
+        kwargs["use_cache"] = False
+        warnings.warn(
+            f"The KV cache is turned off (use_cache=False) for {type(model).__name__} in "
+            f"training: recomp checkpoints its {type(self.layers[0]).__name__} layers, and their "
+            "recomputed forward would write the cache a second time during backward. Hugging "
+            "Face's own checkpointing does the same: the model returns no cache. Pass "
+            "use_cache=False in training to silence this, or exclude the attention modules "
+            "(exclude_fn) so that the cache is written once and kept.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return args, kwargs
+
+    @staticmethod
+    def _rewrites_cache(layer: nn.Module) -> bool:
+        if CHECKPOINT_KWARGS not in vars(layer) or _compat.hf_layer_keeps_cache(layer):
+            return False
+        return _kv_cache.rewritten(layer, lambda m: m.children(), _is_excluded_region)

@@ -1,0 +1,83 @@
+"""MindSpore: BatchNorm inside a checkpoint, replayed, moves its running statistics once.
+
+mindcv ResNet under the default ``apply_activation_checkpointing`` (BasicBlocks
+checkpointed, nothing excluded): several training steps end with the moving mean
+and variance of the unwrapped model, bit for bit, and the same gradients.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+ms = pytest.importorskip("mindspore")
+mindcv_resnet = pytest.importorskip("mindcv.models.resnet")
+
+import recomp  # noqa: E402
+import recomp.mindspore as rm  # noqa: E402
+from ms_models import assert_same, copy_params, nn, ops, tensor  # noqa: E402
+
+
+def twins():
+    ms.set_seed(0)
+    ref = mindcv_resnet.ResNet(mindcv_resnet.BasicBlock, [1, 1, 1, 1], num_classes=3)
+    model = mindcv_resnet.ResNet(mindcv_resnet.BasicBlock, [1, 1, 1, 1], num_classes=3)
+    copy_params(ref, model)
+    ref.set_train()
+    model.set_train()
+    return ref, model
+
+
+def train(model, steps):
+    """``steps`` SGD steps; each step's gradients (numpy) and the moving statistics after."""
+    params = model.trainable_params()
+    opt = nn.SGD(params, learning_rate=0.01)
+    loss_of = lambda x, y: ops.cross_entropy(model(x), y)  # noqa: E731
+    grad_fn = ms.grad(loss_of, None, params)
+    history = []
+    for step in range(steps):
+        rng = np.random.RandomState(step)
+        x = ms.Tensor(rng.randn(2, 3, 16, 16).astype(np.float32))
+        y = ms.Tensor(rng.randint(0, 3, (2,)).astype(np.int32))
+        g = grad_fn(x, y)
+        history.append([t.asnumpy() for t in g])
+        opt(g)
+    stats = {p.name: p.asnumpy() for p in model.get_parameters() if "moving" in p.name}
+    return history, stats
+
+
+def test_mindcv_resnet_running_statistics_equal_unwrapped_after_training():
+    ref, model = twins()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", recomp.RunningStatisticsWarning)
+        rm.apply_activation_checkpointing(model, checkpoint_fn=mindcv_resnet.BasicBlock)
+    ref_history, ref_stats = train(ref, 3)
+    history, stats = train(model, 3)
+    for want, got in zip(ref_history, history):
+        assert_same(want, got)
+    assert ref_stats.keys() == stats.keys() and len(stats) == 2 * (1 + 4 * 2 + 3)
+    for name, value in ref_stats.items():
+        assert np.array_equal(value, stats[name]), (name, np.abs(value - stats[name]).max())
+
+
+class EmaBatchNorm(nn.Cell):
+    """A BatchNorm-like cell that keeps its statistics under names of its own."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.mean_ema = ms.Parameter(ms.ops.zeros(channels), requires_grad=False)
+
+    def construct(self, x):
+        return x - x.mean((0, 2, 3), keep_dims=True)
+
+
+def test_a_batchnorm_whose_statistics_recomp_cannot_find_is_named_at_wrap_time():
+    block = mindcv_resnet.BasicBlock(8, 8)
+    block.bn1 = EmaBatchNorm(8)
+    block.set_train()
+    with pytest.warns(recomp.RunningStatisticsWarning, match=r"bn1 \(EmaBatchNorm: no tensor"):
+        rm.checkpoint_wrapper(block)
+    x = tensor(2, 8, 4, 4)
+    assert block(x).shape == x.shape
