@@ -6,8 +6,10 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-if ms.get_context("device_target") != "CPU":  # set once, before any kernel has run
-    ms.set_device("CPU")
+try:
+    ms.set_device("CPU")  # explicitly, so that later set_device("CPU") calls are accepted
+except RuntimeError:  # MindSpore already ran a kernel in this process (on its default, CPU)
+    pass
 ms.set_context(mode=ms.PYNATIVE_MODE)
 
 
