@@ -233,10 +233,10 @@ class RematCheckpoint(nn.Module):
         self.inner = inner
         self.region_name = name
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         import torch_remat as remat
 
-        return remat.checkpoint(region_name=self.region_name)(self.inner)(*args)
+        return remat.checkpoint(region_name=self.region_name)(self.inner)(*args, **kwargs)
 
 
 class RematRegion(nn.Module):
@@ -251,14 +251,17 @@ class RematRegion(nn.Module):
         call = self.inner.__call__
         # A region is a function, not a module: keep it out of nn.Module attributes.
         object.__setattr__(
-            self, "_region", remat.region(lambda *a: call(*a), name, recompute=False)
+            self, "_region", remat.region(lambda *a, **k: call(*a, **k), name, recompute=False)
         )
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         import torch_remat as remat
 
-        out = self._region(*args)  # type: ignore[operator]
-        remat.recompute_needs_tensor(out)
+        out = self._region(*args, **kwargs)  # type: ignore[operator]
+        # A Hugging Face attention returns (output, weights): each tensor of a tuple.
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                remat.recompute_needs_tensor(t)
         return out
 
 
