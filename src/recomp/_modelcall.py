@@ -3,7 +3,12 @@ count its FLOPs, written once for both.
 
 * the calling protocol: ``model(**x)`` for a dict, ``model(*x)`` for a tuple, else
   ``model(x)``;
-* the default loss: the mean square of the output (its first element for a tuple or list);
+* the input of a model built by a factory (``example_input``): the model's own
+  ``example_input(batch, seq, generator)``; token ids for a Hugging Face model; else a
+  float tensor ``(batch, seq, hidden)``;
+* the loss (``loss_function``): the model's own ``loss(output)``; the loss a Hugging Face
+  model computes from ``labels`` (``output.loss``); else the mean square of the output
+  (its first element for a tuple or list);
 * the FLOP formulas given to ``torch.utils.flop_counter.FlopCounterMode`` in addition to
   PyTorch's own table: its table has the CUDA attention kernels but not the CPU one,
   which would otherwise count zero.
@@ -15,6 +20,7 @@ caller (``recomp.torch._compat.cpu_attention_ops()``).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 
@@ -32,6 +38,76 @@ def mean_square_loss(out: Any) -> Any:
     if isinstance(out, (tuple, list)):
         out = out[0]
     return out.float().pow(2).mean()
+
+
+def is_hugging_face(model: Any) -> bool:
+    """Whether ``model`` is a Hugging Face transformers ``PreTrainedModel`` (by its class,
+    without importing transformers)."""
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
+        for cls in type(model).__mro__
+    )
+
+
+def example_input(
+    model: Any, batch: int, seq: int, hidden: int, generator: Any, dtype: Any = None
+) -> Any:
+    """The input a benchmark or a plan feeds ``model`` (on the CPU):
+
+    * ``model.example_input(batch, seq, generator)``, if the model defines it;
+    * a Hugging Face ``PreTrainedModel``: keyword arguments ``input_ids`` (``torch.long``,
+      shape ``(batch, seq)``, uniform in ``[0, vocab_size)`` of its text config),
+      ``labels=input_ids`` (the model computes its own loss) and ``use_cache=False``
+      (training keeps no KV cache) where its ``forward`` takes it;
+    * otherwise a float tensor ``(batch, seq, hidden)`` (``model.hidden`` if set), of
+      ``dtype``.
+    """
+    import torch
+
+    own = getattr(model, "example_input", None)
+    if callable(own):
+        return own(batch, seq, generator)
+    if is_hugging_face(model):
+        config = model.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        vocab = getattr(text, "vocab_size", None)
+        if not isinstance(vocab, int) or vocab < 1:
+            raise ValueError(
+                f"{type(model).__name__}: its config has no vocab_size; define "
+                "example_input(batch, seq, generator) on the model to give its input"
+            )
+        ids = torch.randint(0, vocab, (batch, seq), generator=generator, dtype=torch.long)
+        inputs: dict[str, Any] = {"input_ids": ids, "labels": ids}
+        params = inspect.signature(model.forward).parameters
+        if "use_cache" in params:
+            inputs["use_cache"] = False
+        return inputs
+    hidden = getattr(model, "hidden", hidden)
+    return torch.randn(batch, seq, hidden, generator=generator, dtype=dtype)
+
+
+def model_output_loss(out: Any) -> Any:
+    """The loss a Hugging Face model returns (``output.loss``) when given ``labels``."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if loss is None:
+        raise ValueError(
+            f"the model returned {type(out).__name__} without a loss: a Hugging Face model "
+            "computes one when it is called with labels (a model with a head that takes them, "
+            "such as *ForCausalLM); or define loss(output) on the model"
+        )
+    return loss
+
+
+def loss_function(model: Any) -> Any:
+    """The loss a benchmark or a plan uses for ``model``: ``model.loss(output)`` if the
+    model defines it, the model's own loss (``output.loss``) for a Hugging Face model,
+    else the mean square of the output."""
+    own = getattr(model, "loss", None)
+    if callable(own):
+        return own
+    if is_hugging_face(model):
+        return model_output_loss
+    return mean_square_loss
 
 
 def _cpu_sdpa_flop(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:

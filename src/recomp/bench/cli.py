@@ -10,7 +10,14 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from .config import DEFAULT_MODEL, BenchConfig, add_config_arguments, config_from_args, row_label
+from .config import (
+    DEFAULT_MODEL,
+    MODEL_PROTOCOL,
+    BenchConfig,
+    add_config_arguments,
+    config_from_args,
+    row_label,
+)
 from .jobs import Job, Progress, run_jobs
 from .report import (
     attach_predictions,
@@ -38,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
             "FLOPs, excluded-region runs, step time and the gradient difference to no "
             "checkpointing."
         ),
+        epilog=MODEL_PROTOCOL
+        + " Strategy exclude-R excludes the child R of every layer (attn also finds self_attn "
+        "or attention; mlp also finds feed_forward or ffn).",
     )
     p.add_argument("--framework", choices=("torch", "mindspore", "all"), default="torch")
     p.add_argument(
@@ -53,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="PyTorch model factory MODULE:FACTORY (default: the built-in Llama-style decoder)",
+        help="PyTorch model factory MODULE:FACTORY (default: the built-in Llama-style "
+        "decoder); a Hugging Face PreTrainedModel works as it is: see below",
     )
     p.add_argument("--ms-model", help="MindSpore model factory MODULE:FACTORY (a Cell)")
     add_config_arguments(

@@ -12,6 +12,23 @@ from typing import Any
 
 DEFAULT_MODEL = "recomp.bench.models:llama"
 
+# What `--help` of `recomp bench` and `recomp plan` says a model factory must provide; the
+# code is recomp._modelcall (input, loss) and recomp.plan.profiler.find_layers (layers).
+MODEL_PROTOCOL = (
+    "Model factories (--model MODULE:FACTORY): FACTORY takes those of the keyword arguments "
+    "layers, hidden, heads, seq, batch that it declares and returns a torch nn.Module, for "
+    "example a Hugging Face PreTrainedModel such as LlamaForCausalLM or Qwen3ForCausalLM "
+    "built from a config. Layers (the checkpoint units): model.layers, or the one "
+    "nn.ModuleList named `layers` below the model (model.model.layers of a Hugging Face "
+    "causal LM), or else the modules whose classes a Hugging Face model's _no_split_modules "
+    "names. Input: model.example_input(batch, seq, generator) if the model defines it; for a "
+    "Hugging Face model, keyword arguments input_ids (torch.long, shape (batch, seq), "
+    "uniform in [0, vocab_size) of its config), labels=input_ids and use_cache=False; "
+    "otherwise a float tensor (batch, seq, hidden). Loss: model.loss(output) if defined; for "
+    "a Hugging Face model, the loss it computes from the labels (output.loss: a head that "
+    "takes labels, such as *ForCausalLM); otherwise the mean square of the output."
+)
+
 
 @dataclass
 class BenchConfig:

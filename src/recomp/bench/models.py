@@ -13,13 +13,19 @@ A user model (``--model module:factory``) follows the same protocol:
 
 * the factory takes any of the keyword arguments ``layers``, ``hidden``, ``seq``,
   ``batch``, ``heads`` (only those it declares are passed) and returns an ``nn.Module``;
-* the module has ``layers``, an iterable of sub-modules: the checkpoint units;
+* the module has ``layers``, an iterable of sub-modules: the checkpoint units (or one
+  ``nn.ModuleList`` named ``layers`` below it, or, on a Hugging Face model, the modules of
+  the classes its ``_no_split_modules`` names: ``recomp.plan.profiler.find_layers``);
 * strategy ``exclude-NAME`` excludes the child ``NAME`` of every layer (``attn`` also
   finds ``self_attn`` / ``attention``, ``mlp`` also finds ``feed_forward`` / ``ffn``);
-* ``model.example_input(batch, seq, generator)`` returns the input, if defined;
-  otherwise a float tensor ``(batch, seq, hidden)`` is used;
-* ``model.loss(output)`` returns the loss, if defined; otherwise the mean of the
-  squared output.
+* ``model.example_input(batch, seq, generator)`` returns the input, if defined; a
+  Hugging Face ``PreTrainedModel`` gets token ids (``input_ids``, ``labels=input_ids``,
+  ``use_cache=False``); otherwise a float tensor ``(batch, seq, hidden)`` is used;
+* ``model.loss(output)`` returns the loss, if defined; a Hugging Face model's is its own
+  (``output.loss``); otherwise the mean of the squared output.
+
+(``recomp._modelcall.example_input`` and ``loss_function``; ``config.MODEL_PROTOCOL`` is
+the same in the commands' ``--help``.)
 """
 
 from __future__ import annotations

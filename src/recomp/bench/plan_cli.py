@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from ..plan.budget import parse_budget
-from .config import DEFAULT_MODEL, add_config_arguments, config_from_args
+from .config import DEFAULT_MODEL, MODEL_PROTOCOL, add_config_arguments, config_from_args
 from .results import Result, write_json
 
 
@@ -28,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
             "while the predicted activation memory fits the budget. Prints the plan, writes "
             "it as JSON, then runs it and prints measured beside predicted figures."
         ),
+        epilog=MODEL_PROTOCOL
+        + " Candidate regions: each layer's direct children that hold parameters (for a "
+        "Hugging Face decoder layer: self_attn, mlp and the norms). The plan names layers and "
+        "regions by their paths in the model (model.layers.0, self_attn), so "
+        "recomp.plan.apply_plan(model, plan) applies it to a fresh model from the same factory.",
     )
     p.add_argument(
         "--budget",
@@ -38,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="PyTorch model factory MODULE:FACTORY, as for `recomp bench` (default: the "
-        "built-in Llama-style decoder); the layers are model.layers",
+        help="PyTorch model factory MODULE:FACTORY (default: the built-in Llama-style "
+        "decoder); a Hugging Face PreTrainedModel works as it is: see below",
     )
     p.add_argument("--json", metavar="PATH", help="write the plan here")
     p.add_argument("--profile-json", metavar="PATH", help="write the profile here")

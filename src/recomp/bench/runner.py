@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._modelcall import call_model, mean_square_loss
+from .._modelcall import call_model, example_input, loss_function
 from .config import BenchConfig, call_factory, load_factory, row_label
 from .measure import CpuMemory, RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader
 from .results import Offload, Result
@@ -37,15 +37,8 @@ def build(config: BenchConfig) -> tuple[nn.Module, Any, Callable[[Any], torch.Te
         raise ValueError(f"{config.model} returned {type(model).__name__}, not an nn.Module")
     model = model.to(device=device, dtype=dtype)
     generator = torch.Generator().manual_seed(config.seed + 1)
-    example_input = getattr(model, "example_input", None)
-    if callable(example_input):
-        x = example_input(config.batch, config.seq, generator)
-    else:
-        hidden = getattr(model, "hidden", config.hidden)
-        x = torch.randn(config.batch, config.seq, hidden, generator=generator, dtype=dtype)
-    x = _to(x, device)
-    loss_fn = getattr(model, "loss", None) or mean_square_loss
-    return model, x, loss_fn
+    x = _to(example_input(model, config.batch, config.seq, config.hidden, generator, dtype), device)
+    return model, x, loss_function(model)
 
 
 def _to(x: Any, device: torch.device) -> Any:

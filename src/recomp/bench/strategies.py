@@ -1,4 +1,5 @@
-"""Checkpointing strategies for PyTorch models, all applied per layer (``model.layers``).
+"""Checkpointing strategies for PyTorch models, all applied per layer (``model.layers``, or
+the decoder layers of a Hugging Face model: ``layers_of``).
 
 ========================  ==============================================================
 ``none``                  no checkpointing
@@ -96,13 +97,26 @@ def parse(strategy: str) -> tuple[str, str | None]:
 
 
 def layers_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        raise ValueError(
-            f"{type(model).__name__} has no attribute `layers`: the benchmark checkpoints "
-            "each module of `model.layers` (an nn.ModuleList or a list of modules)."
-        )
-    return [(f"layers.{i}", layer) for i, layer in enumerate(layers)]
+    """The checkpoint units, by path: the layers the planner finds
+    (``recomp.plan.profiler.find_layers``): ``model.layers``, or the Hugging Face model's
+    decoder layers (``model.layers.N`` of a causal LM)."""
+    from recomp.plan.profiler import find_layers
+
+    stack = getattr(model, "layers", None)
+    if isinstance(stack, (list, tuple)):  # a plain list of modules, not registered
+        return [(f"layers.{i}", layer) for i, layer in enumerate(stack)]
+    return find_layers(model)
+
+
+def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+    *head, name = path.split(".")
+    parent: Any = model
+    for part in head:
+        parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+    if name.isdigit():
+        parent[int(name)] = module
+    else:
+        setattr(parent, name, module)
 
 
 def child_of(layer: nn.Module, region: str) -> tuple[str, nn.Module]:
@@ -167,9 +181,8 @@ def prepare(
 
 
 def _wrap_units(model: nn.Module, wrap: Callable[[str, nn.Module], nn.Module]) -> None:
-    layers: Any = model.layers
-    for i, layer in enumerate(list(layers)):
-        layers[i] = wrap(f"layers.{i}", layer)
+    for path, layer in layers_of(model):
+        _set_submodule(model, path, wrap(path, layer))
 
 
 class TorchCheckpoint(nn.Module):
@@ -180,11 +193,12 @@ class TorchCheckpoint(nn.Module):
         self.inner = inner
         self.context_fn = context_fn
 
-    def forward(self, *args: Any) -> Any:
-        kwargs: dict[str, Any] = {"use_reentrant": False}
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Hugging Face calls its layers with keyword arguments: passed on to the layer.
+        options: dict[str, Any] = {"use_reentrant": False}
         if self.context_fn is not None:
-            kwargs["context_fn"] = self.context_fn
-        return tuc.checkpoint(self.inner, *args, **kwargs)
+            options["context_fn"] = self.context_fn
+        return tuc.checkpoint(self.inner, *args, **options, **kwargs)
 
 
 def _sac_policy(tracker: RegionTracker, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -219,10 +233,10 @@ class RematCheckpoint(nn.Module):
         self.inner = inner
         self.region_name = name
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         import torch_remat as remat
 
-        return remat.checkpoint(region_name=self.region_name)(self.inner)(*args)
+        return remat.checkpoint(region_name=self.region_name)(self.inner)(*args, **kwargs)
 
 
 class RematRegion(nn.Module):
@@ -237,14 +251,17 @@ class RematRegion(nn.Module):
         call = self.inner.__call__
         # A region is a function, not a module: keep it out of nn.Module attributes.
         object.__setattr__(
-            self, "_region", remat.region(lambda *a: call(*a), name, recompute=False)
+            self, "_region", remat.region(lambda *a, **k: call(*a, **k), name, recompute=False)
         )
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         import torch_remat as remat
 
-        out = self._region(*args)  # type: ignore[operator]
-        remat.recompute_needs_tensor(out)
+        out = self._region(*args, **kwargs)  # type: ignore[operator]
+        # A Hugging Face attention returns (output, weights): each tensor of a tuple.
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                remat.recompute_needs_tensor(t)
         return out
 
 
@@ -303,10 +320,9 @@ def _apply_every(model: nn.Module, frequency: str) -> None:
         raise ValueError(
             f"every@K takes a whole number K >= 1 (checkpoint every K-th layer), got {frequency!r}"
         )
-    layers: Any = model.layers
-    for i, layer in enumerate(list(layers)):
+    for i, (path, layer) in enumerate(layers_of(model)):
         if (i + 1) % k == 0:
-            layers[i] = TorchCheckpoint(layer)
+            _set_submodule(model, path, TorchCheckpoint(layer))
 
 
 # --------------------------------------------------------------------------- keep-R

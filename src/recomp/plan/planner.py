@@ -265,18 +265,25 @@ def plan_table(plan: Plan) -> str:
 def profile_table(profile: Profile) -> str:
     """Per layer: what it keeps without checkpointing, its checkpoint input, and per
     candidate region what excluding it keeps, its forward time and FLOPs."""
+    # The first column fits the longest name (Hugging Face's region and class names).
+    width = max(
+        [28]
+        + [len(layer.path) + 2 for layer in profile.layers]
+        + [len(f"  {r.path} ({r.type})") + 2 for layer in profile.layers for r in layer.regions]
+    )
     lines = [
-        f"{'layer / region':28}{'kept MiB':>10}{'input MiB':>11}{'fwd ms':>9}{'fwd GFLOP':>11}",
+        f"{'layer / region':{width}}{'kept MiB':>10}{'input MiB':>11}{'fwd ms':>9}"
+        f"{'fwd GFLOP':>11}",
     ]
     for layer in profile.layers:
         lines.append(
-            f"{layer.path:28}{layer.no_checkpoint_bytes / MiB:10.2f}"
+            f"{layer.path:{width}}{layer.no_checkpoint_bytes / MiB:10.2f}"
             f"{layer.checkpoint_input_bytes / MiB:11.2f}{layer.forward_s * 1e3:9.1f}"
             f"{layer.forward_flops / 1e9:11.3f}"
         )
         for region in layer.regions:
             lines.append(
-                f"  {region.path + ' (' + region.type + ')':26}"
+                f"  {region.path + ' (' + region.type + ')':{width - 2}}"
                 f"{region.exclusion_bytes / MiB:10.2f}{'':11}{region.forward_s * 1e3:9.1f}"
                 f"{region.forward_flops / 1e9:11.3f}"
             )

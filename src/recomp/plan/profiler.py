@@ -63,8 +63,10 @@ MAX_COMBINED = 5
 
 def find_layers(model: nn.Module, layers: LayerSpec = None) -> list[tuple[str, nn.Module]]:
     """The checkpointable layers: ``model.layers`` by default (or the one ``nn.ModuleList``
-    named ``layers`` below the model), the sub-modules for which a predicate holds
-    (outermost matches), or sub-module paths."""
+    named ``layers`` below the model, as ``model.model.layers`` of a Hugging Face causal
+    LM; else, on a Hugging Face model, the outermost sub-modules whose class its
+    ``_no_split_modules`` names: its decoder or encoder layers), the sub-modules for which
+    a predicate holds (outermost matches), or sub-module paths."""
     if layers is None:
         stack = getattr(model, "layers", None)
         if stack is None:
@@ -77,10 +79,14 @@ def find_layers(model: nn.Module, layers: LayerSpec = None) -> list[tuple[str, n
             if len(lists) == 1:
                 stack = lists[0]
         if stack is None:
+            names = _compat.hf_no_split_modules(model)
+            if names:
+                return find_layers(model, lambda m: type(m).__name__ in names)
             raise ValueError(
                 f"{type(model).__name__} has no attribute `layers` (nor one nn.ModuleList named "
-                "`layers` below it): pass layers= (a predicate such as lambda m: isinstance(m, "
-                "DecoderLayer), or a list of sub-module paths)"
+                "`layers` below it, nor Hugging Face's _no_split_modules): pass layers= (a "
+                "predicate such as lambda m: isinstance(m, DecoderLayer), or a list of "
+                "sub-module paths)"
             )
         prefix = _path_of(model, stack)
         return [(f"{prefix}.{i}" if prefix else str(i), m) for i, m in enumerate(stack)]

@@ -421,3 +421,24 @@ def hf_layer_keeps_cache(layer: Any) -> bool:
     Checked on transformers 5.24.0.
     """
     return bool(getattr(layer, "_can_checkpoint_with_cache", False))
+
+
+def hf_no_split_modules(model: Any) -> frozenset[str]:
+    """The class names of a transformers model's layers: its ``_no_split_modules``.
+
+    Why: the planner and the benchmark checkpoint a model's layers; a Hugging Face
+    model whose layers are not one ``nn.ModuleList`` named ``layers`` (GPT-2's
+    ``transformer.h``) names their classes there, for accelerate's device maps and
+    FSDP wrapping, which match ``type(module).__name__`` as recomp then does.
+    If it changes: empty, and the planner asks for ``layers=`` as for any other model
+    without a ``layers`` list.
+    Retired by: a public list of a model's layer classes.
+    Checked on transformers 5.24.0.
+    """
+    names = getattr(model, "_no_split_modules", None)
+    if not names or isinstance(names, str):
+        return frozenset()
+    try:
+        return frozenset(str(n) for n in names)
+    except TypeError:
+        return frozenset()
