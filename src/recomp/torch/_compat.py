@@ -7,7 +7,9 @@ retire it. ``tests/test_compat.py`` has one test per entry that fails when
 PyTorch changes underneath, and ``tools/check_private_api.py`` checks that no
 other recomp module touches a private attribute of torch.
 
-Checked on torch 2.13.0 and 2.14.1 (and 2.11 on CUDA).
+Checked on torch 2.9.1, 2.13.0 and 2.14.1 (and 2.11 on CUDA). Where recomp needs to tell
+versions apart, an entry says which versions take which path and how it detects them
+(by feature, not by version number).
 """
 
 from __future__ import annotations
@@ -320,26 +322,41 @@ def replace_top_hooks(
 # --------------------------------------------------------------------------- torch.compile
 
 
-def dynamo_bypassing_wrapper() -> Callable[..., Any]:
-    """PyTorch's ``dynamo_bypassing_wrapper`` higher-order op.
+def dynamo_bypassing_wrapper() -> Callable[..., Any] | None:
+    """PyTorch's ``dynamo_bypassing_wrapper`` higher-order op, or None where it is missing.
 
     Why: under ``torch.compile`` an excluded region's body is traced by Dynamo as
     usual, while the wrapper this op applies runs only when AOTAutograd builds the
     joint graph: there it marks the region's nodes ``MUST_SAVE`` (see
-    ``recomp.torch._compile``).
-    If it changes: compiling a recomp checkpoint with an excluded region raises a
-    ``RecompError`` naming this (eager mode is unaffected).
+    ``recomp.torch._compile``). That mark decides only if it comes after the
+    checkpoint's own tags. It does on 2.9, where the checkpoint tags its Dynamo graph
+    before AOTAutograd traces it (``TagActivationCheckpoint.tag_nodes``), and on
+    2.13-2.14, where every compiled checkpoint is traced as selective checkpointing,
+    whose dispatch mode tags each op as it runs: both before the region's body returns.
+    Versions: the op exists, and Dynamo traces it, from 2.9 on (checked: 2.9.1,
+    2.13.0, 2.14.1; 2.11 on CUDA). Detected by feature: the op is looked up once, at
+    import, without importing Dynamo.
+    If it changes: None; a compiled recomp checkpoint then recomputes its excluded
+    regions, as a compiled PyTorch checkpoint does, and warns once
+    (``ForeignCheckpointWarning``); eager mode is unaffected.
+    ``tests/test_compat.py`` checks that the op exists and that its mark reaches the
+    partitioner.
     Retired by: a public way to tag the nodes of a traced region.
     """
     try:
         from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper as wrapper
-    except ImportError as exc:
-        from ..errors import RecompError
-
-        raise RecompError(
-            "recomp's excluded regions under torch.compile need "
-            "torch._higher_order_ops.wrap.dynamo_bypassing_wrapper, which this PyTorch "
-            f"({torch.__version__}) does not have. Run the model eagerly, or compile the "
-            "layers without recomp's exclusions."
-        ) from exc
+    except ImportError:
+        return None
     return wrapper  # type: ignore[no-any-return]
+
+
+def run_at_trace_time(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Make Dynamo call ``fn`` when it traces a call of it, instead of tracing into it.
+
+    Why: the warning that exclusions are recomputed under compilation is a Python side
+    effect (``warnings.warn``), which Dynamo cannot put in a graph; run when the code
+    is traced, it is given once per compilation, and ``fn`` keeps it to once in all.
+    Public (``torch.compiler.assume_constant_result``), but it imports Dynamo (seconds):
+    applied only where needed. ``fn`` must return a constant.
+    """
+    return torch.compiler.assume_constant_result(fn)  # type: ignore[no-any-return]
