@@ -7,6 +7,7 @@ modules touches private API (``tools/check_private_api.py``).
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from collections import OrderedDict, defaultdict
@@ -177,8 +178,15 @@ class TestTorch:
 # --------------------------------------------------------------------------- MindSpore
 
 
+# A skip mark, not importorskip in the class body: that would skip the whole file where
+# MindSpore is missing (the PyTorch-only environment of the oldest supported PyTorch).
+@pytest.mark.skipif(importlib.util.find_spec("mindspore") is None, reason="needs MindSpore")
 class TestMindSpore:
-    ms = pytest.importorskip("mindspore")
+    @property
+    def ms(self):
+        import mindspore
+
+        return mindspore
 
     def test_executor_queries(self):
         from recomp.mindspore import _compat
@@ -284,6 +292,55 @@ class TestTorchCheckpointInternals:
         torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False, early_stop=False)
         assert packed == [torch.Size([3])]
         assert _compat.top_checkpoint_hooks() is None
+
+
+class TestTorchFailedCheckpoint:
+    """PyTorch 2.9 leaves a non-reentrant checkpoint open when its function raises."""
+
+    torch = pytest.importorskip("torch")
+
+    def _hooks_left(self):
+        return self.torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    def test_a_failed_checkpoint_is_closed_from_the_traceback(self):
+        from recomp.torch import _compat
+
+        torch = self.torch
+        x = torch.randn(3, requires_grad=True)
+
+        def fails(t):
+            torch.sin(t)  # saves t into the checkpoint
+            raise KeyError("in the checkpointed function")
+
+        with pytest.raises(KeyError) as info:  # info keeps the traceback, as a notebook does
+            try:
+                torch.utils.checkpoint.checkpoint(fails, x, use_reentrant=False)
+            except KeyError as exc:
+                _compat.finish_failed_checkpoint(exc)
+                raise
+        assert info.value.__traceback__ is not None
+        assert self._hooks_left() is None
+        torch.sin(x).sum().backward()  # saves normally again
+        assert torch.equal(x.grad, torch.cos(x))
+
+    def test_an_enclosing_checkpoint_is_closed_before_raising(self):
+        from recomp.torch import _compat
+
+        torch = self.torch
+        x = torch.randn(3, requires_grad=True)
+
+        def fails(t):
+            torch.sin(t)
+            error = KeyError("raised inside a plain checkpoint")
+            _compat.close_enclosing_checkpoint(error)
+            raise error
+
+        with pytest.raises(KeyError) as info:
+            torch.utils.checkpoint.checkpoint(fails, x, use_reentrant=False)
+        assert info.value.__traceback__ is not None
+        assert self._hooks_left() is None
+        torch.sin(x).sum().backward()
+        assert torch.equal(x.grad, torch.cos(x))
 
 
 def test_dynamo_bypassing_wrapper_marks_reach_the_partitioner():

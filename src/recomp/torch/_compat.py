@@ -15,6 +15,9 @@ versions apart, an entry says which versions take which path and how it detects 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
+import sys
 import weakref
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
@@ -295,9 +298,26 @@ def top_checkpoint_hooks() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] 
     ``_checkpoint_internal`` is how PyTorch's checkpoint tags its own hooks.
     """
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
+    if hooks is None or not _is_checkpoint_pack_hook(hooks[0]):
         return None
     return hooks[0], hooks[1]
+
+
+# Per version: PyTorch 2.14 marks the checkpoint's hooks (``pack_hook._checkpoint_internal
+# = True``, set by ``_checkpoint_internal_hook``); 2.9 to 2.13 do not, and their pack hook
+# is a function defined in ``_checkpoint_hook.__init__`` of ``torch.utils.checkpoint``.
+# Detected by feature: the marker where it is set, else where the hook was defined
+# (2.14's hooks have the marker, so its own classes never reach the second test).
+# Retired by: the marker in every supported PyTorch (requiring 2.14).
+_CHECKPOINT_HOOK_QUALNAMES = ("_checkpoint_hook.__init__.", "_recomputation_hook.__init__.")
+
+
+def _is_checkpoint_pack_hook(pack: Any) -> bool:
+    if getattr(pack, "_checkpoint_internal", False):
+        return True
+    return getattr(pack, "__module__", None) == "torch.utils.checkpoint" and str(
+        getattr(pack, "__qualname__", "")
+    ).startswith(_CHECKPOINT_HOOK_QUALNAMES)
 
 
 @contextlib.contextmanager
@@ -317,6 +337,72 @@ def replace_top_hooks(
     finally:
         torch._C._autograd._pop_saved_tensors_default_hooks()
         torch._C._autograd._push_saved_tensors_default_hooks(*original)
+
+
+# --------------------------------------------------------------------------- failed checkpoint forward
+
+_CHECKPOINT_FILE = os.path.abspath(torch.utils.checkpoint.__file__)
+
+
+def finish_failed_checkpoint(exc: BaseException) -> None:
+    """Close what a non-reentrant checkpoint left open when its function raised ``exc``.
+
+    Why: PyTorch 2.9 runs the checkpoint's setup as a generator
+    (``_checkpoint_without_reentrant_generator``) and, when the checkpointed function
+    raises, leaves it suspended: its saved-tensors hooks stay pushed and the forward
+    context of ``context_fn`` (recomp's and the user's) stays entered until the
+    generator is collected, which the traceback delays. The next forward on the thread
+    then saves its tensors into the dead checkpoint, and its backward fails ("A
+    different number of tensors was saved"). PyTorch 2.13 and later throw the
+    exception into the generator themselves (``torch.utils.checkpoint.checkpoint``:
+    ``gen.throw(e)``), which closes both.
+    Detected by feature: the frame of ``torch.utils.checkpoint.checkpoint`` in the
+    traceback still holds its generator suspended (2.9); where PyTorch closed it
+    (2.13, 2.14) or the frame is not found, nothing is done. Here the exception is
+    thrown into it, as later PyTorch does.
+    If it changes: nothing is found and nothing is done (the behaviour of 2.9 remains).
+    Retired by: requiring a PyTorch that closes the generator itself (2.13 does).
+    """
+    tb = exc.__traceback__
+    while tb is not None:
+        if _close_checkpoint_frame(tb.tb_frame, exc):
+            return
+        tb = tb.tb_next
+
+
+def close_enclosing_checkpoint(exc: BaseException) -> None:
+    """Before raising ``exc`` inside a plain PyTorch checkpoint (HF's), close that checkpoint.
+
+    Why: as for :func:`finish_failed_checkpoint`, on PyTorch 2.9 the error would leave
+    the enclosing checkpoint, which recomp does not call, open. Only for errors raised
+    before recomp's own checkpoint opens anything (nothing of it is above that one).
+    Detected by feature, as there: the innermost ``torch.utils.checkpoint.checkpoint``
+    frame on the stack holds its generator suspended; nothing is done otherwise
+    (on 2.13 and 2.14 PyTorch closes it when the error passes).
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _close_checkpoint_frame(frame, exc):
+            return
+        frame = frame.f_back  # type: ignore[assignment]
+
+
+def _close_checkpoint_frame(frame: Any, exc: BaseException) -> bool:
+    """Throw ``exc`` into the suspended generator of a ``checkpoint`` frame; False if
+    ``frame`` is not PyTorch's checkpoint."""
+    code = frame.f_code
+    if code.co_name != "checkpoint" or os.path.abspath(code.co_filename) != _CHECKPOINT_FILE:
+        return False
+    gen = frame.f_locals.get("gen")
+    if inspect.isgenerator(gen) and gen.gi_frame is not None and not gen.gi_running:
+        try:
+            gen.throw(exc)
+        except StopIteration:
+            pass  # a context swallowed it: the caller raises it all the same
+        except BaseException as raised:
+            if raised is not exc:
+                raise
+    return True
 
 
 # --------------------------------------------------------------------------- torch.compile
