@@ -155,13 +155,27 @@ class RegionTracker:
 
 
 def _cpu_sdpa_flop(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    key, value = _as_query_heads(query, key), _as_query_heads(query, value)
     return int(flop_counter.sdpa_flop_count(query, key, value))
 
 
 def _cpu_sdpa_backward_flop(
     grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
 ) -> int:
+    key, value = _as_query_heads(query, key), _as_query_heads(query, value)
     return int(flop_counter.sdpa_backward_flop_count(grad_out, query, key, value))
+
+
+def _as_query_heads(query: Any, shape: Any) -> Any:
+    """A key or value shape with the query's head count (grouped-query attention).
+
+    The kernel broadcasts key/value heads to the query's; PyTorch 2.14's formulas count
+    that way, 2.9's reject fewer key/value heads. Broadcasting the shape first gives
+    2.14's count on every version.
+    """
+    if len(query) == 4 and len(shape) == 4 and shape[1] != query[1]:
+        return (shape[0], query[1], shape[2], shape[3])
+    return shape
 
 
 # PyTorch's table has the CUDA attention kernels but not the CPU one, which would count
