@@ -395,3 +395,20 @@ def test_summarize_times():
     assert summarize_times([3.0, 1.0, 2.0]) == (2.0, 2.0)
     median, spread = summarize_times([1.0, 2.0, 3.0, 4.0, 100.0])
     assert median == 3.0 and 0 < spread < 99
+
+
+def test_default_strategies_leave_torch_remat_out_where_it_is_missing(monkeypatch):
+    # torch-remat runs on PyTorch 2.14 only; elsewhere its rows would fail the timing
+    # child, which runs every strategy, and so every row's step time.
+    from recomp.bench import cli
+
+    real = importlib.util.find_spec
+    notes: list[str] = []
+    monkeypatch.setattr(
+        cli.importlib.util, "find_spec", lambda name: None if name == "torch_remat" else real(name)
+    )
+    torch_default = cli._installed(cli.TORCH_STRATEGIES, notes)
+    scenario_default = cli._installed(cli.SCENARIO_STRATEGIES, notes)
+    assert "torch-remat" not in torch_default and "exclude-attn" in torch_default
+    assert "torch-remat-proj" not in scenario_default and "exclude-proj" in scenario_default
+    assert len(notes) == 1 and "torch-remat" in notes[0]
