@@ -1,3 +1,4 @@
+import importlib
 import os
 import sys
 
@@ -8,6 +9,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def pytest_configure(config):  # type: ignore[no-untyped-def]
+    # Test files of a framework that is not installed skip themselves (importorskip), so
+    # a PyTorch-only environment runs the PyTorch half. Where a framework must be there,
+    # name it (RECOMP_TEST_REQUIRE=torch,mindspore): a failing import then stops the run
+    # instead of turning into skips.
+    for name in filter(None, os.environ.get("RECOMP_TEST_REQUIRE", "").split(",")):
+        importlib.import_module(name.strip())
     config.addinivalue_line(
         "markers", "inductor: compiles with torch.compile's inductor backend (builds C++, slow)"
     )

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-try:
-    ms.set_device("CPU")  # explicitly, so that later set_device("CPU") calls are accepted
-except RuntimeError:  # MindSpore already ran a kernel in this process (on its default, CPU)
-    pass
+# Explicitly, so that later set_device("CPU") calls (the README's example) are accepted;
+# a RuntimeError means MindSpore already ran a kernel in this process, on its default CPU.
+with contextlib.suppress(RuntimeError):
+    ms.set_device("CPU")
 ms.set_context(mode=ms.PYNATIVE_MODE)
 
 

@@ -396,8 +396,15 @@ class TestTorch:
 # --------------------------------------------------------------------------- MindSpore
 
 
+# A skip mark, not importorskip in the class body: that would skip the whole file where
+# MindSpore is missing (the PyTorch-only environment of the oldest supported PyTorch).
+@pytest.mark.skipif(importlib.util.find_spec("mindspore") is None, reason="needs MindSpore")
 class TestMindSpore:
-    ms = pytest.importorskip("mindspore")
+    @property
+    def ms(self):
+        import mindspore
+
+        return mindspore
 
     def test_executor_queries(self):
         from recomp.mindspore import _compat
@@ -513,11 +520,112 @@ class TestTorchCheckpointInternals:
         assert _compat.top_checkpoint_hooks() is None
 
 
-def test_dynamo_bypassing_wrapper_exists():
-    pytest.importorskip("torch")
-    from recomp.torch import _compat
+class TestTorchFailedCheckpoint:
+    """PyTorch 2.9 leaves a non-reentrant checkpoint open when its function raises."""
+
+    torch = pytest.importorskip("torch")
+
+    def _hooks_left(self):
+        return self.torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    def test_a_failed_checkpoint_is_closed_from_the_traceback(self):
+        from recomp.torch import _compat
+
+        torch = self.torch
+        x = torch.randn(3, requires_grad=True)
+
+        def fails(t):
+            torch.sin(t)  # saves t into the checkpoint
+            raise KeyError("in the checkpointed function")
+
+        with pytest.raises(KeyError) as info:  # info keeps the traceback, as a notebook does
+            try:
+                torch.utils.checkpoint.checkpoint(fails, x, use_reentrant=False)
+            except KeyError as exc:
+                _compat.finish_failed_checkpoint(exc)
+                raise
+        assert info.value.__traceback__ is not None
+        assert self._hooks_left() is None
+        torch.sin(x).sum().backward()  # saves normally again
+        assert torch.equal(x.grad, torch.cos(x))
+
+    def test_an_enclosing_checkpoint_is_closed_before_raising(self):
+        from recomp.torch import _compat
+
+        torch = self.torch
+        x = torch.randn(3, requires_grad=True)
+
+        def fails(t):
+            torch.sin(t)
+            error = KeyError("raised inside a plain checkpoint")
+            _compat.close_enclosing_checkpoint(error)
+            raise error
+
+        with pytest.raises(KeyError) as info:
+            torch.utils.checkpoint.checkpoint(fails, x, use_reentrant=False)
+        assert info.value.__traceback__ is not None
+        assert self._hooks_left() is None
+        torch.sin(x).sum().backward()
+        assert torch.equal(x.grad, torch.cos(x))
+
+
+def test_dynamo_bypassing_wrapper_marks_reach_the_partitioner():
+    # The op exists (2.9 to 2.14), Dynamo traces it without a graph break, and the
+    # MUST_SAVE marks it lets a region put on its nodes are what the partitioner reads:
+    # the checkpoint's own tags came first.
+    torch = pytest.importorskip("torch")
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from recomp.torch import _compat, checkpoint, checkpoint_exclude_wrapper
 
     assert callable(_compat.dynamo_bypassing_wrapper())
+    marks = []
+
+    def partition(joint, inputs, **kwargs):
+        marks.extend(n.meta.get("recompute") for n in joint.graph.nodes if "recomp_region" in n.meta)
+        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
+    backend = aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+        bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+        partition_fn=partition,
+    )
+    region = checkpoint_exclude_wrapper(lambda t: torch.sin(t) * 2, name="probe")
+
+    def step(x):
+        return checkpoint(lambda t: torch.cos(region(torch.tanh(t))), x).sum()
+
+    torch._dynamo.reset()
+    torch.compile(step, backend=backend, fullgraph=True)(torch.randn(3, requires_grad=True)).backward()
+    torch._dynamo.reset()
+    assert marks and set(marks) == {CheckpointPolicy.MUST_SAVE}
+
+
+def test_run_at_trace_time_runs_when_traced_not_when_run():
+    torch = pytest.importorskip("torch")
+    from recomp.torch import _compat
+
+    calls = []
+
+    def note() -> bool:
+        calls.append(1)
+        return True
+
+    noted = _compat.run_at_trace_time(note)
+
+    def step(x):
+        noted()
+        return torch.sin(x)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)  # a break would raise
+    compiled(torch.randn(3))
+    compiled(torch.randn(3))
+    torch._dynamo.reset()
+    assert calls == [1]
 
 
 def test_hf_layers_that_only_read_their_cache_say_so():

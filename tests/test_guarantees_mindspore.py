@@ -75,17 +75,27 @@ import threading
 import warnings
 import weakref
 
-import mindspore as ms
 import numpy as np
 import pytest
-from mindspore.graph.api import _pynative_executor
-from mindspore.train.amp import auto_mixed_precision
 
-import recomp
-import recomp.mindspore as rm
-from memory import run_measured
-from ms_models import Block, assert_same, copy_params, exclude_attention, grads, nn, ops, tensor
-from recomp import _testing
+ms = pytest.importorskip("mindspore")  # the PyTorch-only environments skip this file
+from mindspore.graph.api import _pynative_executor  # noqa: E402
+from mindspore.train.amp import auto_mixed_precision  # noqa: E402
+
+import recomp  # noqa: E402
+import recomp.mindspore as rm  # noqa: E402
+from memory import run_measured  # noqa: E402
+from ms_models import (  # noqa: E402
+    Block,
+    assert_same,
+    copy_params,
+    exclude_attention,
+    grads,
+    nn,
+    ops,
+    tensor,
+)
+from recomp import _testing  # noqa: E402
 
 _seed = sys.modules["mindspore.common.seed"]
 

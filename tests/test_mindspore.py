@@ -10,13 +10,14 @@ import os
 import tempfile
 from collections import namedtuple
 
-import mindspore as ms
 import numpy as np
 import pytest
 
-import recomp
-import recomp.mindspore as rm
-from ms_models import (
+ms = pytest.importorskip("mindspore")  # the PyTorch-only environments skip this file
+
+import recomp  # noqa: E402
+import recomp.mindspore as rm  # noqa: E402
+from ms_models import (  # noqa: E402
     Block,
     Stack,
     assert_same,

@@ -9,13 +9,14 @@ import os
 import tempfile
 import warnings
 
-import mindspore as ms
 import numpy as np
 import pytest
 
-import recomp
-import recomp.mindspore as rm
-from ms_models import Block, Stack, assert_same, copy_params, grads, nn, ops, tensor
+ms = pytest.importorskip("mindspore")  # the PyTorch-only environments skip this file
+
+import recomp  # noqa: E402
+import recomp.mindspore as rm  # noqa: E402
+from ms_models import Block, Stack, assert_same, copy_params, grads, nn, ops, tensor  # noqa: E402
 
 
 def is_attn(cell) -> bool:

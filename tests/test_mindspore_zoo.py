@@ -11,14 +11,15 @@ from __future__ import annotations
 import sys
 import warnings
 
-import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import mint
 
-import recomp
-import recomp.mindspore as rm
-from ms_models import assert_same, copy_params, grads, nn, ops, tensor
+ms = pytest.importorskip("mindspore")  # the PyTorch-only environments skip this file
+from mindspore import mint  # noqa: E402
+
+import recomp  # noqa: E402
+import recomp.mindspore as rm  # noqa: E402
+from ms_models import assert_same, copy_params, grads, nn, ops, tensor  # noqa: E402
 
 mindcv_vit = pytest.importorskip("mindcv.models.vit")
 mindcv_resnet = pytest.importorskip("mindcv.models.resnet")

@@ -16,15 +16,16 @@ import contextlib
 import dataclasses
 import os
 
-import mindspore as ms
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from mindspore.common._grad_function import _Function
 
-import random_programs as rp
-import recomp.mindspore as rm
-from ms_models import nn, ops  # sets CPU and PyNative mode
+ms = pytest.importorskip("mindspore")  # the PyTorch-only environments skip this file
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from mindspore.common._grad_function import _Function  # noqa: E402
+
+import random_programs as rp  # noqa: E402
+import recomp.mindspore as rm  # noqa: E402
+from ms_models import nn, ops  # sets CPU and PyNative mode  # noqa: E402
 
 CI = bool(os.environ.get("CI"))
 SETTINGS = settings(

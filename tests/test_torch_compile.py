@@ -261,6 +261,42 @@ def test_graph_break_inside_a_checkpoint_falls_back_with_a_warning() -> None:
         assert_equal(grads_of(model, lambda: compiled(x)), eager)
 
 
+def test_without_the_marking_op_a_compiled_checkpoint_recomputes_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A PyTorch without dynamo_bypassing_wrapper (none from 2.9 to 2.14; forced here):
+    # compiled, recomp is PyTorch's checkpoint. No graph break, the region is recomputed
+    # as under torch's checkpoint, the same gradients, and one warning for all compiles.
+    from recomp.errors import ForeignCheckpointWarning
+    from recomp.torch import _compat, _compile
+
+    monkeypatch.setattr(_compile, "_BYPASS", None)
+    monkeypatch.setitem(_compile._warned, "recomputed", False)
+    monkeypatch.setattr(
+        _compile, "_warn_recomputed_once", _compat.run_at_trace_time(_compile._warn_recomputed_once)
+    )
+    x = example()
+
+    def compiled_step(kind: str) -> tuple[list[torch.Tensor], int]:
+        torch._dynamo.reset()
+        model = make_stack(kind)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        grads_of(model, lambda: compiled(x))  # compiles
+        return grads_of(model, lambda: compiled(x)), tally_calls(
+            lambda: grads_of(model, lambda: compiled(x))
+        )
+
+    torch_grads, torch_runs = compiled_step("torch")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        recomp_grads, recomp_runs = compiled_step("recomp")
+        compiled_step("recomp")  # a second compilation: no second warning
+    assert recomp_runs == torch_runs == 4  # two layers, each region run twice
+    assert_equal(recomp_grads, torch_grads)
+    messages = [str(w.message) for w in caught if w.category is ForeignCheckpointWarning]
+    assert len(messages) == 1 and "recomputed under torch.compile" in messages[0]
+
+
 # --------------------------------------------------------------------------- options
 
 
@@ -414,14 +450,15 @@ def test_region_input_is_recomputed_not_saved_compiled() -> None:
 
 
 def test_saves_what_selective_checkpointing_of_the_region_saves() -> None:
-    # The same tensors as PyTorch selective checkpointing with a policy that saves the
-    # region's non-view ops (the policy sees the region through Dynamo's module stack).
+    # The same tensors as PyTorch selective checkpointing with a policy that saves every
+    # op of the region, as recomp marks them (the policy sees the region through Dynamo's
+    # module stack). Views matter: PyTorch 2.9 and 2.13 decompose the attention into ops
+    # whose saved views the partitioner then prefers to their bases.
     import torch.fx.traceback as fx_traceback
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> tuc.CheckpointPolicy:
         stack = fx_traceback.current_meta.get("nn_module_stack") or {}
-        inside = any(cls is Attention for _path, cls in stack.values())
-        if inside and not op.is_view:
+        if any(cls is Attention for _path, cls in stack.values()):
             return tuc.CheckpointPolicy.MUST_SAVE
         return tuc.CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -618,9 +655,20 @@ def test_hf_llama_compiles_fullgraph() -> None:
     def loss(m: nn.Module) -> torch.Tensor:
         return m(input_ids=ids, labels=ids, use_cache=False).loss
 
+    # Compiling changes the gradients of this model by itself on some PyTorch versions
+    # (2.9.1: up to 4.5e-8, without any checkpoint): recomp may differ from eager by
+    # that much and no more (on 2.13 and 2.14 by nothing).
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(config).train()
+    plain_eager = grads_of(plain, lambda: loss(plain))
+    plain_compiled = grads_of(plain, lambda: loss(torch.compile(plain, backend="aot_eager")))
+    torch._dynamo.reset()
     eager = grads_of(model, lambda: loss(model))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    assert_equal(grads_of(model, lambda: loss(compiled)), eager)
+    got = grads_of(model, lambda: loss(compiled))
+    for g, e, pc, pe in zip(got, eager, plain_compiled, plain_eager):
+        limit = (pc - pe).abs().max().item()
+        assert (g - e).abs().max().item() <= limit, limit
 
 
 # --------------------------------------------------------------------------- benchmark

@@ -113,6 +113,7 @@ def loss_function(model: Any) -> Any:
 def _cpu_sdpa_flop(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
     from torch.utils import flop_counter
 
+    key, value = _as_query_heads(query, key), _as_query_heads(query, value)
     return int(flop_counter.sdpa_flop_count(query, key, value))
 
 
@@ -121,7 +122,20 @@ def _cpu_sdpa_backward_flop(
 ) -> int:
     from torch.utils import flop_counter
 
+    key, value = _as_query_heads(query, key), _as_query_heads(query, value)
     return int(flop_counter.sdpa_backward_flop_count(grad_out, query, key, value))
+
+
+def _as_query_heads(query: Any, shape: Any) -> Any:
+    """A key or value shape with the query's head count (grouped-query attention).
+
+    The kernel broadcasts key/value heads to the query's; PyTorch 2.14's formulas count
+    that way, 2.9's reject fewer key/value heads. Broadcasting the shape first gives
+    2.14's count on every version.
+    """
+    if len(query) == 4 and len(shape) == 4 and shape[1] != query[1]:
+        return (shape[0], query[1], shape[2], shape[3])
+    return shape
 
 
 def flop_formulas(attention_ops: tuple[Any, Any] | None) -> dict[Any, Any]:

@@ -528,7 +528,11 @@ class ReachCheck:
         self.handles.append(model.register_forward_hook(self.check))
 
     def mark(self, module: Any, args: Any) -> None:
-        self.reached = True
+        # Only eager calls count (``check`` skips compiled ones too). Under compilation
+        # the hook may be traced inside a checkpoint's body, where Dynamo of PyTorch 2.9
+        # refuses a write to an object from outside it (a graph break; 2.13 allows it).
+        if not self.is_compiling():
+            self.reached = True
 
     def check(self, module: Any, args: Any, output: Any) -> None:
         if self.done or self.is_compiling():

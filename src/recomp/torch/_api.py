@@ -18,7 +18,7 @@ from .._wrapping import (
     check_callable,
     default_name,
 )
-from . import _compile
+from . import _compat, _compile
 from ._backend import BACKEND
 from ._debug import debug_options
 from ._hf import adapt_hf_layer_call, guard_model_cache
@@ -56,13 +56,17 @@ def checkpoint(
         function=function,
     )
     with torch_debug_off:
-        return torch.utils.checkpoint.checkpoint(
-            function,
-            *args,
-            use_reentrant=False,
-            context_fn=context,
-            **kwargs,
-        )
+        try:
+            return torch.utils.checkpoint.checkpoint(
+                function,
+                *args,
+                use_reentrant=False,
+                context_fn=context,
+                **kwargs,
+            )
+        except BaseException as exc:
+            _compat.finish_failed_checkpoint(exc)  # PyTorch 2.9 leaves it open
+            raise
 
 
 class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):

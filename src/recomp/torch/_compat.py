@@ -7,12 +7,17 @@ retire it. ``tests/test_compat.py`` has one test per entry that fails when
 PyTorch changes underneath, and ``tools/check_private_api.py`` checks that no
 other recomp module touches a private attribute of torch.
 
-Checked on torch 2.13.0 and 2.14.1 (and 2.11 on CUDA).
+Checked on torch 2.9.1, 2.13.0 and 2.14.1 (and 2.11 on CUDA). Where recomp needs to tell
+versions apart, an entry says which versions take which path and how it detects them
+(by feature, not by version number).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
+import sys
 import weakref
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
@@ -304,9 +309,26 @@ def top_checkpoint_hooks() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] 
     ``_checkpoint_internal`` is how PyTorch's checkpoint tags its own hooks.
     """
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
+    if hooks is None or not _is_checkpoint_pack_hook(hooks[0]):
         return None
     return hooks[0], hooks[1]
+
+
+# Per version: PyTorch 2.14 marks the checkpoint's hooks (``pack_hook._checkpoint_internal
+# = True``, set by ``_checkpoint_internal_hook``); 2.9 to 2.13 do not, and their pack hook
+# is a function defined in ``_checkpoint_hook.__init__`` of ``torch.utils.checkpoint``.
+# Detected by feature: the marker where it is set, else where the hook was defined
+# (2.14's hooks have the marker, so its own classes never reach the second test).
+# Retired by: the marker in every supported PyTorch (requiring 2.14).
+_CHECKPOINT_HOOK_QUALNAMES = ("_checkpoint_hook.__init__.", "_recomputation_hook.__init__.")
+
+
+def _is_checkpoint_pack_hook(pack: Any) -> bool:
+    if getattr(pack, "_checkpoint_internal", False):
+        return True
+    return getattr(pack, "__module__", None) == "torch.utils.checkpoint" and str(
+        getattr(pack, "__qualname__", "")
+    ).startswith(_CHECKPOINT_HOOK_QUALNAMES)
 
 
 @contextlib.contextmanager
@@ -328,31 +350,100 @@ def replace_top_hooks(
         torch._C._autograd._push_saved_tensors_default_hooks(*original)
 
 
+# --------------------------------------------------------------------------- failed checkpoint forward
+
+_CHECKPOINT_FILE = os.path.abspath(torch.utils.checkpoint.__file__)
+
+
+def finish_failed_checkpoint(exc: BaseException) -> None:
+    """Close what a non-reentrant checkpoint left open when its function raised ``exc``.
+
+    Why: PyTorch 2.9 runs the checkpoint's setup as a generator
+    (``_checkpoint_without_reentrant_generator``) and, when the checkpointed function
+    raises, leaves it suspended: its saved-tensors hooks stay pushed and the forward
+    context of ``context_fn`` (recomp's and the user's) stays entered until the
+    generator is collected, which the traceback delays. The next forward on the thread
+    then saves its tensors into the dead checkpoint, and its backward fails ("A
+    different number of tensors was saved"). PyTorch 2.13 and later throw the
+    exception into the generator themselves (``torch.utils.checkpoint.checkpoint``:
+    ``gen.throw(e)``), which closes both.
+    Detected by feature: the frame of ``torch.utils.checkpoint.checkpoint`` in the
+    traceback still holds its generator suspended (2.9); where PyTorch closed it
+    (2.13, 2.14) or the frame is not found, nothing is done. Here the exception is
+    thrown into it, as later PyTorch does.
+    If it changes: nothing is found and nothing is done (the behaviour of 2.9 remains).
+    Retired by: requiring a PyTorch that closes the generator itself (2.13 does).
+    """
+    tb = exc.__traceback__
+    while tb is not None:
+        if _close_checkpoint_frame(tb.tb_frame, exc):
+            return
+        tb = tb.tb_next
+
+
+def close_enclosing_checkpoint(exc: BaseException) -> None:
+    """Before raising ``exc`` inside a plain PyTorch checkpoint (HF's), close that checkpoint.
+
+    Why: as for :func:`finish_failed_checkpoint`, on PyTorch 2.9 the error would leave
+    the enclosing checkpoint, which recomp does not call, open. Only for errors raised
+    before recomp's own checkpoint opens anything (nothing of it is above that one).
+    Detected by feature, as there: the innermost ``torch.utils.checkpoint.checkpoint``
+    frame on the stack holds its generator suspended; nothing is done otherwise
+    (on 2.13 and 2.14 PyTorch closes it when the error passes).
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _close_checkpoint_frame(frame, exc):
+            return
+        frame = frame.f_back  # type: ignore[assignment]
+
+
+def _close_checkpoint_frame(frame: Any, exc: BaseException) -> bool:
+    """Throw ``exc`` into the suspended generator of a ``checkpoint`` frame; False if
+    ``frame`` is not PyTorch's checkpoint."""
+    code = frame.f_code
+    if code.co_name != "checkpoint" or os.path.abspath(code.co_filename) != _CHECKPOINT_FILE:
+        return False
+    gen = frame.f_locals.get("gen")
+    if inspect.isgenerator(gen) and gen.gi_frame is not None and not gen.gi_running:
+        try:
+            gen.throw(exc)
+        except StopIteration:
+            pass  # a context swallowed it: the caller raises it all the same
+        except BaseException as raised:
+            if raised is not exc:
+                raise
+    return True
+
+
 # --------------------------------------------------------------------------- torch.compile
 
 
-def dynamo_bypassing_wrapper() -> Callable[..., Any]:
-    """PyTorch's ``dynamo_bypassing_wrapper`` higher-order op.
+def dynamo_bypassing_wrapper() -> Callable[..., Any] | None:
+    """PyTorch's ``dynamo_bypassing_wrapper`` higher-order op, or None where it is missing.
 
     Why: under ``torch.compile`` an excluded region's body is traced by Dynamo as
     usual, while the wrapper this op applies runs only when AOTAutograd builds the
     joint graph: there it marks the region's nodes ``MUST_SAVE`` (see
-    ``recomp.torch._compile``).
-    If it changes: compiling a recomp checkpoint with an excluded region raises a
-    ``RecompError`` naming this (eager mode is unaffected).
+    ``recomp.torch._compile``). That mark decides only if it comes after the
+    checkpoint's own tags. It does on 2.9, where the checkpoint tags its Dynamo graph
+    before AOTAutograd traces it (``TagActivationCheckpoint.tag_nodes``), and on
+    2.13-2.14, where every compiled checkpoint is traced as selective checkpointing,
+    whose dispatch mode tags each op as it runs: both before the region's body returns.
+    Versions: the op exists, and Dynamo traces it, from 2.9 on (checked: 2.9.1,
+    2.13.0, 2.14.1; 2.11 on CUDA). Detected by feature: the op is looked up once, at
+    import, without importing Dynamo.
+    If it changes: None; a compiled recomp checkpoint then recomputes its excluded
+    regions, as a compiled PyTorch checkpoint does, and warns once
+    (``ForeignCheckpointWarning``); eager mode is unaffected.
+    ``tests/test_compat.py`` checks that the op exists and that its mark reaches the
+    partitioner.
     Retired by: a public way to tag the nodes of a traced region.
     """
     try:
         from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper as wrapper
-    except ImportError as exc:
-        from ..errors import RecompError
-
-        raise RecompError(
-            "recomp's excluded regions under torch.compile need "
-            "torch._higher_order_ops.wrap.dynamo_bypassing_wrapper, which this PyTorch "
-            f"({torch.__version__}) does not have. Run the model eagerly, or compile the "
-            "layers without recomp's exclusions."
-        ) from exc
+    except ImportError:
+        return None
     return wrapper  # type: ignore[no-any-return]
 
 
@@ -442,3 +533,15 @@ def hf_no_split_modules(model: Any) -> frozenset[str]:
         return frozenset(str(n) for n in names)
     except TypeError:
         return frozenset()
+
+
+def run_at_trace_time(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Make Dynamo call ``fn`` when it traces a call of it, instead of tracing into it.
+
+    Why: the warning that exclusions are recomputed under compilation is a Python side
+    effect (``warnings.warn``), which Dynamo cannot put in a graph; run when the code
+    is traced, it is given once per compilation, and ``fn`` keeps it to once in all.
+    Public (``torch.compiler.assume_constant_result``), but it imports Dynamo (seconds):
+    applied only where needed. ``fn`` must return a constant.
+    """
+    return torch.compiler.assume_constant_result(fn)  # type: ignore[no-any-return]

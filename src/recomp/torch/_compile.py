@@ -31,6 +31,10 @@ So, under compilation:
     region is recomputed, region inputs included (what deferred inputs do
     eagerly); code after it reads the saved region output.
   * Outside a compiled checkpoint a region is a plain call, as in eager mode.
+  * On a PyTorch without ``dynamo_bypassing_wrapper`` (none from 2.9 to 2.14; see
+    ``_compat``) a region inside a compiled checkpoint is a plain call too: the
+    partitioner then recomputes it as any checkpointed code, so the program is the one
+    PyTorch's checkpoint gives, and recomp warns once (``ForeignCheckpointWarning``).
 
 What eager recomp does with Python state has no meaning in a compiled program
 and is not done there: the region counters (``region_runs``, ...) count eager
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -50,9 +55,11 @@ import torch
 import torch.utils.checkpoint
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ..errors import ForeignCheckpointWarning
 from . import _compat
 
-# How many recomp checkpoints enclose the code Dynamo is tracing. A module global:
+# Whether a recomp checkpoint encloses the code Dynamo is tracing (1 inside the outermost
+# one, whose call alone writes it; 0 outside). A module global:
 # Dynamo tracks writes to module globals as side effects and reads the written value
 # back later in the same trace, which is how a region learns that it is inside one.
 _checkpoint_depth = 0
@@ -74,6 +81,11 @@ def checkpoint(
     global _checkpoint_depth
     if context_fn is not None:
         kwargs = {**kwargs, "context_fn": context_fn}
+    if _checkpoint_depth:
+        # Nested in another recomp checkpoint: the count is already non-zero, and the
+        # write would happen inside the outer checkpoint's traced body, which Dynamo
+        # of PyTorch 2.9 refuses (a graph break; 2.13 allows it).
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
     _checkpoint_depth += 1
     try:
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
@@ -87,9 +99,37 @@ def excluded_call(
     """An excluded region's call in a compiled program."""
     if _checkpoint_depth == 0:
         return function(*args, **kwargs)
-    return _compat.dynamo_bypassing_wrapper()(
-        functools.partial(_keep_region_nodes, name), function, *args, **kwargs
-    )
+    if _BYPASS is None:
+        _warn_recomputed_once()
+        return function(*args, **kwargs)
+    return _BYPASS(functools.partial(_keep_region_nodes, name), function, *args, **kwargs)
+
+
+# The op that lets a region mark its nodes; None on a PyTorch without it (see
+# ``_compat.dynamo_bypassing_wrapper``). There a compiled recomp checkpoint is a compiled
+# PyTorch checkpoint: its regions are traced as ordinary code and recomputed.
+_BYPASS = _compat.dynamo_bypassing_wrapper()
+_warned = {"recomputed": False}
+
+
+def _warn_recomputed_once() -> bool:
+    if not _warned["recomputed"]:
+        _warned["recomputed"] = True
+        warnings.warn(
+            f"recomp's excluded regions are recomputed under torch.compile on this PyTorch "
+            f"({torch.__version__}): it lacks "
+            f"torch._higher_order_ops.wrap.dynamo_bypassing_wrapper, through which a "
+            f"compiled checkpoint keeps a region's values. Compiled, a recomp checkpoint "
+            f"here behaves as PyTorch's checkpoint (same gradients, regions run again in "
+            f"backward); run the checkpointed layers eagerly to keep the exclusions.",
+            ForeignCheckpointWarning,
+            stacklevel=2,
+        )
+    return True
+
+
+if _BYPASS is None:  # only then: marking it imports Dynamo
+    _warn_recomputed_once = _compat.run_at_trace_time(_warn_recomputed_once)
 
 
 def _keep_region_nodes(name: str, body: Callable[..., Any]) -> Callable[..., Any]:

@@ -53,7 +53,7 @@ def adapt_hf_layer_call(function: Any, kwargs: dict[str, Any]) -> None:
     if not torch.is_grad_enabled():
         return
     if getattr(layer, "gradient_checkpointing", False):
-        raise DoubleCheckpointError(
+        error = DoubleCheckpointError(
             f"{type(layer).__name__} is checkpointed twice: by recomp and by Hugging Face's "
             "activation checkpointing (model.activation_checkpointing_enable() or its older name "
             "gradient_checkpointing_enable(), which Trainer calls for "
@@ -63,6 +63,8 @@ def adapt_hf_layer_call(function: Any, kwargs: dict[str, Any]) -> None:
             "(model.activation_checkpointing_disable(), and leave activation_checkpointing and "
             "gradient_checkpointing False in TrainingArguments)."
         )
+        _compat.close_enclosing_checkpoint(error)  # HF's checkpoint, left open by PyTorch 2.9
+        raise error
     _turn_off_rewritten_cache(layer, kwargs)
 
 
