@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 # The oldest supported PyTorch, for its own test run (PyTorch tests only).
 RANGE_VENV ?= .venv-torch2.9
 RANGE_PY := $(RANGE_VENV)/bin/python
-RANGE_STAMP := $(RANGE_VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+RANGE_REQUIREMENTS := requirements/torch-oldest.txt
+RANGE_STAMP := $(RANGE_VENV)/.installed-$(shell cat pyproject.toml $(RANGE_REQUIREMENTS) | cksum | cut -d' ' -f1)
 
 .PHONY: demo test test-torch-range lint typecheck unit clean
 
@@ -17,9 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 	rm -f $(VENV)/.installed-* && touch $@
 
-$(RANGE_STAMP): pyproject.toml
+$(RANGE_STAMP): pyproject.toml $(RANGE_REQUIREMENTS)
 	test -x $(RANGE_PY) || $(PYTHON) -m venv $(RANGE_VENV)
-	$(RANGE_PY) -m pip install --quiet --disable-pip-version-check -e ".[torch,torch-oldest]"
+	$(RANGE_PY) -m pip install --quiet --disable-pip-version-check -e ".[torch]" -r $(RANGE_REQUIREMENTS)
 	rm -f $(RANGE_VENV)/.installed-* && touch $@
 
 ## The main job: a short benchmark of the strategies on both frameworks (table + plot).
