@@ -65,9 +65,9 @@ from . import _compat
 _checkpoint_depth = 0
 
 
-def is_compiling() -> bool:
-    """True while Dynamo traces the code (recomp then takes the compiled path)."""
-    return torch.compiler.is_compiling()
+#: True while Dynamo traces the code (recomp then takes the compiled path). PyTorch's own
+#: function, not a wrapper around it: it is asked on every region call.
+is_compiling: Callable[[], bool] = torch.compiler.is_compiling
 
 
 def checkpoint(
