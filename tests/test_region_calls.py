@@ -3,6 +3,7 @@ and recomp's own invariant checks."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -159,7 +160,8 @@ def test_a_replay_that_takes_another_branch_is_named_as_such(debug):
     assert ".detach()" not in message  # not the output-left-the-graph story
     if debug:  # the op listing of both phases, and where they part
         assert "Ops in the forward" in message and "Ops in the replay" in message
-        assert "replay op 3 is aten.exp.default" in message
+        # (op numbers differ between PyTorch versions: the checkpoint's own detaches)
+        assert re.search(r"forward op \d+ is aten\.sin\.default, replay op \d+ is aten\.exp", message)
     else:
         assert "Ops in the forward" not in message
 
@@ -168,7 +170,6 @@ def test_a_replay_that_takes_another_branch_is_named_as_such(debug):
 def test_every_numbered_rule_is_cited_and_every_citation_exists():
     """The NOTE in recomp/_region.py numbers the rules the engine relies on; the code that
     enforces one cites it as "rule N". A renumbering that leaves stale citations fails here."""
-    import re
     from pathlib import Path
 
     import recomp._region as region_module
