@@ -195,27 +195,37 @@ def test_nn_dropout_inside_region_is_right_because_it_is_not_replayed(seeded):
     actual, _ = train_steps(model, checkpointed=True)
     for e, a in zip(expected, actual):
         assert_same(e, a)
-    # without the exclusion the cell is replayed and draws a new mask; recomp says so
-    ref, plain = drop_pair(exclude=False, region_cell=True)
+    assert not isinstance(model.region.drop, rm.ReplayableDropout)  # runs once anyway
+
+
+def test_control_nn_dropout_recomputed_by_mindspore_alone_draws_another_mask(seeded):
+    """What recomp's kept masks fix: replayed as it is, nn.Dropout draws a new mask."""
+    ref, model = drop_pair(exclude=False, after_cell=True)
     expected, _ = train_steps(ref, checkpointed=False, steps=1)
-    with pytest.warns(recomp.UnreplayableDropoutWarning, match=r"\(region\.drop\)"):
-        actual, _ = train_steps(plain, checkpointed=True, steps=1)
-    assert not same(expected[0], actual[0])
+    ms.set_seed(123)
+    actual = grads(
+        lambda t: ms.recompute(model, t, use_reentrant=False, early_stop=False),
+        model.trainable_params(),
+        tensor(4, 8, seed=0),
+    )
+    assert not same(expected[0], actual)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="MindSpore 2.10: nn.Dropout's primitive keeps its CPU kernel's random state "
-    "(random_cache) in C++, with no Python API to save or restore it, so a recomputed "
-    "nn.Dropout draws a new mask in the replay (bare mindspore.recompute too). Use "
-    "ops.dropout with mindspore.set_seed, or exclude the cell.",
-)
-def test_nn_dropout_in_recomputed_code_matches_unwrapped(seeded):
+@pytest.mark.parametrize("early_stop", [False, True])
+def test_nn_dropout_in_recomputed_code_matches_unwrapped(seeded, early_stop):
+    """nn.Dropout keeps its kernel's random state in C++, out of reach; recomp keeps the
+    mask it drew instead, and the replay applies that mask again."""
     ref, model = drop_pair(after_cell=True)
-    expected, _ = train_steps(ref, checkpointed=False, steps=1)
-    with pytest.warns(recomp.UnreplayableDropoutWarning, match=r"\(drop\)"):
-        actual, _ = train_steps(model, checkpointed=True, steps=1)
-    assert_same(expected[0], actual[0])
+    expected, ref_seeds = train_steps(ref, checkpointed=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", recomp.UnreplayableDropoutWarning)
+        actual, seeds = train_steps(model, checkpointed=True, early_stop=early_stop)
+    for e, a in zip(expected, actual):
+        assert_same(e, a)
+    assert seeds == ref_seeds
+    assert isinstance(model.drop, rm.ReplayableDropout)
+    assert (model.drop.region_runs, model.drop.region_skips) == (2, 2)  # drawn once a step
+    assert model.drop.region_saved_bytes == 4 * 8  # the mask, one byte per element
 
 
 # --------------------------------------------------------------------------- 2. several backwards

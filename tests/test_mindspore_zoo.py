@@ -94,10 +94,8 @@ def test_mindspore_early_stop_at_a_dropout_mask(recover_mindspore):
     )
 
 
-@pytest.mark.filterwarnings("ignore::recomp.errors.UnreplayableDropoutWarning")
-@pytest.mark.parametrize("dropout", ["nn", "ops"])
-def test_explicit_early_stop_at_a_dropout_mask_raises_recomp_error(recover_mindspore, dropout):
-    block = DropoutLast(dropout)
+def test_explicit_early_stop_at_a_dropout_mask_raises_recomp_error(recover_mindspore):
+    block = DropoutLast("ops")
     block.set_train()
     with pytest.raises(recomp.RecompError, match="early_stop=False"):
         grads(
@@ -105,6 +103,16 @@ def test_explicit_early_stop_at_a_dropout_mask_raises_recomp_error(recover_minds
             block.trainable_params(),
             tensor(4, 8),
         )
+
+
+def test_early_stop_after_an_nn_dropout_works(seeded):
+    """An nn.Dropout made replayable ends in a multiplication, where MindSpore's early
+    stop works: the block that ended in the dropout kernel now stops early."""
+    ref, model = twins(DropoutLast)
+    x = tensor(4, 8)
+    expected = seeded_grads(ref, ref.trainable_params(), x)
+    wrapped = rm.checkpoint_wrapper(model, early_stop=True)
+    assert_same(expected, seeded_grads(wrapped, model.trainable_params(), x))
 
 
 @pytest.mark.parametrize("early_stop", [None, False, True])
@@ -148,80 +156,119 @@ CHANNEL_DROPOUT_CELLS = {
 }
 
 
+@pytest.mark.parametrize("wrap", ["checkpoint_wrapper", "apply_activation_checkpointing"])
 @pytest.mark.parametrize("kind", list(SEEDED_DROPOUT_CELLS))
-def test_apply_activation_checkpointing_keeps_dropout_cells_out_of_the_replay(seeded, kind):
+def test_dropout_cells_replay_from_their_kept_mask(seeded, kind, wrap):
     ref, model = twins(lambda: DropoutMiddle(SEEDED_DROPOUT_CELLS[kind]()))
-    plain = twins(lambda: DropoutMiddle(SEEDED_DROPOUT_CELLS[kind]()))[1]
     x = tensor(4, 8)
     expected = seeded_grads(ref, ref.trainable_params(), x)
-    # control: recomputed, the cell draws another mask in the replay
-    with pytest.warns(recomp.UnreplayableDropoutWarning, match=r"\(drop\)"):
-        wrapped = rm.checkpoint_wrapper(plain)
-    assert differs(expected, seeded_grads(wrapped, plain.trainable_params(), x))
-
     with warnings.catch_warnings():
         warnings.simplefilter("error", recomp.UnreplayableDropoutWarning)
-        model = rm.apply_activation_checkpointing(
-            model, checkpoint_fn=lambda m: isinstance(m, DropoutMiddle)
-        )
-    assert isinstance(model.drop, rm.ExcludeWrapper)
+        if wrap == "checkpoint_wrapper":
+            model = rm.checkpoint_wrapper(model)
+        else:
+            model = rm.apply_activation_checkpointing(
+                model, checkpoint_fn=lambda m: isinstance(m, DropoutMiddle)
+            )
+    assert isinstance(model.drop, rm.ReplayableDropout)
+    assert isinstance(model.drop, type(ref.drop))
+    assert type(model.drop).__name__ == type(ref.drop).__name__
     assert_same(expected, seeded_grads(model, model.trainable_params(), x))
+    # drawn once, read back by the replay; kept: the mask, one byte per element
     assert (model.drop.region_runs, model.drop.region_skips) == (1, 1)
+    assert model.drop.region_saved_bytes == 4 * 8
+
+
+class _CountingDropout(nn.Dropout):
+    """A subclass with a construct of its own: recomp cannot know what it draws."""
+
+    def construct(self, x):
+        return super().construct(x)
+
+
+def test_dropout_subclass_with_its_own_construct_is_excluded_or_reported():
+    with pytest.warns(recomp.UnreplayableDropoutWarning, match=r"\(drop\)"):
+        rm.checkpoint_wrapper(DropoutMiddle(_CountingDropout(p=0.5)))
+    model = rm.apply_activation_checkpointing(
+        DropoutMiddle(_CountingDropout(p=0.5)),
+        checkpoint_fn=lambda m: isinstance(m, DropoutMiddle),
+    )
+    assert isinstance(model.drop, rm.ExcludeWrapper)
+    model.set_train()
+    grads(model, model.trainable_params(), tensor(4, 8))
+    assert (model.drop.region_runs, model.drop.region_skips) == (1, 1)
+
+
+class _Recorded(nn.Cell):
+    """Records what it receives in the forward and in the replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[bool, list] = {False: [], True: []}
+
+    def construct(self, x):
+        self.seen[recomp.is_recomputing()].append(x.asnumpy())
+        return x
 
 
 @pytest.mark.parametrize("kind", list(CHANNEL_DROPOUT_CELLS))
-def test_channel_dropout_cells_are_excluded_too(kind):
+def test_channel_dropout_cells_replay_the_same_mask(kind):
+    """Unseeded: no two runs draw the same mask, so the replay's dropout output is
+    compared with the forward's; the kept mask is one byte per channel."""
     factory, shape = CHANNEL_DROPOUT_CELLS[kind]
     model = DropoutMiddle(factory())
+    record = _Recorded()
+    model.drop = nn.SequentialCell([model.drop, record])
     model.set_train()
-    with pytest.warns(recomp.UnreplayableDropoutWarning, match=r"\(drop\)"):
-        rm.checkpoint_wrapper(DropoutMiddle(factory()))
-    model = rm.apply_activation_checkpointing(
-        model, checkpoint_fn=lambda m: isinstance(m, DropoutMiddle)
-    )
+    model = rm.checkpoint_wrapper(model)
     grads(model, model.trainable_params(), tensor(*shape))
-    assert (model.drop.region_runs, model.drop.region_skips) == (1, 1)
+    (forward,), (replay,) = record.seen[False], record.seen[True]
+    assert 0 < np.count_nonzero(forward) < forward.size
+    np.testing.assert_array_equal(forward, replay)
+    dropout = model.drop[0]
+    assert isinstance(dropout, rm.ReplayableDropout)
+    assert (dropout.region_runs, dropout.region_skips) == (1, 1)
+    assert dropout.region_saved_bytes == shape[0] * shape[1]
 
 
 @pytest.mark.parametrize(
     "cell", [nn.Dropout(p=0.0), nn.Dropout(keep_prob=1.0), nn.Dropout1d(p=0.0)]
 )
-def test_inactive_dropout_is_neither_excluded_nor_reported(cell):
+def test_inactive_dropout_is_left_alone(cell):
     with warnings.catch_warnings():
         warnings.simplefilter("error", recomp.UnreplayableDropoutWarning)
         model = rm.apply_activation_checkpointing(
             DropoutMiddle(cell), checkpoint_fn=lambda m: isinstance(m, DropoutMiddle)
         )
-        rm.checkpoint_wrapper(DropoutMiddle(cell))
-    assert not isinstance(model.drop, rm.ExcludeWrapper)
+    assert type(model.drop) is type(cell)
 
 
-def test_checkpoint_wrapper_names_every_recomputed_dropout_once():
+def test_unwrap_and_exclusion_take_the_kept_mask_off():
     block = vit_block()
-    with pytest.warns(recomp.UnreplayableDropoutWarning) as record:
-        rm.checkpoint_wrapper(block)
-    assert len(record) == 1
-    message = str(record[0].message)
-    assert "3 active nn.Dropout" in message
-    for path in ("attn.attn_drop", "attn.proj_drop", "mlp.drop"):
-        assert path in message
-    # excluded already: nothing to report
-    block = vit_block()
-    block.attn = rm.checkpoint_exclude_wrapper(block.attn)
+    rm.checkpoint_wrapper(block)
+    drops = [block.attn.attn_drop, block.attn.proj_drop, block.mlp.drop]
+    classes = [type(d) for d in vit_block().cells_and_names()]
+    assert all(isinstance(d, rm.ReplayableDropout) for d in drops)
+    assert "ReplayableDropout" in repr(block)
+    rm.unwrap(block)
+    assert not any(isinstance(d, rm.ReplayableDropout) for d in drops)
+    assert [type(d) for d in block.cells_and_names()] == classes
+    # excluded by hand after wrapping: it runs once, its mask and output are kept
+    rm.checkpoint_wrapper(block)
     block.mlp.drop = rm.checkpoint_exclude_wrapper(block.mlp.drop)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", recomp.UnreplayableDropoutWarning)
-        rm.checkpoint_wrapper(block)
+    assert isinstance(block.mlp.drop, rm.ExcludeWrapper)
+    assert not isinstance(block.mlp.drop, rm.ReplayableDropout)
 
 
-def test_checkpoint_of_a_cell_reports_its_dropout_on_first_call(seeded):
-    block = DropoutMiddle(nn.Dropout(p=0.5))
-    block.set_train()
-    with pytest.warns(recomp.UnreplayableDropoutWarning, match="checkpoint:"):
-        grads(lambda t: rm.checkpoint(block, t), block.trainable_params(), tensor(4, 8))
+def test_checkpoint_of_a_cell_makes_its_dropout_replayable(seeded):
+    ref, block = twins(lambda: DropoutMiddle(nn.Dropout(p=0.5)))
+    x = tensor(4, 8)
+    expected = seeded_grads(ref, ref.trainable_params(), x)
     with warnings.catch_warnings():
         warnings.simplefilter("error", recomp.UnreplayableDropoutWarning)
-        grads(lambda t: rm.checkpoint(block, t), block.trainable_params(), tensor(4, 8))
+        actual = seeded_grads(lambda t: rm.checkpoint(block, t), block.trainable_params(), x)
+    assert_same(expected, actual)
+    assert isinstance(block.drop, rm.ReplayableDropout)
 
 
 def test_ops_dropout_replays_exactly_in_recomputed_code(seeded):
@@ -625,7 +672,7 @@ class SequentialMlp(nn.Cell):
         return x + self.mlp(self.norm(x))
 
 
-def test_dropout_inside_a_sequential_cell_is_excluded(seeded):
+def test_dropout_inside_a_sequential_cell_replays_its_mask(seeded):
     ref, model = twins(SequentialMlp)
     model = rm.apply_activation_checkpointing(
         model, checkpoint_fn=lambda m: isinstance(m, SequentialMlp)
@@ -633,6 +680,7 @@ def test_dropout_inside_a_sequential_cell_is_excluded(seeded):
     x = tensor(4, 8)
     expected = seeded_grads(ref, ref.trainable_params(), x)
     assert_same(expected, seeded_grads(model, model.trainable_params(), x))
+    assert isinstance(model.mlp[2], rm.ReplayableDropout)
     assert (model.mlp[2].region_runs, model.mlp[2].region_skips) == (1, 1)
 
 

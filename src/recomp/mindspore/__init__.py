@@ -25,10 +25,12 @@ from ._api import (
     checkpoint_wrapper,
     unwrap,
 )
+from ._dropout import ReplayableDropout
 
 __all__ = [
     "CheckpointWrapper",
     "ExcludeWrapper",
+    "ReplayableDropout",
     "apply_activation_checkpointing",
     "checkpoint",
     "checkpoint_exclude_wrapper",

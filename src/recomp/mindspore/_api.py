@@ -14,7 +14,7 @@ from .._wrapping import CHECKPOINT_KWARGS, REGION, RegionCounters, check_callabl
 from . import _compat
 from ._backend import BACKEND, check_pynative
 from ._cache import adapt_cache_kwargs
-from ._dropout import is_unreplayable_dropout, warn_recomputed_dropout
+from ._dropout import ReplayableDropout, is_unreplayable_dropout, make_dropout_replayable
 from ._early_stop import explain_stop_inside_an_op
 from ._graph_mode import pynative_only
 
@@ -44,7 +44,7 @@ def checkpoint(
         context_fn = explain_stop_inside_an_op(context_fn)
     if BACKEND.grad_enabled():
         adapt_cache_kwargs(function, kwargs, ExcludeWrapper)
-    warn_recomputed_dropout(function, ExcludeWrapper, "checkpoint")
+    make_dropout_replayable(function, _MODEL_OPS, "checkpoint", once=True)
     restore_rng = bool(kwargs.pop("save_rng_state", True))
     context = _engine.begin(
         BACKEND,
@@ -176,17 +176,23 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     own class and :class:`CheckpointWrapper`, so ``Parameter.name``, containers
     (``SequentialCell``, ``CellList``) and ``isinstance`` checks are unchanged.
     :func:`unwrap` undoes it. A plain function is put in a small Cell first.
+
+    MindSpore's dropout cells inside (``nn.Dropout``, ``Dropout1d/2d/3d``) get the
+    class :class:`recomp.mindspore.ReplayableDropout` the same way: the forward
+    keeps their mask (one byte per element) and the replay applies it again, so
+    the gradients are exact and neither the dropout's output nor its input is kept.
     """
     check_callable(module, "checkpoint_wrapper", "Cell")
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     if not isinstance(module, nn.Cell):
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
-    warn_recomputed_dropout(module, ExcludeWrapper, "checkpoint_wrapper")
     warn_unhandled(BACKEND, module, "checkpoint_wrapper")
-    return _wrapping.wrap_in_place(
+    _wrapping.wrap_in_place(
         _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
+    make_dropout_replayable(module, _MODEL_OPS, "checkpoint_wrapper")
+    return module
 
 
 def checkpoint_exclude_wrapper(
@@ -214,6 +220,9 @@ def checkpoint_exclude_wrapper(
     )
     if not isinstance(module, nn.Cell):
         module = PlainFunction(module)
+    if isinstance(module, ReplayableDropout):
+        # A dropout cell that recomp made replayable, now excluded: it runs once either way.
+        _wrapping.unwrap(_MODEL_OPS, module)
     _wrapping.check_wrappable(_MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
     return _wrapping.wrap_in_place(_MODEL_OPS, module, ExcludeWrapper, {REGION: region})
 
@@ -241,9 +250,10 @@ def apply_activation_checkpointing(
     returns the model. Checkpoints are not nested; cells already wrapped are left
     alone. Every cell is checked before any is wrapped: on an error the model is unchanged.
 
-    Active ``nn.Dropout`` cells (and ``Dropout1d/2d/3d``) inside a checkpoint are
-    excluded too, whatever ``exclude_fn`` says: MindSpore cannot restore their
-    random state, so a replay would draw another mask and give wrong gradients.
+    Active ``nn.Dropout`` cells (and ``Dropout1d/2d/3d``) inside a checkpoint keep
+    their mask for the replay (see :func:`checkpoint_wrapper`); a subclass of them
+    with a ``construct`` of its own is excluded, whatever ``exclude_fn`` says:
+    MindSpore cannot restore its random state, so a replay would draw another mask.
     ``copy_output_fn`` gives, for each excluded cell, its ``copy_output=`` option
     (see :func:`checkpoint_exclude_wrapper`). Each ``*_fn`` may also be a class or a
     tuple of classes, meaning ``isinstance(c, classes)``.
