@@ -86,6 +86,38 @@ def assert_same(expected, actual) -> None:
         assert np.array_equal(a, b), f"gradient {i}: max diff {np.abs(a - b).max()}"
 
 
+def held_for_backward(model: nn.Cell, *inputs: ms.Tensor) -> tuple[int, int]:
+    """(bytes the forward leaves allocated for backward, peak bytes of the step) for one
+    training step of ``model`` after a warm-up, read from MindSpore's memory record."""
+    import tempfile
+    import time
+
+    from recomp.bench.ms_runner import _allocated_at, _profiled, _read_record
+
+    marks: list[int] = []
+
+    def loss(*xs):
+        out = model(*xs)
+        marks.append(time.time_ns())
+        return (out**2).sum()
+
+    step = ms.grad(loss, None, model.trainable_params())
+    step(*inputs)
+    ms.runtime.launch_blocking()
+    with tempfile.TemporaryDirectory(prefix="recomp-test-ms-") as tmp:
+        with _profiled(tmp):
+            # a tensor made and dropped before the step puts a reading into the record
+            (ms.Tensor(np.ones(16, np.float32)) * 2).asnumpy()
+            marks.clear()
+            start = time.time_ns()
+            step(*inputs)  # the gradients are dropped at once
+            end = time.time_ns()
+        rows = _read_record(tmp)
+    base = _allocated_at(rows, start)
+    peak = max(a for t, a in rows if start <= t <= end)
+    return _allocated_at(rows, marks[0]) - base, peak - base
+
+
 __all__ = [
     "Block",
     "Stack",
@@ -93,6 +125,7 @@ __all__ = [
     "copy_params",
     "exclude_attention",
     "grads",
+    "held_for_backward",
     "nn",
     "ops",
     "tensor",

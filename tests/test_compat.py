@@ -474,6 +474,17 @@ class TestMindSpore:
         cell.recompute()
         assert _compat.recompute_called(cell)
 
+    def test_forward_hooks_run_is_true_until_the_hook_runner_is_replaced(self, monkeypatch):
+        from recomp.mindspore import _compat
+
+        cell = self.ms.nn.Dense(2, 2)
+        seen = []
+        cell.register_forward_hook(lambda c, inputs, output: seen.append(c))
+        cell(self.ms.ops.ones((1, 2), self.ms.float32))
+        assert seen == [cell] and _compat.forward_hooks_run()
+        monkeypatch.setattr(self.ms.nn.Cell, "_run_forward_hook", lambda self, *a: a[-1])
+        assert not _compat.forward_hooks_run()
+
     def test_kernel_seeds_are_a_dict_that_dropout_fills(self):
         from recomp.mindspore import _compat
 

@@ -19,7 +19,15 @@ from mindspore import mint  # noqa: E402
 
 import recomp  # noqa: E402
 import recomp.mindspore as rm  # noqa: E402
-from ms_models import assert_same, copy_params, grads, nn, ops, tensor  # noqa: E402
+from ms_models import (  # noqa: E402
+    assert_same,
+    copy_params,
+    grads,
+    held_for_backward,
+    nn,
+    ops,
+    tensor,
+)
 
 mindcv_vit = pytest.importorskip("mindcv.models.vit")
 mindcv_resnet = pytest.importorskip("mindcv.models.resnet")
@@ -593,10 +601,47 @@ def test_mindcv_vit_gradients_equal_unwrapped(seeded, exclude):
             ]
         )
         assert [(r.region_runs, r.region_skips) for r in regions] == [(1, 1)] * len(regions)
+        if exclude == "nothing":
+            assert all(isinstance(r, rm.ReplayableDropout) for r in regions)
         # Mlp applies its one nn.Dropout twice
         assert (block.mlp.drop.region_runs, block.mlp.drop.region_skips) == (2, 2)
-    # the second block has drop_path > 0: its DropPath's own nn.Dropout is excluded too
+    # the second block has drop_path > 0: its DropPath's own nn.Dropout keeps its mask too
     assert model.blocks[1].drop_path1.dropout.region_runs == 1
+
+
+def small_pit(drop: float = 0.1):
+    mindcv_pit = pytest.importorskip("mindcv.models.pit")
+    return mindcv_pit.PoolingTransformer(
+        image_size=32,
+        patch_size=4,
+        stride=2,
+        base_dims=[16, 16],
+        depth=[2, 2],
+        heads=[2, 4],
+        mlp_ratio=4.0,
+        num_classes=10,
+        drop_rate=drop,
+        attn_drop_rate=drop,
+        drop_path_rate=drop,
+    )
+
+
+def test_mindcv_pit_checkpointed_keeps_a_fraction_of_its_activations(seeded):
+    """Every block checkpointed, dropout on: exact, and what is kept for backward is
+    well under a third of the unwrapped model's (it was two thirds while the dropout
+    cells were excluded and kept their outputs)."""
+    mindcv_pit = pytest.importorskip("mindcv.models.pit")
+    ref, model = twins(small_pit)
+    x = tensor(4, 3, 32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", recomp.UnreplayableDropoutWarning)
+        rm.apply_activation_checkpointing(model, checkpoint_fn=mindcv_pit.Block)
+    expected = seeded_grads(ref, ref.trainable_params(), x)
+    assert_same(expected, seeded_grads(model, model.trainable_params(), x))
+    unwrapped, unwrapped_peak = held_for_backward(ref, x)
+    checkpointed, checkpointed_peak = held_for_backward(model, x)
+    assert checkpointed < unwrapped / 3, (checkpointed, unwrapped)
+    assert checkpointed_peak < unwrapped_peak
 
 
 def small_resnet():

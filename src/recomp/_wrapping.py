@@ -170,6 +170,9 @@ class ModelOps:
     # under the other one, given (module, recomp's class, the original class); None
     # where the framework knows no way.
     rebase_foreign: Callable[[Any, type, type], type | None] = lambda m, wrapped, base: None
+    # Whether a forward hook on the model runs now: a library may have replaced the
+    # framework's hook runner with one that fails (mindnlp 0.3.1 on MindSpore).
+    forward_hooks_run: Callable[[], bool] = lambda: True
 
 
 def same_region(
@@ -513,7 +516,9 @@ class ReachCheck:
 
     A wrapper that is never called is a silent no-op: the model trains as without
     recomp. One-shot hooks record whether any wrapped module ran; the model's
-    forward hook checks that once, then removes them all. A copy or a pickle of
+    forward hook checks that once, then removes them all. Where forward hooks
+    cannot run (see ``ModelOps.forward_hooks_run``), a forward pre-hook on the
+    model checks at the start of its second call instead. A copy or a pickle of
     the model gets a check that has already finished (its hooks do nothing).
     """
 
@@ -524,8 +529,18 @@ class ReachCheck:
         self.paths = [path or "(the model itself)" for _, path in wrapped]
         self.reached = False
         self.done = False
+        self.model_calls = 0
         self.handles = [module.register_forward_pre_hook(self.mark) for module, _ in wrapped]
-        self.handles.append(model.register_forward_hook(self.check))
+        if ops.forward_hooks_run():
+            self.handles.append(model.register_forward_hook(self.check))
+        else:
+            self.handles.append(model.register_forward_pre_hook(self.check_at_next_call))
+
+    def check_at_next_call(self, module: Any, args: Any) -> None:
+        if not self.done and not self.is_compiling():
+            self.model_calls += 1
+            if self.model_calls == 2:
+                self.check(module, args, None)
 
     def mark(self, module: Any, args: Any) -> None:
         # Only eager calls count (``check`` skips compiled ones too). Under compilation
@@ -570,6 +585,7 @@ def _finished_check() -> ReachCheck:
     check.is_compiling = _not_compiling
     check.remove_running_hook = True
     check.model_name, check.paths, check.handles = "", [], []
+    check.model_calls = 0
     check.reached = check.done = True
     return check
 

@@ -285,4 +285,5 @@ _MODEL_OPS = _wrapping.ModelOps(
     is_compiling=lambda: False,
     check_reachable=_check_reachable,
     hooks_may_remove_themselves=False,
+    forward_hooks_run=_compat.forward_hooks_run,
 )

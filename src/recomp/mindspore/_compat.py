@@ -196,3 +196,24 @@ def recompute_called(cell: Any) -> bool:
     Retired by: a public query of whether a Cell is set to recompute.
     """
     return getattr(cell, "_recompute_cell", None) is not None
+
+
+# --------------------------------------------------------------------------- forward hooks
+
+
+def forward_hooks_run() -> bool:
+    """Whether a forward hook registered on a Cell would run as MindSpore runs it.
+
+    Why: libraries replace ``Cell._run_forward_hook``, the private method through
+    which ``Cell.__call__`` runs forward hooks; mindnlp 0.3.1 puts in a version
+    taking ``(inputs, output)``, while MindSpore 2.10 calls it with
+    ``(args, kwargs, output, called_always_called_hook_set)``, so that every Cell
+    with a forward hook fails with a ``TypeError``. recomp then does without
+    forward hooks (forward pre-hooks are left alone by such libraries).
+    If it changes: a method defined outside MindSpore is still taken as replaced.
+    Retired by: nothing in recomp; MindSpore owns the method, libraries patch it.
+    """
+    from mindspore import nn
+
+    method = nn.Cell.__dict__.get("_run_forward_hook")
+    return getattr(method, "__module__", "").startswith("mindspore.")

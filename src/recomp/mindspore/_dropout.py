@@ -103,7 +103,8 @@ def _draw_dropout(cell: Any, x: Any) -> Any:
 def _draw_channel_mask(primitive: Any, x: Any, spatial: int) -> Any:
     # The mask is constant over the spatial axes: keep one value per channel.
     _, mask = primitive(x)
-    return mask[(Ellipsis, *([slice(0, 1)] * spatial))].astype(mstype.bool_)
+    index = (Ellipsis,) + (slice(0, 1),) * spatial
+    return mask[index].astype(mstype.bool_)
 
 
 def _draw_dropout_1d(cell: Any, x: Any) -> Any:
