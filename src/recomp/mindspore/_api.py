@@ -105,6 +105,8 @@ class CheckpointWrapper(_NamesKept, _wrapping.WrapperMixin, nn.Cell):
     @pynative_only("checkpoint_wrapper")
     def construct(self, *args: Any, **kwargs: Any) -> Any:
         own = self._recomp_instance_method or super().construct
+        if self.mixed_precision_type is not None:  # set by auto_mixed_precision / to_float
+            own = _compat.with_mixed_precision(own, self.mixed_precision_type)
         return checkpoint(own, *args, **self._recomp_checkpoint_kwargs, **kwargs)
 
     def extend_repr(self) -> str:

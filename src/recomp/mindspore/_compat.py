@@ -217,3 +217,47 @@ def forward_hooks_run() -> bool:
 
     method = nn.Cell.__dict__.get("_run_forward_hook")
     return getattr(method, "__module__", "").startswith("mindspore.")
+
+
+# --------------------------------------------------------------------------- mixed precision
+
+
+def with_mixed_precision(function: Any, mixed_precision_type: Any) -> Any:
+    """``function`` run with a Cell's mixed-precision type set, as ``Cell.__call__`` runs
+    its ``construct``.
+
+    Why: ``Cell.__call__`` sets the Cell's ``mixed_precision_type`` (what
+    ``auto_mixed_precision`` O1/O2/O3 and ``Cell.to_float`` give it) on the
+    PyNative executor around ``construct`` and resets it afterwards. The replay of
+    a checkpointed Cell runs its ``construct`` during backward, outside that call,
+    so its own ops would run in another precision than in the forward and the
+    gradients would differ. Wrapping the checkpointed function restores it.
+    If it changes: ``RecompError`` naming the executor method, when a Cell with a
+    mixed-precision type is checkpointed.
+    Retired by: a public context manager for the executor's mixed-precision type.
+    """
+    executor = _executor()
+    if not hasattr(executor, "set_mixed_precision_type"):
+        raise RecompError(
+            "recomp.mindspore needs mindspore.graph.api._pynative_executor."
+            "set_mixed_precision_type to replay a Cell under auto_mixed_precision, and this "
+            "MindSpore has none. Apply auto_mixed_precision outside the checkpointed Cells "
+            "(on a function around the model), or report this with your MindSpore version."
+        )
+    from mindspore._c_expression import MixedPrecisionType
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        executor.set_mixed_precision_type(mixed_precision_type)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            executor.set_mixed_precision_type(MixedPrecisionType.NOTSET, False)
+
+    return run
+
+
+def no_mixed_precision() -> Any:
+    """The mixed-precision type under which ops run in the precision of their inputs."""
+    from mindspore._c_expression import MixedPrecisionType
+
+    return MixedPrecisionType.NOTSET

@@ -51,7 +51,9 @@ from mindspore.nn.layer import basic as _basic
 from .. import _engine, _wrapping
 from .._wrapping import REGION, RegionCounters
 from ..errors import UnreplayableDropoutWarning, internal_assert
+from . import _compat
 from ._backend import BACKEND
+from ._compat import with_mixed_precision
 from ._graph_mode import pynative_only
 
 _DROPOUT = _basic.Dropout
@@ -160,6 +162,11 @@ class ReplayableDropout(RegionCounters, _wrapping.WrapperMixin, nn.Cell):
             return x
         draw = _DRAW[self._recomp_base_dropout]
         mask = self._recomp_region.call(lambda t: draw(self, t), (ops.stop_gradient(x),), {})
+        if self.mixed_precision_type is not None:
+            # auto_mixed_precision would cast the float32 arithmetic to the cell's type
+            return with_mixed_precision(apply_mask, _compat.no_mixed_precision())(
+                x, mask, keep_prob
+            )
         return apply_mask(x, mask, keep_prob)
 
     @property
