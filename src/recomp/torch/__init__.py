@@ -25,6 +25,12 @@ from ._api import (
     checkpoint_wrapper,
     unwrap,
 )
+from ._memory_report import (
+    ReportRow,
+    SavedTensorsReport,
+    print_saved_tensors_report,
+    saved_tensors_report,
+)
 from ._offload import Offloader, OffloadStats, default_offloader
 
 __all__ = [
@@ -32,10 +38,14 @@ __all__ = [
     "ExcludeWrapper",
     "OffloadStats",
     "Offloader",
+    "ReportRow",
+    "SavedTensorsReport",
     "apply_activation_checkpointing",
     "checkpoint",
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
     "default_offloader",
+    "print_saved_tensors_report",
+    "saved_tensors_report",
     "unwrap",
 ]
