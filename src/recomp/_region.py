@@ -291,7 +291,10 @@ class RegionCall:
         try:
             for observer in observers:
                 observer.region_started(call)
-            with backend.saved_tensors_hooks(hook.pack, _unpack), backend.region_context():
+            with (
+                backend.saved_tensors_hooks(hook.pack, _unpack),
+                backend.region_context(region.name),
+            ):
                 out = fn(*args, **kwargs)
             if backend.versions_need_sync:
                 backend.sync()  # rule 5: once per region call

@@ -32,12 +32,14 @@ from ._memory_report import (
     saved_tensors_report,
 )
 from ._offload import Offloader, OffloadStats, default_offloader
+from ._oom_report import OomReport, install_oom_report
 
 __all__ = [
     "CheckpointWrapper",
     "ExcludeWrapper",
     "OffloadStats",
     "Offloader",
+    "OomReport",
     "ReportRow",
     "SavedTensorsReport",
     "apply_activation_checkpointing",
@@ -45,6 +47,7 @@ __all__ = [
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
     "default_offloader",
+    "install_oom_report",
     "print_saved_tensors_report",
     "saved_tensors_report",
     "unwrap",
