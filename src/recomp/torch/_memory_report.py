@@ -337,19 +337,20 @@ class _GraphWalk:
             if c.call is not None:
                 frame = self.call_frames.get(id(c.call), frame)
             layer = layer_names.get(id(frame)) if frame is not None else None
-            region = self._region_name(c.region)
-            row = ReportRow(layer, region, c.op, c.kind, nbytes, shape, dtype, device)
+            row = ReportRow(
+                layer, self._region_name(c.region), c.op, c.kind, nbytes, shape, dtype, device
+            )
             rows.append((self._rank(frame, c.region, position), row))
         deferred = []
-        for slot, op, region in self.deferred.values():
+        for slot, op, owner in self.deferred.values():
             invocation = slot.invocation()
             frame = self.invocation_frames.get(id(invocation)) if invocation is not None else None
             shape, stride, dtype, device = slot.layout
-            nbytes = _span(shape, stride) * torch.empty((), dtype=dtype).element_size()
+            nbytes = _span(shape, stride) * dtype.itemsize
             layer = layer_names.get(id(frame)) if frame is not None else None
             row = ReportRow(
                 layer,
-                self._region_name(region),
+                self._region_name(owner),
                 op,
                 DEFERRED,
                 nbytes,
@@ -357,7 +358,7 @@ class _GraphWalk:
                 _dtype_name(dtype),
                 str(device),
             )
-            deferred.append((self._rank(frame, region, 0), row))
+            deferred.append((self._rank(frame, owner, 0), row))
         return SavedTensorsReport(
             [r for _, r in sorted(rows, key=lambda p: p[0])],
             [r for _, r in sorted(deferred, key=lambda p: p[0])],

@@ -80,7 +80,11 @@ class OomReport:
         """Also walk the graph from ``tensor`` (a loss computed outside any module)."""
         key = id(tensor)
         roots = self.roots
-        roots[key] = weakref.ref(tensor, lambda _ref, key=key: roots.pop(key, None))
+
+        def forget(_ref: object) -> None:
+            roots.pop(key, None)
+
+        roots[key] = weakref.ref(tensor, forget)
 
     # -- reporting -------------------------------------------------------------------
 
