@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Any
 
@@ -102,6 +103,23 @@ def strategy_report(config: BenchConfig, strategy: str) -> Any:
     report = saved_tensors_report(loss, model=model, inputs=x)
     loss.backward()
     return report
+
+
+def write_strategy_reports(directory: str, config: BenchConfig, strategies: list[str]) -> list[str]:
+    """For ``recomp bench --report``: ``report-<strategy>.txt`` and ``.png`` per strategy in
+    ``directory``; returns the paths written (no pictures without matplotlib)."""
+    os.makedirs(directory, exist_ok=True)
+    references = {s: strategy_report(config, s).total_bytes for s in ("none", "full")}
+    written = []
+    for strategy in strategies:
+        report = strategy_report(config, strategy)
+        stem = os.path.join(directory, "report-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", strategy))
+        with open(stem + ".txt", "w") as f:
+            f.write(f"strategy {strategy}, model {config.model}\n{report.format()}\n")
+        written.append(stem + ".txt")
+        if write_png(stem + ".png", report, strategy, references):
+            written.append(stem + ".png")
+    return written
 
 
 #: Colours of the kinds in the picture (the report's kinds, in billing order).
