@@ -700,7 +700,7 @@ def test_a_checkpoint_placeholder_leads_to_its_call():
         return a.sin().cos()
 
     y = tuc.checkpoint(block, h, use_reentrant=False)
-    (name, handle), *_ = _compat.saved_handles(y.grad_fn)
+    (_name, handle), *_ = _compat.saved_handles(y.grad_fn)
     frame = _compat.checkpoint_frame(handle)
     assert frame is not None
     inputs = [_compat.packed_value(s) for s in _compat.checkpoint_input_handles(frame)]

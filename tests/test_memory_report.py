@@ -203,6 +203,26 @@ def test_without_any_checkpoint():
     assert "total held for backward" in str(report)
 
 
+def test_label_layers_names_the_layers_of_a_model_without_checkpoints():
+    model = norm_matmul_silu(3, D)
+    x = torch.randn(B, T, D)
+    plain = rt.saved_tensors_report(model(x).pow(2).mean(), model=model, inputs=x)
+    with rt.label_layers(model, ["layers.0", "layers.1", "layers.2"]):
+        loss = model(x).pow(2).mean()
+    assert not model.layers[0]._forward_pre_hooks and not model.layers[0]._forward_hooks
+    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    assert report.total_bytes == plain.total_bytes
+    layers = report.by_layer()
+    assert list(layers) == ["layers.0", "layers.1", "layers.2", None]  # forward order
+    # Each layer saves x * scale, the norm's output and the matmul's output; layers 1 and 2
+    # also their input (pow, mul) and the rsqrt's result (the caller's x needs no grad, so
+    # layer 0's norm statistics are not recorded). Outside: the output, saved by pow.
+    later = 4 * ACT + B * T * 4
+    assert layers == {"layers.0": 3 * ACT, "layers.1": later, "layers.2": later, None: ACT}
+    assert {r.kind for r in report.rows} == {OUTSIDE}
+    loss.backward()
+
+
 def test_inside_a_replay():
     """Taken while layer 0 replays (from a forward hook during backward): layer 1's
     backward has run (its rows are gone), layer 0 still holds what it held, plus the

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"strategy {args.strategy}, model {config.model}")
     print(report.format(largest_first=args.max_rows is not None, max_rows=args.max_rows))
     if args.png:
-        references = {s: strategy_report(config, s).total_bytes for s in ("none", "full")}
+        references = {s: strategy_report(config, s) for s in ("none", "full")}
         if not write_png(args.png, report, args.strategy, references):
             print("no picture: matplotlib is not installed (pip install recomp[bench])")
             return 0
@@ -80,11 +80,11 @@ def main(argv: list[str] | None = None) -> int:
 def strategy_report(config: BenchConfig, strategy: str) -> Any:
     """One forward of ``config``'s model under ``strategy`` (a benchmark strategy or a plan
     file), its report taken before backward; the backward then runs, as in training."""
-    from recomp.torch import saved_tensors_report
+    from recomp.torch import label_layers, saved_tensors_report
 
     from .._modelcall import call_model
     from .runner import build, plan_for
-    from .strategies import parse, prepare
+    from .strategies import layers_of, parse, prepare
 
     model, x, loss_fn = build(config)
     if strategy.endswith(".json"):
@@ -99,7 +99,9 @@ def strategy_report(config: BenchConfig, strategy: str) -> Any:
         prepared = prepare(strategy, model)
     model = prepared.model
     model.train()
-    loss = loss_fn(call_model(model, x))
+    # Layers without a checkpoint are named through hooks; checkpointed ones by their checkpoint.
+    with label_layers(model, [path for path, _ in layers_of(model)]):
+        loss = loss_fn(call_model(model, x))
     report = saved_tensors_report(loss, model=model, inputs=x)
     loss.backward()
     return report
@@ -109,7 +111,7 @@ def write_strategy_reports(directory: str, config: BenchConfig, strategies: list
     """For ``recomp bench --report``: ``report-<strategy>.txt`` and ``.png`` per strategy in
     ``directory``; returns the paths written (no pictures without matplotlib)."""
     os.makedirs(directory, exist_ok=True)
-    references = {s: strategy_report(config, s).total_bytes for s in ("none", "full")}
+    references = {s: strategy_report(config, s) for s in ("none", "full")}
     written = []
     for strategy in strategies:
         report = strategy_report(config, strategy)
@@ -135,9 +137,10 @@ _COLOURS = {
 }
 
 
-def write_png(path: str, report: Any, strategy: str, references: dict[str, int]) -> bool:
-    """Per layer, a stacked bar of bytes by kind; beside it, the whole model's bar with the
-    no-checkpoint and full-checkpoint totals as reference lines. False without matplotlib."""
+def write_png(path: str, report: Any, strategy: str, references: dict[str, Any]) -> bool:
+    """Per layer, a stacked bar of bytes by kind, with what the layer holds under the
+    ``references`` (reports of no and full checkpointing) as marks; beside it, the whole
+    model's bar with their totals as reference lines. False without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -182,17 +185,29 @@ def write_png(path: str, report: Any, strategy: str, references: dict[str, int])
     ax.set_xticklabels(layers, rotation=45, ha="right", fontsize=8)
     ax.set_ylabel("held for backward (MiB)")
     ax.set_title(f"per layer, strategy {strategy}")
-    ax.legend(fontsize=7)
     styles = {"none": ("no checkpoint", "#d62728"), "full": ("full checkpoint", "#2ca02c")}
-    for name, nbytes in references.items():
+    for name, reference in references.items():
         label, colour = styles.get(name, (name, "black"))
+        per_layer = reference.by_layer()
+        heights = [per_layer.get(None if n == "outside layers" else n, 0) / mib for n in layers]
+        ax.hlines(
+            heights,
+            [i - 0.45 for i in range(len(layers))],
+            [i + 0.45 for i in range(len(layers))],
+            colors=colour,
+            linestyles="--",
+            label=label,
+        )
+        nbytes = reference.total_bytes
         total_ax.axhline(
             nbytes / mib, color=colour, linestyle="--", label=f"{label}: {nbytes / mib:.1f}"
         )
+    ax.legend(fontsize=7)
     total_ax.set_xticks([0])
     total_ax.set_xticklabels([f"{strategy}\n{report.total_bytes / mib:.1f} MiB"], fontsize=8)
     total_ax.set_title("whole model")
-    total_ax.set_ylim(0, max([total_bottom, *(v / mib for v in references.values())]) * 1.15)
+    top = max([total_bottom, *(r.total_bytes / mib for r in references.values())])
+    total_ax.set_ylim(0, top * 1.15)
     total_ax.legend(fontsize=7, loc="upper right")
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -28,6 +28,7 @@ from ._api import (
 from ._memory_report import (
     ReportRow,
     SavedTensorsReport,
+    label_layers,
     print_saved_tensors_report,
     saved_tensors_report,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "checkpoint_wrapper",
     "default_offloader",
     "install_oom_report",
+    "label_layers",
     "print_saved_tensors_report",
     "saved_tensors_report",
     "unwrap",

@@ -19,6 +19,7 @@ forward). The graph walk reads PyTorch's private structures only through
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -169,6 +170,57 @@ def print_saved_tensors_report(
     return report
 
 
+@contextlib.contextmanager
+def label_layers(model: nn.Module, layers: Iterable[str]) -> Iterator[None]:
+    """Name the layer of each tensor saved outside checkpoints during the block's forward.
+
+    A checkpointed layer is found through its checkpoint; a layer without one is not
+    visible in the graph. Inside this block, every tensor autograd saves outside a
+    checkpoint is tagged with the innermost of ``layers`` (module paths in ``model``)
+    running at the time, which :func:`saved_tensors_report` then shows as its layer.
+    Costs one Python call per such saved tensor and two per layer call, while active.
+    """
+    running: list[str] = []
+    handles = []
+    try:
+        for path in layers:
+            module = model.get_submodule(path)
+
+            def enter(_module: Any, _args: Any, path: str = path) -> None:
+                running.append(path)
+
+            def leave(_module: Any, _args: Any, _out: Any) -> None:
+                if running:
+                    running.pop()
+
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+
+        def pack(t: torch.Tensor) -> _Labelled:
+            # An alias without history: saving an op's own output as itself would close
+            # a reference cycle through the graph.
+            return _Labelled(t.detach(), running[-1] if running else None)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _Labelled.unpack):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _Labelled:
+    """A tensor saved outside checkpoints inside :func:`label_layers`, with its layer."""
+
+    __slots__ = ("layer", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, layer: str | None) -> None:
+        self.tensor = tensor
+        self.layer = layer
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor
+
+
 # --------------------------------------------------------------------------- the walk
 
 
@@ -182,6 +234,7 @@ class _Candidate:
     frame: Any = None  # the checkpoint call it belongs to
     region: ExcludedRegion | None = None
     call: RegionCall | None = None
+    layer: str | None = None  # named by label_layers (tensors saved outside checkpoints)
 
 
 class _GraphWalk:
@@ -192,14 +245,17 @@ class _GraphWalk:
         self.excluded: set[Any] = set()  # storage keys not billed
         self.frames: dict[int, Any] = {}  # id -> checkpoint frame, in discovery order
         self.frame_modules: dict[int, Any] = {}  # id(frame) -> what it checkpointed
+        self.frame_labels: dict[int, str] = {}  # id(frame) -> its layer, from label_layers
         self.call_frames: dict[int, Any] = {}  # id(RegionCall) -> frame
         self.invocation_frames: dict[int, Any] = {}  # id(Invocation) -> frame
         self.keep_alive: list[Any] = []  # ids above stay unique while the walk runs
         self.module_paths: dict[int, str] = {}
+        self.path_index: dict[str, int] = {}
         self.region_paths: dict[int, str] = {}
         if model is not None:
             for path, module in model.named_modules(remove_duplicate=False):
                 self.module_paths.setdefault(id(module), path)
+                self.path_index.setdefault(path, len(self.path_index))
                 region = getattr(module, "_recomp_region", None)
                 if isinstance(region, ExcludedRegion):
                     self.region_paths.setdefault(id(region), path)
@@ -237,6 +293,12 @@ class _GraphWalk:
         if isinstance(packed, torch.Tensor):
             kind = CHECKPOINT_INPUT if frame is not None else OUTSIDE
             self.candidates.append(_Candidate(kind, packed, op, frame))
+            return
+        if isinstance(packed, _Labelled):
+            if frame is not None and packed.layer is not None:  # the layer label_layers saw
+                self.frame_labels.setdefault(id(frame), packed.layer)
+            kind = CHECKPOINT_INPUT if frame is not None else OUTSIDE
+            self.candidates.append(_Candidate(kind, packed.tensor, op, frame, layer=packed.layer))
             return
         info = saved_by_region(packed)
         if info is not None:
@@ -336,11 +398,11 @@ class _GraphWalk:
             frame = c.frame
             if c.call is not None:
                 frame = self.call_frames.get(id(c.call), frame)
-            layer = layer_names.get(id(frame)) if frame is not None else None
+            layer = layer_names.get(id(frame)) if frame is not None else c.layer
             row = ReportRow(
                 layer, self._region_name(c.region), c.op, c.kind, nbytes, shape, dtype, device
             )
-            rows.append((self._rank(frame, c.region, position), row))
+            rows.append((self._rank(layer, frame, c.region, position), row))
         deferred = []
         for slot, op, owner in self.deferred.values():
             invocation = slot.invocation()
@@ -358,7 +420,7 @@ class _GraphWalk:
                 _dtype_name(dtype),
                 str(device),
             )
-            deferred.append((self._rank(frame, owner, 0), row))
+            deferred.append((self._rank(layer, frame, owner, 0), row))
         return SavedTensorsReport(
             [r for _, r in sorted(rows, key=lambda p: p[0])],
             [r for _, r in sorted(deferred, key=lambda p: p[0])],
@@ -370,7 +432,7 @@ class _GraphWalk:
         # The walk starts at the loss: layers are met last first.
         for frame in reversed(list(self.frames.values())):
             owner = self.frame_modules.get(id(frame))
-            path = self.module_paths.get(id(owner))
+            path = self.frame_labels.get(id(frame)) or self.module_paths.get(id(owner))
             if path is None:
                 base = (
                     type(owner).__name__
@@ -388,20 +450,26 @@ class _GraphWalk:
             return None
         return self.region_paths.get(id(region), region.name)
 
-    def _rank(self, frame: Any, region: ExcludedRegion | None, position: int) -> tuple[int, ...]:
-        """Forward order: layers in the order they ran, outside rows last; within a layer,
-        regions in model order, then what belongs to no region."""
-        frames = list(self.frames)
-        layer = len(frames) - frames.index(id(frame)) if frame is not None else len(frames) + 1
-        owner = self.frame_modules.get(id(frame)) if frame is not None else None
-        if owner is not None and id(owner) in self.module_paths:
-            layer = list(self.module_paths).index(id(owner))
+    def _rank(
+        self, layer: str | None, frame: Any, region: ExcludedRegion | None, position: int
+    ) -> tuple[int, ...]:
+        """Forward order: layers in model order (or the order they ran), rows outside
+        layers last; within a layer, regions in model order, then what is in no region."""
+        if layer is None:
+            first = (1, 0)
+        elif layer in self.path_index:
+            first = (0, self.path_index[layer])
+        elif frame is not None and id(frame) in self.frames:
+            frames = list(self.frames)
+            first = (0, len(self.path_index) + len(frames) - frames.index(id(frame)))
+        else:
+            first = (0, 1 << 30)
         region_rank = 1 << 30
         if region is not None:
             path = self.region_paths.get(id(region))
-            region_rank = list(self.region_paths).index(id(region)) if path else 1 << 29
+            region_rank = self.path_index.get(path, 1 << 29) if path else 1 << 29
         # The walk met tensors last first: reverse to forward order.
-        return (0 if frame is not None else 1, layer, region_rank, -position)
+        return (*first, region_rank, -position)
 
 
 # --------------------------------------------------------------------------- helpers
