@@ -584,7 +584,7 @@ def saved_handles(node: Any) -> list[tuple[str, Any]]:
     for name in names:
         try:
             value = getattr(node, name)
-        except RuntimeError:  # released by a backward
+        except (RuntimeError, AttributeError, TypeError):  # released by a backward, or odd
             continue
         items = value if isinstance(value, (list, tuple)) else (value,)
         for item in items:

@@ -20,6 +20,7 @@ forward). The graph walk reads PyTorch's private structures only through
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -337,7 +338,13 @@ class _GraphWalk:
         self.frames[id(frame)] = frame
         self.keep_alive.append(frame)
         function, replay_context = _compat.checkpoint_function(frame)
-        owner = getattr(function, "__self__", function)
+        owner = None
+        while isinstance(function, functools.partial):  # HF: partial(forward, layer, **kwargs)
+            if function.args and isinstance(function.args[0], nn.Module):
+                owner = function.args[0]
+            function = function.func
+        if owner is None:
+            owner = getattr(function, "__self__", function)
         self.frame_modules[id(frame)] = owner
         if isinstance(owner, nn.Module):
             for t in [*owner.parameters(), *owner.buffers()]:
@@ -497,6 +504,8 @@ def _describe(t: Any) -> tuple[Any, int, tuple[int, ...], str, str]:
         stored = t.stored
         return ("host", id(stored)), stored.nbytes, tuple(t.size), _dtype_name(t.dtype), "cpu"
     key = _compat.storage_key(t)
+    if key is None and not t.is_meta:  # a tensor subclass without a storage of its own
+        key = ("object", id(t))
     return key, BACKEND.storage_nbytes(t), tuple(t.shape), _dtype_name(t.dtype), str(t.device)
 
 
