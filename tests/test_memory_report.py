@@ -26,7 +26,7 @@ from recomp.torch._memory_report import (
     RNG,
 )
 
-pytestmark = pytest.mark.skipif(
+needs_saved_values = pytest.mark.skipif(
     not _compat.saved_values_readable(),
     reason="this PyTorch does not expose saved values without unpacking them",
 )
@@ -81,6 +81,7 @@ DECODER = "recomp.bench.models:llama"
 HF_LLAMA = "hf_models:tiny_llama"
 
 
+@needs_saved_values
 def test_total_is_the_activation_memory_the_allocator_sees():
     """On the built-in decoder and a Hugging Face Llama, with no, full and attention-excluded
     checkpointing: within 2% of the heap the forward left in use, as the benchmark measures
@@ -113,6 +114,7 @@ def test_total_is_the_activation_memory_the_allocator_sees():
 # --------------------------------------------------------------------------- exact bytes
 
 
+@needs_saved_values
 def test_deferred_inputs_are_listed_but_not_billed():
     """silu(norm(x) @ W) with the matmul excluded: the matmul's input (the norm's output)
     is rebuilt by the replay: listed as deferred, not billed; the region holds only its
@@ -164,6 +166,7 @@ class Stack(nn.Module):
         return x
 
 
+@needs_saved_values
 def test_a_storage_two_regions_keep_is_billed_once():
     model = Stack(2)
     rt.apply_activation_checkpointing(
@@ -187,6 +190,7 @@ def test_a_storage_two_regions_keep_is_billed_once():
     assert len(shared) == 2  # once per layer, not once per region
 
 
+@needs_saved_values
 def test_without_any_checkpoint():
     """A plain model: every saved activation billed once as saved outside checkpoints;
     the parameters and the caller's input are not."""
@@ -203,6 +207,7 @@ def test_without_any_checkpoint():
     assert "total held for backward" in str(report)
 
 
+@needs_saved_values
 def test_label_layers_names_the_layers_of_a_model_without_checkpoints():
     model = norm_matmul_silu(3, D)
     x = torch.randn(B, T, D)
@@ -223,6 +228,7 @@ def test_label_layers_names_the_layers_of_a_model_without_checkpoints():
     loss.backward()
 
 
+@needs_saved_values
 def test_inside_a_replay():
     """Taken while layer 0 replays (from a forward hook during backward): layer 1's
     backward has run (its rows are gone), layer 0 still holds what it held, plus the
@@ -250,6 +256,7 @@ def test_inside_a_replay():
     assert rt.saved_tensors_report(loss).rows == []
 
 
+@needs_saved_values
 def test_offloaded_tensors_are_billed_as_host_copies():
     class Layer(nn.Module):
         def __init__(self) -> None:
@@ -276,6 +283,7 @@ def test_offloaded_tensors_are_billed_as_host_copies():
 # --------------------------------------------------------------------------- OOM report
 
 
+@needs_saved_values
 def test_oom_report_names_the_running_region_and_lists_largest_first():
     model = _checkpointed(norm_matmul_silu(2, D), (type(norm_matmul_silu(1, D).layers[0].proj),))
     out = io.StringIO()
@@ -303,6 +311,7 @@ def test_oom_report_names_the_running_region_and_lists_largest_first():
 
 
 def test_report_needs_a_pytorch_that_exposes_saved_values(monkeypatch):
+    """Where PyTorch can (2.14), pretend it cannot; where it cannot (2.9), for real."""
     monkeypatch.setattr(_compat, "saved_values_readable", lambda: False)
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(RuntimeError, match="Upgrade PyTorch"):
@@ -312,6 +321,7 @@ def test_report_needs_a_pytorch_that_exposes_saved_values(monkeypatch):
 # --------------------------------------------------------------------------- the command
 
 
+@needs_saved_values
 def test_report_command_prints_the_table_and_draws(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from recomp.__main__ import main

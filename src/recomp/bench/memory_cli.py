@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     config.model = args.model
     try:
         report = strategy_report(config, args.strategy)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"recomp report: {exc}", file=sys.stderr)
         return 2
     print(f"strategy {args.strategy}, model {config.model}")
