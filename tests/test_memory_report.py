@@ -334,3 +334,25 @@ def test_report_command_prints_the_table_and_draws(tmp_path, capsys):
     assert png.stat().st_size > 0
     assert main(["report", "--layers", "1", "--strategy", "nonsense"]) == 2
     assert "unknown strategy" in capsys.readouterr().err
+    assert main([*args[:7], "--strategy", "none", "--summary"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # without a checkpoint, label_layers still names each layer
+    assert [ln.split()[0] for ln in lines[3:6]] == ["layers.0", "layers.1", "-"]
+
+
+@needs_saved_values
+def test_bench_report_writes_each_strategy(tmp_path):
+    pytest.importorskip("matplotlib")
+    from recomp.bench.config import BenchConfig
+    from recomp.bench.memory_cli import write_strategy_reports
+
+    config = BenchConfig(layers=1, hidden=32, heads=2, seq=16, batch=1)
+    written = write_strategy_reports(str(tmp_path), config, ["full", "plan@50%"])
+    names = sorted(p.rsplit("/", 1)[1] for p in written)
+    assert names == [
+        "report-full.png",
+        "report-full.txt",
+        "report-plan_50_.png",
+        "report-plan_50_.txt",
+    ]
+    assert "total held for backward" in (tmp_path / "report-full.txt").read_text()

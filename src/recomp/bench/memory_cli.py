@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--png", metavar="PATH", help="write per-layer stacked bars here")
     p.add_argument(
+        "--summary",
+        action="store_true",
+        help="one line per layer, region and kind instead of one per storage",
+    )
+    p.add_argument(
         "--max-rows", type=int, default=None, help="print at most this many rows (largest first)"
     )
     add_config_arguments(p, steps=1, steps_help=argparse.SUPPRESS, device_help="cpu or cuda[:N]")
@@ -67,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recomp report: {exc}", file=sys.stderr)
         return 2
     print(f"strategy {args.strategy}, model {config.model}")
-    print(report.format(largest_first=args.max_rows is not None, max_rows=args.max_rows))
+    if args.summary:
+        print(report.summary())
+    else:
+        print(report.format(largest_first=args.max_rows is not None, max_rows=args.max_rows))
     if args.png:
         references = {s: strategy_report(config, s) for s in ("none", "full")}
         if not write_png(args.png, report, args.strategy, references):

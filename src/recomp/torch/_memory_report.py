@@ -108,22 +108,35 @@ class SavedTensorsReport:
         return rows if n is None else rows[:n]
 
     def format(self, largest_first: bool = False, max_rows: int | None = None) -> str:
-        """The table: rows in forward order (or largest first), then totals per kind."""
+        """The table: rows in forward order (or largest first), the deferred inputs, then
+        totals per kind."""
         rows = self.largest() if largest_first else list(self.rows)
         shown = rows if max_rows is None else rows[:max_rows]
         header = ("layer", "region", "op", "kind", "shape", "dtype", "bytes")
-        table = [header] + [_cells(r) for r in shown + self.deferred]
-        widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-        lines = [
-            "  ".join(_pad(c, w, i) for i, (c, w) in enumerate(zip(line, widths))) for line in table
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        cells = [_cells(r) for r in shown]
         if len(shown) < len(rows):
             rest = rows[len(shown) :]
-            lines.append(f"... {len(rest)} more rows, {_size(sum(r.bytes for r in rest))}")
-        lines.append("")
-        for kind, nbytes in self.by_kind().items():
-            lines.append(f"{kind:>28}  {_size(nbytes)}")
+            more = f"... {len(rest)} more rows"
+            cells.append(("...", "", more, "", "", "", str(sum(r.bytes for r in rest))))
+        cells += [_cells(r) for r in self.deferred]
+        return _table(header, cells) + "\n\n" + self._totals()
+
+    def summary(self) -> str:
+        """One line per layer, region and kind: how many storages, how many bytes."""
+        groups: dict[tuple[str | None, str | None, str], list[int]] = {}
+        for row in self.rows + self.deferred:
+            group = groups.setdefault((row.layer, row.region, row.kind), [0, 0])
+            group[0] += 1
+            group[1] += row.bytes
+        header = ("layer", "region", "kind", "storages", "bytes")
+        cells = [
+            (layer or "-", region or "-", kind, str(n), str(nbytes))
+            for (layer, region, kind), (n, nbytes) in groups.items()
+        ]
+        return _table(header, cells) + "\n\n" + self._totals()
+
+    def _totals(self) -> str:
+        lines = [f"{kind:>28}  {_size(nbytes)}" for kind, nbytes in self.by_kind().items()]
         lines.append(f"{'total held for backward':>28}  {_size(self.total_bytes)}")
         if self.deferred:
             lines.append(
@@ -561,5 +574,16 @@ def _cells(r: ReportRow) -> tuple[str, ...]:
     )
 
 
-def _pad(cell: str, width: int, column: int) -> str:
-    return cell.rjust(width) if column == 6 else cell.ljust(width)
+def _table(header: tuple[str, ...], cells: list[tuple[str, ...]]) -> str:
+    """Columns padded to their widths; the last (bytes) right-aligned."""
+    table = [header, *cells]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    last = len(header) - 1
+    lines = [
+        "  ".join(
+            c.rjust(w) if i == last else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))
+        )
+        for line in table
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
