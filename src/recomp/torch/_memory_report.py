@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -574,7 +574,7 @@ def _cells(r: ReportRow) -> tuple[str, ...]:
     )
 
 
-def _table(header: tuple[str, ...], cells: list[tuple[str, ...]]) -> str:
+def _table(header: tuple[str, ...], cells: Sequence[tuple[str, ...]]) -> str:
     """Columns padded to their widths; the last (bytes) right-aligned."""
     table = [header, *cells]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
