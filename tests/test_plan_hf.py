@@ -112,7 +112,9 @@ def test_help_states_the_model_protocol():
 
 
 @pytest.mark.parametrize("factory", ["tiny_llama", "tiny_qwen3"])
-def test_cli_plans_a_hugging_face_factory_and_the_plan_applies_to_a_fresh_model(tmp_path, factory):
+def test_cli_plans_a_hugging_face_factory_and_the_plan_applies_to_a_fresh_model(
+    tmp_path, factory
+):
     path = tmp_path / "plan.json"
     out = _recomp(
         "plan",
