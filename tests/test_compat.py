@@ -663,3 +663,68 @@ def test_hf_models_name_their_layer_classes():
     )
     assert _compat.hf_no_split_modules(model) == {"GPT2Block"}
     assert _compat.hf_no_split_modules(torch.nn.Linear(2, 2)) == frozenset()
+
+
+# --------------------------------------------------------------------------- saved-tensor report
+
+
+def _readable():
+    from recomp.torch import _compat
+
+    if not _compat.saved_values_readable():
+        pytest.skip("this PyTorch has no SavedTensor.data (the report says so)")
+    return _compat
+
+
+def test_saved_values_are_read_without_unpacking_and_released_by_backward():
+    import torch
+
+    _compat = _readable()
+    x = torch.randn(4, requires_grad=True)
+    h = x * 2
+    y = h.sin()
+    handles = _compat.saved_handles(y.grad_fn)
+    assert [name for name, _ in handles] == ["self"]
+    value = _compat.packed_value(handles[0][1])
+    assert value.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+    y.sum().backward()
+    assert _compat.packed_value(handles[0][1]) is None
+
+
+def test_a_checkpoint_placeholder_leads_to_its_call():
+    import torch
+    import torch.utils.checkpoint as tuc
+
+    _compat = _readable()
+    x = torch.randn(4, requires_grad=True)
+    h = x * 2
+
+    def block(a):
+        return a.sin().cos()
+
+    y = tuc.checkpoint(block, h, use_reentrant=False)
+    (_name, handle), *_ = _compat.saved_handles(y.grad_fn)
+    frame = _compat.checkpoint_frame(handle)
+    assert frame is not None
+    inputs = [_compat.packed_value(s) for s in _compat.checkpoint_input_handles(frame)]
+    assert [t.untyped_storage().data_ptr() for t in inputs] == [h.untyped_storage().data_ptr()]
+    function, _context = _compat.checkpoint_function(frame)
+    assert function is block
+    assert [t.dtype for t in _compat.checkpoint_rng_states(frame)] == [torch.uint8]
+    assert _compat.replay_tensors(frame, handle) == []  # no replay yet
+    # a plain saved tensor is no placeholder
+    z = h.exp()
+    assert _compat.checkpoint_frame(_compat.saved_handles(z.grad_fn)[0][1]) is None
+    y.sum().backward()
+
+
+def test_memory_history_is_off_without_cuda_and_labels_are_harmless():
+    import torch
+
+    from recomp.torch import _compat
+
+    if torch.cuda.is_available():
+        pytest.skip("checked on a GPU by the device script")
+    assert _compat.memory_history_enabled() is False
+    with _compat.memory_label("recomp region test"):
+        assert torch.ones(2).sum().item() == 2.0

@@ -12,6 +12,8 @@ USAGE = """usage: recomp <command> [options]
 commands:
   bench    measure activation memory, replayed FLOPs and step time of checkpointing
            strategies side by side (`recomp bench --help`)
+  report   show what one forward holds for backward, by layer, region and op, and
+           why (`recomp report --help`)
   plan     choose per layer what to checkpoint and exclude so that a memory budget is
            met at the least step time, then run the plan (`recomp plan --help`)
 """
@@ -31,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from recomp.bench.plan_cli import main as plan_main
 
         return plan_main(rest)
+    if command == "report":
+        from recomp.bench.memory_cli import main as report_main
+
+        return report_main(rest)
     print(f"recomp: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

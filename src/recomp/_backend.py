@@ -215,8 +215,9 @@ class Backend:
     def saved_tensors_hooks(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
         raise NotImplementedError
 
-    def region_context(self) -> Any:
-        """Context entered around a region's forward (hides op-level checkpoint caches)."""
+    def region_context(self, name: str) -> Any:
+        """Context entered around the forward of region ``name`` (hides op-level checkpoint
+        caches; labels the region's allocations where the framework records them)."""
         return contextlib.nullcontext()
 
     def boundary(self, saved: list[Any], outputs: list[Any]) -> list[Any]:

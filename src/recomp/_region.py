@@ -291,7 +291,10 @@ class RegionCall:
         try:
             for observer in observers:
                 observer.region_started(call)
-            with backend.saved_tensors_hooks(hook.pack, _unpack), backend.region_context():
+            with (
+                backend.saved_tensors_hooks(hook.pack, _unpack),
+                backend.region_context(region.name),
+            ):
                 out = fn(*args, **kwargs)
             if backend.versions_need_sync:
                 backend.sync()  # rule 5: once per region call
@@ -537,11 +540,15 @@ class _Kept:
     Holds the region (long-lived), not the call: the autograd graph holds this
     object, and the call holds the region's outputs, whose graph holds it (rule 3)."""
 
-    __slots__ = ("region", "snapshot")
+    __slots__ = ("call", "region", "snapshot")
 
-    def __init__(self, region: ExcludedRegion, snapshot: Snapshot) -> None:
+    def __init__(
+        self, region: ExcludedRegion, snapshot: Snapshot, call: weakref.ref[RegionCall]
+    ) -> None:
         self.region = region
         self.snapshot = snapshot
+        # Weak, one reference shared by the call's kept tensors: for memory reports.
+        self.call = call
 
     def unpack(self) -> Any:
         backend = self.region.backend
@@ -656,6 +663,33 @@ def _unpack(packed: Any) -> Any:
     return packed.unpack()
 
 
+class SavedByRegion:
+    """What a memory report may read of a handle that a region's pack hook returned."""
+
+    __slots__ = ("call", "deferred_slot", "region", "snapshot")
+
+    def __init__(
+        self,
+        region: ExcludedRegion,
+        call: RegionCall | None,
+        snapshot: Snapshot | None,
+        deferred_slot: InputSlot | None,
+    ) -> None:
+        self.region = region
+        self.call = call  # None once the call's record is gone
+        self.snapshot = snapshot  # the kept tensor (None: deferred)
+        self.deferred_slot = deferred_slot  # the input the replay rebuilds (None: kept)
+
+
+def saved_by_region(packed: Any) -> SavedByRegion | None:
+    """Describe ``packed`` if a region's pack hook made it (kept or deferred), else None."""
+    if isinstance(packed, _Kept):
+        return SavedByRegion(packed.region, packed.call(), packed.snapshot, None)
+    if isinstance(packed, _Deferred):
+        return SavedByRegion(packed.slot.region, None, None, packed.slot)
+    return None
+
+
 class _SaveHook:
     """The inner pack hook of one region call: keeps saved tensors, or defers region inputs.
 
@@ -679,6 +713,7 @@ class _SaveHook:
         backend = region.backend
         self.region = region
         self.call = call
+        self.call_ref = weakref.ref(call)
         self.observers = observers
         self.fn: Callable[..., Any] | None = fn
         self.placement = placement
@@ -747,7 +782,7 @@ class _SaveHook:
             for observer in self.observers:
                 observer.tensor_kept(self.call, t, snapshot.value)
         self.snapshots.append(snapshot)
-        return _Kept(region, snapshot)
+        return _Kept(region, snapshot, self.call_ref)
 
     def parameter_keys(self) -> set[Hashable]:
         """Storages of the wrapped module's parameters. A parameter may be saved through

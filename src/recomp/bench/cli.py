@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-overhead", action="store_true", help="skip the wrapper-overhead timing")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot")
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        help="write each eager PyTorch strategy's saved-tensor report (recomp report) to "
+        "DIR/report-STRATEGY.txt and .png",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -302,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.plot}")
         except ImportError:
             print("no plot: matplotlib is not installed (pip install recomp[bench])")
+    if args.report:
+        from .memory_cli import write_strategy_reports
+
+        for fw, cfg, strategies in plan:
+            if fw == "torch" and not cfg.compile:
+                for path in write_strategy_reports(args.report, cfg, strategies):
+                    print(f"wrote {path}")
     failed = [r for r in results + scenario if r.error is not None]
     return 1 if failed and len(failed) == len(results + scenario) else 0
 

@@ -25,17 +25,32 @@ from ._api import (
     checkpoint_wrapper,
     unwrap,
 )
+from ._memory_report import (
+    ReportRow,
+    SavedTensorsReport,
+    label_layers,
+    print_saved_tensors_report,
+    saved_tensors_report,
+)
 from ._offload import Offloader, OffloadStats, default_offloader
+from ._oom_report import OomReport, install_oom_report
 
 __all__ = [
     "CheckpointWrapper",
     "ExcludeWrapper",
     "OffloadStats",
     "Offloader",
+    "OomReport",
+    "ReportRow",
+    "SavedTensorsReport",
     "apply_activation_checkpointing",
     "checkpoint",
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
     "default_offloader",
+    "install_oom_report",
+    "label_layers",
+    "print_saved_tensors_report",
+    "saved_tensors_report",
     "unwrap",
 ]

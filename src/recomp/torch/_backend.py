@@ -122,8 +122,11 @@ class TorchBackend(Backend):
     ) -> contextlib.AbstractContextManager[None]:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def region_context(self) -> contextlib.AbstractContextManager[None]:
-        return _compat.hide_selective_checkpoint_modes()
+    def region_context(self, name: str) -> contextlib.AbstractContextManager[None]:
+        hide = _compat.hide_selective_checkpoint_modes()
+        if not _compat.memory_history_enabled():  # the common case: nothing to label
+            return hide
+        return _labelled(name, hide)
 
     def detach(self, t: torch.Tensor) -> torch.Tensor:
         # Autograd restores the graph edge of an unpacked saved tensor, so a detached
@@ -185,6 +188,13 @@ class TorchBackend(Backend):
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+@contextlib.contextmanager
+def _labelled(name: str, inner: contextlib.AbstractContextManager[None]) -> Iterator[None]:
+    """Allocations of an excluded region, labelled in CUDA memory snapshots."""
+    with inner, _compat.memory_label(f"recomp region {name}"):
+        yield
 
 
 BACKEND = TorchBackend()

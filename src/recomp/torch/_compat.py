@@ -545,3 +545,234 @@ def run_at_trace_time(fn: Callable[[], Any]) -> Callable[[], Any]:
     applied only where needed. ``fn`` must return a constant.
     """
     return torch.compiler.assume_constant_result(fn)  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------- saved-tensor report
+
+# The class of the handles in ``_raw_saved_*`` attributes of autograd nodes.
+_SAVED_TENSOR_TYPE: type | None = getattr(torch._C._autograd, "SavedTensor", None)
+# Per autograd node class: the names of its ``_raw_saved_*`` attributes.
+_SAVED_ATTRIBUTES: dict[type, tuple[str, ...]] = {}
+
+
+def saved_values_readable() -> bool:
+    """Whether this PyTorch lets a saved tensor's packed value be read without unpacking it.
+
+    Why: the memory report reads what each autograd node holds for backward without
+    triggering a checkpoint's replay (which unpacking would). ``SavedTensor.data``
+    returns the value a pack hook returned (or the tensor, without hooks; None once
+    backward released it). PyTorch 2.14 has it; 2.9 does not (detected by feature).
+    If it changes: False, and ``saved_tensors_report`` raises, naming the PyTorch needed.
+    Retired by: a public reader of an autograd node's saved values.
+    """
+    return _SAVED_TENSOR_TYPE is not None and hasattr(_SAVED_TENSOR_TYPE, "data")
+
+
+def saved_handles(node: Any) -> list[tuple[str, Any]]:
+    """``(name, handle)`` for each tensor the autograd ``node`` saved (lists unrolled).
+
+    Private: the ``_raw_saved_<name>`` attributes of generated nodes and
+    ``_raw_saved_tensors`` of custom Functions are the only way to reach the
+    ``SavedTensor`` handles without unpacking them.
+    If it changes: no handles are found; the report then lists nothing for the node.
+    """
+    names = _SAVED_ATTRIBUTES.get(type(node))
+    if names is None:
+        names = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+        _SAVED_ATTRIBUTES[type(node)] = names
+    found: list[tuple[str, Any]] = []
+    for name in names:
+        try:
+            value = getattr(node, name)
+        except (RuntimeError, AttributeError, TypeError):  # released by a backward, or odd
+            continue
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        for item in items:
+            if _SAVED_TENSOR_TYPE is not None and isinstance(item, _SAVED_TENSOR_TYPE):
+                found.append((name[len("_raw_saved_") :], item))
+    return found
+
+
+def packed_value(handle: Any) -> Any:
+    """What the pack hook returned for ``handle`` (the tensor itself without hooks), or None
+    once a backward released it. See :func:`saved_values_readable`."""
+    try:
+        return handle.data
+    except RuntimeError:
+        return None
+
+
+def checkpoint_frame(handle: Any) -> Any:
+    """The non-reentrant checkpoint call that packed ``handle``, or None.
+
+    Private: a checkpoint's placeholder (``torch.utils.checkpoint._Holder``) holds
+    nothing; the call it belongs to (``_CheckpointFrame``: the inputs, the replay
+    function, the replay's tensors) is reachable only through the closure of the
+    unpack hook registered with the handle (``SavedTensor.unpack_hook``).
+    Checked on 2.14 (``unpack_hook`` or ``unpack_hook_with_error_cb``, both closing over
+    ``frame``). If it changes: None; the report then finds no checkpoint inputs or
+    cached outputs of that checkpoint.
+    """
+    holder_type = getattr(torch.utils.checkpoint, "_Holder", None)
+    if holder_type is None or not isinstance(packed_value(handle), holder_type):
+        return None
+    unpack = getattr(handle, "unpack_hook", None)
+    frame = _closure_value(unpack, "frame")
+    if frame is None:  # unpack_hook_with_error_cb closes over frame too, or over unpack_hook
+        frame = _closure_value(_closure_value(unpack, "unpack_hook"), "frame")
+    return frame
+
+
+def _closure_value(fn: Any, name: str) -> Any:
+    code = getattr(fn, "__code__", None)
+    closure = getattr(fn, "__closure__", None)
+    if code is None or closure is None:
+        return None
+    for var, cell in zip(code.co_freevars, closure):
+        if var == name:
+            try:
+                return cell.cell_contents
+            except ValueError:  # an empty cell
+                return None
+    return None
+
+
+def checkpoint_input_handles(frame: Any) -> list[Any]:
+    """The saved-tensor handles of a checkpoint call's inputs.
+
+    Private: 2.14 keeps them in ``frame.saved_args`` (``SavedTensor`` or plain values);
+    2.9 saved them on a ``_NoopSaveInputs`` node (``frame.input_saver.grad_fn``).
+    If it changes: empty; the report then lists no checkpoint inputs.
+    """
+    saved = getattr(frame, "saved_args", None)
+    if isinstance(saved, list) and saved:
+        return [
+            a for a in saved if _SAVED_TENSOR_TYPE is not None and isinstance(a, _SAVED_TENSOR_TYPE)
+        ]
+    saver = getattr(frame, "input_saver", None)
+    node = getattr(saver, "grad_fn", None)
+    return [h for _, h in saved_handles(node)] if node is not None else []
+
+
+def checkpoint_function(frame: Any) -> tuple[Any, Any]:
+    """``(function, replay context)`` of a checkpoint call: what it checkpointed (a
+    module, a bound method, a function) and the context its replay enters (recomp's
+    state lives there).
+
+    Private: both are closure variables (``fn``, ``recompute_context``) of the replay
+    function PyTorch builds per call (``frame.recompute_fn``).
+    If it changes: ``(None, None)``; the report then names the layer by nothing.
+    """
+    recompute = getattr(frame, "recompute_fn", None)
+    return _closure_value(recompute, "fn"), _closure_value(recompute, "recompute_context")
+
+
+def checkpoint_rng_states(frame: Any) -> list[torch.Tensor]:
+    """The random-generator states a checkpoint call keeps for its replay (CPU tensors).
+
+    Private: closure variables (``fwd_cpu_state``, ``fwd_device_states``) of the replay
+    function. If it changes: empty (the report leaves these few KiB out).
+    """
+    recompute = getattr(frame, "recompute_fn", None)
+    found = []
+    for name in ("fwd_cpu_state", "fwd_device_states"):
+        value = _closure_value(recompute, name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                found.append(t)
+    return found
+
+
+def replay_tensors(frame: Any, handle: Any) -> list[torch.Tensor]:
+    """The tensors a running (or interrupted) replay produced for ``handle`` and that the
+    checkpoint holds until backward reads them.
+
+    Private: ``_Holder.handles`` (graph task -> key) and ``frame.recomputed`` (graph
+    task -> key -> tensor). If it changes: empty (the report omits replayed tensors).
+    """
+    holder = packed_value(handle)
+    handles = getattr(holder, "handles", None)
+    recomputed = getattr(frame, "recomputed", None)
+    if not isinstance(handles, dict) or recomputed is None:
+        return []
+    found = []
+    for gid, key in handles.items():
+        if key is None or gid not in recomputed:
+            continue
+        tensor = recomputed[gid].get(key)
+        if isinstance(tensor, torch.Tensor):
+            found.append(tensor)
+    return found
+
+
+# --------------------------------------------------------------------------- CUDA memory history
+
+
+def memory_history_enabled() -> bool:
+    """Whether ``torch.cuda.memory._record_memory_history`` is recording on this process.
+
+    Why: an excluded region labels its allocations in memory snapshots only while they
+    are recorded; otherwise it costs one check (CUDA not initialised: one Python call).
+    Private: ``torch._C._cuda_isHistoryEnabled`` has no public wrapper.
+    If it changes: False (regions are not labelled; nothing else depends on it).
+    Retired by: a public query of the recording state.
+    """
+    if not torch.cuda.is_initialized():
+        return False
+    query = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    try:
+        return bool(query()) if query is not None else False
+    except RuntimeError:
+        return False
+
+
+@contextlib.contextmanager
+def memory_label(label: str) -> Iterator[None]:
+    """Label the CUDA allocations this thread makes inside the block, in memory snapshots.
+
+    Private: ``torch.cuda.memory._set_memory_metadata`` (the ``user_metadata`` of each
+    trace entry, shown by pytorch.org/memory_viz) and its getter, to restore an outer
+    label. A ``record_function`` range of the same name marks the block for the profiler.
+    If it changes: no label (the block runs as it would without).
+    Retired by: a public allocation-annotation API.
+    """
+    memory = torch.cuda.memory
+    set_label = getattr(memory, "_set_memory_metadata", None)
+    get_label = getattr(memory, "_get_memory_metadata", None)
+    previous = None
+    if set_label is not None and get_label is not None:
+        try:
+            previous = get_label()
+            set_label(label)
+        except RuntimeError:
+            previous = None
+    try:
+        with torch.autograd.profiler.record_function(label):
+            yield
+    finally:
+        if previous is not None and set_label is not None:
+            set_label(previous)
+
+
+_OOM_OBSERVER_ATTACHED = False
+
+
+def attach_cuda_oom_observer(observer: Callable[[int, int, int, int], None]) -> bool:
+    """Have the CUDA caching allocator call ``observer(device, alloc, device_allocated,
+    device_free)`` when an allocation fails, before it raises ``OutOfMemoryError``.
+
+    Private: ``torch._C._cuda_attach_out_of_memory_observer`` (what
+    ``torch.cuda.memory._record_memory_history`` uses for its OOM snapshots). It has no
+    detach: attach one observer per process that forwards to whatever is installed.
+    Returns False without CUDA or if the function is gone (then nothing is attached:
+    call the report yourself when you catch ``torch.OutOfMemoryError``).
+    """
+    global _OOM_OBSERVER_ATTACHED
+    if _OOM_OBSERVER_ATTACHED:
+        return True
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if attach is None or not torch.cuda.is_available():
+        return False
+    attach(observer)
+    _OOM_OBSERVER_ATTACHED = True
+    return True

@@ -1,0 +1,589 @@
+"""Where activation memory goes: every storage the autograd graph holds for backward.
+
+``saved_tensors_report(loss)`` walks the graph behind ``loss`` (or any tensors) and
+reads, without unpacking anything, what each autograd node saved: a tensor saved
+as it is, a placeholder of a non-reentrant checkpoint (which holds nothing until
+its replay), or one of recomp's handles (a tensor an excluded region keeps, or a
+deferred input the replay rebuilds). Through each checkpoint placeholder it
+reaches the checkpoint call itself: the inputs the checkpoint keeps, recomp's
+record of the call (the cached outputs of its excluded regions), and, during a
+replay, the replayed tensors waiting for backward.
+
+Every storage is billed once, to the first of these that holds it: a region that
+keeps it, a cached output, an offloaded host copy, a checkpoint input, a replayed
+tensor, a tensor saved outside any checkpoint, another saved-tensor hook's value.
+Parameters, buffers and the given inputs are not billed (they exist before the
+forward). The graph walk reads PyTorch's private structures only through
+``recomp.torch._compat``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._record import Invocation
+from .._region import ExcludedRegion, RegionCall, saved_by_region
+from .._state import PhaseContext
+from . import _compat
+from ._backend import BACKEND
+from ._offload import OffloadHandle
+
+KEPT = "kept by region"
+CACHED = "cached output"
+OFFLOADED = "offloaded (host)"
+CHECKPOINT_INPUT = "checkpoint input"
+REPLAYED = "replayed, awaiting backward"
+OUTSIDE = "saved outside checkpoints"
+OTHER_HOOK = "other saved-tensor hook"
+RNG = "random state (host)"
+DEFERRED = "deferred (not held)"
+
+#: The kinds of held rows, in billing order: a storage held by several is billed to the first.
+HELD_KINDS = (KEPT, OFFLOADED, CACHED, CHECKPOINT_INPUT, REPLAYED, OUTSIDE, OTHER_HOOK, RNG)
+
+
+@dataclass(frozen=True)
+class ReportRow:
+    """One storage held for backward (or, for ``kind == DEFERRED``, one that is not).
+
+    ``layer`` and ``region`` are module paths (``layers.0``, ``layers.0.attn``) when the
+    report was given the model, else the region's name and the layer's class; None
+    outside checkpointed layers and excluded regions. ``shape`` and ``dtype`` are those
+    of the saved tensor (a view may be smaller than its storage); ``bytes`` is the whole
+    storage's size.
+    """
+
+    layer: str | None
+    region: str | None
+    op: str
+    kind: str
+    bytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+
+
+@dataclass
+class SavedTensorsReport:
+    """What the autograd graph holds for backward; ``str()`` is a table."""
+
+    rows: list[ReportRow]
+    deferred: list[ReportRow] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes held, each storage once (offloaded host copies included)."""
+        return sum(r.bytes for r in self.rows)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes kept in host memory: offloaded copies and random states (on a GPU these
+        are not device memory)."""
+        return sum(r.bytes for r in self.rows if r.kind in (OFFLOADED, RNG))
+
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes the deferred inputs would have cost had their regions kept them."""
+        return sum(r.bytes for r in self.deferred)
+
+    def by_kind(self) -> dict[str, int]:
+        return _sum_by(self.rows, lambda r: r.kind)
+
+    def by_layer(self) -> dict[str | None, int]:
+        return _sum_by(self.rows, lambda r: r.layer)
+
+    def by_region(self) -> dict[str | None, int]:
+        return _sum_by(self.rows, lambda r: r.region)
+
+    def largest(self, n: int | None = None) -> list[ReportRow]:
+        rows = sorted(self.rows, key=lambda r: -r.bytes)
+        return rows if n is None else rows[:n]
+
+    def format(self, largest_first: bool = False, max_rows: int | None = None) -> str:
+        """The table: rows in forward order (or largest first), the deferred inputs, then
+        totals per kind."""
+        rows = self.largest() if largest_first else list(self.rows)
+        shown = rows if max_rows is None else rows[:max_rows]
+        header = ("layer", "region", "op", "kind", "shape", "dtype", "bytes")
+        cells = [_cells(r) for r in shown]
+        if len(shown) < len(rows):
+            rest = rows[len(shown) :]
+            more = f"... {len(rest)} more rows"
+            cells.append(("...", "", more, "", "", "", str(sum(r.bytes for r in rest))))
+        cells += [_cells(r) for r in self.deferred]
+        return _table(header, cells) + "\n\n" + self._totals()
+
+    def summary(self) -> str:
+        """One line per layer, region and kind: how many storages, how many bytes."""
+        groups: dict[tuple[str | None, str | None, str], list[int]] = {}
+        for row in self.rows + self.deferred:
+            group = groups.setdefault((row.layer, row.region, row.kind), [0, 0])
+            group[0] += 1
+            group[1] += row.bytes
+        header = ("layer", "region", "kind", "storages", "bytes")
+        cells = [
+            (layer or "-", region or "-", kind, str(n), str(nbytes))
+            for (layer, region, kind), (n, nbytes) in groups.items()
+        ]
+        return _table(header, cells) + "\n\n" + self._totals()
+
+    def _totals(self) -> str:
+        lines = [f"{kind:>28}  {_size(nbytes)}" for kind, nbytes in self.by_kind().items()]
+        lines.append(f"{'total held for backward':>28}  {_size(self.total_bytes)}")
+        if self.deferred:
+            lines.append(
+                f"{'deferred, not held':>28}  {_size(self.deferred_bytes)} (rebuilt by the replay)"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def saved_tensors_report(
+    loss: Any, model: nn.Module | None = None, inputs: Any = None
+) -> SavedTensorsReport:
+    """Every storage held for backward by the graph behind ``loss``, each billed once.
+
+    Call it after the forward and before backward (a report inside a replay shows what
+    is held at that moment; after backward it is empty). ``loss`` is a tensor, or a
+    list/tuple/dict of them (every graph root that is still to be backpropagated).
+    ``model`` names layers and regions by their module paths and keeps its parameters
+    and buffers out of the bill (trainable parameters are recognised without it, frozen
+    ones only with it). ``inputs``: tensors the caller created before the forward (token
+    ids, masks) that are saved but are not activations. Nothing is unpacked, so taking a
+    report never triggers a checkpoint's replay.
+    """
+    if not _compat.saved_values_readable():
+        raise RuntimeError(
+            "saved_tensors_report needs a PyTorch whose autograd exposes saved values without "
+            f"unpacking them (SavedTensor.data, in PyTorch 2.14); this is {torch.__version__}. "
+            "Upgrade PyTorch to use the memory report."
+        )
+    walk = _GraphWalk(model)
+    for t in _tensors(inputs):
+        walk.not_billed(t)
+    walk.run([t.grad_fn for t in _tensors(loss) if t.grad_fn is not None])
+    return walk.report()
+
+
+def print_saved_tensors_report(
+    loss: Any, model: nn.Module | None = None, inputs: Any = None, **format_options: Any
+) -> SavedTensorsReport:
+    """Print :func:`saved_tensors_report` as a table (options of ``format``) and return it."""
+    report = saved_tensors_report(loss, model, inputs)
+    print(report.format(**format_options))
+    return report
+
+
+@contextlib.contextmanager
+def label_layers(model: nn.Module, layers: Iterable[str]) -> Iterator[None]:
+    """Name the layer of each tensor saved outside checkpoints during the block's forward.
+
+    A checkpointed layer is found through its checkpoint; a layer without one is not
+    visible in the graph. Inside this block, every tensor autograd saves outside a
+    checkpoint is tagged with the innermost of ``layers`` (module paths in ``model``)
+    running at the time, which :func:`saved_tensors_report` then shows as its layer.
+    Costs one Python call per such saved tensor and two per layer call, while active.
+    """
+    running: list[str] = []
+    handles = []
+    try:
+        for path in layers:
+            module = model.get_submodule(path)
+
+            def enter(_module: Any, _args: Any, path: str = path) -> None:
+                running.append(path)
+
+            def leave(_module: Any, _args: Any, _out: Any) -> None:
+                if running:
+                    running.pop()
+
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+
+        def pack(t: torch.Tensor) -> _Labelled:
+            # An alias without history: saving an op's own output as itself would close
+            # a reference cycle through the graph.
+            return _Labelled(t.detach(), running[-1] if running else None)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _Labelled.unpack):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _Labelled:
+    """A tensor saved outside checkpoints inside :func:`label_layers`, with its layer."""
+
+    __slots__ = ("layer", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, layer: str | None) -> None:
+        self.tensor = tensor
+        self.layer = layer
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor
+
+
+# --------------------------------------------------------------------------- the walk
+
+
+@dataclass
+class _Candidate:
+    """A tensor something holds for backward, before storages are billed once."""
+
+    kind: str
+    tensor: Any  # a tensor; for OFFLOADED the OffloadHandle
+    op: str
+    frame: Any = None  # the checkpoint call it belongs to
+    region: ExcludedRegion | None = None
+    call: RegionCall | None = None
+    layer: str | None = None  # named by label_layers (tensors saved outside checkpoints)
+
+
+class _GraphWalk:
+    def __init__(self, model: nn.Module | None) -> None:
+        self.model = model
+        self.candidates: list[_Candidate] = []
+        self.deferred: dict[int, tuple[Any, str, ExcludedRegion]] = {}  # id(slot) -> ...
+        self.excluded: set[Any] = set()  # storage keys not billed
+        self.frames: dict[int, Any] = {}  # id -> checkpoint frame, in discovery order
+        self.frame_modules: dict[int, Any] = {}  # id(frame) -> what it checkpointed
+        self.frame_labels: dict[int, str] = {}  # id(frame) -> its layer, from label_layers
+        self.call_frames: dict[int, Any] = {}  # id(RegionCall) -> frame
+        self.invocation_frames: dict[int, Any] = {}  # id(Invocation) -> frame
+        self.keep_alive: list[Any] = []  # ids above stay unique while the walk runs
+        self.module_paths: dict[int, str] = {}
+        self.path_index: dict[str, int] = {}
+        self.region_paths: dict[int, str] = {}
+        if model is not None:
+            for path, module in model.named_modules(remove_duplicate=False):
+                self.module_paths.setdefault(id(module), path)
+                self.path_index.setdefault(path, len(self.path_index))
+                region = getattr(module, "_recomp_region", None)
+                if isinstance(region, ExcludedRegion):
+                    self.region_paths.setdefault(id(region), path)
+            for t in [*model.parameters(), *model.buffers()]:
+                self.not_billed(t)
+
+    def not_billed(self, t: torch.Tensor) -> None:
+        key = _compat.storage_key(t)
+        if key is not None:
+            self.excluded.add(key)
+            self.keep_alive.append(t)
+
+    def run(self, roots: list[Any]) -> None:
+        seen: set[int] = set()
+        stack = list(roots)
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            self.keep_alive.append(node)
+            variable = getattr(node, "variable", None)
+            if isinstance(variable, torch.Tensor):  # AccumulateGrad: a leaf the user owns
+                self.not_billed(variable)
+            op = _op_name(node)
+            for _name, handle in _compat.saved_handles(node):
+                self.saved(handle, op, None)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+
+    def saved(self, handle: Any, op: str, frame: Any) -> None:
+        """Classify one saved-tensor handle; ``frame``: it saves an input of that checkpoint."""
+        packed = _compat.packed_value(handle)
+        if packed is None:  # released by a backward
+            return
+        if isinstance(packed, torch.Tensor):
+            kind = CHECKPOINT_INPUT if frame is not None else OUTSIDE
+            self.candidates.append(_Candidate(kind, packed, op, frame))
+            return
+        if isinstance(packed, _Labelled):
+            if frame is not None and packed.layer is not None:  # the layer label_layers saw
+                self.frame_labels.setdefault(id(frame), packed.layer)
+            kind = CHECKPOINT_INPUT if frame is not None else OUTSIDE
+            self.candidates.append(_Candidate(kind, packed.tensor, op, frame, layer=packed.layer))
+            return
+        info = saved_by_region(packed)
+        if info is not None:
+            self.keep_alive.append(info)
+            if info.deferred_slot is not None:
+                slot = info.deferred_slot
+                self.deferred.setdefault(id(slot), (slot, op, info.region))
+                return
+            snapshot = info.snapshot
+            if snapshot is None:
+                return
+            if isinstance(snapshot.held, OffloadHandle):
+                held: Any = snapshot.held
+                self.candidates.append(
+                    _Candidate(OFFLOADED, held, op, region=info.region, call=info.call)
+                )
+            elif isinstance(snapshot.value, torch.Tensor):
+                self.candidates.append(
+                    _Candidate(KEPT, snapshot.value, op, region=info.region, call=info.call)
+                )
+            return
+        checkpoint = _compat.checkpoint_frame(handle)
+        if checkpoint is not None:
+            self.checkpoint(checkpoint)
+            for t in _compat.replay_tensors(checkpoint, handle):
+                self.candidates.append(_Candidate(REPLAYED, t, op, checkpoint))
+            return
+        for t in _tensors(packed):
+            self.candidates.append(_Candidate(OTHER_HOOK, t, op, frame))
+
+    def checkpoint(self, frame: Any) -> None:
+        """A checkpoint call, the first time the walk meets it: its inputs, what it
+        checkpoints, recomp's record of it (cached outputs)."""
+        if id(frame) in self.frames:
+            return
+        self.frames[id(frame)] = frame
+        self.keep_alive.append(frame)
+        function, replay_context = _compat.checkpoint_function(frame)
+        owner = None
+        while isinstance(function, functools.partial):  # HF: partial(forward, layer, **kwargs)
+            if function.args and isinstance(function.args[0], nn.Module):
+                owner = function.args[0]
+            function = function.func
+        if owner is None:
+            owner = getattr(function, "__self__", function)
+        self.frame_modules[id(frame)] = owner
+        if isinstance(owner, nn.Module):
+            for t in [*owner.parameters(), *owner.buffers()]:
+                self.not_billed(t)
+        for handle in _compat.checkpoint_input_handles(frame):
+            self.saved(handle, "input", frame)
+        for t in _compat.checkpoint_rng_states(frame):
+            self.candidates.append(_Candidate(RNG, t, "checkpoint", frame))
+        invocation = _invocation_of(replay_context)
+        if invocation is not None:
+            self.invocation(invocation, frame)
+
+    def invocation(self, invocation: Invocation, frame: Any) -> None:
+        self.invocation_frames[id(invocation)] = frame
+        for call in invocation.entries:
+            if not isinstance(call, RegionCall):
+                continue
+            self.call_frames[id(call)] = frame
+            for t in _tensors(call.rng_state):  # where a replay resumes after the region
+                self.candidates.append(_Candidate(RNG, t, "after region", frame))
+            for cached in call.outputs:
+                snapshot = cached.snapshot
+                if snapshot is None:
+                    continue
+                if isinstance(snapshot.held, OffloadHandle):
+                    held: Any = snapshot.held
+                    self.candidates.append(
+                        _Candidate(OFFLOADED, held, "output", frame, call.region, call)
+                    )
+                elif isinstance(snapshot.value, torch.Tensor):
+                    self.candidates.append(
+                        _Candidate(CACHED, snapshot.value, "output", frame, call.region, call)
+                    )
+        for child in invocation.children:
+            # A nested checkpoint's own frame claims it if the walk meets it.
+            if id(child) not in self.invocation_frames:
+                self.invocation(child, frame)
+
+    # -- billing ---------------------------------------------------------------------
+
+    def report(self) -> SavedTensorsReport:
+        order = {kind: i for i, kind in enumerate(HELD_KINDS)}
+        # Nested checkpoints are met after their parents; their calls belong to them.
+        for frame in self.frames.values():
+            _, context = _compat.checkpoint_function(frame)
+            invocation = _invocation_of(context)
+            if invocation is not None:
+                for call in invocation.entries:
+                    self.call_frames[id(call)] = frame
+        layer_names = self._layer_names()
+        billed: set[Any] = set()
+        rows: list[tuple[tuple[int, ...], ReportRow]] = []
+        for position, c in sorted(enumerate(self.candidates), key=lambda p: order[p[1].kind]):
+            key, nbytes, shape, dtype, device = _describe(c.tensor)
+            if key is None or key in billed or key in self.excluded:
+                continue
+            billed.add(key)
+            frame = c.frame
+            if c.call is not None:
+                frame = self.call_frames.get(id(c.call), frame)
+            layer = layer_names.get(id(frame)) if frame is not None else c.layer
+            row = ReportRow(
+                layer, self._region_name(c.region), c.op, c.kind, nbytes, shape, dtype, device
+            )
+            rows.append((self._rank(layer, frame, c.region, position), row))
+        deferred = []
+        for slot, op, owner in self.deferred.values():
+            invocation = slot.invocation()
+            frame = self.invocation_frames.get(id(invocation)) if invocation is not None else None
+            shape, stride, dtype, device = slot.layout
+            nbytes = _span(shape, stride) * dtype.itemsize
+            layer = layer_names.get(id(frame)) if frame is not None else None
+            row = ReportRow(
+                layer,
+                self._region_name(owner),
+                op,
+                DEFERRED,
+                nbytes,
+                tuple(shape),
+                _dtype_name(dtype),
+                str(device),
+            )
+            deferred.append((self._rank(layer, frame, owner, 0), row))
+        return SavedTensorsReport(
+            [r for _, r in sorted(rows, key=lambda p: p[0])],
+            [r for _, r in sorted(deferred, key=lambda p: p[0])],
+        )
+
+    def _layer_names(self) -> dict[int, str]:
+        names: dict[int, str] = {}
+        counts: dict[str, int] = {}
+        # The walk starts at the loss: layers are met last first.
+        for frame in reversed(list(self.frames.values())):
+            owner = self.frame_modules.get(id(frame))
+            path = self.frame_labels.get(id(frame)) or self.module_paths.get(id(owner))
+            if path is None:
+                base = (
+                    type(owner).__name__
+                    if isinstance(owner, nn.Module)
+                    else getattr(owner, "__qualname__", "checkpoint")
+                )
+                n = counts.get(base, 0)
+                counts[base] = n + 1
+                path = f"{base}#{n}"
+            names[id(frame)] = path or "(model)"
+        return names
+
+    def _region_name(self, region: ExcludedRegion | None) -> str | None:
+        if region is None:
+            return None
+        return self.region_paths.get(id(region), region.name)
+
+    def _rank(
+        self, layer: str | None, frame: Any, region: ExcludedRegion | None, position: int
+    ) -> tuple[int, ...]:
+        """Forward order: layers in model order (or the order they ran), rows outside
+        layers last; within a layer, regions in model order, then what is in no region."""
+        if layer is None:
+            first = (1, 0)
+        elif layer in self.path_index:
+            first = (0, self.path_index[layer])
+        elif frame is not None and id(frame) in self.frames:
+            frames = list(self.frames)
+            first = (0, len(self.path_index) + len(frames) - frames.index(id(frame)))
+        else:
+            first = (0, 1 << 30)
+        region_rank = 1 << 30
+        if region is not None:
+            path = self.region_paths.get(id(region))
+            region_rank = self.path_index.get(path, 1 << 29) if path else 1 << 29
+        # The walk met tensors last first: reverse to forward order.
+        return (*first, region_rank, -position)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _invocation_of(context: Any) -> Invocation | None:
+    """recomp's record of a checkpoint call, from the replay context it gave PyTorch."""
+    contexts = getattr(context, "contexts", (context,))  # a ComposedContext, or one
+    for ctx in contexts:
+        if isinstance(ctx, PhaseContext) and isinstance(ctx.state.record, Invocation):
+            return ctx.state.record
+    return None
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    if tree is None:
+        return iter(())
+    leaves, _ = BACKEND.flatten(tree)
+    return (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+def _describe(t: Any) -> tuple[Any, int, tuple[int, ...], str, str]:
+    """Storage key, storage bytes, shape, dtype and device of what a candidate holds."""
+    if isinstance(t, OffloadHandle):
+        stored = t.stored
+        return ("host", id(stored)), stored.nbytes, tuple(t.size), _dtype_name(t.dtype), "cpu"
+    key = _compat.storage_key(t)
+    if key is None and not t.is_meta:  # a tensor subclass without a storage of its own
+        key = ("object", id(t))
+    return key, BACKEND.storage_nbytes(t), tuple(t.shape), _dtype_name(t.dtype), str(t.device)
+
+
+def _span(shape: Iterable[int], stride: Iterable[int]) -> int:
+    """Elements a strided tensor reaches (what keeping it would have held at least)."""
+    shape, stride = list(shape), list(stride)
+    if any(s == 0 for s in shape):
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+_BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+
+
+def _op_name(node: Any) -> str:
+    """``MmBackward0`` -> ``mm``, ``NativeLayerNormBackward0`` -> ``native_layer_norm``;
+    a custom Function keeps its class name."""
+    name = type(node).__name__
+    if type(node).__module__ != "builtins":
+        return _BACKWARD_SUFFIX.sub("", name) or name
+    return _CAMEL.sub("_", _BACKWARD_SUFFIX.sub("", name)).lower() or name
+
+
+def _sum_by(rows: list[ReportRow], key: Any) -> dict[Any, int]:
+    out: dict[Any, int] = {}
+    for row in rows:
+        k = key(row)
+        out[k] = out.get(k, 0) + row.bytes
+    return out
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit} ({n} B)"
+    return f"{n} B"
+
+
+def _cells(r: ReportRow) -> tuple[str, ...]:
+    return (
+        r.layer or "-",
+        r.region or "-",
+        r.op,
+        r.kind,
+        "x".join(map(str, r.shape)) or "scalar",
+        r.dtype,
+        str(r.bytes),
+    )
+
+
+def _table(header: tuple[str, ...], cells: Sequence[tuple[str, ...]]) -> str:
+    """Columns padded to their widths; the last (bytes) right-aligned."""
+    table = [header, *cells]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    last = len(header) - 1
+    lines = [
+        "  ".join(
+            c.rjust(w) if i == last else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))
+        )
+        for line in table
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
