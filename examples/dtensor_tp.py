@@ -131,9 +131,14 @@ PLAN = {
 # variant -> (exclude the RowwiseParallel linears?, checkpoint options)
 VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
     "recomp": (True, {}),
-    "recomp_no_exclusion": (False, {}),
+    "recomp_no_exclusion": (False, {"exclude_collectives": False}),
     "recomp_full_replay": (True, {"early_stop": False}),
-    "recomp_full_replay_no_exclusion": (False, {"early_stop": False}),
+    "recomp_full_replay_no_exclusion": (
+        False,
+        {"early_stop": False, "exclude_collectives": False},
+    ),
+    # No region excluded: the replay reads the all-reduced outputs the forward kept.
+    "recomp_collectives_kept": (False, {}),
 }
 
 

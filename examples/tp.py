@@ -223,10 +223,15 @@ def shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
 # variant -> (exclude the row-parallel all-reduce?, checkpoint options)
 VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
     "recomp": (True, {}),
-    "recomp_no_exclusion": (False, {}),
+    "recomp_no_exclusion": (False, {"exclude_collectives": False}),
     # early_stop=False replays the whole layer, up to its last op.
     "recomp_full_replay": (True, {"early_stop": False}),
-    "recomp_full_replay_no_exclusion": (False, {"early_stop": False}),
+    "recomp_full_replay_no_exclusion": (
+        False,
+        {"early_stop": False, "exclude_collectives": False},
+    ),
+    # No region excluded: the replay reads the all-reduced outputs the forward kept.
+    "recomp_collectives_kept": (False, {}),
 }
 
 

@@ -9,6 +9,7 @@ from ._state import RecomputeState, get_recompute_state, is_recomputing
 from .errors import (
     CachedValueMutatedError,
     DoubleCheckpointError,
+    CollectiveReplayedWarning,
     ForeignCheckpointWarning,
     IneffectiveSelectionWarning,
     NestedExclusionError,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CachedValueMutatedError",
     "DoubleCheckpointError",
+    "CollectiveReplayedWarning",
     "ForeignCheckpointWarning",
     "IneffectiveSelectionWarning",
     "NestedExclusionError",

@@ -149,6 +149,37 @@ def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
 
+def completed_work_factory() -> Callable[[list[torch.Tensor]], Any] | None:
+    """A function that makes a completed c10d ``Work``, in the form the dispatcher
+    takes back from a Python dispatch mode; None where that is not available.
+
+    Why: a replay that hands back a kept collective result instead of running a
+    ``c10d`` operator must return a ``Work`` the caller can ``wait()`` on.
+    How: ``_create_work_from_future`` on a future that is already set, then
+    ``Work.boxed()`` (the script-object form operators return).
+    If it changes: None, and the forward's own ``Work`` (completed by then) is kept
+    and returned again, which holds whatever that ``Work`` holds a little longer.
+    Retired by: a public constructor of a completed ``Work``.
+    """
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return None
+        from torch._C._distributed_c10d import _create_work_from_future
+    except (ImportError, AttributeError):
+        return None
+    if not hasattr(dist.Work, "boxed"):
+        return None
+
+    def completed(tensors: list[torch.Tensor]) -> Any:
+        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        future.set_result(tensors)
+        return _create_work_from_future(future).boxed()
+
+    return completed
+
+
 def _sac_mode_types() -> tuple[type, ...]:
     try:
         from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
