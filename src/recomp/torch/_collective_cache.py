@@ -67,8 +67,9 @@ _warned: set[str] = set()
 
 
 def collectives_may_run() -> bool:
-    """Whether a collective can run in this process: a default process group exists."""
-    return dist.is_available() and dist.is_initialized()
+    """Whether a collective can run in this process (a default process group exists) and
+    its results can be kept."""
+    return _DETACH is not None and dist.is_available() and dist.is_initialized()
 
 
 def keep_collective_results(
@@ -209,6 +210,15 @@ def _is_work(value: Any) -> bool:
     return isinstance(value, torch.ScriptObject)
 
 
+# Aliases that share the version counter of what they alias (so in-place changes show).
+_DETACH = _compat.version_sharing_detach()
+
+
+def _detach(t: torch.Tensor) -> torch.Tensor:
+    assert _DETACH is not None  # collectives_may_run() is False without it
+    return _DETACH(t)
+
+
 # Makes a completed Work for the replay of an operator that returns one (else the
 # forward's own Work, completed by then, is kept and returned again).
 _COMPLETED_WORK = _compat.completed_work_factory()
@@ -241,7 +251,7 @@ def _record_call(
     entry = _Entry(func)
     leaves = _tensor_leaves(func, args, kwargs)
     written = [leaves[i] for i in _written_leaves(func, kind, args, kwargs)]
-    entry.written = [t.detach() for t in written]
+    entry.written = [_detach(t) for t in written]
     entry.written_shapes = [tuple(t.shape) for t in written]
     out_leaves, entry.out_spec = tree_flatten(out)
     keep_work = _COMPLETED_WORK is None
@@ -251,7 +261,7 @@ def _record_call(
             if position is not None:
                 entry.out_sources.append(("arg", position))
             else:
-                entry.out_sources.append(("new", leaf.detach()))
+                entry.out_sources.append(("new", _detach(leaf)))
         elif _is_work(leaf):
             entry.out_sources.append(("work", leaf if keep_work else None))
         else:
@@ -299,7 +309,7 @@ class _ReplayMode(TorchDispatchMode):
                 if source == "arg":
                     leaves_out.append(written[value])
                 elif source == "new":
-                    leaves_out.append(value.detach())
+                    leaves_out.append(_detach(value))
                 elif source == "work":
                     leaves_out.append(value if _COMPLETED_WORK is None else _COMPLETED_WORK(written))
                 else:

@@ -149,6 +149,31 @@ def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
 
+def version_sharing_detach() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A ``detach`` for use inside a dispatch mode whose result shares the version counter
+    of its input (as a detach above autograd does); None where that is not available.
+
+    Why: a dispatch mode runs below autograd, where ``detach`` skips the
+    ADInplaceOrView kernel and gives the alias a version counter of its own; the
+    kept result of a collective must see in-place changes made to the original.
+    How: re-include the ADInplaceOrView key around the detach, as PyTorch's own
+    selective-checkpoint cache does.
+    If it changes: None, and checkpoints do not keep collective results (the replay
+    communicates again, as with ``exclude_collectives=False``).
+    Retired by: a public way to make a view below autograd.
+    """
+    guard = getattr(torch._C, "_SetExcludeDispatchKeyGuard", None)
+    key = getattr(getattr(torch._C, "DispatchKey", None), "ADInplaceOrView", None)
+    if guard is None or key is None:
+        return None
+
+    def detach(t: torch.Tensor) -> torch.Tensor:
+        with guard(key, False):
+            return t.detach()
+
+    return detach
+
+
 def completed_work_factory() -> Callable[[list[torch.Tensor]], Any] | None:
     """A function that makes a completed c10d ``Work``, in the form the dispatcher
     takes back from a Python dispatch mode; None where that is not available.
