@@ -8,8 +8,8 @@ that code inside a checkpoint can read, and the errors recomp raises.
 from ._state import RecomputeState, get_recompute_state, is_recomputing
 from .errors import (
     CachedValueMutatedError,
-    DoubleCheckpointError,
     CollectiveReplayedWarning,
+    DoubleCheckpointError,
     ForeignCheckpointWarning,
     IneffectiveSelectionWarning,
     NestedExclusionError,
@@ -26,8 +26,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CachedValueMutatedError",
-    "DoubleCheckpointError",
     "CollectiveReplayedWarning",
+    "DoubleCheckpointError",
     "ForeignCheckpointWarning",
     "IneffectiveSelectionWarning",
     "NestedExclusionError",

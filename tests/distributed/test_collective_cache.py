@@ -79,3 +79,10 @@ def test_what_no_replay_reaches_is_not_kept(results):
         assert abs(r["kept_with_early_stop"]) < 0.1, r["kept_with_early_stop"]
         assert abs(r["kept_without_early_stop"] - 1) < 0.1, r["kept_without_early_stop"]
         assert abs(r["kept_without_early_stop_not_keeping"]) < 0.1
+
+
+def test_a_function_without_collectives_is_rechecked(results):
+    # Call 0 issues no collective: calls 1-15 run without the record (and replay their
+    # all-reduce), call 16 is recorded again and from then on nothing is replayed.
+    for r in results:
+        assert r["replays_per_call"] == [0] + [1] * 15 + [0, 0]

@@ -59,7 +59,7 @@ def checkpoint(
     adapt_hf_layer_call(function, kwargs)
     context_fn, kwargs, torch_debug_off = debug_options(context_fn, kwargs)
     if exclude_collectives and collectives_may_run():
-        context_fn = keep_collective_results(context_fn)
+        context_fn = keep_collective_results(context_fn, function)
     context = _engine.begin(
         BACKEND,
         args,

@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import contextvars
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _region
 from .._engine import ComposedContext
@@ -73,17 +73,29 @@ def collectives_may_run() -> bool:
 
 
 def keep_collective_results(
-    context_fn: Callable[[], tuple[Any, Any]] | None,
-) -> Callable[[], tuple[Any, Any]]:
+    context_fn: Callable[[], tuple[Any, Any]] | None, function: Any
+) -> Callable[[], tuple[Any, Any]] | None:
     """``context_fn`` with the collective record added on top of its contexts.
 
     The record's modes are entered last, so they see each operator first: a
     selective-checkpointing mode below them (``context_fn``) sees the forward's
     collectives and none of the replay's, the same as for excluded regions.
+
+    A dispatch mode costs a Python call per operator. So a checkpointed
+    ``function`` (a module, for a wrapped module) whose last recorded forward
+    issued no collective outside excluded regions runs its next
+    ``RECHECK_EVERY - 1`` calls without the record: ``context_fn`` comes back
+    unchanged. Then it is recorded again, in case it communicates by then.
     """
+    key = _quiet_key(function)
+    if key is not None:
+        skips = _QUIET.get(key, 0)
+        if skips:
+            _QUIET[key] = skips - 1
+            return context_fn
 
     def composed() -> tuple[Any, Any]:
-        record = CollectiveRecord()
+        record = CollectiveRecord(key)
         forward, replay = _ForwardContext(record), _ReplayContext(record)
         if context_fn is None:
             return forward, replay
@@ -146,10 +158,33 @@ class _Entry:
         return sizes
 
 
+#: A checkpointed function whose recorded forward issued no collective is recorded again
+#: after this many calls.
+RECHECK_EVERY = 16
+
+# Checkpointed functions (modules) whose last recorded forward issued no collective ->
+# how many more calls run without the record.
+_QUIET: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _quiet_key(function: Any) -> Any:
+    """What identifies a checkpointed function across calls: a bound method's object (a
+    wrapped module's forward is a new bound method per call), else the function."""
+    key = getattr(function, "__self__", None)
+    key = function if key is None else key
+    try:
+        weakref.ref(key)
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 class CollectiveRecord:
     """The collectives of one checkpoint call's forward, in call order, read by each replay."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: Any = None) -> None:
+        self.key = key  # the checkpointed function, for _QUIET
         self.entries: list[_Entry] = []
         self.cursor = 0
         self.save_counter: Callable[[], int] | None = None
@@ -167,20 +202,17 @@ def _written_leaves(func: Any, kind: str, args: tuple[Any, ...], kwargs: dict[st
     """Positions, among the tensor leaves of ``(args, kwargs)``, of those ``func`` writes into."""
     if kind in _NO_OUTPUT_KINDS:
         return []
-    schema = func._schema
+    arguments = _compat.op_arguments(func)
     written_args = set()
     if func.namespace in _WRITES_FIRST_ARGUMENT:
         written_args.add(0)  # every classic c10d operator writes into its first argument
     else:
-        for i, argument in enumerate(schema.arguments):
-            alias = argument.alias_info
-            if alias is not None and alias.is_write:
-                written_args.add(i)
+        written_args.update(i for i, (_, writes) in enumerate(arguments) if writes)
     positions: list[int] = []
     index = 0
-    for i, argument in enumerate(schema.arguments):
-        value = args[i] if i < len(args) else kwargs.get(argument.name)
-        leaves, _ = tree_flatten(value)
+    for i, (name, _) in enumerate(arguments):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        leaves, _ = BACKEND.flatten(value)
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 if i in written_args:
@@ -192,11 +224,19 @@ def _written_leaves(func: Any, kind: str, args: tuple[Any, ...], kwargs: dict[st
 def _tensor_leaves(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensor leaves of the call's arguments, in schema order (as ``_written_leaves`` counts)."""
     out: list[torch.Tensor] = []
-    for i, argument in enumerate(func._schema.arguments):
-        value = args[i] if i < len(args) else kwargs.get(argument.name)
-        leaves, _ = tree_flatten(value)
+    for i, (name, _) in enumerate(_compat.op_arguments(func)):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        leaves, _ = BACKEND.flatten(value)
         out.extend(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
     return out
+
+
+def _kept_kind(func: Any) -> str | None:
+    """The kind of collective ``func`` is, if its result can be kept; else None."""
+    kind = collective_kind(func)
+    if kind is None or not _compat.op_arguments(func):
+        return None
+    return kind
 
 
 def _is_wrapper_subclass(types: Any) -> bool:
@@ -236,7 +276,7 @@ class _RecordMode(TorchDispatchMode):
         if _is_wrapper_subclass(types):
             return NotImplemented
         out = func(*args, **kwargs)
-        kind = collective_kind(func)
+        kind = _kept_kind(func)
         if kind is not None and _region.ACTIVE_REGION.get() is self.record.region:
             with _compat.no_dispatch_modes():
                 self.record.entries.append(_record_call(func, kind, args, kwargs, out))
@@ -253,7 +293,7 @@ def _record_call(
     written = [leaves[i] for i in _written_leaves(func, kind, args, kwargs)]
     entry.written = [_detach(t) for t in written]
     entry.written_shapes = [tuple(t.shape) for t in written]
-    out_leaves, entry.out_spec = tree_flatten(out)
+    out_leaves, entry.out_spec = BACKEND.flatten(out)
     keep_work = _COMPLETED_WORK is None
     for leaf in out_leaves:
         if isinstance(leaf, torch.Tensor):
@@ -281,11 +321,11 @@ class _ReplayMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if _is_wrapper_subclass(types):
             return NotImplemented
-        kind = collective_kind(func)
+        kind = _kept_kind(func)
         if kind is None:
             return func(*args, **kwargs)
         # Excluded regions are skipped in the replay: every collective seen here was recorded.
-        entry = self._next_entry(func)
+        entry = self.next_entry(func)
         leaves = _tensor_leaves(func, args, kwargs)
         written = [leaves[i] for i in _written_leaves(func, kind, args, kwargs)]
         shapes = [tuple(t.shape) for t in written]
@@ -314,9 +354,9 @@ class _ReplayMode(TorchDispatchMode):
                     leaves_out.append(value if _COMPLETED_WORK is None else _COMPLETED_WORK(written))
                 else:
                     leaves_out.append(value)
-        return tree_unflatten(leaves_out, entry.out_spec)
+        return BACKEND.unflatten(leaves_out, entry.out_spec)
 
-    def _next_entry(self, func: Any) -> _Entry:
+    def next_entry(self, func: Any) -> _Entry:
         record = self.record
         if record.cursor >= len(record.entries):
             raise ReplayMismatchError(
@@ -390,6 +430,11 @@ class _ForwardContext:
         if exc_type is not None:
             record.entries.clear()
             return
+        if record.key is not None:
+            if record.entries:
+                _QUIET.pop(record.key, None)
+            else:
+                _QUIET[record.key] = RECHECK_EVERY - 1
         if record.save_counter is not None:
             total = record.save_counter()
             for entry in record.entries:
@@ -403,13 +448,17 @@ class _ReplayContext:
 
     def __init__(self, record: CollectiveRecord) -> None:
         self.record = record
-        self._modes: list[_ReplayMode] = []
+        self._modes: list[_ReplayMode | None] = []
 
     def __enter__(self) -> None:
         self.record.cursor = 0
-        mode = _ReplayMode(self.record)
-        mode.__enter__()
+        # Nothing to hand back: no mode, no cost per operator.
+        mode = _ReplayMode(self.record) if self.record.entries else None
+        if mode is not None:
+            mode.__enter__()
         self._modes.append(mode)
 
     def __exit__(self, *exc_info: Any) -> None:
-        self._modes.pop().__exit__(*exc_info)
+        mode = self._modes.pop()
+        if mode is not None:
+            mode.__exit__(*exc_info)

@@ -327,6 +327,30 @@ def op_name(op: Any) -> str:
     return str(schema.name) if schema is not None else str(op)
 
 
+_ARGUMENTS: dict[Any, tuple[tuple[str, bool], ...]] = {}
+
+
+def op_arguments(op: Any) -> tuple[tuple[str, bool], ...]:
+    """The arguments of an operator overload in schema order: (name, whether the
+    operator writes into it, by its alias annotation ``Tensor(a!)``).
+
+    Why: a kept collective result replaces what the operator writes; the schema
+    says which arguments those are.
+    If it changes: empty, and collectives are not kept (the replay communicates
+    again, as with ``exclude_collectives=False``).
+    Retired by: a public ``OpOverload`` schema accessor.
+    """
+    known = _ARGUMENTS.get(op)
+    if known is not None:
+        return known
+    arguments: list[tuple[str, bool]] = []
+    for argument in getattr(getattr(op, "_schema", None), "arguments", ()):
+        alias = getattr(argument, "alias_info", None)
+        arguments.append((str(argument.name), bool(alias is not None and alias.is_write)))
+    _ARGUMENTS[op] = result = tuple(arguments)
+    return result
+
+
 def cpu_attention_ops() -> tuple[Any, Any] | None:
     """The CPU flash-attention forward and backward operators (for FLOP counting).
 
