@@ -147,6 +147,39 @@ def replays_per_call(calls: int, quiet_calls: int) -> list[int]:
     return out
 
 
+def forward_growth_with_inner_fully_shard(**options: Any) -> float:
+    """Heap growth over a checkpointed forward whose block holds a ``fully_shard`` module,
+    in units of that module's unsharded weight. FSDP gathers the weight inside the
+    checkpoint; keeping that all-gather's result would hold the unsharded weight."""
+    from torch.distributed.fsdp import fully_shard
+
+    size = 1024
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(size, size, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.tanh(self.inner(x))
+
+    torch.manual_seed(0)
+    block = Block()
+    fully_shard(block.inner)  # not the root: resharded after its forward
+    fully_shard(block)
+    rt.checkpoint_wrapper(block, **options)
+    x = torch.randn(2, size, requires_grad=True)
+    block(x).sum().backward()  # warm-up
+    readings = []
+    for _ in range(3):
+        before = malloc_in_use()
+        out = block(x)
+        readings.append((malloc_in_use() - before) / (4 * size * size))
+        out.sum().backward()
+        del out
+    return sorted(readings)[1]
+
+
 def run(rank: int, world: int) -> dict[str, Any]:
     cases: dict[str, Any] = {}
     for name, fn in {
@@ -179,6 +212,10 @@ def run(rank: int, world: int) -> dict[str, Any]:
     cases["kept_without_early_stop"] = kept_after_forward(early_stop=False)
     cases["kept_without_early_stop_not_keeping"] = kept_after_forward(
         early_stop=False, exclude_collectives=False
+    )
+    cases["fsdp_inner_growth"] = forward_growth_with_inner_fully_shard()
+    cases["fsdp_inner_growth_not_keeping"] = forward_growth_with_inner_fully_shard(
+        exclude_collectives=False
     )
     cases["replays_per_call"] = replays_per_call(2 + rt_recheck_every(), quiet_calls=1)
     dist.barrier()

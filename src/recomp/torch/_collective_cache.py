@@ -27,7 +27,7 @@ once per operator). With early stop, results recorded after the checkpoint's
 last saved tensor are dropped at the end of the forward: no replay reaches them.
 
 Collectives inside an excluded region are not recorded (the replay skips the
-region). The mode lets tensor subclasses such as DTensor handle an operation
+region), nor those that FSDP (or DeepSpeed ZeRO) issues to gather parameters. The mode lets tensor subclasses such as DTensor handle an operation
 first, so the collectives they issue on their local tensors come back through it.
 It is entered only while a process group is initialised: without one, no
 collective can run and no operator pays for the mode.
@@ -36,6 +36,7 @@ collective can run and no operator pays for the mode.
 from __future__ import annotations
 
 import contextvars
+import inspect
 import warnings
 import weakref
 from collections.abc import Callable
@@ -231,10 +232,27 @@ def _tensor_leaves(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return out
 
 
+# Packages that gather parameters (and reduce their gradients) by themselves. Their
+# collectives are about parameters, not activations: keeping a parameter all-gather
+# issued in recomputed code (``fully_shard`` on a module inside a checkpointed one)
+# would hold the unsharded parameters from the forward to the backward.
+_PARAMETER_SHARDING = ("torch.distributed.fsdp", "deepspeed.runtime.zero")
+
+
+def _issued_by_parameter_sharding() -> bool:
+    frame = inspect.currentframe()
+    while frame is not None:
+        if str(frame.f_globals.get("__name__", "")).startswith(_PARAMETER_SHARDING):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _kept_kind(func: Any) -> str | None:
-    """The kind of collective ``func`` is, if its result can be kept; else None."""
+    """The kind of collective ``func`` is, if its result can be kept; else None. The
+    same answer in the forward and the replay, which must agree on what is kept."""
     kind = collective_kind(func)
-    if kind is None or not _compat.op_arguments(func):
+    if kind is None or not _compat.op_arguments(func) or _issued_by_parameter_sharding():
         return None
     return kind
 
