@@ -149,15 +149,6 @@ class _Entry:
         self.written, self.out_sources, self.versions = [], [], []
         self.rerun = True
 
-    def kept_bytes(self) -> dict[Any, int]:
-        """The storages this entry holds, with their sizes."""
-        sizes: dict[Any, int] = {}
-        for t in self.written + self._new():
-            key = _compat.storage_key(t)
-            if key is not None:
-                sizes[key] = t.untyped_storage().nbytes()
-        return sizes
-
 
 #: A checkpointed function whose recorded forward issued no collective is recorded again
 #: after this many calls.
@@ -190,13 +181,6 @@ class CollectiveRecord:
         self.cursor = 0
         self.save_counter: Callable[[], int] | None = None
         self.region: Any = None  # the excluded region active when the forward started
-
-    def kept_bytes(self) -> int:
-        """Bytes of the results this record holds (each storage once)."""
-        sizes: dict[Any, int] = {}
-        for entry in self.entries:
-            sizes.update(entry.kept_bytes())
-        return sum(sizes.values())
 
 
 def _written_leaves(func: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
