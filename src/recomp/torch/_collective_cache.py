@@ -27,10 +27,12 @@ once per operator). With early stop, results recorded after the checkpoint's
 last saved tensor are dropped at the end of the forward: no replay reaches them.
 
 Collectives inside an excluded region are not recorded (the replay skips the
-region), nor those that FSDP (or DeepSpeed ZeRO) issues to gather parameters. The mode lets tensor subclasses such as DTensor handle an operation
-first, so the collectives they issue on their local tensors come back through it.
-It is entered only while a process group is initialised: without one, no
-collective can run and no operator pays for the mode.
+region), nor those that FSDP (or DeepSpeed ZeRO) issues to gather parameters.
+The mode lets tensor subclasses such as DTensor handle an operation first, so
+the collectives they issue on their local tensors come back through it. It is
+entered only while a process group is initialised (without one, no collective
+can run and no operator pays for the mode), and a checkpointed function whose
+recorded forward issued no collective runs its next calls without it.
 """
 
 from __future__ import annotations
