@@ -7,7 +7,9 @@ tensor-parallel styles: ``ColwiseParallel`` for q, k, v and fc1,
 ``RowwiseParallel`` for the output projection and fc2. A ``RowwiseParallel``
 linear produces partial sums, and its output hook turns them into a
 replicated tensor with an all-reduce. Excluding those two linears keeps the
-all-reduce (and the small matmul before it) out of the replay.
+all-reduce and the small matmul before it out of the replay; without the
+exclusion the replay recomputes the matmul and reads the all-reduced output
+that the checkpoint kept (unless ``exclude_collectives=False``).
 
 Order: ``parallelize_module`` first, then recomp. recomp wraps in place and
 changes no path, so the plan names the same sub-modules (``"attn.o"``) either
