@@ -7,7 +7,9 @@ without a checkpoint; the parent asserts on the report.
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +19,8 @@ import torch.distributed._functional_collectives as funcol
 
 import recomp
 import recomp.torch as rt
-from recomp.bench.memory import malloc_in_use
-from recomp.torch.collectives import count_collectives
+from recomp.torch._compat import TorchDispatchMode
+from recomp.torch.collectives import collective_kind, count_collectives
 
 
 class AllReduceInForward(torch.autograd.Function):
@@ -103,29 +105,83 @@ def step(
     }
 
 
-def kept_after_forward(**options: Any) -> float:
-    """Bytes held after the checkpoint's forward beyond its output, in units of the
-    all-reduced tensor, which nothing the backward needs reads: with early stop no
-    replay reaches it, so it is not kept; without early stop the replay reads it."""
-    n = 1 << 21  # 8 MiB of float32: allocated outside the heap's small-block arena
+def storage_alive(t: torch.Tensor) -> Callable[[], bool]:
+    """Whether the storage of ``t`` is still allocated (held by anything, an alias too)."""
+    ref = weakref.ref(t.untyped_storage())
+
+    def alive() -> bool:
+        gc.collect()
+        return ref() is not None
+
+    return alive
+
+
+def kept_after_forward(**options: Any) -> dict[str, bool]:
+    """Whether an all-reduced tensor that nothing the backward needs reads is held after
+    the checkpoint's forward, and after its backward: with early stop no replay reaches
+    it, so it is not kept; without early stop the replay reads it until the graph goes."""
+    probes: list[Callable[[], bool]] = []
 
     def fn(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         y = torch.sin(v * w)
         t = y.detach().clone()
         dist.all_reduce(t)
+        probes.append(storage_alive(t))
         return y + t  # an add saves neither operand
 
-    v = torch.randn(n).requires_grad_()
-    w = torch.ones(n, requires_grad=True)
-    rt.checkpoint(fn, v, w, **options).sum().backward()  # warm-up
-    readings = []
-    for _ in range(3):  # the median of three: the heap reading is of the whole process
-        before = malloc_in_use()
-        out = rt.checkpoint(fn, v, w, **options)
-        readings.append((malloc_in_use() - before - out.untyped_storage().nbytes()) / (4 * n))
-        out.sum().backward()
-        del out
-    return sorted(readings)[1]
+    v = torch.randn(64).requires_grad_()
+    w = torch.ones(64, requires_grad=True)
+    out = rt.checkpoint(fn, v, w, **options)
+    after_forward = probes[0]()
+    out.sum().backward()
+    del out
+    return {"after_forward": after_forward, "after_backward": probes[0]()}
+
+
+class _WatchAllGathers(TorchDispatchMode):
+    """Probes on the output storages of the all-gathers issued while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[Callable[[], bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        if collective_kind(func) == "all_gather":
+            first = args[0]
+            while isinstance(first, (list, tuple)):
+                first = first[0]
+            self.outputs.append(storage_alive(first))
+        return out
+
+
+def fsdp_gathers_held_after_forward(**options: Any) -> list[bool]:
+    """For each all-gather that ``fully_shard`` on a module inside the checkpoint issues in
+    the forward: whether its output is still held after the forward. FSDP frees it once
+    the parameters are resharded; keeping it would hold the unsharded weight."""
+    from torch.distributed.fsdp import fully_shard
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(64, 64, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.tanh(self.inner(x))
+
+    torch.manual_seed(0)
+    block = Block()
+    fully_shard(block.inner)  # not the root: resharded after its forward
+    fully_shard(block)
+    rt.checkpoint_wrapper(block, **options)
+    x = torch.randn(2, 64, requires_grad=True)
+    block(x).sum().backward()  # warm-up
+    watch = _WatchAllGathers()
+    with watch:
+        out = block(x)
+    held = [alive() for alive in watch.outputs]
+    out.sum().backward()
+    return held
 
 
 def replays_per_call(calls: int, quiet_calls: int) -> list[int]:
@@ -145,39 +201,6 @@ def replays_per_call(calls: int, quiet_calls: int) -> list[int]:
             rt.checkpoint(fn, v, w).sum().backward()
         out.append(counts.total("replay"))
     return out
-
-
-def forward_growth_with_inner_fully_shard(**options: Any) -> float:
-    """Heap growth over a checkpointed forward whose block holds a ``fully_shard`` module,
-    in units of that module's unsharded weight. FSDP gathers the weight inside the
-    checkpoint; keeping that all-gather's result would hold the unsharded weight."""
-    from torch.distributed.fsdp import fully_shard
-
-    size = 1024
-
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = torch.nn.Linear(size, size, bias=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + torch.tanh(self.inner(x))
-
-    torch.manual_seed(0)
-    block = Block()
-    fully_shard(block.inner)  # not the root: resharded after its forward
-    fully_shard(block)
-    rt.checkpoint_wrapper(block, **options)
-    x = torch.randn(2, size, requires_grad=True)
-    block(x).sum().backward()  # warm-up
-    readings = []
-    for _ in range(3):
-        before = malloc_in_use()
-        out = block(x)
-        readings.append((malloc_in_use() - before) / (4 * size * size))
-        out.sum().backward()
-        del out
-    return sorted(readings)[1]
 
 
 def run(rank: int, world: int) -> dict[str, Any]:
@@ -213,8 +236,8 @@ def run(rank: int, world: int) -> dict[str, Any]:
     cases["kept_without_early_stop_not_keeping"] = kept_after_forward(
         early_stop=False, exclude_collectives=False
     )
-    cases["fsdp_inner_growth"] = forward_growth_with_inner_fully_shard()
-    cases["fsdp_inner_growth_not_keeping"] = forward_growth_with_inner_fully_shard(
+    cases["fsdp_gathers_held"] = fsdp_gathers_held_after_forward()
+    cases["fsdp_gathers_held_not_keeping"] = fsdp_gathers_held_after_forward(
         exclude_collectives=False
     )
     cases["replays_per_call"] = replays_per_call(2 + rt_recheck_every(), quiet_calls=1)
