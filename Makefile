@@ -11,7 +11,13 @@ RANGE_PY := $(RANGE_VENV)/bin/python
 RANGE_REQUIREMENTS := requirements/torch-oldest.txt
 RANGE_STAMP := $(RANGE_VENV)/.installed-$(shell cat pyproject.toml $(RANGE_REQUIREMENTS) | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-torch-range lint typecheck unit clean
+# torchtitan, for the recipe in examples/torchtitan (optional; not part of `make test`).
+TITAN_VENV ?= .venv-torchtitan
+TITAN_PY := $(TITAN_VENV)/bin/python
+TITAN_REQUIREMENTS := requirements/torchtitan.txt
+TITAN_STAMP := $(TITAN_VENV)/.installed-$(shell cat pyproject.toml $(TITAN_REQUIREMENTS) | cksum | cut -d' ' -f1)
+
+.PHONY: demo test test-torch-range test-torchtitan lint typecheck unit clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +28,11 @@ $(RANGE_STAMP): pyproject.toml $(RANGE_REQUIREMENTS)
 	test -x $(RANGE_PY) || $(PYTHON) -m venv $(RANGE_VENV)
 	$(RANGE_PY) -m pip install --quiet --disable-pip-version-check -e ".[torch]" -r $(RANGE_REQUIREMENTS)
 	rm -f $(RANGE_VENV)/.installed-* && touch $@
+
+$(TITAN_STAMP): pyproject.toml $(TITAN_REQUIREMENTS)
+	test -x $(TITAN_PY) || $(PYTHON) -m venv $(TITAN_VENV)
+	$(TITAN_PY) -m pip install --quiet --disable-pip-version-check -e ".[torch]" -r $(TITAN_REQUIREMENTS)
+	rm -f $(TITAN_VENV)/.installed-* && touch $@
 
 ## The main job: a short benchmark of the strategies on both frameworks (table + plot).
 demo: $(STAMP)
@@ -44,5 +55,10 @@ unit: $(STAMP)
 test-torch-range: $(RANGE_STAMP)
 	RECOMP_TEST_REQUIRE=torch $(RANGE_PY) -m pytest -q
 
+## The torchtitan recipe (examples/torchtitan) on torchtitan's llama3 debug model, in its
+## own environment (torchtitan wants numpy 2). Optional: `make test` does not need it.
+test-torchtitan: $(TITAN_STAMP)
+	PYTHONPATH=examples/torchtitan $(TITAN_PY) -m pytest -q -p no:cacheprovider examples/torchtitan
+
 clean:
-	rm -rf $(VENV) $(RANGE_VENV) out .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(RANGE_VENV) $(TITAN_VENV) out .pytest_cache .mypy_cache .ruff_cache .hypothesis

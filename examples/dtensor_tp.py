@@ -7,7 +7,9 @@ tensor-parallel styles: ``ColwiseParallel`` for q, k, v and fc1,
 ``RowwiseParallel`` for the output projection and fc2. A ``RowwiseParallel``
 linear produces partial sums, and its output hook turns them into a
 replicated tensor with an all-reduce. Excluding those two linears keeps the
-all-reduce (and the small matmul before it) out of the replay.
+all-reduce and the small matmul before it out of the replay; without the
+exclusion the replay recomputes the matmul and reads the all-reduced output
+that the checkpoint kept (unless ``exclude_collectives=False``).
 
 Order: ``parallelize_module`` first, then recomp. recomp wraps in place and
 changes no path, so the plan names the same sub-modules (``"attn.o"``) either
@@ -131,9 +133,14 @@ PLAN = {
 # variant -> (exclude the RowwiseParallel linears?, checkpoint options)
 VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
     "recomp": (True, {}),
-    "recomp_no_exclusion": (False, {}),
+    "recomp_no_exclusion": (False, {"exclude_collectives": False}),
     "recomp_full_replay": (True, {"early_stop": False}),
-    "recomp_full_replay_no_exclusion": (False, {"early_stop": False}),
+    "recomp_full_replay_no_exclusion": (
+        False,
+        {"early_stop": False, "exclude_collectives": False},
+    ),
+    # No region excluded: the replay reads the all-reduced outputs the forward kept.
+    "recomp_collectives_kept": (False, {}),
 }
 
 

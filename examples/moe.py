@@ -17,8 +17,13 @@ The layers are recomp checkpoints with three excluded regions:
 
 The experts, by far the largest activations, are recomputed.
 
-The script trains one step in three variants from the same weights and data
-(no checkpoint; recomp with the exclusions; recomp without them), prints the
+Without the exclusions, recomp's checkpoint still does not repeat the
+all-to-alls: it keeps their results from the forward and the replay reads them
+(``exclude_collectives=False`` repeats them). The router is then recomputed.
+
+The script trains one step in four variants from the same weights and data
+(no checkpoint; recomp with the exclusions; recomp without them, with and
+without keeping collective results), prints the
 collectives each issues per phase, and checks that the routing and the
 gradients are identical bit for bit, and that the expert-parallel model agrees
 with a dense model holding every expert.
@@ -214,7 +219,13 @@ def shard(name: str, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return full  # gate and norm are replicated
 
 
-VARIANTS = {"recomp": True, "recomp_no_exclusion": False}  # variant -> exclusions?
+# variant -> (exclusions?, checkpoint options)
+VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
+    "recomp": (True, {}),
+    "recomp_no_exclusion": (False, {"exclude_collectives": False}),
+    # No region excluded: the router is recomputed, the replay reads the all-to-alls' results.
+    "recomp_collectives_kept": (False, {}),
+}
 
 
 def is_excluded(m: nn.Module) -> bool:
@@ -227,10 +238,12 @@ def build(variant: str, rank: int, world: int, dense: dict[str, torch.Tensor]) -
         for name, p in model.named_parameters():
             p.copy_(shard(name, dense[name], rank, world))
     if variant != "reference":
+        exclude, options = VARIANTS[variant]
         apply_activation_checkpointing(
             model,
             checkpoint_fn=lambda m: isinstance(m, MoELayer),
-            exclude_fn=is_excluded if VARIANTS[variant] else None,
+            exclude_fn=is_excluded if exclude else None,
+            **options,
         )
     return model
 
@@ -299,8 +312,12 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
     per_layer = 3  # count exchange, dispatch, combine
     report["layers"] = LAYERS
     report["checks"] = checks = {
-        "replay issues no collective (with exclusions)": v["recomp"]["counts"]["replay"] == {},
-        "replay repeats all three all-to-alls (without exclusions)": v["recomp_no_exclusion"][
+        "replay issues no collective (with exclusions, or collectives kept)": all(
+            v[k]["counts"]["replay"] == {} for k in ("recomp", "recomp_collectives_kept")
+        ),
+        "replay repeats all three all-to-alls (without exclusions or kept collectives)": v[
+            "recomp_no_exclusion"
+        ][
             "counts"
         ]["replay"]
         == {"all_to_all": per_layer * LAYERS},

@@ -19,14 +19,18 @@ attention but reuses the all-reduced outputs instead of communicating again.
 ``f`` needs no exclusion: its forward does not communicate, and a replay only
 re-runs forwards, so its backward all-reduce happens once either way.
 
-Without the exclusion, the default replay (``early_stop=True``) repeats the
-attention all-reduce of every layer but stops before the MLP one, after which
-nothing is saved for backward; ``early_stop=False`` repeats both. With the
-exclusion neither is repeated.
+Without the exclusion, recomp's checkpoint still does not repeat the
+all-reduce: it keeps the all-reduced output from the forward and the replay
+reads it (it recomputes the row-parallel matmul before it). With
+``exclude_collectives=False`` and no exclusion, the default replay
+(``early_stop=True``) repeats the attention all-reduce of every layer but stops
+before the MLP one, after which nothing is saved for backward;
+``early_stop=False`` repeats both.
 
 The script trains one step from the same weights and data without checkpoints
 and with recomp, with and without the exclusion, with torch's default early
-stop and with ``early_stop=False`` (which replays each layer to its end).
+stop and with ``early_stop=False`` (which replays each layer to its end), and
+without the exclusion with collectives kept.
 It prints the collectives each variant issues per phase and checks the
 gradients: equal bit for bit between the variants, and equal to a dense
 single-process model up to float32 rounding.
@@ -223,10 +227,15 @@ def shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
 # variant -> (exclude the row-parallel all-reduce?, checkpoint options)
 VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
     "recomp": (True, {}),
-    "recomp_no_exclusion": (False, {}),
+    "recomp_no_exclusion": (False, {"exclude_collectives": False}),
     # early_stop=False replays the whole layer, up to its last op.
     "recomp_full_replay": (True, {"early_stop": False}),
-    "recomp_full_replay_no_exclusion": (False, {"early_stop": False}),
+    "recomp_full_replay_no_exclusion": (
+        False,
+        {"early_stop": False, "exclude_collectives": False},
+    ),
+    # No region excluded: the replay reads the all-reduced outputs the forward kept.
+    "recomp_collectives_kept": (False, {}),
 }
 
 

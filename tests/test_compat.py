@@ -312,6 +312,58 @@ class TestTorch:
         assert counts == [1, None]
         assert _compat.checkpoint_save_counter() is None  # outside a checkpoint
 
+    def test_op_arguments_name_what_an_operator_writes(self):
+        from recomp.torch import _compat
+
+        ops = self.torch.ops
+        assert _compat.op_arguments(ops._c10d_functional.all_reduce_.default) == (
+            ("input", True),
+            ("reduce_op", False),
+            ("group_name", False),
+        )
+        assert _compat.op_arguments(ops._c10d_functional.all_gather_into_tensor.default)[0] == (
+            "input",
+            False,
+        )
+        # The classic operators carry no annotation; recomp knows they write their first one.
+        assert _compat.op_arguments(ops.c10d.allreduce_.default)[0] == ("tensors", False)
+
+    def test_version_sharing_detach_sees_in_place_changes_below_autograd(self):
+        from recomp.torch import _compat
+        from recomp.torch._compat import TorchDispatchMode
+
+        torch = self.torch
+        detach = _compat.version_sharing_detach()
+        assert detach is not None
+        aliases = []
+
+        class Keep(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func is torch.ops.aten.sin.default:
+                    aliases.append((detach(out), out.detach()))
+                return out
+
+        with Keep():
+            y = torch.sin(torch.randn(3))
+        shared, plain = aliases[0]
+        before = shared._version
+        y.add_(1)
+        assert shared._version == before + 1
+        assert plain._version == before  # why the guard is needed
+        assert torch.equal(shared, y)
+
+    def test_completed_work_can_be_waited_on(self):
+        from recomp.torch import _compat
+
+        torch = self.torch
+        make = _compat.completed_work_factory()
+        assert make is not None
+        work = make([torch.ones(2)])
+        assert isinstance(work, torch.ScriptObject)
+        unboxed = torch.distributed.Work.unbox(work)
+        assert unboxed.is_completed() and unboxed.wait()
+
     def test_selective_checkpoint_modes_are_hidden_and_restored(self):
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 

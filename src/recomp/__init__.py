@@ -8,6 +8,7 @@ that code inside a checkpoint can read, and the errors recomp raises.
 from ._state import RecomputeState, get_recompute_state, is_recomputing
 from .errors import (
     CachedValueMutatedError,
+    CollectiveReplayedWarning,
     DoubleCheckpointError,
     ForeignCheckpointWarning,
     IneffectiveSelectionWarning,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CachedValueMutatedError",
+    "CollectiveReplayedWarning",
     "DoubleCheckpointError",
     "ForeignCheckpointWarning",
     "IneffectiveSelectionWarning",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "CachedValueMutatedError",
+    "CollectiveReplayedWarning",
     "DoubleCheckpointError",
     "ForeignCheckpointWarning",
     "IneffectiveSelectionWarning",
@@ -64,6 +65,11 @@ class DoubleCheckpointError(RecompError):
 
 class ForeignCheckpointWarning(UserWarning):
     """An excluded region is replayed by a checkpoint that recomp does not control."""
+
+
+class CollectiveReplayedWarning(UserWarning):
+    """A checkpoint's replay runs a collective again instead of reading the result its
+    forward kept (the result was changed in place, or was not kept)."""
 
 
 class WrapperNotReachedWarning(UserWarning):

@@ -85,7 +85,7 @@ def test_dtensor_op_dispatch(results):
 
 def test_phases(results):
     for r in results:
-        # Forward all-reduce, its replay (not excluded), and the backward one.
+        # Forward all-reduce, its replay (not excluded, results not kept), and the backward one.
         assert r["phases"] == {
             "forward": {"all_reduce": 1},
             "replay": {"all_reduce": 1},
@@ -95,6 +95,11 @@ def test_phases(results):
             r["phases_str"]
             == "forward: all_reduce=1 | replay: all_reduce=1 | backward: all_reduce=1"
         )
+        assert r["phases_kept"] == {
+            "forward": {"all_reduce": 1},
+            "replay": {},
+            "backward": {"all_reduce": 1},
+        }
         assert r["phases_excluded"] == {
             "forward": {"all_reduce": 1},
             "replay": {},

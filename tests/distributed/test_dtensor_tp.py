@@ -41,7 +41,7 @@ def test_excluded_rowwise_linears_issue_nothing_in_replay(reports, variant):
         assert all(s["runs"] == 1 for s in v["exclusions"].values())
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, "recomp_collectives_kept"])
 def test_gradients_bit_equal(reports, variant):
     assert_gradients_equal_the_reference(reports, variant)
 
@@ -56,3 +56,12 @@ def test_dtensor_model_matches_dense(reports):
 
 def test_all_checks_pass(reports):
     assert_all_checks_pass(reports)
+
+
+def test_without_exclusion_the_replay_reads_the_kept_all_reduces(reports):
+    # No region excluded, collectives kept (the default): the replay recomputes the
+    # row-parallel linears but hands back the forward's all-reduced outputs.
+    for r in reports:
+        v = r["variants"]["recomp_collectives_kept"]
+        assert v["counts"]["replay"] == {}, v["counts"]
+        assert v["counts"]["forward"] == r["variants"]["reference"]["counts"]["forward"]

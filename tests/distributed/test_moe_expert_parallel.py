@@ -62,7 +62,18 @@ def test_router_runs_once_and_experts_are_recomputed(reports):
         assert r["variants"]["reference"]["expert_calls"] == [1] * layers
 
 
-@pytest.mark.parametrize("variant", ["recomp", "recomp_no_exclusion"])
+def test_without_exclusions_the_replay_reads_the_kept_all_to_alls(reports):
+    # The router is recomputed (same decision), the all-to-alls with their uneven
+    # splits are not: the replay reads what the forward's exchanged.
+    layers = reports[0]["layers"]
+    for r in reports:
+        v = r["variants"]["recomp_collectives_kept"]
+        assert v["counts"]["replay"] == {}, v["counts"]
+        assert v["counts"]["forward"] == {"all_to_all": 3 * layers}
+        assert v["router_replay_runs"] == [1] * layers
+
+
+@pytest.mark.parametrize("variant", ["recomp", "recomp_no_exclusion", "recomp_collectives_kept"])
 def test_routing_and_gradients_identical(reports, variant):
     for r in reports:
         v = r["variants"][variant]

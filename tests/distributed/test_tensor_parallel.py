@@ -57,7 +57,7 @@ def test_exclusions_are_skipped_in_the_replay(reports):
         }
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, "recomp_collectives_kept"])
 def test_gradients_equal_the_non_checkpointed_model(reports, variant):
     assert_gradients_equal_the_reference(reports, variant)
 
@@ -72,3 +72,12 @@ def test_tensor_parallel_model_matches_dense(reports):
 
 def test_all_checks_pass(reports):
     assert_all_checks_pass(reports)
+
+
+def test_without_exclusion_the_replay_reads_the_kept_all_reduces(reports):
+    # No region excluded, collectives kept (the default): the replay recomputes the
+    # row-parallel linears but hands back the forward's all-reduced outputs.
+    for r in reports:
+        v = r["variants"]["recomp_collectives_kept"]
+        assert v["counts"]["replay"] == {}, v["counts"]
+        assert v["counts"]["forward"] == r["variants"]["reference"]["counts"]["forward"]

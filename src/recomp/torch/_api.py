@@ -20,6 +20,7 @@ from .._wrapping import (
 )
 from . import _compat, _compile
 from ._backend import BACKEND
+from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
 from ._hf import adapt_hf_layer_call, guard_model_cache
 from ._offload import Offloader, resolve
@@ -30,6 +31,7 @@ def checkpoint(
     *args: Any,
     context_fn: Callable[[], tuple[Any, Any]] | None = None,
     use_reentrant: bool | None = None,
+    exclude_collectives: bool = True,
     **kwargs: Any,
 ) -> Any:
     """Checkpoint ``function(*args, **kwargs)`` with recomp's recompute state installed.
@@ -41,12 +43,23 @@ def checkpoint(
     replay errors. ``context_fn`` is composed with recomp's own contexts, which
     are entered first. Excluded regions called inside run once in the forward
     and are skipped when the forward is replayed during backward.
+
+    Collectives in the recomputed code (DTensor redistributions, functional
+    collectives, ``torch.distributed`` calls) also run once: the forward keeps
+    their results until backward and the replay reads them instead of
+    communicating again. ``exclude_collectives=False`` communicates again in
+    the replay and keeps nothing.
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
+    _engine.check_flag("exclude_collectives", exclude_collectives)
     if _compile.is_compiling():
+        # PyTorch's partitioner never recomputes a functional collective (which is what
+        # Dynamo makes of every collective) unless told to: nothing to add here.
         return _compile.checkpoint(function, args, kwargs, context_fn)
     adapt_hf_layer_call(function, kwargs)
     context_fn, kwargs, torch_debug_off = debug_options(context_fn, kwargs)
+    if exclude_collectives and collectives_may_run():
+        context_fn = keep_collective_results(context_fn, function)
     context = _engine.begin(
         BACKEND,
         args,
@@ -161,6 +174,8 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     """
     check_callable(module, "checkpoint_wrapper", "module")
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
+    if "exclude_collectives" in checkpoint_kwargs:
+        _engine.check_flag("exclude_collectives", checkpoint_kwargs["exclude_collectives"])
     if not isinstance(module, nn.Module):
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
@@ -254,12 +269,16 @@ def apply_activation_checkpointing(
     ``copy_output_fn`` its ``copy_output=`` option: True for an excluded module
     whose output the code after it changes in place (torchvision's BatchNorms,
     followed by ``ReLU(inplace=True)`` and ``out += identity``).
+    Other options pass to :func:`checkpoint_wrapper`, ``exclude_collectives`` among
+    them (see :func:`checkpoint`).
     """
     select_checkpoint = _wrapping.as_predicate(checkpoint_fn, "checkpoint_fn", required=True)
     select_exclude = _wrapping.as_predicate(exclude_fn, "exclude_fn")
     select_offload = _wrapping.as_predicate(offload_fn, "offload_fn")
     select_copy = _wrapping.as_predicate(copy_output_fn, "copy_output_fn")
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
+    if "exclude_collectives" in checkpoint_kwargs:
+        _engine.check_flag("exclude_collectives", checkpoint_kwargs["exclude_collectives"])
     _wrapping.check_option_fns(
         select_exclude, offload_fn=select_offload, copy_output_fn=select_copy
     )

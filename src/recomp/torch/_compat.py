@@ -149,6 +149,62 @@ def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
 
+def version_sharing_detach() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A ``detach`` for use inside a dispatch mode whose result shares the version counter
+    of its input (as a detach above autograd does); None where that is not available.
+
+    Why: a dispatch mode runs below autograd, where ``detach`` skips the
+    ADInplaceOrView kernel and gives the alias a version counter of its own; the
+    kept result of a collective must see in-place changes made to the original.
+    How: re-include the ADInplaceOrView key around the detach, as PyTorch's own
+    selective-checkpoint cache does.
+    If it changes: None, and checkpoints do not keep collective results (the replay
+    communicates again, as with ``exclude_collectives=False``).
+    Retired by: a public way to make a view below autograd.
+    """
+    guard = getattr(torch._C, "_SetExcludeDispatchKeyGuard", None)
+    key = getattr(getattr(torch._C, "DispatchKey", None), "ADInplaceOrView", None)
+    if guard is None or key is None:
+        return None
+
+    def detach(t: torch.Tensor) -> torch.Tensor:
+        with guard(key, False):
+            return t.detach()
+
+    return detach
+
+
+def completed_work_factory() -> Callable[[list[torch.Tensor]], Any] | None:
+    """A function that makes a completed c10d ``Work``, in the form the dispatcher
+    takes back from a Python dispatch mode; None where that is not available.
+
+    Why: a replay that hands back a kept collective result instead of running a
+    ``c10d`` operator must return a ``Work`` the caller can ``wait()`` on.
+    How: ``_create_work_from_future`` on a future that is already set, then
+    ``Work.boxed()`` (the script-object form operators return).
+    If it changes: None, and the forward's own ``Work`` (completed by then) is kept
+    and returned again, which holds whatever that ``Work`` holds a little longer.
+    Retired by: a public constructor of a completed ``Work``.
+    """
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return None
+        from torch._C._distributed_c10d import _create_work_from_future
+    except (ImportError, AttributeError):
+        return None
+    if not hasattr(dist.Work, "boxed"):
+        return None
+
+    def completed(tensors: list[torch.Tensor]) -> Any:
+        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        future.set_result(tensors)
+        return _create_work_from_future(future).boxed()
+
+    return completed
+
+
 def _sac_mode_types() -> tuple[type, ...]:
     try:
         from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
@@ -269,6 +325,30 @@ def op_name(op: Any) -> str:
     """
     schema = getattr(op, "_schema", None)
     return str(schema.name) if schema is not None else str(op)
+
+
+_ARGUMENTS: dict[Any, tuple[tuple[str, bool], ...]] = {}
+
+
+def op_arguments(op: Any) -> tuple[tuple[str, bool], ...]:
+    """The arguments of an operator overload in schema order: (name, whether the
+    operator writes into it, by its alias annotation ``Tensor(a!)``).
+
+    Why: a kept collective result replaces what the operator writes; the schema
+    says which arguments those are.
+    If it changes: empty, and collectives are not kept (the replay communicates
+    again, as with ``exclude_collectives=False``).
+    Retired by: a public ``OpOverload`` schema accessor.
+    """
+    known = _ARGUMENTS.get(op)
+    if known is not None:
+        return known
+    arguments: list[tuple[str, bool]] = []
+    for argument in getattr(getattr(op, "_schema", None), "arguments", ()):
+        alias = getattr(argument, "alias_info", None)
+        arguments.append((str(argument.name), bool(alias is not None and alias.is_write)))
+    _ARGUMENTS[op] = result = tuple(arguments)
+    return result
 
 
 def cpu_attention_ops() -> tuple[Any, Any] | None:

@@ -15,8 +15,12 @@ three phases:
     of an all-to-all, ...).
 
 A collective that shows up in ``replay`` is communication paid twice, and a
-source of deadlocks when ranks replay differently; the usual cure is to put it
-in an excluded region (``recomp.torch.checkpoint_exclude_wrapper``).
+source of deadlocks when ranks replay differently. recomp's checkpoints keep
+the results of the collectives in recomputed code and their replays read them
+(see ``recomp.torch.checkpoint``), so the replay shows none unless a checkpoint
+runs with ``exclude_collectives=False``, a kept result was changed in place, or
+the checkpoint is not recomp's; then the cure is an excluded region
+(``recomp.torch.checkpoint_exclude_wrapper``).
 
 Example::
 
