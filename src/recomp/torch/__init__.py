@@ -25,6 +25,13 @@ from ._api import (
     checkpoint_wrapper,
     unwrap,
 )
+from ._kept import (
+    RecomputeHandle,
+    clear_recompute_session,
+    recompute_handle,
+    recompute_handle_collector_ctx,
+    recompute_session_ctx,
+)
 from ._offload import Offloader, OffloadStats, default_offloader
 
 __all__ = [
@@ -32,10 +39,15 @@ __all__ = [
     "ExcludeWrapper",
     "OffloadStats",
     "Offloader",
+    "RecomputeHandle",
     "apply_activation_checkpointing",
     "checkpoint",
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
+    "clear_recompute_session",
     "default_offloader",
+    "recompute_handle",
+    "recompute_handle_collector_ctx",
+    "recompute_session_ctx",
     "unwrap",
 ]

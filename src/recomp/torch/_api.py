@@ -10,6 +10,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .. import _engine, _wrapping
+from .._state import get_recompute_state
 from .._running_stats import warn_unhandled
 from .._wrapping import (
     CHECKPOINT_KWARGS,
@@ -18,7 +19,7 @@ from .._wrapping import (
     check_callable,
     default_name,
 )
-from . import _compat, _compile
+from . import _compat, _compile, _kept
 from ._backend import BACKEND
 from ._debug import debug_options
 from ._hf import adapt_hf_layer_call, guard_model_cache
@@ -47,6 +48,7 @@ def checkpoint(
         return _compile.checkpoint(function, args, kwargs, context_fn)
     adapt_hf_layer_call(function, kwargs)
     context_fn, kwargs, torch_debug_off = debug_options(context_fn, kwargs)
+    top_level = get_recompute_state() is None
     context = _engine.begin(
         BACKEND,
         args,
@@ -55,6 +57,8 @@ def checkpoint(
         align_rng=kwargs.get("preserve_rng_state", True),
         function=function,
     )
+    if _engine.SWITCHES.kept_replays:
+        context = _kept.with_handle(context, collectable=top_level)
     with torch_debug_off:
         try:
             return torch.utils.checkpoint.checkpoint(
