@@ -232,26 +232,45 @@ def _reference_grads(blocks: list[Block], x: torch.Tensor, target: torch.Tensor)
     return [[p.grad for p in b.parameters()] for b in model]
 
 
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def _measured_step(pipe: _Pipeline, x: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
+    """One step after a first one (the first also infers shapes, which runs the stages)."""
+    torch.manual_seed(1234)
+    pipe.step(x, target)
+    pipe.zero_grad()
+    pipe.reset_counters()
+    torch.manual_seed(1234)
+    with count_collectives() as counts:
+        pipe.step(x, target)
+    return {**pipe.counters(), "replay_collectives": counts.total("replay")}
+
+
 def run(
-    rank: int, world: int, tp: int = 1, schedules: list[str] | None = None, steps: int = 100
+    rank: int,
+    world: int,
+    tp: int = 1,
+    schedules: list[str] | None = None,
+    steps: int = 100,
+    steady: str = "recomp",
 ) -> dict[str, Any]:
     torch.manual_seed(0)
     pp_group, tp_group, pp_rank = _groups(rank, world, tp)
-    names = schedules or list(SCHEDULES)
+    names = list(SCHEDULES) if schedules is None else schedules
     plain = [Block(tp_group, dropout=0.0) for _ in range(BLOCKS)]
     x, target = _batch(1)
     reference = _reference_grads(plain, x, target)
     out: dict[str, Any] = {"rank": rank, "schedules": {}}
     for name in names:
+        # The controls only differ where backward is split.
+        variants = VARIANTS if name in SPLIT_BACKWARD or name == "GPipe" else ("none", "recomp")
         grads: dict[str, Any] = {}
         result: dict[str, Any] = {}
-        for variant in VARIANTS:
+        for variant in variants:
             pipe = _Pipeline(name, variant, plain, pp_group, pp_rank)
-            torch.manual_seed(1234)
-            with count_collectives() as counts:
-                pipe.step(x, target)
+            result[variant] = _measured_step(pipe, x, target)
             grads[variant] = pipe.grads()
-            result[variant] = {**pipe.counters(), "replay_collectives": counts.total("replay")}
             del pipe
         result["bitwise_equal_to_none"] = {
             v: all(
@@ -259,7 +278,7 @@ def run(
                 for i in grads["none"]
                 for a, b in zip(grads["none"][i], grads[v][i], strict=True)
             )
-            for v in VARIANTS
+            for v in variants
         }
         per_stage = BLOCKS // (len(grads["none"]) * dist.get_world_size(pp_group))
         result["max_diff_to_unpipelined"] = max(
@@ -272,13 +291,13 @@ def run(
             )
         )
         out["schedules"][name] = result
-    out["dropout"] = _dropout_masks_match(plain, x, target, pp_group, pp_rank, tp_group)
-    out["steady_state"] = _steady_state(plain, x, target, pp_group, pp_rank, tp_group, steps)
+    out["dropout"] = _dropout_masks_match(plain, x, target, pp_group, pp_rank)
+    out["steady_state"] = _steady_state(plain, x, target, pp_group, pp_rank, steps, steady)
     return out
 
 
 def _dropout_masks_match(
-    plain: list[Block], x: Any, target: Any, pp_group: Any, pp_rank: int, tp_group: Any
+    plain: list[Block], x: Any, target: Any, pp_group: Any, pp_rank: int
 ) -> bool:
     """With dropout on, ZBV with recomp gives the gradients of ZBV without checkpointing."""
     blocks = [_copy(b) for b in plain]
@@ -287,8 +306,7 @@ def _dropout_masks_match(
     grads = []
     for variant in ("none", "recomp"):
         pipe = _Pipeline("ZBVZeroBubble", variant, blocks, pp_group, pp_rank)
-        torch.manual_seed(99)
-        pipe.step(x, target)
+        _measured_step(pipe, x, target)
         grads.append(pipe.grads())
     return all(
         torch.equal(a, b)
@@ -301,56 +319,47 @@ def _live(kind: type) -> int:
     return sum(1 for o in gc.get_objects() if isinstance(o, kind))
 
 
+def _census(group: Any) -> dict[str, int]:
+    dist.barrier(group=group)  # no send or receive of the step still in flight
+    gc.collect()
+    return {
+        "tensors": _live(torch.Tensor),
+        "handles": _live(_kept.RecomputeHandle),
+        "objects": len(gc.get_objects()),
+    }
+
+
 def _steady_state(
-    plain: list[Block], x: Any, target: Any, pp_group: Any, pp_rank: int, tp_group: Any, steps: int
+    plain: list[Block], x: Any, target: Any, pp_group: Any, pp_rank: int, steps: int,
+    variant: str = "recomp",
 ) -> dict[str, Any]:
-    """Many ZBV steps with recomp: live tensors, handles and sessions stay where they were
+    """Many ZBV steps with recomp: live tensors, handles and objects stay where they were
     after the first steps, and every step replays once per micro-batch."""
-    pipe = _Pipeline("ZBVZeroBubble", "recomp", plain, pp_group, pp_rank)
-    counts = []
+    pipe = _Pipeline("ZBVZeroBubble", variant, plain, pp_group, pp_rank)
+    replays: set[float] = set()
+    runs: set[int] = set()
 
     def one_step() -> None:
         pipe.zero_grad()
         pipe.reset_counters()
         pipe.step(x, target)
-        counts.append(pipe.counters()["replays"])
+        counters = pipe.counters()
+        replays.update(r for per_stage in counters["replays"].values() for r in per_stage)
+        runs.update(r for per_stage in counters["attn_runs"].values() for r in per_stage)
 
-    for _ in range(3):
+    one_step()  # infers shapes
+    replays.clear()
+    runs.clear()
+    for _ in range(2):
         one_step()
-    gc.collect()
-    baseline = {
-        "tensors": _live(torch.Tensor),
-        "handles": _live(_kept.RecomputeHandle),
-        "objects": len(gc.get_objects()),
-    }
+    baseline = _census(pp_group)
     for _ in range(steps):
         one_step()
-    gc.collect()
-    after = {
-        "tensors": _live(torch.Tensor),
-        "handles": _live(_kept.RecomputeHandle),
-        "objects": len(gc.get_objects()),
-    }
-    replays = sorted({r for c in counts for per_stage in c.values() for r in per_stage})
     return {
         "baseline": baseline,
-        "after": after,
-        "replays_seen": replays,
+        "after": _census(pp_group),
+        "replays_seen": sorted(replays),
+        "attn_runs_seen": sorted(runs),
         "sessions": _kept.session_count(),
     }
 
-
-
-def debug_refs(rank: int, world: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    pp_group, tp_group, pp_rank = _groups(rank, world, 1)
-    plain = [Block(tp_group, dropout=0.0) for _ in range(BLOCKS)]
-    x, target = _batch(1)
-    pipe = _Pipeline("ZBVZeroBubble", "recomp", plain, pp_group, pp_rank)
-    res = []
-    for n in range(30):
-        pipe.zero_grad()
-        pipe.step(x, target)
-        gc.collect()
-        res.append((_live(_kept.RecomputeHandle), _live(torch.Tensor), len(gc.get_objects())))
-    return {"counts": res}

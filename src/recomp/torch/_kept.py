@@ -191,16 +191,24 @@ class _UnpackThroughHandle:
 
 
 class _Capture:
-    """Replay context: each tensor the replay saves is kept under its forward holder."""
+    """Replay context: each tensor the replay saves is kept under its forward holder.
+
+    Holds its handle weakly: the handle holds PyTorch's unpack hook, which holds the
+    checkpoint frame, which holds this context (its ``recompute_fn``); a strong
+    reference back would make a cycle that only the garbage collector frees, and
+    through the graph's saved tensors one that it cannot see at all.
+    """
 
     def __init__(self, handle: RecomputeHandle) -> None:
-        self.handle = handle
+        self.handle_ref = weakref.ref(handle)
         self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
         self._stacks.append(stack)
-        handle = self.handle
+        handle = self.handle_ref()
+        if handle is None:
+            return
         hooks = _compat.top_checkpoint_hooks() if handle.active else None
         if hooks is None or handle._holders is None:
             return

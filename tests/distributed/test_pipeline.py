@@ -1,0 +1,107 @@
+"""Pipeline parallelism: every ``torch.distributed.pipelining`` schedule replays each
+recomp-checkpointed block once per micro-batch (pipeline_cases.py does the work).
+
+Zero-bubble schedules split backward into an input-gradient pass and weight-gradient
+passes; PyTorch's checkpoint replays the block in each (7 replays per micro-batch on
+the later stages here), and so does recomp with its kept replays switched off (5).
+The tests also fail if an excluded region (and the all-reduce inside it) runs in a
+replay, if a gradient differs from the same schedule without checkpointing by one bit
+or from an unpipelined step, or if live tensors, handles or objects grow over steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+from pipeline_cases import BLOCKS, MICRO, SCHEDULES, SPLIT_BACKWARD
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(launcher):
+    return launcher("pipeline_cases:run", steps=40, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(launcher):
+    # Pipeline 2 x tensor parallel 2: the excluded all-reduce spans a pair of ranks.
+    return launcher(
+        "pipeline_cases:run",
+        world_size=4,
+        tp=2,
+        schedules=["1F1B", "ZBVZeroBubble"],
+        steps=10,
+        timeout=300,
+    )
+
+
+def _replays(result, variant):
+    return sorted({r for stage in result[variant]["replays"].values() for r in stage})
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_one_replay_per_micro_batch(two_ranks, schedule):
+    for rank in two_ranks:
+        assert _replays(rank["schedules"][schedule], "recomp") == [1.0], rank["schedules"][schedule]
+
+
+@pytest.mark.parametrize("schedule", SPLIT_BACKWARD)
+def test_controls_replay_more_under_split_backward(two_ranks, schedule):
+    # Stages whose inputs need gradients (all but the first) split their backward.
+    expected = {"InterleavedZeroBubble": (5.0, 7.0), "ZBVZeroBubble": (5.0, 7.0)}
+    off, torch_ckpt = expected.get(schedule, (2.0, 2.5))
+    for rank in two_ranks:
+        result = rank["schedules"][schedule]
+        later = {i: r for i, r in result["recomp_off"]["replays"].items() if i != "0"}
+        assert {x for stage in later.values() for x in stage} == {off}, result
+        later = {i: r for i, r in result["torch"]["replays"].items() if i != "0"}
+        assert {x for stage in later.values() for x in stage} == {torch_ckpt}, result
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_excluded_collective_runs_once_per_micro_batch(two_ranks, schedule):
+    for rank in two_ranks:
+        result = rank["schedules"][schedule]
+        runs = {r for stage in result["recomp"]["attn_runs"].values() for r in stage}
+        assert runs == {MICRO}, result
+        assert result["recomp"]["replay_collectives"] == 0
+        if "torch" in result:  # the control: PyTorch's checkpoint runs it again
+            torch_runs = {r for stage in result["torch"]["attn_runs"].values() for r in stage}
+            assert min(torch_runs) > MICRO
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_gradients(two_ranks, schedule):
+    for rank in two_ranks:
+        result = rank["schedules"][schedule]
+        assert all(result["bitwise_equal_to_none"].values()), result["bitwise_equal_to_none"]
+        assert result["max_diff_to_unpipelined"] < 1e-6
+
+
+def test_dropout_masks_match(two_ranks):
+    assert all(rank["dropout"] for rank in two_ranks)
+
+
+def test_steady_state_after_many_steps(two_ranks):
+    for rank in two_ranks:
+        state = rank["steady_state"]
+        assert state["replays_seen"] == [1.0]
+        assert state["attn_runs_seen"] == [MICRO]
+        assert state["after"] == state["baseline"], state
+        assert state["after"]["handles"] == 0
+        assert state["sessions"] == 0
+
+
+def test_pipeline_with_tensor_parallel_all_reduce(four_ranks):
+    assert len(four_ranks) == 4
+    for rank in four_ranks:
+        for name, result in rank["schedules"].items():
+            assert _replays(result, "recomp") == [1.0], (name, result)
+            runs = {r for stage in result["recomp"]["attn_runs"].values() for r in stage}
+            assert runs == {MICRO}
+            assert result["recomp"]["replay_collectives"] == 0
+            assert all(result["bitwise_equal_to_none"].values())
+            assert result["max_diff_to_unpipelined"] < 1e-6
+        assert rank["dropout"]
+        assert rank["steady_state"]["after"] == rank["steady_state"]["baseline"]
+    assert BLOCKS == 8
