@@ -10,8 +10,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .. import _engine, _wrapping
-from .._state import get_recompute_state
 from .._running_stats import warn_unhandled
+from .._state import get_recompute_state
 from .._wrapping import (
     CHECKPOINT_KWARGS,
     REGION,
