@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 
 @pytest.fixture(scope="module")
 def two_ranks(launcher):
-    return launcher("pipeline_cases:run", steps=40, timeout=300)
+    return launcher("pipeline_cases:run", steps=20, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def four_ranks(launcher):
         world_size=4,
         tp=2,
         schedules=["1F1B", "ZBVZeroBubble"],
-        steps=10,
+        steps=5,
         timeout=300,
     )
 

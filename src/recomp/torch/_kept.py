@@ -224,7 +224,11 @@ class _Capture:
                 handle.keep(holders[i], kept)
             # PyTorch files what it is given under the same holder and checks only its
             # shape, dtype and device; a stand-in keeps it from holding the tensor too.
-            replay_pack(_stand_in(kept, stand_ins))
+            # Made with no dispatch mode active: bookkeeping, not a model op
+            # (selective checkpointing's cache and FLOP counters must not see it).
+            with _compat.no_dispatch_modes():
+                stand_in = _stand_in(kept, stand_ins)
+            replay_pack(stand_in)
             return kept
 
         _compat.mark_as_checkpoint_hook(pack, replay_pack)
