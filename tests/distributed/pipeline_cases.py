@@ -233,6 +233,8 @@ def _reference_grads(blocks: list[Block], x: torch.Tensor, target: torch.Tensor)
 
 
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# Schedules run with the controls too (PyTorch's checkpoint; recomp with kept replays off).
+CONTROLS = ("GPipe", "ZBVZeroBubble", "DualPipeV")
 
 
 def _measured_step(pipe: _Pipeline, x: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
@@ -254,6 +256,8 @@ def run(
     schedules: list[str] | None = None,
     steps: int = 100,
     steady: str = "recomp",
+    controls: tuple[str, ...] = CONTROLS,
+    dropout: bool = True,
 ) -> dict[str, Any]:
     torch.manual_seed(0)
     pp_group, tp_group, pp_rank = _groups(rank, world, tp)
@@ -263,8 +267,9 @@ def run(
     reference = _reference_grads(plain, x, target)
     out: dict[str, Any] = {"rank": rank, "schedules": {}}
     for name in names:
-        # The controls only differ where backward is split.
-        variants = VARIANTS if name in SPLIT_BACKWARD or name == "GPipe" else ("none", "recomp")
+        variants = tuple(v for v in VARIANTS if v in ("none", "recomp") or name in controls)
+        if name not in SPLIT_BACKWARD:  # switching kept replays off changes nothing there
+            variants = tuple(v for v in variants if v != "recomp_off")
         grads: dict[str, Any] = {}
         result: dict[str, Any] = {}
         for variant in variants:
@@ -291,7 +296,8 @@ def run(
             )
         )
         out["schedules"][name] = result
-    out["dropout"] = _dropout_masks_match(plain, x, target, pp_group, pp_rank)
+    if dropout:
+        out["dropout"] = _dropout_masks_match(plain, x, target, pp_group, pp_rank)
     out["steady_state"] = _steady_state(plain, x, target, pp_group, pp_rank, steps, steady)
     return out
 
