@@ -71,6 +71,7 @@ class RecomputeHandle:
         "__weakref__",
         "_checkpoint_unpack",
         "_collectable",
+        "_consumed",
         "_holders",
         "_kept",
         "_lock",
@@ -82,6 +83,9 @@ class RecomputeHandle:
         self._holders: Callable[[], list[Any]] | None = None
         self._checkpoint_unpack: Callable[[Any], Any] | None = None
         self._kept: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+        # Holder -> the backward pass that read and dropped its tensor: a replay later in
+        # that same pass does not keep it again (no node of the pass reads it twice).
+        self._consumed: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self.session: _Session | None = None
 
@@ -122,13 +126,18 @@ class RecomputeHandle:
         session = self.session
         retain = session is not None and session.retain_on_unpack
         if not retain and _compat.node_finishes_in_this_pass():
+            current = _compat.graph_task_id()
             with self._lock:
                 self._kept.pop(holder, None)
+                if current != -1:
+                    self._consumed[holder] = current
         return value
 
     def keep(self, holder: Any, value: torch.Tensor) -> None:
+        current = _compat.graph_task_id()
         with self._lock:
-            self._kept[holder] = value
+            if current == -1 or self._consumed.get(holder) != current:
+                self._kept[holder] = value
 
     def replay_now(self) -> None:
         """Run the replay outside backward; its tensors are kept until read."""
@@ -149,6 +158,7 @@ class RecomputeHandle:
         """Drop every kept tensor (the graph keeps its holders; a later read replays)."""
         with self._lock:
             self._kept.clear()
+            self._consumed.clear()
 
     def kept_count(self) -> int:
         """How many recomputed tensors the handle keeps now (for tests and reports)."""
