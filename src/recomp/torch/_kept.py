@@ -225,7 +225,7 @@ class _Capture:
         replay_pack, replay_unpack = hooks
         holders = handle._holders()
         position = iter(range(len(holders)))
-        stand_ins: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        stand_ins: dict[Any, Any] = {}
 
         def pack(x: Any) -> Any:
             kept = x.detach() if x.requires_grad else x
@@ -234,11 +234,7 @@ class _Capture:
                 handle.keep(holders[i], kept)
             # PyTorch files what it is given under the same holder and checks only its
             # shape, dtype and device; a stand-in keeps it from holding the tensor too.
-            # Made with no dispatch mode active: bookkeeping, not a model op
-            # (selective checkpointing's cache and FLOP counters must not see it).
-            with _compat.no_dispatch_modes():
-                stand_in = _stand_in(kept, stand_ins)
-            replay_pack(stand_in)
+            replay_pack(_stand_in(kept, stand_ins))
             return kept
 
         _compat.mark_as_checkpoint_hook(pack, replay_pack)
@@ -264,15 +260,20 @@ def with_handle(
     return composed
 
 
-def _stand_in(t: torch.Tensor, cache: dict[tuple[torch.dtype, torch.device], torch.Tensor]) -> Any:
-    """A tensor with ``t``'s shape, dtype and device and one element of memory."""
+def _stand_in(t: Any, cache: dict[Any, Any]) -> Any:
+    """A tensor with ``t``'s shape, dtype and device and one element of memory, shared
+    by the tensors of one replay that have those (PyTorch only reads them)."""
     if type(t) is not torch.Tensor or t.layout is not torch.strided:
         return t  # subclasses (DTensor) and other layouts: PyTorch keeps the tensor itself
-    key = (t.dtype, t.device)
-    base = cache.get(key)
-    if base is None:
-        base = cache[key] = torch.empty((), dtype=t.dtype, device=t.device)
-    return base.expand(t.shape)
+    key = (t.shape, t.dtype, t.device)
+    stand_in = cache.get(key)
+    if stand_in is None:
+        # Made with no dispatch mode active: bookkeeping, not a model op (selective
+        # checkpointing's cache and FLOP counters must not see it).
+        with _compat.no_dispatch_modes():
+            stand_in = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
+        cache[key] = stand_in
+    return stand_in
 
 
 # --------------------------------------------------------------------------- sessions
