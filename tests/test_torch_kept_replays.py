@@ -226,3 +226,45 @@ def test_collector_takes_top_level_checkpoints_in_call_order():
     h.sum().backward()
     rt.clear_recompute_session("order")
     assert [layer.calls for layer in layers] == [3, 2, 2]  # forward (+ no_grad one) + replay
+
+
+
+
+def test_debug_log_composes_with_kept_replays():
+    reference = _split_backward(*_setup("none"))
+    torch.manual_seed(0)
+    block = Block()
+    rt.checkpoint_exclude_wrapper(block.attn)
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(1)
+    loss = rt.checkpoint(block, x, debug=True).square().sum()
+    grads = _split_backward(block, x, loss)
+    assert block.calls - 1 == 1
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads, strict=True))
+
+
+def test_nested_checkpoints_with_kept_replays():
+    def build(checkpointed: bool) -> tuple[Block, torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        block = Block()
+        x = torch.randn(4, 8, requires_grad=True)
+        torch.manual_seed(1)
+        if not checkpointed:
+            return block, x, torch.tanh(block(x)).square().sum()
+        rt.checkpoint_exclude_wrapper(block.attn)
+
+        def outer(t: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(rt.checkpoint(block, t))
+
+        return block, x, rt.checkpoint(outer, x).square().sum()
+
+    block, x, loss = build(checkpointed=False)
+    loss.backward()
+    reference = [x.grad, *(p.grad for p in block.parameters())]
+    block, x, loss = build(checkpointed=True)
+    loss.backward()
+    # The outer replay re-runs the inner checkpoint once; the inner replays once.
+    assert block.calls - 1 == 2
+    assert block.attn.region_runs == 1
+    grads = [x.grad, *(p.grad for p in block.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads, strict=True))
