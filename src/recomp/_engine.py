@@ -47,7 +47,8 @@ __all__ = [
 
 class MechanismSwitches:
     """Mechanisms the test seam (``recomp._testing``) can turn off to show that a
-    guarantee depends on them. Read once per checkpoint call, by :func:`begin`."""
+    guarantee depends on them. Read once per checkpoint call, by :func:`begin`
+    (``kept_replays`` by the framework's checkpoint that has it)."""
 
     __slots__ = ("kept_replays", "replay_rewind", "rng_alignment")
 

@@ -41,7 +41,10 @@ def checkpoint(
     adds a log of the forward's and the replay's ops, excluded regions marked, to
     replay errors. ``context_fn`` is composed with recomp's own contexts, which
     are entered first. Excluded regions called inside run once in the forward
-    and are skipped when the forward is replayed during backward.
+    and are skipped when the forward is replayed during backward. What a replay
+    recomputes is kept until a backward pass reads it, so a backward split into
+    passes over one graph (zero-bubble pipeline schedules) replays once; see
+    :func:`recompute_handle` to run the replay ahead of backward.
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     if _compile.is_compiling():

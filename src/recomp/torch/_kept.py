@@ -12,15 +12,17 @@ checkpoint and autograd:
 
 * in the forward, the unpack hook of the checkpoint's saved tensors becomes
   :meth:`RecomputeHandle.unpack` (PyTorch's pack hook stays on top of the stack);
-* in each replay, the replay's saved tensors go through :meth:`_Capture.pack` first,
-  which keeps each under the forward holder it belongs to, and hands PyTorch's own
-  replay hook a shape-only stand-in, so that PyTorch holds no second reference;
+* in each replay, the replay's saved tensors go through the pack hook of
+  :class:`_Capture` first, which keeps each under the forward holder it belongs to
+  and hands PyTorch's own replay hook a shape-only stand-in, so that PyTorch holds
+  no second reference;
 * an unpack reads the kept tensor if there is one; only a holder with none makes
   PyTorch replay (in this pass). After the read the tensor is dropped when the node
   reading it gives all its gradients in this pass (a plain backward, or the last
   pass that needs it); a node that a later pass will run again for its other
   gradients keeps it (the input-gradient pass of a zero-bubble schedule). A second
-  read of a dropped tensor (a true double backward) replays, as before.
+  read of a dropped tensor (a true double backward, or a later pass from the loss
+  that re-runs a node an earlier pass finished) replays, as before.
 
 Kept tensors live under the holder, so they go with the graph: a pass with
 ``retain_graph=False`` frees each holder as its node runs, and freeing the graph
