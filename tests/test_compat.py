@@ -582,6 +582,68 @@ class TestTorchCheckpointInternals:
         assert packed == [torch.Size([3])]
         assert _compat.top_checkpoint_hooks() is None
 
+    def test_checkpoint_holders_are_the_frames_in_save_order(self):
+        from recomp.torch import _compat
+
+        torch = self.torch
+        seen = []
+
+        def body(x):
+            hooks = _compat.top_checkpoint_hooks()
+            holders = _compat.checkpoint_holders(hooks[0])
+            assert holders is not None and holders() == []
+            y = torch.sin(x)  # saves x
+            z = torch.tanh(y)  # saves its output
+            seen.extend(holders())
+            return z
+
+        x = torch.randn(3, requires_grad=True)
+        out = torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False)
+        assert len(seen) == 2 and all(h is not None for h in seen)
+        assert len({id(h) for h in seen}) == 2
+        del out
+        assert _compat.checkpoint_holders(lambda t: t) is None  # not a checkpoint's hook
+
+    def test_marks_of_a_checkpoint_hook_are_copied(self):
+        from recomp.torch import _compat
+
+        def like(t):
+            return t
+
+        like._user_hooks = ("pack", "unpack")
+
+        def hook(t):
+            return t
+
+        _compat.mark_as_checkpoint_hook(hook, like)
+        assert hook._checkpoint_internal is True
+        assert hook._user_hooks == ("pack", "unpack")
+
+    def test_node_finishes_in_this_pass_follows_the_pass_inputs(self):
+        from recomp.torch import _compat
+
+        torch = self.torch
+        seen = []
+
+        class Probe(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, w):
+                return x * w
+
+            @staticmethod
+            def backward(ctx, g):
+                seen.append(_compat.node_finishes_in_this_pass())
+                return g, g
+
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        out = Probe.apply(x * 1, w * 1).sum()
+        torch.autograd.grad(out, [x], retain_graph=True)  # w's branch is left for later
+        out.backward(retain_graph=True)  # every branch
+        torch.autograd.grad(out, [x, w])  # leaves captured by autograd.grad: computed
+        assert seen == [False, True, True]
+        assert _compat.node_finishes_in_this_pass()  # outside backward
+
 
 class TestTorchFailedCheckpoint:
     """PyTorch 2.9 leaves a non-reentrant checkpoint open when its function raises."""

@@ -47,13 +47,17 @@ __all__ = [
 
 class MechanismSwitches:
     """Mechanisms the test seam (``recomp._testing``) can turn off to show that a
-    guarantee depends on them. Read once per checkpoint call, by :func:`begin`."""
+    guarantee depends on them. Read once per checkpoint call, by :func:`begin`
+    (``kept_replays`` by the framework's checkpoint that has it)."""
 
-    __slots__ = ("replay_rewind", "rng_alignment")
+    __slots__ = ("kept_replays", "replay_rewind", "rng_alignment")
 
     def __init__(self) -> None:
         self.rng_alignment = True
         self.replay_rewind = True
+        # What a replay recomputed stays until a backward pass reads it (PyTorch:
+        # ``recomp.torch._kept``), instead of one replay per backward pass.
+        self.kept_replays = True
 
 
 SWITCHES = MechanismSwitches()

@@ -81,6 +81,17 @@ def without_replay_rewind() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def without_kept_replays() -> Iterator[None]:
+    """Checkpoint calls started here replay once per backward pass that needs them
+    (PyTorch's rule) instead of keeping what a replay recomputed for later passes."""
+    SWITCHES.kept_replays = False
+    try:
+        yield
+    finally:
+        SWITCHES.kept_replays = True
+
+
+@contextlib.contextmanager
 def offload_events(offloader: Any) -> Iterator[list[tuple[str, str]]]:
     """Collect what ``offloader`` (a ``recomp.torch.Offloader``) does in backward, as
     (event, region name): "copy back" (started ahead of the read), "copy back on

@@ -25,6 +25,13 @@ from ._api import (
     checkpoint_wrapper,
     unwrap,
 )
+from ._kept import (
+    RecomputeHandle,
+    clear_recompute_session,
+    recompute_handle,
+    recompute_handle_collector_ctx,
+    recompute_session_ctx,
+)
 from ._memory_report import (
     ReportRow,
     SavedTensorsReport,
@@ -43,14 +50,19 @@ __all__ = [
     "OomReport",
     "ReportRow",
     "SavedTensorsReport",
+    "RecomputeHandle",
     "apply_activation_checkpointing",
     "checkpoint",
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
+    "clear_recompute_session",
     "default_offloader",
     "install_oom_report",
     "label_layers",
     "print_saved_tensors_report",
     "saved_tensors_report",
+    "recompute_handle",
+    "recompute_handle_collector_ctx",
+    "recompute_session_ctx",
     "unwrap",
 ]

@@ -11,6 +11,7 @@ from torch import nn
 
 from .. import _engine, _wrapping
 from .._running_stats import warn_unhandled
+from .._state import get_recompute_state
 from .._wrapping import (
     CHECKPOINT_KWARGS,
     REGION,
@@ -18,7 +19,7 @@ from .._wrapping import (
     check_callable,
     default_name,
 )
-from . import _compat, _compile
+from . import _compat, _compile, _kept
 from ._backend import BACKEND
 from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
@@ -42,7 +43,10 @@ def checkpoint(
     adds a log of the forward's and the replay's ops, excluded regions marked, to
     replay errors. ``context_fn`` is composed with recomp's own contexts, which
     are entered first. Excluded regions called inside run once in the forward
-    and are skipped when the forward is replayed during backward.
+    and are skipped when the forward is replayed during backward. What a replay
+    recomputes is kept until a backward pass reads it, so a backward split into
+    passes over one graph (zero-bubble pipeline schedules) replays once; see
+    :func:`recompute_handle` to run the replay ahead of backward.
 
     Collectives in the recomputed code (DTensor redistributions, functional
     collectives, ``torch.distributed`` calls) also run once: the forward keeps
@@ -60,6 +64,7 @@ def checkpoint(
     context_fn, kwargs, torch_debug_off = debug_options(context_fn, kwargs)
     if exclude_collectives and collectives_may_run():
         context_fn = keep_collective_results(context_fn, function)
+    top_level = get_recompute_state() is None
     context = _engine.begin(
         BACKEND,
         args,
@@ -68,6 +73,8 @@ def checkpoint(
         align_rng=kwargs.get("preserve_rng_state", True),
         function=function,
     )
+    if _engine.SWITCHES.kept_replays:
+        context = _kept.with_handle(context, collectable=top_level)
     with torch_debug_off:
         try:
             return torch.utils.checkpoint.checkpoint(

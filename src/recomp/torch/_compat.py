@@ -92,6 +92,22 @@ def graph_task_id() -> int:
     return int(query()) if query is not None else -1
 
 
+def _checkpoint_frame(pack: Any) -> Any:
+    """The ``_CheckpointFrame`` a non-reentrant checkpoint's pack hook closes over, or None."""
+    try:
+        from torch.utils.checkpoint import _CheckpointFrame
+    except ImportError:
+        return None
+    cells = getattr(pack, "__closure__", None)
+    frame = next(
+        (c.cell_contents for c in cells or () if isinstance(c.cell_contents, _CheckpointFrame)),
+        None,
+    )
+    if frame is None or not isinstance(getattr(frame, "weak_holders", None), list):
+        return None
+    return frame
+
+
 def checkpoint_save_counter() -> Callable[[], int] | None:
     """How many tensors the enclosing non-reentrant checkpoint has saved so far, when
     its replay stops early after the last of them; None otherwise.
@@ -105,19 +121,11 @@ def checkpoint_save_counter() -> Callable[[], int] | None:
     Retired by: a public early-stop position on the checkpoint.
     """
     try:
-        from torch.utils.checkpoint import _CheckpointFrame
-
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    except (ImportError, AttributeError, RuntimeError):
+    except (AttributeError, RuntimeError):
         return None
-    cells = getattr(hooks[0], "__closure__", None) if hooks is not None else None
-    frame = next(
-        (c.cell_contents for c in cells or () if isinstance(c.cell_contents, _CheckpointFrame)),
-        None,
-    )
+    frame = _checkpoint_frame(hooks[0]) if hooks is not None else None
     if frame is None or not getattr(frame, "early_stop", False):
-        return None
-    if not isinstance(getattr(frame, "weak_holders", None), list):
         return None
     frame_ref = weakref.ref(frame)
 
@@ -428,6 +436,88 @@ def replace_top_hooks(
     finally:
         torch._C._autograd._pop_saved_tensors_default_hooks()
         torch._C._autograd._push_saved_tensors_default_hooks(*original)
+
+
+# --------------------------------------------------------------------------- kept replays
+# What recomp's own unpack needs to keep a replay's tensors for later backward passes
+# (``recomp.torch._kept``). The upstream code relied on is ``torch/utils/checkpoint.py``
+# of 2.9.1 to 2.14.1, the same in all of them in these respects:
+# ``_checkpoint_without_reentrant_generator`` enters ``_checkpoint_hook(frame)`` and then,
+# directly inside it, the forward context of ``context_fn``; ``_checkpoint_hook``'s pack
+# hook appends ``weakref.ref(holder)`` to ``frame.weak_holders`` in save order, and its
+# unpack hook replays the forward (once per graph task) under ``_recomputation_hook``,
+# whose pack hook files the n-th saved tensor of the replay under the n-th holder and
+# checks only its shape, dtype and device against the forward's; ``recompute_fn`` enters
+# the recompute context of ``context_fn`` directly inside that hook.
+
+
+def checkpoint_holders(pack: Any) -> Callable[[], list[Any]] | None:
+    """For the checkpoint whose pack hook is ``pack``: a function giving its holders
+    (the objects its saved tensors are replaced by), in save order, None for dead ones.
+
+    Why: a replay's n-th saved tensor belongs to the forward's n-th holder; recomp keeps
+    it under that holder for the backward passes that have not read it yet.
+    How: the frame's ``weak_holders`` list (see the note above), held weakly here.
+    If it changes: None, and recomp leaves PyTorch's unpack alone: one replay per
+    backward pass, as with PyTorch's checkpoint.
+    Retired by: a public per-holder recompute cache in PyTorch's checkpoint.
+    """
+    frame = _checkpoint_frame(pack)
+    if frame is None:
+        return None
+    frame_ref = weakref.ref(frame)
+
+    def holders() -> list[Any]:
+        live = frame_ref()
+        return [] if live is None else [ref() for ref in live.weak_holders]
+
+    return holders
+
+
+def mark_as_checkpoint_hook(hook: Callable[[Any], Any], like: Callable[[Any], Any]) -> None:
+    """Give ``hook``, which stands in for the checkpoint pack hook ``like`` on top of the
+    hook stack, the marks PyTorch 2.14 reads there.
+
+    Why: 2.14 finds the user's saved-tensors hooks below its checkpoint's own by skipping
+    pack hooks marked ``_checkpoint_internal`` and following their ``_user_hooks``
+    (a checkpoint nested in a replay, selective checkpointing); unmarked, recomp's
+    stand-in would be taken for a user hook. Before 2.14 nothing reads the marks.
+    If it changes: the marks are set and ignored.
+    """
+    hook._checkpoint_internal = True  # type: ignore[attr-defined]
+    hook._user_hooks = getattr(like, "_user_hooks", None)  # type: ignore[attr-defined]
+
+
+def node_finishes_in_this_pass() -> bool:
+    """Whether the autograd node running now computes, in this backward pass, every
+    gradient it can give (False: a later pass over the retained graph may run it again
+    for the others, as a zero-bubble pipeline's weight pass does); True outside backward.
+
+    Why: a recomputed tensor is dropped after its unpack only where no later pass of the
+    same micro-batch will ask for it again.
+    How: ``torch._C._current_autograd_node`` and, for each next node,
+    ``torch._C._will_engine_execute_node`` (what ``register_multi_grad_hook`` uses). A
+    leaf captured by ``autograd.grad`` raises there; its gradient is computed.
+    If it changes: True, and the tensor is dropped after its first unpack (a later pass
+    replays, as with PyTorch's checkpoint).
+    Retired by: a public "gradients this pass computes" query on a node.
+    """
+    current = getattr(torch._C, "_current_autograd_node", None)
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if current is None or will_execute is None:
+        return True
+    node = current()
+    if node is None:
+        return True
+    for next_node, _ in node.next_functions:
+        if next_node is None:
+            continue
+        try:
+            if not will_execute(next_node):
+                return False
+        except RuntimeError:  # a leaf captured by autograd.grad: its gradient is computed
+            continue
+    return True
 
 
 # --------------------------------------------------------------------------- failed checkpoint forward

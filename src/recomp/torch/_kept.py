@@ -1,0 +1,443 @@
+"""One replay per checkpoint per micro-batch: recomputed tensors kept for later backward passes.
+
+PyTorch's non-reentrant checkpoint replays its forward once per backward pass
+(graph task) that needs one of its saved tensors. A zero-bubble pipeline schedule
+runs several passes over one micro-batch's graph: one for the stage's input
+gradients (``retain_graph=True``), then one per parameter group for the weight
+gradients, and each re-runs nodes whose saved tensors the first pass already
+read. So every pass replays the block again.
+
+:class:`RecomputeHandle` (one per recomp checkpoint call) sits between PyTorch's
+checkpoint and autograd:
+
+* in the forward, the unpack hook of the checkpoint's saved tensors becomes
+  :meth:`RecomputeHandle.unpack` (PyTorch's pack hook stays on top of the stack);
+* in each replay, the replay's saved tensors go through the pack hook of
+  :class:`_Capture` first, which keeps each under the forward holder it belongs to
+  and hands PyTorch's own replay hook a shape-only stand-in, so that PyTorch holds
+  no second reference;
+* an unpack reads the kept tensor if there is one; only a holder with none makes
+  PyTorch replay (in this pass). After the read the tensor is dropped when the node
+  reading it gives all its gradients in this pass (a plain backward, or the last
+  pass that needs it); a node that a later pass will run again for its other
+  gradients keeps it (the input-gradient pass of a zero-bubble schedule). A second
+  read of a dropped tensor (a true double backward, or a later pass from the loss
+  that re-runs a node an earlier pass finished) replays, as before.
+
+Kept tensors live under the holder, so they go with the graph: a pass with
+``retain_graph=False`` frees each holder as its node runs, and freeing the graph
+frees the rest. Nothing is left per step.
+
+Sessions (:func:`recompute_session_ctx` and the functions beside it, names and
+semantics after HyperParallel's activation-checkpoint API) let a schedule that
+drives backward itself run a micro-batch's replay ahead of its backward
+(:func:`recompute_handle`) and keep every kept tensor through all its passes
+(``retain_on_unpack=True``) until :func:`clear_recompute_session`. A handle's
+session is stored on the handle, not in a context variable: autograd's worker
+threads see it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointError
+
+from .._engine import ComposedContext
+from ..errors import RecompError
+from . import _compat
+
+__all__ = [
+    "RecomputeHandle",
+    "clear_recompute_session",
+    "recompute_handle",
+    "recompute_handle_collector_ctx",
+    "recompute_session_ctx",
+]
+
+
+class RecomputeHandle:
+    """One recomp checkpoint call's replay: what it recomputed and no pass has read yet.
+
+    Opaque to users: collected by :func:`recompute_handle_collector_ctx`, passed to
+    :func:`recompute_handle`. Holds its checkpoint's graph only weakly.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_checkpoint_unpack",
+        "_collectable",
+        "_consumed",
+        "_holders",
+        "_kept",
+        "_lock",
+        "session",
+    )
+
+    def __init__(self, collectable: bool = True) -> None:
+        self._collectable = collectable
+        self._holders: Callable[[], list[Any]] | None = None
+        self._checkpoint_unpack: Callable[[Any], Any] | None = None
+        self._kept: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+        # Holder -> the backward pass that read and dropped its tensor: a replay later in
+        # that same pass does not keep it again (no node of the pass reads it twice).
+        self._consumed: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self.session: _Session | None = None
+
+    # ----------------------------------------------------------------- contexts
+
+    def forward_context(self) -> contextlib.AbstractContextManager[None]:
+        """Entered directly inside PyTorch's checkpoint hook, around the forward."""
+        return _UnpackThroughHandle(self)
+
+    def replay_context(self) -> contextlib.AbstractContextManager[None]:
+        """Entered directly inside PyTorch's replay hook, around each replay."""
+        return _Capture(self)
+
+    @property
+    def active(self) -> bool:
+        """Whether this checkpoint's unpacks go through the handle (its forward ran
+        under a checkpoint hook recomp could take over)."""
+        return self._checkpoint_unpack is not None
+
+    # ----------------------------------------------------------------- unpack
+
+    def unpack(self, holder: Any) -> Any:
+        with self._lock:
+            value = self._kept.get(holder)
+        if value is None:
+            unpack = self._checkpoint_unpack
+            if unpack is None:  # not reached: the hook is installed only with it
+                raise RecompError("recomp: a kept-replay unpack ran without its checkpoint")
+            unpack(holder)  # replays in this pass; _Capture keeps every tensor
+            with self._lock:
+                value = self._kept.get(holder)
+            if value is None:
+                raise CheckpointError(
+                    "torch.utils.checkpoint: Unpack is being triggered for a tensor that was "
+                    "already unpacked once in this backward pass. If you are calling "
+                    "ctx.saved_tensors in backward, make sure to do so only once."
+                )
+        session = self.session
+        retain = session is not None and session.retain_on_unpack
+        if not retain and _compat.node_finishes_in_this_pass():
+            current = _compat.graph_task_id()
+            with self._lock:
+                self._kept.pop(holder, None)
+                if current != -1:
+                    self._consumed[holder] = current
+        return value
+
+    def keep(self, holder: Any, value: torch.Tensor) -> None:
+        current = _compat.graph_task_id()
+        with self._lock:
+            if current == -1 or self._consumed.get(holder) != current:
+                self._kept[holder] = value
+
+    def replay_now(self) -> None:
+        """Run the replay outside backward; its tensors are kept until read."""
+        holders = self._holders() if self._holders is not None else []
+        first = next((h for h in holders if h is not None), None)
+        if first is None or self._checkpoint_unpack is None:
+            raise RecompError(
+                "recompute_handle: this checkpoint has nothing left to recompute: its "
+                "backward already ran (or its output was dropped), or it ran with "
+                "gradients disabled. Collect handles in the step whose backward follows."
+            )
+        with self._lock:
+            if first in self._kept:
+                return  # its replay already ran and nothing has been read since
+        self._checkpoint_unpack(first)
+
+    def release(self) -> None:
+        """Drop every kept tensor (the graph keeps its holders; a later read replays)."""
+        with self._lock:
+            self._kept.clear()
+            self._consumed.clear()
+
+    def kept_count(self) -> int:
+        """How many recomputed tensors the handle keeps now (for tests and reports)."""
+        with self._lock:
+            return len(self._kept)
+
+
+class _UnpackThroughHandle:
+    """Forward context: the checkpoint's saved tensors unpack through the handle."""
+
+    def __init__(self, handle: RecomputeHandle) -> None:
+        self.handle = handle
+        self._stack: contextlib.ExitStack | None = None
+        self._collector: list[RecomputeHandle] | None = None
+
+    def __enter__(self) -> None:
+        hooks = _compat.top_checkpoint_hooks()
+        holders = _compat.checkpoint_holders(hooks[0]) if hooks is not None else None
+        if hooks is None or holders is None:
+            return  # not directly under PyTorch's checkpoint hook: PyTorch's unpack stays
+        pack, unpack = hooks
+        handle = self.handle
+        handle._holders = holders
+        handle._checkpoint_unpack = unpack
+        if handle._collectable:
+            self._collector = _COLLECTOR.get()
+            if self._collector is not None:
+                self._collector.append(handle)
+        stack = contextlib.ExitStack()
+        stack.enter_context(_compat.replace_top_hooks(pack, handle.unpack, hooks))
+        self._stack = stack
+
+    def __exit__(self, *exc_info: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+        collector, self._collector = self._collector, None
+        if exc_info[0] is not None and collector is not None and self.handle in collector:
+            collector.remove(self.handle)  # a forward that failed has nothing to replay
+
+
+class _Capture:
+    """Replay context: each tensor the replay saves is kept under its forward holder.
+
+    Holds its handle weakly: the handle holds PyTorch's unpack hook, which holds the
+    checkpoint frame, which holds this context (its ``recompute_fn``); a strong
+    reference back would make a cycle that only the garbage collector frees, and
+    through the graph's saved tensors one that it cannot see at all.
+    """
+
+    def __init__(self, handle: RecomputeHandle) -> None:
+        self.handle_ref = weakref.ref(handle)
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        self._stacks.append(stack)
+        handle = self.handle_ref()
+        if handle is None:
+            return
+        hooks = _compat.top_checkpoint_hooks() if handle.active else None
+        if hooks is None or handle._holders is None:
+            return
+        replay_pack, replay_unpack = hooks
+        holders = handle._holders()
+        position = iter(range(len(holders)))
+        stand_ins: dict[Any, Any] = {}
+
+        def pack(x: Any) -> Any:
+            kept = x.detach() if x.requires_grad else x
+            i = next(position, None)
+            if i is not None and holders[i] is not None:
+                handle.keep(holders[i], kept)
+            # PyTorch files what it is given under the same holder and checks only its
+            # shape, dtype and device; a stand-in keeps it from holding the tensor too.
+            replay_pack(_stand_in(kept, stand_ins))
+            return kept
+
+        _compat.mark_as_checkpoint_hook(pack, replay_pack)
+        stack.enter_context(_compat.replace_top_hooks(pack, replay_unpack, hooks))
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._stacks.pop().close()
+
+
+def with_handle(
+    context_fn: Callable[[], tuple[Any, Any]], *, collectable: bool
+) -> Callable[[], tuple[Any, Any]]:
+    """``context_fn`` with a new :class:`RecomputeHandle`'s contexts entered first, so
+    that they sit directly inside PyTorch's checkpoint and replay hooks."""
+    def composed() -> tuple[Any, Any]:
+        handle = RecomputeHandle(collectable)
+        forward, replay = context_fn()
+        return (
+            ComposedContext(handle.forward_context(), forward),
+            ComposedContext(handle.replay_context(), replay),
+        )
+
+    return composed
+
+
+def _stand_in(t: Any, cache: dict[Any, Any]) -> Any:
+    """A tensor with ``t``'s shape, dtype and device and one element of memory, shared
+    by the tensors of one replay that have those (PyTorch only reads them)."""
+    if type(t) is not torch.Tensor or t.layout is not torch.strided:
+        return t  # subclasses (DTensor) and other layouts: PyTorch keeps the tensor itself
+    key = (t.shape, t.dtype, t.device)
+    stand_in = cache.get(key)
+    if stand_in is None:
+        # Made with no dispatch mode active: bookkeeping, not a model op (selective
+        # checkpointing's cache and FLOP counters must not see it).
+        with _compat.no_dispatch_modes():
+            stand_in = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
+        cache[key] = stand_in
+    return stand_in
+
+
+# --------------------------------------------------------------------------- sessions
+
+_LOCK = threading.RLock()
+_SESSIONS: dict[Hashable, _Session] = {}
+_ACTIVE: contextvars.ContextVar[_Session | None] = contextvars.ContextVar(
+    "recomp_recompute_session", default=None
+)
+_COLLECTOR: contextvars.ContextVar[list[RecomputeHandle] | None] = contextvars.ContextVar(
+    "recomp_recompute_collector", default=None
+)
+
+
+class _Session:
+    """The checkpoints bound to one session id, and its retention while it is active."""
+
+    __slots__ = ("active", "handles", "id", "retain_on_unpack")
+
+    def __init__(self, session_id: Hashable) -> None:
+        self.id = session_id
+        self.active = False
+        self.retain_on_unpack = False
+        self.handles: weakref.WeakSet[RecomputeHandle] = weakref.WeakSet()
+
+
+def _check_session_id(session_id: Any, api: str) -> None:
+    if session_id is None:
+        raise ValueError(f"{api}: session_id must not be None; pass a hashable key of your own.")
+    try:
+        hash(session_id)
+    except TypeError:
+        raise ValueError(
+            f"{api}: session_id must be hashable (a str, int or tuple), got "
+            f"{type(session_id).__name__}."
+        ) from None
+
+
+def _prune(session: _Session) -> None:
+    if not session.active and not len(session.handles) and _SESSIONS.get(session.id) is session:
+        del _SESSIONS[session.id]
+
+
+@contextlib.contextmanager
+def recompute_handle_collector_ctx() -> Iterator[list[RecomputeHandle]]:
+    """Collect the handles of the recomp checkpoints whose forward runs in the block.
+
+    Yields a list that fills in call order (checkpoints nested in another recomp
+    checkpoint and checkpoints run with gradients disabled are not collected)::
+
+        with recompute_handle_collector_ctx() as handles:
+            out = stage(x)
+    """
+    handles: list[RecomputeHandle] = []
+    token = _COLLECTOR.set(handles)
+    try:
+        yield handles
+    finally:
+        _COLLECTOR.reset(token)
+
+
+@contextlib.contextmanager
+def recompute_session_ctx(session_id: Hashable, retain_on_unpack: bool = False) -> Iterator[Any]:
+    """Make the checkpoints bound to ``session_id`` (by :func:`recompute_handle`) keep
+    what their replay recomputed through every backward pass run in the block.
+
+    ``retain_on_unpack=True``: a kept tensor stays after it is read, until
+    :func:`clear_recompute_session` or until the graph frees it; without it the
+    usual rule holds (dropped once no later pass needs it). Sessions do not nest,
+    and one session id is active in one block at a time.
+    """
+    _check_session_id(session_id, "recompute_session_ctx")
+    if not isinstance(retain_on_unpack, bool):
+        raise ValueError(
+            "recompute_session_ctx: retain_on_unpack must be True or False, got "
+            f"{retain_on_unpack!r}."
+        )
+    outer = _ACTIVE.get()
+    if outer is not None:
+        raise RecompError(
+            f"recompute_session_ctx({session_id!r}) inside recompute_session_ctx({outer.id!r}): "
+            "recompute sessions do not nest. Leave the outer one first."
+        )
+    with _LOCK:
+        session = _SESSIONS.setdefault(session_id, _Session(session_id))
+        if session.active:
+            raise RecompError(
+                f"recompute_session_ctx({session_id!r}) is already active (in another thread); "
+                "one session id is active in one block at a time."
+            )
+        session.active = True
+        session.retain_on_unpack = retain_on_unpack
+    token = _ACTIVE.set(session)
+    try:
+        yield session_id
+    finally:
+        _ACTIVE.reset(token)
+        with _LOCK:
+            session.active = False
+            session.retain_on_unpack = False
+            _prune(session)
+
+
+def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
+    """Bind ``handle``'s checkpoint to ``session_id`` and run its replay now, ahead of
+    its backward (for instance while the next send or receive is in flight).
+
+    The replay's tensors are kept until a backward pass reads them (or, in a
+    session with ``retain_on_unpack=True``, until :func:`clear_recompute_session`),
+    so that backward does not replay the checkpoint again.
+    """
+    if not isinstance(handle, RecomputeHandle):
+        raise ValueError(
+            "recompute_handle: handle must be one collected by "
+            f"recompute_handle_collector_ctx(), got {type(handle).__name__}."
+        )
+    _check_session_id(session_id, "recompute_handle")
+    current = _ACTIVE.get()
+    if current is not None and current.id != session_id:
+        raise RecompError(
+            f"recompute_handle(..., {session_id!r}) inside recompute_session_ctx({current.id!r}): "
+            "run it in its own session's block, or outside any."
+        )
+    with _LOCK:
+        bound = handle.session
+        if bound is not None and bound.id != session_id:
+            raise RecompError(
+                f"recompute_handle: this checkpoint already belongs to session {bound.id!r}; "
+                f"one checkpoint is in one session at a time. Call "
+                f"clear_recompute_session({bound.id!r}) first."
+            )
+        session = _SESSIONS.setdefault(session_id, _Session(session_id))
+        session.handles.add(handle)
+        handle.session = session
+    try:
+        handle.replay_now()
+    except BaseException:
+        with _LOCK:
+            session.handles.discard(handle)
+            handle.session = None
+            _prune(session)
+        raise
+
+
+def clear_recompute_session(session_id: Hashable) -> None:
+    """Drop what the checkpoints of ``session_id`` keep and unbind them; safe to repeat."""
+    _check_session_id(session_id, "clear_recompute_session")
+    with _LOCK:
+        session = _SESSIONS.get(session_id)
+        if session is None:
+            return
+        handles = list(session.handles)
+        session.handles = weakref.WeakSet()
+        for handle in handles:
+            if handle.session is session:
+                handle.session = None
+        _prune(session)
+    for handle in handles:
+        handle.release()
+
+
+def session_count() -> int:
+    """How many session ids the registry holds (for tests: nothing is left per step)."""
+    with _LOCK:
+        return len(_SESSIONS)

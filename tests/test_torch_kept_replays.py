@@ -1,0 +1,270 @@
+"""Kept replays and recompute sessions (PyTorch), in one process.
+
+A backward split into passes over one retained graph (an input-gradient pass, then
+weight-gradient passes, as zero-bubble pipeline schedules run it) replays a recomp
+checkpoint once; PyTorch's checkpoint, and recomp with the mechanism switched off,
+replay it once per pass. A true double backward still replays, and nothing is kept
+once the graph is gone. The session API runs a replay ahead of backward.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+import recomp
+import recomp.torch as rt
+from recomp import _testing
+from recomp.torch import _kept
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.attn = nn.Linear(8, 8)
+        self.calls = 0
+        self.attn_runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = torch.tanh(self.a(x))
+        return self.b(torch.dropout(h, 0.3, True) + self.attn(h))
+
+
+def _setup(kind: str) -> tuple[Block, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(1)
+    if kind == "torch":
+        y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    elif kind == "none":
+        y = block(x)
+    else:
+        rt.checkpoint_exclude_wrapper(block.attn)
+        y = rt.checkpoint(block, x)
+    return block, x, y.square().sum()
+
+
+def _split_backward(block: Block, x: torch.Tensor, loss: torch.Tensor) -> list[torch.Tensor]:
+    """Two autograd.grad calls over different parameter groups of the block."""
+    gb = torch.autograd.grad(loss, [block.b.weight, block.b.bias], retain_graph=True)
+    ga = torch.autograd.grad(loss, [block.a.weight, block.a.bias, block.attn.weight, x])
+    return [*gb, *ga]
+
+
+def test_split_backward_replays_once_with_the_same_gradients():
+    reference = _split_backward(*_setup("none"))
+    block, x, loss = _setup("recomp")
+    grads = _split_backward(block, x, loss)
+    assert block.calls - 1 == 1
+    assert block.attn.region_runs == 1
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads, strict=True))
+
+
+def test_controls_replay_once_per_pass():
+    block, x, loss = _setup("torch")
+    _split_backward(block, x, loss)
+    assert block.calls - 1 == 2
+    with _testing.without_kept_replays():
+        block, x, loss = _setup("recomp")
+        _split_backward(block, x, loss)
+    assert block.calls - 1 == 2
+
+
+def test_double_backward_still_replays():
+    block, x, loss = _setup("recomp")
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    loss.backward()
+    assert block.calls - 1 == 2
+    assert torch.equal(x.grad, 2 * first)
+    assert block.attn.region_runs == 1
+
+
+def test_input_gradient_pass_keeps_only_what_a_later_pass_reads():
+    with rt.recompute_handle_collector_ctx() as handles:
+        block, x, loss = _setup("recomp")
+    (handle,) = handles
+    torch.autograd.grad(loss, [x], retain_graph=True)
+    kept_after_input_pass = handle.kept_count()
+    # The linears' saved inputs and weights wait for their weight gradients; the tanh's
+    # output and everything else read in this pass is gone.
+    assert 0 < kept_after_input_pass < 8
+    # A last pass that frees the graph as it goes leaves nothing kept.
+    torch.autograd.grad(loss, [block.a.weight, block.b.weight, block.attn.weight])
+    assert handle.kept_count() == 0
+
+
+def test_nothing_is_kept_once_the_graph_is_gone():
+    with rt.recompute_handle_collector_ctx() as handles:
+        _block, _x, loss = _setup("recomp")
+    handle = handles[0]
+    rt.recompute_handle(handle, "step")  # replay ahead: everything kept
+    assert handle.kept_count() > 0
+    del loss
+    gc.collect()
+    assert handle.kept_count() == 0
+    rt.clear_recompute_session("step")
+    assert _kept.session_count() == 0
+    with pytest.raises(recomp.RecompError, match="nothing left to recompute"):
+        rt.recompute_handle(handle, "again")
+    assert _kept.session_count() == 0
+
+
+def test_replay_ahead_of_backward_in_a_retaining_session():
+    reference = _split_backward(*_setup("none"))
+    with rt.recompute_handle_collector_ctx() as handles:
+        block, x, loss = _setup("recomp")
+    rt.recompute_handle(handles[0], "mb0")
+    assert block.calls - 1 == 1
+    with rt.recompute_session_ctx("mb0", retain_on_unpack=True):
+        grads = _split_backward(block, x, loss)
+    rt.clear_recompute_session("mb0")
+    rt.clear_recompute_session("mb0")  # safe to repeat
+    assert block.calls - 1 == 1  # backward read the replay that ran ahead
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads, strict=True))
+    assert _kept.session_count() == 0
+
+
+def test_retaining_session_keeps_what_a_pass_from_the_loss_reads_again():
+    # Input gradients first, then weights from the loss again: the second pass re-runs
+    # nodes the first finished; only a retaining session keeps their tensors for it.
+    def passes(session: bool) -> int:
+        with rt.recompute_handle_collector_ctx() as handles:
+            block, x, loss = _setup("recomp")
+        if session:
+            rt.recompute_handle(handles[0], "s")
+            with rt.recompute_session_ctx("s", retain_on_unpack=True):
+                torch.autograd.grad(loss, [x], retain_graph=True)
+                torch.autograd.grad(loss, [block.a.weight])
+            rt.clear_recompute_session("s")
+        else:
+            torch.autograd.grad(loss, [x], retain_graph=True)
+            torch.autograd.grad(loss, [block.a.weight])
+        return block.calls - 1
+
+    assert passes(session=False) == 2
+    assert passes(session=True) == 1
+
+
+def test_unpack_on_another_thread_finds_its_session():
+    with rt.recompute_handle_collector_ctx() as handles:
+        block, x, loss = _setup("recomp")
+    rt.recompute_handle(handles[0], "t")
+    errors: list[BaseException] = []
+
+    def backward() -> None:
+        try:
+            torch.autograd.grad(loss, [x], retain_graph=True)
+            torch.autograd.grad(loss, [block.a.weight])
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    with rt.recompute_session_ctx("t", retain_on_unpack=True):
+        worker = threading.Thread(target=backward)  # the context variable is not there
+        worker.start()
+        worker.join()
+    rt.clear_recompute_session("t")
+    assert not errors
+    assert block.calls - 1 == 1
+
+
+def test_session_errors_are_clear_and_leave_nothing_behind():
+    with rt.recompute_handle_collector_ctx() as handles:
+        _block, _x, _loss = _setup("recomp")  # the graph stays while loss lives
+    handle = handles[0]
+    with pytest.raises(ValueError, match="must not be None"), rt.recompute_session_ctx(None):
+        pass
+    with pytest.raises(ValueError, match="must not be None"):
+        rt.recompute_handle(handle, None)
+    with pytest.raises(ValueError, match="hashable"):
+        rt.clear_recompute_session(["a"])
+    with pytest.raises(ValueError, match="recompute_handle_collector_ctx"):
+        rt.recompute_handle(object(), "a")
+    with (
+        pytest.raises(ValueError, match="True or False"),
+        rt.recompute_session_ctx("a", retain_on_unpack=1),
+    ):
+        pass
+    with rt.recompute_session_ctx("a"):
+        with (
+            pytest.raises(recomp.RecompError, match="do not nest"),
+            rt.recompute_session_ctx("b"),
+        ):
+            pass
+        with pytest.raises(recomp.RecompError, match="inside recompute_session_ctx"):
+            rt.recompute_handle(handle, "b")
+    rt.recompute_handle(handle, "a")
+    with pytest.raises(recomp.RecompError, match="already belongs to session 'a'"):
+        rt.recompute_handle(handle, "b")
+    rt.clear_recompute_session("a")
+    rt.recompute_handle(handle, "b")  # free again after the clear
+    rt.clear_recompute_session("b")
+    assert _kept.session_count() == 0
+
+
+def test_collector_takes_top_level_checkpoints_in_call_order():
+    layers = [Block() for _ in range(3)]
+    x = torch.randn(2, 8, requires_grad=True)
+    with rt.recompute_handle_collector_ctx() as handles:
+        h = x
+        for layer in layers:
+            h = rt.checkpoint(layer, h)
+        with torch.no_grad():
+            rt.checkpoint(layers[0], x)
+    assert len(handles) == 3
+    for handle in handles:
+        rt.recompute_handle(handle, "order")
+    h.sum().backward()
+    rt.clear_recompute_session("order")
+    assert [layer.calls for layer in layers] == [3, 2, 2]  # forward (+ no_grad one) + replay
+
+
+
+
+def test_debug_log_composes_with_kept_replays():
+    reference = _split_backward(*_setup("none"))
+    torch.manual_seed(0)
+    block = Block()
+    rt.checkpoint_exclude_wrapper(block.attn)
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(1)
+    loss = rt.checkpoint(block, x, debug=True).square().sum()
+    grads = _split_backward(block, x, loss)
+    assert block.calls - 1 == 1
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads, strict=True))
+
+
+def test_nested_checkpoints_with_kept_replays():
+    def build(checkpointed: bool) -> tuple[Block, torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        block = Block()
+        x = torch.randn(4, 8, requires_grad=True)
+        torch.manual_seed(1)
+        if not checkpointed:
+            return block, x, torch.tanh(block(x)).square().sum()
+        rt.checkpoint_exclude_wrapper(block.attn)
+
+        def outer(t: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(rt.checkpoint(block, t))
+
+        return block, x, rt.checkpoint(outer, x).square().sum()
+
+    block, x, loss = build(checkpointed=False)
+    loss.backward()
+    reference = [x.grad, *(p.grad for p in block.parameters())]
+    block, x, loss = build(checkpointed=True)
+    loss.backward()
+    # The outer replay re-runs the inner checkpoint once; the inner replays once.
+    assert block.calls - 1 == 2
+    assert block.attn.region_runs == 1
+    grads = [x.grad, *(p.grad for p in block.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads, strict=True))
