@@ -257,6 +257,29 @@ def test_inside_a_replay():
 
 
 @needs_saved_values
+def test_between_split_backward_passes():
+    """After an input-gradient pass over a retained graph (as zero-bubble pipeline
+    schedules run it), what the replay recomputed for the weight passes is held by
+    recomp; the report bills it as replayed, to its layer, and the checkpoint's own
+    rows are still found through the kept-replay unpack hook."""
+    model = _checkpointed(norm_matmul_silu(2, D), (type(norm_matmul_silu(1, D).layers[0].proj),))
+    x = torch.randn(B, T, D, requires_grad=True)
+    loss = model(x).pow(2).mean()
+    before = rt.saved_tensors_report(loss, model=model, inputs=x)
+    torch.autograd.grad(loss, [x], retain_graph=True)
+    between = rt.saved_tensors_report(loss, model=model, inputs=x)
+    replayed = [r for r in between.rows if r.kind == REPLAYED]
+    assert replayed and {r.layer for r in replayed} == {"layers.0", "layers.1"}
+    kinds = {r.kind for r in before.rows}
+    assert kinds <= {r.kind for r in between.rows}  # inputs and kept regions still found
+    torch.autograd.grad(loss, list(model.parameters()))
+    # the weight pass read and dropped them (what nodes the weight pass does not run
+    # read stays, small here, until the graph goes)
+    after = rt.saved_tensors_report(loss).by_kind().get(REPLAYED, 0)
+    assert after < sum(r.bytes for r in replayed) / 20
+
+
+@needs_saved_values
 def test_offloaded_tensors_are_billed_as_host_copies():
     class Layer(nn.Module):
         def __init__(self) -> None:

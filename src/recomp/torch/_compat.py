@@ -787,10 +787,19 @@ def checkpoint_frame(handle: Any) -> Any:
     if holder_type is None or not isinstance(packed_value(handle), holder_type):
         return None
     unpack = getattr(handle, "unpack_hook", None)
+    kept = _kept_replays_of(unpack)
+    if kept is not None:  # recomp's kept replays took the unpack over: PyTorch's is under it
+        unpack = kept._checkpoint_unpack
     frame = _closure_value(unpack, "frame")
     if frame is None:  # unpack_hook_with_error_cb closes over frame too, or over unpack_hook
         frame = _closure_value(_closure_value(unpack, "unpack_hook"), "frame")
     return frame
+
+
+def _kept_replays_of(unpack: Any) -> Any:
+    """The ``recomp.torch._kept.RecomputeHandle`` whose ``unpack`` this is, or None."""
+    owner = getattr(unpack, "__self__", None)
+    return owner if hasattr(owner, "_checkpoint_unpack") and hasattr(owner, "_kept") else None
 
 
 def _closure_value(fn: Any, name: str) -> Any:
@@ -858,14 +867,21 @@ def replay_tensors(frame: Any, handle: Any) -> list[torch.Tensor]:
     checkpoint holds until backward reads them.
 
     Private: ``_Holder.handles`` (graph task -> key) and ``frame.recomputed`` (graph
-    task -> key -> tensor). If it changes: empty (the report omits replayed tensors).
+    task -> key -> tensor), and what recomp's kept replays hold for a later backward
+    pass. If it changes: empty (the report omits replayed tensors).
     """
     holder = packed_value(handle)
+    found = []
+    kept = _kept_replays_of(getattr(handle, "unpack_hook", None))
+    if kept is not None:  # what recomp keeps for a later backward pass
+        with kept._lock:
+            value = kept._kept.get(holder)
+        if isinstance(value, torch.Tensor):
+            found.append(value)
     handles = getattr(holder, "handles", None)
     recomputed = getattr(frame, "recomputed", None)
     if not isinstance(handles, dict) or recomputed is None:
-        return []
-    found = []
+        return found
     for gid, key in handles.items():
         if key is None or gid not in recomputed:
             continue
