@@ -110,22 +110,33 @@ def test_budget_parsing():
     assert parse_budget("512MiB").nbytes == 512 << 20
     assert parse_budget("512 mib").nbytes == 512 << 20
     assert parse_budget("1.5GB").nbytes == 1_500_000_000
-    assert parse_budget("123456").nbytes == 123456
-    assert parse_budget(4096).nbytes == 4096
+    assert parse_budget("123456B").nbytes == 123456
     half = parse_budget("50%")
     assert half.percent == 50 and half.nbytes is None
     assert half.resolve(full_bytes=100, none_bytes=300) == 200
     assert parse_budget("0%").resolve(100, 300) == 100
     assert parse_budget("100%").resolve(100, 300) == 300
+    # a bare number between 0 and 1 is a fraction of the range, in Python as on the CLI
+    for fraction in ("0.5", 0.5, " .5 "):
+        assert parse_budget(fraction).percent == 50 and parse_budget(fraction).nbytes is None
+    assert parse_budget("1").percent == 100 and parse_budget(0).percent == 0
+    assert parse_budget(0.25).resolve(100, 300) == 150
     for bad, message in (
         ("150%", "between 0%"),
         ("-5%", "cannot read"),
         ("6 parsecs", "unknown unit"),
         ("lots", "cannot read"),
         (-1, "negative"),
+        (-0.5, "negative"),
+        (True, "a fraction between 0 and 1"),
     ):
         with pytest.raises(ValueError, match=message):
             parse_budget(bad)
+    # a bare number above 1 is refused, with the two readings it could have had
+    for bare, shown in (("50", "50"), (4096, "4096"), ("123456", "123456"), (1.5, "1.5")):
+        with pytest.raises(ValueError, match="has no unit") as err:
+            parse_budget(bare)
+        assert f"Write {shown}% " in str(err.value) and f"{shown}MiB" in str(err.value)
 
 
 # --------------------------------------------------------------------------- plan file
@@ -225,13 +236,13 @@ def test_budget_below_the_minimum_states_it(small):
     least = minimum_bytes(prof.layer_options(), prof.shared_bytes).kept_bytes
     assert least <= prof.uniform_bytes("full")
     with pytest.raises(BudgetTooSmallError, match="the least activation memory any plan keeps"):
-        make_plan(prof, least - 1)
+        make_plan(prof, f"{least - 1}B")
     try:
-        make_plan(prof, least - 1)
+        make_plan(prof, f"{least - 1}B")
     except BudgetTooSmallError as exc:
         assert exc.minimum_bytes == least
         assert f"{least / MiB:.2f} MiB" in str(exc)
-    assert make_plan(prof, least).predicted["activation_bytes"] == least
+    assert make_plan(prof, f"{least}B").predicted["activation_bytes"] == least
 
 
 def _state(model: nn.Module) -> dict:
@@ -453,6 +464,11 @@ def test_cli_plan_writes_the_plan_and_refuses_a_budget_below_the_minimum(tmp_pat
     assert "Give a budget of at least" in low.stderr
     bad = _recomp("plan", "--budget", "lots")
     assert bad.returncode == 2 and "cannot read memory budget" in bad.stderr
+    bare = _recomp("plan", "--budget", "50")
+    assert bare.returncode == 2 and "Write 50% for a share" in bare.stderr
+    helped = _recomp("plan", "--help")
+    assert helped.returncode == 0
+    assert "activation_memory_budget" in " ".join(helped.stdout.split())
 
 
 TINY_CONFIG = BenchConfig(layers=2, hidden=32, heads=2, seq=16, batch=2, steps=1)
@@ -583,3 +599,24 @@ def test_plan_on_an_hf_llama_called_with_keywords():
         "model.layers.0.mlp": 1,
         "model.layers.1.self_attn": 1,
     }
+
+
+def test_profile_of_a_compiled_model_profiles_its_original_and_says_so(small):
+    """``torch.compile(model)`` wraps the model; the profile names the original's paths
+    (not ``_orig_mod.``), states that it measured the eager original, and the plan
+    applies through the compiled wrapper."""
+    from recomp.plan import apply_plan, make_plan, profile
+    from recomp.torch import CheckpointWrapper
+
+    model, x, _ = small
+    target = copy.deepcopy(model)
+    compiled = torch.compile(target)
+    with pytest.warns(UserWarning, match="torch.compile wrapper"):
+        prof = profile(compiled, x, layers=_is_block, steps=1)
+    assert [layer.path for layer in prof.layers] == ["0", "1", "2"]
+    assert any("_orig_mod" in note and "eager" in note for note in prof.notes)
+    plan = make_plan(prof, "0%")
+    plan.layers[1].option = "full"
+    assert apply_plan(compiled, plan) is compiled
+    wrapped = [isinstance(layer, CheckpointWrapper) for layer in target]
+    assert wrapped == [layer.checkpointed for layer in plan.layers] and wrapped[1]

@@ -14,7 +14,7 @@ import math
 import sys
 from typing import Any
 
-from ..plan.budget import parse_budget
+from ..plan.budget import TORCH_BUDGET_NOTE, parse_budget
 from .config import DEFAULT_MODEL, MODEL_PROTOCOL, add_config_arguments, config_from_args
 from .results import Result, write_json
 
@@ -37,8 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--budget",
         required=True,
-        help="activation memory budget: bytes with a unit (6GiB, 512MiB) or a percentage "
-        "between full checkpointing (0%%) and none (100%%)",
+        help="activation memory budget: a fraction between 0 and 1 (0.5) or a percentage "
+        "(50%%) of the range between full checkpointing of every layer (0%%) and none "
+        "(100%%), or bytes with a unit (6GiB, 512MiB, 123456B); a bare number above 1 is "
+        "refused. " + TORCH_BUDGET_NOTE.replace("%", "%%"),
     )
     p.add_argument(
         "--model",

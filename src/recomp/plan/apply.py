@@ -34,16 +34,21 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
     wrapper returns is assigned back to the parent module, so wrappers that return a new
     module and wrappers that change the module in place both work. Every path is checked
     before anything is wrapped: a plan that does not fit leaves the model unchanged.
-    Returns the model.
+    A ``torch.compile`` wrapper gets the plan applied to its original module. Returns
+    the model.
     """
     from recomp.torch import (
         CheckpointWrapper,
         ExcludeWrapper,
+        _compat,
         checkpoint_exclude_wrapper,
         checkpoint_wrapper,
     )
 
     plan = load_plan(plan)
+    given = model
+    # A torch.compile wrapper calls its original module: the plan's paths are the original's.
+    model = _compat.compiled_original(model) or model
     work: list[tuple[str, nn.Module, list[tuple[str, nn.Module]]]] = []
     for layer_plan in plan.layers:
         layer = _resolve(model, layer_plan.path, "layer")
@@ -70,4 +75,4 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
             setattr(parent, name, checkpoint_exclude_wrapper(region, name=f"{path}.{region_path}"))
         parent, name = _parent(model, path)
         setattr(parent, name, checkpoint_wrapper(layer))
-    return model
+    return given

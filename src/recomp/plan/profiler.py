@@ -37,6 +37,7 @@ import gc
 import itertools
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 
-from .._modelcall import call_model, flop_formulas, mean_square_loss
+from .._modelcall import call_model, default_loss, flop_formulas
 from ..torch import _compat
 from ..torch._backend import BACKEND
 from ..torch._compat import TorchDispatchMode
@@ -683,7 +684,9 @@ def profile(
     """Profile ``model`` on ``inputs`` for :func:`recomp.plan.make_plan`.
 
     ``inputs``: a tensor, a tuple (positional arguments) or a dict (keyword arguments).
-    ``loss_fn(output)``: the loss (default: mean square of the output).
+    ``loss_fn(output)``: the loss (default: the ``loss`` of a Hugging Face ``ModelOutput``
+    or mapping, which the model computes when given ``labels``, else the mean square of
+    the output).
     ``layers``: the checkpointable layers (default ``model.layers``; a predicate or a list
     of sub-module paths). ``exclude``: predicate choosing candidate regions inside each
     layer (default: the layer's direct children that hold parameters).
@@ -695,21 +698,36 @@ def profile(
     torch.optim.AdamW(ps)``), so that the timed steps include the update as training does.
 
     The model is not changed: the profile runs on a deep copy, and the random number
-    generators are restored afterwards.
+    generators are restored afterwards. A ``torch.compile`` wrapper is profiled through
+    its original module, eagerly, with a warning and a note in the profile.
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     clocks = {"wall": time.perf_counter, "cpu": time.process_time}
     if clock not in clocks:
         raise ValueError(f"clock is 'wall' or 'cpu', got {clock!r}")
-    loss_fn = loss_fn or mean_square_loss
+    loss_fn = loss_fn or default_loss
+    original = _compat.compiled_original(model)
+    if original is not None:
+        warnings.warn(COMPILED_NOTE, stacklevel=2)
+        model = original
     rng = _rng_state()
     try:
-        return _profile(
+        prof = _profile(
             copy.deepcopy(model), inputs, loss_fn, layers, exclude, steps, clocks[clock], optimizer
         )
     finally:
         _set_rng_state(rng)
+    if original is not None:
+        prof.notes.append(COMPILED_NOTE)
+    return prof
+
+
+COMPILED_NOTE = (
+    "the model is a torch.compile wrapper: its original module was profiled in eager mode "
+    "(layer paths without '_orig_mod.'), so the predictions are eager ones; apply_plan "
+    "applies the plan to the original module, which the compiled wrapper calls"
+)
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:

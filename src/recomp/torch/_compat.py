@@ -545,3 +545,24 @@ def run_at_trace_time(fn: Callable[[], Any]) -> Callable[[], Any]:
     applied only where needed. ``fn`` must return a constant.
     """
     return torch.compiler.assume_constant_result(fn)  # type: ignore[no-any-return]
+
+
+def compiled_original(module: Any) -> Any:
+    """The module that ``torch.compile(module)`` wrapped, or None if ``module`` is not
+    such a wrapper.
+
+    Why: the planner profiles a model eagerly, op by op and hook by hook, and a
+    compiled wrapper would show it the original's modules under ``_orig_mod.`` paths,
+    which a plan cannot name; the original is what the plan applies to (and the
+    compiled wrapper sees the change, since it calls the same module).
+    The wrapper's class (``torch._dynamo.eval_frame.OptimizedModule``) is matched by
+    name and module so that Dynamo is not imported for a model that was never compiled;
+    the original is its ``_orig_mod`` attribute. Checked on 2.9.1, 2.13.0 and 2.14.1.
+    If it changes: None, and a compiled model is profiled like any other module.
+    Retired by: a public way to get a compiled module's original.
+    """
+    kind = type(module)
+    if kind.__name__ != "OptimizedModule" or not kind.__module__.startswith("torch._dynamo"):
+        return None
+    original = getattr(module, "_orig_mod", None)
+    return original if isinstance(original, torch.nn.Module) else None
