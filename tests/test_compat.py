@@ -21,11 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_no_private_api_outside_the_compat_modules():
     result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "check_private_api.py"),
-            str(ROOT / "src" / "recomp"),
-        ],
+        [sys.executable, str(ROOT / "tools" / "check_private_api.py"), str(ROOT / "src" / "recomp")],
         capture_output=True,
         text=True,
         timeout=60,
@@ -589,9 +585,7 @@ def test_dynamo_bypassing_wrapper_marks_reach_the_partitioner():
     marks = []
 
     def partition(joint, inputs, **kwargs):
-        marks.extend(
-            n.meta.get("recompute") for n in joint.graph.nodes if "recomp_region" in n.meta
-        )
+        marks.extend(n.meta.get("recompute") for n in joint.graph.nodes if "recomp_region" in n.meta)
         return min_cut_rematerialization_partition(joint, inputs, **kwargs)
 
     backend = aot_autograd(
@@ -605,9 +599,7 @@ def test_dynamo_bypassing_wrapper_marks_reach_the_partitioner():
         return checkpoint(lambda t: torch.cos(region(torch.tanh(t))), x).sum()
 
     torch._dynamo.reset()
-    torch.compile(step, backend=backend, fullgraph=True)(
-        torch.randn(3, requires_grad=True)
-    ).backward()
+    torch.compile(step, backend=backend, fullgraph=True)(torch.randn(3, requires_grad=True)).backward()
     torch._dynamo.reset()
     assert marks and set(marks) == {CheckpointPolicy.MUST_SAVE}
 

@@ -730,20 +730,12 @@ def _encoder_models() -> dict[str, tuple]:
             ),
             modeling_vit.ViTLayer,
             modeling_vit.ViTAttention,
-            lambda: {
-                "pixel_values": torch.randn(2, 3, 16, 16),
-                "labels": torch.randint(0, 3, (2,)),
-            },
+            lambda: {"pixel_values": torch.randn(2, 3, 16, 16), "labels": torch.randint(0, 3, (2,))},
         ),
         "t5": (
             lambda: T5ForConditionalGeneration(
                 T5Config(
-                    d_model=32,
-                    d_ff=64,
-                    num_layers=2,
-                    num_heads=4,
-                    d_kv=8,
-                    vocab_size=100,
+                    d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, vocab_size=100,
                     decoder_start_token_id=0,
                 )
             ),
@@ -803,10 +795,7 @@ def test_excluded_submodule_returning_a_model_output() -> None:
     torch.manual_seed(0)
     reference = BertModel(
         BertConfig(
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             vocab_size=100,
         )
     )

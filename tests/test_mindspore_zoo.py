@@ -25,6 +25,8 @@ mindcv_vit = pytest.importorskip("mindcv.models.vit")
 mindcv_resnet = pytest.importorskip("mindcv.models.resnet")
 
 
+
+
 def twins(factory, seed=1):
     """Two copies of one model, built under the same seed (nn.Dropout primitives take
     their seeds at construction), with equal parameters, in training mode."""

@@ -49,9 +49,7 @@ def test_torch_training_step_leaves_no_tensor_in_a_cycle():
     rt.apply_activation_checkpointing(
         model,
         checkpoint_fn=lambda m: isinstance(m, Block),
-        exclude_fn=lambda m: (
-            m is not None and isinstance(m, torch.nn.Linear) and m.out_features == 8
-        ),
+        exclude_fn=lambda m: m is not None and isinstance(m, torch.nn.Linear) and m.out_features == 8,
     )
     x = torch.randn(2, 5, 8, requires_grad=True)
 

@@ -161,11 +161,10 @@ def test_a_replay_that_takes_another_branch_is_named_as_such(debug):
     if debug:  # the op listing of both phases, and where they part
         assert "Ops in the forward" in message and "Ops in the replay" in message
         # (op numbers differ between PyTorch versions: the checkpoint's own detaches)
-        assert re.search(
-            r"forward op \d+ is aten\.sin\.default, replay op \d+ is aten\.exp", message
-        )
+        assert re.search(r"forward op \d+ is aten\.sin\.default, replay op \d+ is aten\.exp", message)
     else:
         assert "Ops in the forward" not in message
+
 
 
 def test_every_numbered_rule_is_cited_and_every_citation_exists():

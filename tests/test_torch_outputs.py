@@ -101,9 +101,7 @@ def test_in_place_change_of_a_dataclass_output_is_caught():
 def test_tensors_hidden_in_an_unknown_object_are_refused_in_the_forward():
     region = rt.checkpoint_exclude_wrapper(lambda h: Opaque(torch.sin(h)), name="opaque")
     x = torch.randn(3, requires_grad=True)
-    with pytest.raises(
-        recomp.RecompError, match=r"'opaque'.*Opaque.*'hidden'.*register_pytree_node"
-    ):
+    with pytest.raises(recomp.RecompError, match=r"'opaque'.*Opaque.*'hidden'.*register_pytree_node"):
         rt.checkpoint(lambda t: region(t).hidden.sum(), x)
     assert recomp.get_recompute_state() is None
     assert region(x).hidden is not None  # outside a checkpoint it is a plain call
@@ -297,9 +295,7 @@ def test_replay_calling_other_code_says_what_differs():
         return torch.cos(rt.checkpoint_exclude_wrapper(fn)(torch.exp(t)))
 
     x = torch.randn(3, requires_grad=True)
-    with pytest.raises(
-        recomp.ReplayMismatchError, match=r"'tanh'.*tanh.*forward called 'sin'.*sin"
-    ):
+    with pytest.raises(recomp.ReplayMismatchError, match=r"'tanh'.*tanh.*forward called 'sin'.*sin"):
         rt.checkpoint(body, x).sum().backward()
 
 

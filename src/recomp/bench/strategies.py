@@ -131,7 +131,9 @@ def child_of(layer: nn.Module, region: str) -> tuple[str, nn.Module]:
     )
 
 
-def prepare(strategy: str, model: nn.Module, plan: Any = None, compiled: bool = False) -> Prepared:
+def prepare(
+    strategy: str, model: nn.Module, plan: Any = None, compiled: bool = False
+) -> Prepared:
     """Apply ``strategy`` to ``model`` in place; ``plan`` (a ``recomp.plan.Plan``) for
     ``plan@B``. ``compiled``: the model will be run under ``torch.compile`` (SAC then
     identifies the region without module hooks)."""

@@ -209,7 +209,9 @@ def checkpoint_exclude_wrapper(
     check_callable(module, "checkpoint_exclude_wrapper", "Cell")
     if _wrapping.same_region(module, ExcludeWrapper, name, save_output, copy_output, None):
         return module  # wrapped inline again (in the checkpointed function): the same region
-    region = _engine.ExcludedRegion(BACKEND, name or default_name(module), save_output, copy_output)
+    region = _engine.ExcludedRegion(
+        BACKEND, name or default_name(module), save_output, copy_output
+    )
     if not isinstance(module, nn.Cell):
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
