@@ -160,7 +160,7 @@ def test_plan_json_round_trip(tmp_path):
     plan = _plan()
     save_plan(plan, path)
     data = json.loads(path.read_text())
-    assert data["version"] == 1 and data["layers"][1]["option"] == "exclude:attn+mlp"
+    assert data["version"] == 2 and data["layers"][1]["option"] == "exclude:attn+mlp"
     again = load_plan(path)
     assert again.to_dict() == plan.to_dict()
     assert again.layers[1].excluded == ("attn", "mlp")
@@ -169,8 +169,8 @@ def test_plan_json_round_trip(tmp_path):
 
 def test_plan_file_rejects_unknown_version_and_options(tmp_path):
     data = _plan().to_dict()
-    with pytest.raises(PlanFormatError, match="plan version 2 is not supported"):
-        load_plan({**data, "version": 2})
+    with pytest.raises(PlanFormatError, match="plan version 3 is not supported"):
+        load_plan({**data, "version": 3})
     with pytest.raises(PlanFormatError, match="plan version None"):
         load_plan({k: v for k, v in data.items() if k != "version"})
     data["layers"][0]["option"] = "offload"
@@ -203,8 +203,10 @@ def test_profile_lists_layers_options_and_regions(small):
     _, _, prof = small
     assert [layer.path for layer in prof.layers] == ["0", "1", "2"]
     names = [o.name for o in prof.layers[0].options]
-    # none, full, and every non-empty set of the children holding parameters
-    assert names[:2] == ["none", "full"] and len(names) == 2 + 7
+    # none, full, every non-empty set of the children holding parameters, then the
+    # selective checkpoint alone and with each of those sets
+    assert names[:2] == ["none", "full"] and len(names) == 2 + 7 + 1 + 7
+    assert names[9] == "selective" and names[10:] == [f"selective+{n}" for n in names[2:9]]
     assert {r.path for r in prof.layers[0].regions} == {"norm", "attn", "mlp"}
     assert "exclude:norm+attn+mlp" in names
     from recomp.plan import profile_table

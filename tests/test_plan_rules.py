@@ -130,7 +130,10 @@ def test_option_order_is_named(profiled):
     for layer in prof.layers:
         assert layer.options[OptionSlot.NONE].name == NO_CHECKPOINT
         assert layer.options[OptionSlot.FULL].name == FULL_CHECKPOINT
-        assert all(o.name.startswith("exclude:") for o in layer.options[OptionSlot.EXCLUSIONS :])
+        names = [o.name for o in layer.options[OptionSlot.EXCLUSIONS :]]
+        first = names.index("selective")
+        assert all(n.startswith("exclude:") for n in names[:first])
+        assert names[first + 1 :] == [f"selective+{n}" for n in names[:first]]
 
 
 def test_every_option_keeps_and_replays_what_the_engine_does(profiled):

@@ -52,6 +52,7 @@ from ..torch._backend import BACKEND
 from ..torch._compat import TorchDispatchMode
 from .planfile import NO_CHECKPOINT, exclude_option
 from .planner import LayerProfile, OptionProfile, OptionSlot, Profile, RegionProfile
+from .policy import expensive_ops, selective_context_fn
 
 LayerSpec = Callable[[nn.Module], bool] | Sequence[str] | None
 
@@ -160,12 +161,19 @@ def option_sets(count: int) -> list[tuple[int, ...]]:
     return [(i,) for i in range(count)] + [tuple(range(count))]
 
 
-def layer_option_sets(count: int) -> list[tuple[int, ...] | None]:
-    """The options of a layer with ``count`` candidates, in the order of ``OptionSlot``:
-    no checkpoint (``None``), full checkpoint (nothing excluded, ``()``), then the sets of
-    candidate indices of ``option_sets``."""
+def layer_option_sets(count: int) -> list[tuple[tuple[int, ...] | None, bool]]:
+    """The options of a layer with ``count`` candidates, as (excluded candidate indices,
+    selective), in the order of ``OptionSlot``: no checkpoint (``None``), full
+    checkpoint (nothing excluded, ``()``), the sets of candidate indices of
+    ``option_sets``; then the same checkpoints selective (expensive ops' outputs kept:
+    ``recomp.plan.policy``)."""
     fixed: dict[OptionSlot, tuple[int, ...] | None] = {OptionSlot.NONE: None, OptionSlot.FULL: ()}
-    return [fixed[slot] for slot in sorted(fixed)] + list(option_sets(count))
+    checkpoints = [(), *option_sets(count)]
+    return (
+        [(fixed[slot], False) for slot in sorted(fixed)]
+        + [(s, False) for s in checkpoints[1:]]
+        + [(s, True) for s in checkpoints]
+    )
 
 
 # --------------------------------------------------------------------------- recording
@@ -186,6 +194,8 @@ class _Op:
     call: int | None
     flops: int
     seconds: float
+    expensive: bool = False  # a selective option keeps its outputs (recomp.plan.policy)
+    outputs: list[tuple[Hashable, int]] = field(default_factory=list)  # (storage, bytes)
 
 
 @dataclass
@@ -232,6 +242,7 @@ class _Recorder(TorchDispatchMode):
             display=False, custom_mapping=flop_formulas(_compat.cpu_attention_ops())
         )
         self.registry = counter.flop_registry
+        self.expensive = frozenset(expensive_ops())
         self.preexisting = preexisting
         self.seq = 0
         self.layers: list[_LayerRecord] = []
@@ -269,7 +280,14 @@ class _Recorder(TorchDispatchMode):
             return out
         formula = self.registry.get(func.overloadpacket)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-        self.current_record().ops.append(_Op(self.next_seq(), self.call, flops, seconds))
+        op = _Op(self.next_seq(), self.call, flops, seconds, func in self.expensive)
+        if op.expensive:
+            for t in _tensors(out):
+                found = _storage(t)
+                if found is not None:
+                    op.outputs.append(found)
+                    self.pinned.append(t)
+        self.current_record().ops.append(op)
         return out
 
     # -- module hooks ----------------------------------------------------------
@@ -376,6 +394,7 @@ class _OptionResult:
     region_saved_bytes: dict[str, int]  # per excluded candidate path, as recomp counts
     excluded_calls: int
     hooked_saves: int = 0  # saved tensors that go through a Python hook (checkpointed)
+    policy_ops: int = 0  # ops that pass a selective policy's dispatch modes (forward, replay)
 
 
 def _analyse_option(
@@ -383,13 +402,17 @@ def _analyse_option(
     candidates: list[tuple[str, nn.Module]],
     excluded: tuple[int, ...] | None,
     preexisting: set[Hashable],
+    selective: bool = False,
 ) -> _OptionResult:
-    """What one layer keeps and replays with ``excluded`` candidates (None: no checkpoint)."""
+    """What one layer keeps and replays with ``excluded`` candidates (None: no checkpoint);
+    ``selective``: the checkpoint also keeps the outputs of the expensive ops outside
+    the excluded regions (which its policy does not see) and so does not replay them."""
 
     def activations(keys: dict[Hashable, int]) -> dict[Hashable, int]:
         return {k: n for k, n in keys.items() if k not in preexisting}
 
     if excluded is None:
+        assert not selective, "a selective option is a checkpoint"
         saved = {s.key: s.nbytes for s in record.saves if not s.is_parameter}
         return _OptionResult(NO_CHECKPOINT, activations(saved), [], {}, 0)
 
@@ -439,14 +462,22 @@ def _analyse_option(
         saved_bytes[path] = saved_bytes.get(path, 0) + sum(held.values())
     last = max(checkpoint_saves, default=None)
     excluded_call_indices = {i for i, _ in calls}
-    replay = (
-        []
-        if last is None
-        else [op for op in record.ops if op.seq < last and op.call not in excluded_call_indices]
-    )
-    name = exclude_option([candidates[i][0] for i in excluded])
+    seen = [op for op in record.ops if op.call not in excluded_call_indices]
+    reached = [] if last is None else [op for op in seen if op.seq < last]
+    replay = reached
+    if selective:
+        for op in seen:
+            kept.update(op.outputs)
+        replay = [op for op in reached if not op.expensive]
+    name = exclude_option([candidates[i][0] for i in excluded], selective)
     return _OptionResult(
-        name, activations(kept), replay, saved_bytes, len(calls), len(record.saves)
+        name,
+        activations(kept),
+        replay,
+        saved_bytes,
+        len(calls),
+        len(record.saves),
+        len(seen) + len(reached) if selective else 0,
     )
 
 
@@ -551,6 +582,40 @@ def _per_save_seconds(clock: Callable[[], float], chain: int = 32) -> float:
     for _ in range(5):
         extra = per_call(checkpointed) - per_call(plain) - per_call(forward)
         samples.append(extra / (2 * chain))
+    return max(0.0, statistics.median(samples))
+
+
+def _per_policy_op_seconds(clock: Callable[[], float], chain: int = 32) -> float:
+    """CPU time a selective checkpoint's policy adds per op: each op of the layer passes
+    its caching dispatch mode in the forward and its cached mode in the replay (Python
+    calls). Measured on a chain of tiny multiplications, checkpointed with the policy
+    against without."""
+    from recomp.torch import checkpoint
+
+    weight = torch.ones(8, requires_grad=True)
+    x = torch.ones(8, requires_grad=True)
+    context_fn = selective_context_fn()
+
+    def chain_fn(t: torch.Tensor) -> torch.Tensor:
+        for _ in range(chain):
+            t = t * weight
+        return t
+
+    def plain() -> None:
+        checkpoint(chain_fn, x).sum().backward()
+
+    def selective() -> None:
+        checkpoint(chain_fn, x, context_fn=context_fn).sum().backward()
+
+    def per_call(fn: Callable[[], None], repeat: int = 10) -> float:
+        start = clock()
+        for _ in range(repeat):
+            fn()
+        return (clock() - start) / repeat
+
+    for fn in (plain, selective):
+        per_call(fn, 3)
+    samples = [(per_call(selective) - per_call(plain)) / (2 * chain) for _ in range(5)]
     return max(0.0, statistics.median(samples))
 
 
@@ -822,10 +887,16 @@ def _profile(
     bookkeeping = int(torch.get_rng_state().nbytes) if device.type == "cpu" else 0
     # On a GPU the hooks' CPU time overlaps with the kernels: not added there.
     per_save = _per_save_seconds(clock) if device.type == "cpu" else 0.0
+    per_policy_op = _per_policy_op_seconds(clock) if device.type == "cpu" else 0.0
     analysed: list[list[_OptionResult]] = []
     for index, record in enumerate(recorder.layers):
         sets = layer_option_sets(len(candidates[index]))
-        analysed.append([_analyse_option(record, candidates[index], s, preexisting) for s in sets])
+        analysed.append(
+            [
+                _analyse_option(record, candidates[index], excluded, preexisting, selective)
+                for excluded, selective in sets
+            ]
+        )
     private, pairs, shared, spread = _attribute(
         [[o.kept for o in options] for options in analysed], outside
     )
@@ -862,7 +933,8 @@ def _profile(
                     kept_bytes=private[index][o]
                     + bookkeeping * (checkpoints + result.excluded_calls),
                     replay_s=scale * sum(op.seconds for op in result.replay_ops)
-                    + per_save * result.hooked_saves,
+                    + per_save * result.hooked_saves
+                    + per_policy_op * result.policy_ops,
                     replay_flops=sum(op.flops for op in result.replay_ops),
                     region_saved_bytes=result.region_saved_bytes,
                 )
@@ -896,5 +968,6 @@ def _profile(
         spread_bytes=spread,
         bookkeeping_bytes=bookkeeping,
         per_save_s=per_save,
+        per_policy_op_s=per_policy_op,
         notes=notes,
     )

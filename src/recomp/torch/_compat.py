@@ -566,3 +566,24 @@ def compiled_original(module: Any) -> Any:
         return None
     original = getattr(module, "_orig_mod", None)
     return original if isinstance(original, torch.nn.Module) else None
+
+
+def ops_named(names: tuple[str, ...]) -> tuple[Any, ...]:
+    """The default overloads of the ops ``"namespace::name"`` that this PyTorch has.
+
+    Why: the planner's selective option keeps the outputs of expensive ops, among them
+    ATen's attention kernels and the functional collectives, whose names start with an
+    underscore (``aten::_scaled_dot_product_flash_attention``,
+    ``_c10d_functional::all_gather_into_tensor``); which of them exist depends on the
+    version and the build. Looked up by name; missing ones are left out.
+    If it changes: a renamed op is no longer kept, and is recomputed as a cheap op is.
+    Retired by: a public list of PyTorch's compute-bound and communication ops.
+    """
+    found = []
+    for qualified in names:
+        namespace, _, name = qualified.partition("::")
+        try:
+            found.append(getattr(getattr(torch.ops, namespace), name).default)
+        except (AttributeError, RuntimeError):
+            continue
+    return tuple(found)
