@@ -14,7 +14,8 @@ keeps them. Among the plans that fit it takes, in this order:
    measured, so plans closer than the measurement noise are ties);
 2. the fewest replay FLOPs (exact, the same in every run);
 3. the fewest bytes;
-4. the first in option order, layer by layer (options in the order given).
+4. the least replay time (only plans equal in FLOPs and bytes get here);
+5. the first in option order, layer by layer (options in the order given).
 
 So the same profile gives the same plan, and profiles of the same model that differ
 only within the tolerance give the same plan too. Times are summed as integer
@@ -251,8 +252,9 @@ def solve(
     tolerance_s: float = 0.0,
 ) -> Solution:
     """The plan that keeps at most ``budget_bytes``, replays within ``tolerance_s`` of
-    the fastest such plan, and of those the fewest FLOPs, then bytes, then the first in
-    option order. Raises :class:`BudgetTooSmallError` when nothing fits."""
+    the fastest such plan, and of those the fewest FLOPs, then bytes, then the least
+    time, then the first in option order. Raises :class:`BudgetTooSmallError` when
+    nothing fits."""
     return _solve(layers, budget_bytes, shared_bytes, tolerance_s, False).solution
 
 
@@ -319,8 +321,8 @@ def _solve(
         states = nxt
     finals = [p for frontier in states for p in frontier]
     assert finals, "the fastest plan that fits is always viable"
-    key = min((p.flops, p.nbytes) for p in finals)
-    best = min(p.choice() for p in finals if (p.flops, p.nbytes) == key)
+    key = min((p.flops, p.nbytes, p.ns) for p in finals)
+    best = min(p.choice() for p in finals if (p.flops, p.nbytes, p.ns) == key)
     solution = evaluate(given, [kept[i][k] for i, k in enumerate(best)], shared_bytes)
     ties: list[NearTie] = []
     if with_ties:
