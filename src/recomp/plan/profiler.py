@@ -585,6 +585,10 @@ def _per_save_seconds(clock: Callable[[], float], chain: int = 32) -> float:
     return max(0.0, statistics.median(samples))
 
 
+# clock -> (per saved tensor, per op under a selective policy) seconds, on the CPU.
+_MEASURED_OVERHEADS: dict[Callable[[], float], tuple[float, float]] = {}
+
+
 def _per_policy_op_seconds(clock: Callable[[], float], chain: int = 32) -> float:
     """CPU time a selective checkpoint's policy adds per op: each op of the layer passes
     its caching dispatch mode in the forward and its cached mode in the replay (Python
@@ -886,8 +890,12 @@ def _profile(
     _average_alike_layers(layers, candidates, recorder.layers, forward_s)
     bookkeeping = int(torch.get_rng_state().nbytes) if device.type == "cpu" else 0
     # On a GPU the hooks' CPU time overlaps with the kernels: not added there.
-    per_save = _per_save_seconds(clock) if device.type == "cpu" else 0.0
-    per_policy_op = _per_policy_op_seconds(clock) if device.type == "cpu" else 0.0
+    # Machine properties: measured by the first profile of a process with this clock.
+    per_save, per_policy_op = 0.0, 0.0
+    if device.type == "cpu":
+        if clock not in _MEASURED_OVERHEADS:
+            _MEASURED_OVERHEADS[clock] = (_per_save_seconds(clock), _per_policy_op_seconds(clock))
+        per_save, per_policy_op = _MEASURED_OVERHEADS[clock]
     analysed: list[list[_OptionResult]] = []
     for index, record in enumerate(recorder.layers):
         sets = layer_option_sets(len(candidates[index]))
