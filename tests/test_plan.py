@@ -802,3 +802,29 @@ def test_plans_repeat_across_processes_and_record_near_ties(decoder, tmp_path):
             assert got["activation_bytes"] <= plan.budget_bytes
             slack_ms = expected["tie_tolerance_ms"] + 0.04 * expected["replay_ms"]
             assert got["replay_s"] * 1e3 <= expected["fastest_replay_ms"] + slack_ms, b
+
+
+def test_selective_plans_apply_eager_and_compiled(small):
+    """A plan with selective options (alone and with an exclusion) wraps the layers with
+    the policy; gradients equal the unwrapped model's, eagerly and compiled in one graph."""
+    from recomp.plan import apply_plan, make_plan
+    from recomp.torch import CheckpointWrapper, ExcludeWrapper
+
+    model, x, prof = small
+    plan = make_plan(prof, "0%")
+    plan.layers[0].option = "selective"
+    plan.layers[1].option = "selective+exclude:attn"
+    plan.layers[2].option = "none"
+    plan = load_plan(json.loads(json.dumps(plan.to_dict())))
+    assert [lp.selective for lp in plan.layers] == [True, True, False]
+    planned = apply_plan(copy.deepcopy(model), plan)
+    assert isinstance(planned[0], CheckpointWrapper) and isinstance(planned[1].attn, ExcludeWrapper)
+
+    def loss(out):
+        return out.pow(2).mean()
+
+    expected = grads_of(model, loss, x)
+    assert_same_grads(expected[1], grads_of(planned, loss, x)[1])
+    compiled = torch.compile(planned, backend="aot_eager", fullgraph=True)
+    got = grads_of(compiled, loss, x)[1]
+    assert_same_grads(expected[1], {k.removeprefix("_orig_mod."): v for k, v in got.items()})

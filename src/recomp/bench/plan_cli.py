@@ -23,10 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="recomp plan",
         description=(
-            "Choose per layer no checkpoint, full checkpoint or a checkpoint with some "
-            "sub-modules excluded from the replay, so that the predicted step time is least "
-            "while the predicted activation memory fits the budget. Prints the plan, writes "
-            "it as JSON, then runs it and prints measured beside predicted figures."
+            "Choose per layer no checkpoint, full checkpoint, a checkpoint with some "
+            "sub-modules excluded from the replay, a selective checkpoint that keeps the "
+            "outputs of matmuls, attention and collectives, or a selective one with "
+            "exclusions, so that the predicted step time is least while the predicted "
+            "activation memory fits the budget (plans within 3% of the step are ties, "
+            "decided by fewer replay FLOPs, then bytes). Prints the plan, writes it as JSON, "
+            "then runs it and prints measured beside predicted figures."
         ),
         epilog=MODEL_PROTOCOL
         + " Candidate regions: each layer's direct children that hold parameters (for a "

@@ -300,6 +300,18 @@ def plan_table(plan: Plan) -> str:
             f"predicted step {p['step_ms']:.1f} ms = {p['baseline_step_ms']:.1f} ms without "
             f"checkpointing + {p['replay_ms']:.1f} ms replay"
         )
+    if plan.near_ties:
+        within = p.get("tie_tolerance_ms")
+        ties = ", ".join(
+            f"{tie['path']} ({len(tie['alternatives'])} other option"
+            f"{'s' if len(tie['alternatives']) != 1 else ''})"
+            for tie in plan.near_ties
+        )
+        lines.append(
+            "near ties, decided by fewer replay FLOPs, then bytes, then order"
+            + (f" (plans within {within:.1f} ms)" if within is not None else "")
+            + f": {ties}; the plan file lists them"
+        )
     return "\n".join(lines)
 
 
