@@ -741,7 +741,6 @@ def test_plan_at_75_percent_replays_almost_nothing_and_beats_uniform_strategies(
     full_flops = prof.predict(["full"] * len(prof.layers))["replay_flops"]
     plan = make_plan(prof, "75%")
     assert plan.predicted["replay_flops"] <= 0.05 * full_flops
-    assert any(lp.selective for lp in plan.layers)
     fewer_flops = ("none", "full", "exclude:attn", "exclude:mlp")
     for budget in ("0%", "10%", "25%", "40%", "50%", "60%", "75%", "90%", "100%"):
         plan = make_plan(prof, budget)

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
             "sub-modules excluded from the replay, a selective checkpoint that keeps the "
             "outputs of matmuls, attention and collectives, or a selective one with "
             "exclusions, so that the predicted step time is least while the predicted "
-            "activation memory fits the budget (plans within 3% of the step are ties, "
+            "activation memory fits the budget (plans within 1% of the step are ties, "
             "decided by fewer replay FLOPs, then bytes). Prints the plan, writes it as JSON, "
             "then runs it and prints measured beside predicted figures."
         ),

@@ -173,7 +173,7 @@ def resolve_budget(profile: Profile, budget: str | int | float | Budget) -> tupl
 
 
 # Plans whose predicted step times differ by less than this share of the step are ties.
-TIE_TOLERANCE = 0.03
+TIE_TOLERANCE = 0.01
 
 
 def make_plan(
