@@ -278,13 +278,19 @@ def test_solver_equals_brute_force_on_a_real_profile(small):
     _, _, prof = small
     layers = prof.layer_options()
     for budget in ("0%", "30%", "60%", "100%"):
-        plan = make_plan(prof, budget)
+        plan = make_plan(prof, budget, tie_tolerance=0.0)  # the fastest, no ties
         expected = _brute_force(layers, plan.budget_bytes, prof.shared_bytes)
         got = prof.predict([layer.option for layer in plan.layers])
         assert got["activation_bytes"] <= plan.budget_bytes
         assert (got["replay_s"], got["replay_flops"]) == pytest.approx(
             (expected.replay_s, expected.replay_flops)
         )
+        # with the default tolerance: within it of the fastest, never more FLOPs
+        tied = make_plan(prof, budget)
+        slack_s = tied.predicted["tie_tolerance_ms"] / 1e3
+        assert tied.predicted["activation_bytes"] <= plan.budget_bytes
+        assert tied.predicted["replay_ms"] / 1e3 <= expected.replay_s + slack_s + 1e-9
+        assert tied.predicted["replay_flops"] <= plan.predicted["replay_flops"]
     assert [layer.option for layer in make_plan(prof, "100%").layers] == ["none"] * 3
 
 
