@@ -112,9 +112,7 @@ def test_help_states_the_model_protocol():
 
 
 @pytest.mark.parametrize("factory", ["tiny_llama", "tiny_qwen3"])
-def test_cli_plans_a_hugging_face_factory_and_the_plan_applies_to_a_fresh_model(
-    tmp_path, factory
-):
+def test_cli_plans_a_hugging_face_factory_and_the_plan_applies_to_a_fresh_model(tmp_path, factory):
     path = tmp_path / "plan.json"
     out = _recomp(
         "plan",
@@ -216,3 +214,22 @@ def test_bench_strategies_run_on_a_hugging_face_model():
         assert set(row.region_runs.values()) <= {1}, strategy
         if strategy == "exclude-attn":
             assert set(row.region_runs) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+
+
+def test_profile_without_loss_fn_uses_the_model_output_loss_or_says_what_to_pass():
+    from recomp.plan import profile
+
+    torch.manual_seed(0)
+    model = hf_models.tiny_llama().train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    with_labels = {"input_ids": ids, "labels": ids, "use_cache": False}
+    prof = profile(model, with_labels, steps=1)  # no loss_fn: the output's own loss
+    explicit = profile(model, with_labels, model_output_loss, steps=1)
+    assert [layer.path for layer in prof.layers] == ["model.layers.0", "model.layers.1"]
+    assert [o.replay_flops for layer in prof.layers for o in layer.options] == [
+        o.replay_flops for layer in explicit.layers for o in layer.options
+    ]
+    with pytest.raises(ValueError, match="without a loss, and no loss_fn was given") as err:
+        profile(model, {"input_ids": ids, "use_cache": False}, steps=1)
+    assert "labels" in str(err.value) and "loss_fn=" in str(err.value)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

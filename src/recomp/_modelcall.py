@@ -98,6 +98,24 @@ def model_output_loss(out: Any) -> Any:
     return loss
 
 
+def default_loss(out: Any) -> Any:
+    """The loss of an output when none is given: a Hugging Face ``ModelOutput`` (or any
+    mapping) gives its ``loss``; anything else the mean square (``mean_square_loss``)."""
+    from collections.abc import Mapping
+
+    if isinstance(out, Mapping) or hasattr(out, "loss"):
+        loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+        if loss is None:
+            raise ValueError(
+                f"the model returned a {type(out).__name__} without a loss, and no loss_fn was "
+                "given: call the model with labels (a Hugging Face model then computes its "
+                "loss, e.g. inputs={'input_ids': ids, 'labels': ids}) or pass loss_fn= (a "
+                "function of the model's output returning a scalar tensor)"
+            )
+        return loss
+    return mean_square_loss(out)
+
+
 def loss_function(model: Any) -> Any:
     """The loss a benchmark or a plan uses for ``model``: ``model.loss(output)`` if the
     model defines it, the model's own loss (``output.loss``) for a Hugging Face model,

@@ -448,7 +448,9 @@ class RegionCall:
             backend.set_rng_state(self.rng_state)
 
         region.skips += 1
-        values = [_replay_value(backend, c) for c in self.outputs]
+        # Out of sight of selective checkpointing's op cache, as the forward call was.
+        with backend.region_context(region.name):
+            values = [_replay_value(backend, c) for c in self.outputs]
         if self.boundary_inputs:  # rule 1: the replay saves what the forward saved
             grad_idx = [i for i, c in enumerate(self.outputs) if c.requires_grad]
             passed = backend.boundary(

@@ -14,7 +14,7 @@ import math
 import sys
 from typing import Any
 
-from ..plan.budget import parse_budget
+from ..plan.budget import TORCH_BUDGET_NOTE, parse_budget
 from .config import DEFAULT_MODEL, MODEL_PROTOCOL, add_config_arguments, config_from_args
 from .results import Result, write_json
 
@@ -23,10 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="recomp plan",
         description=(
-            "Choose per layer no checkpoint, full checkpoint or a checkpoint with some "
-            "sub-modules excluded from the replay, so that the predicted step time is least "
-            "while the predicted activation memory fits the budget. Prints the plan, writes "
-            "it as JSON, then runs it and prints measured beside predicted figures."
+            "Choose per layer no checkpoint, full checkpoint, a checkpoint with some "
+            "sub-modules excluded from the replay, a selective checkpoint that keeps the "
+            "outputs of matmuls, attention and collectives, or a selective one with "
+            "exclusions, so that the predicted step time is least while the predicted "
+            "activation memory fits the budget (plans within 1% of the step are ties, "
+            "decided by fewer replay FLOPs, then bytes). Prints the plan, writes it as JSON, "
+            "then runs it and prints measured beside predicted figures."
         ),
         epilog=MODEL_PROTOCOL
         + " Candidate regions: each layer's direct children that hold parameters (for a "
@@ -37,8 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--budget",
         required=True,
-        help="activation memory budget: bytes with a unit (6GiB, 512MiB) or a percentage "
-        "between full checkpointing (0%%) and none (100%%)",
+        help="activation memory budget: a fraction between 0 and 1 (0.5) or a percentage "
+        "(50%%) of the range between full checkpointing of every layer (0%%) and none "
+        "(100%%), or bytes with a unit (6GiB, 512MiB, 123456B); a bare number above 1 is "
+        "refused. " + TORCH_BUDGET_NOTE.replace("%", "%%"),
     )
     p.add_argument(
         "--model",

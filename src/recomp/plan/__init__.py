@@ -21,13 +21,25 @@ from typing import Any
 from .budget import Budget, BudgetTooSmallError, parse_budget
 from .planfile import LayerPlan, Plan, PlanFormatError, load_plan, save_plan
 from .planner import OptionSlot, Profile, make_plan, plan_table, profile_table
-from .solver import LayerOptions, Option, Solution, evaluate, minimum_bytes, solve
+from .solver import (
+    Choice,
+    LayerOptions,
+    NearTie,
+    Option,
+    Solution,
+    evaluate,
+    minimum_bytes,
+    solve,
+    solve_with_ties,
+)
 
 __all__ = [
     "Budget",
     "BudgetTooSmallError",
+    "Choice",
     "LayerOptions",
     "LayerPlan",
+    "NearTie",
     "Option",
     "OptionSlot",
     "Plan",
@@ -45,6 +57,7 @@ __all__ = [
     "profile_table",
     "save_plan",
     "solve",
+    "solve_with_ties",
 ]
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from .planfile import Plan, load_plan
+from .policy import selective_context_fn
 
 
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -30,20 +31,27 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
 
     Layers with option ``full`` get ``recomp.torch.checkpoint_wrapper``; with
     ``exclude:A+B`` their sub-modules ``A`` and ``B`` get ``checkpoint_exclude_wrapper``
-    and the layer a ``checkpoint_wrapper``; ``none`` leaves the layer alone. Whatever a
+    and the layer a ``checkpoint_wrapper``; ``selective`` (and ``selective+exclude:...``)
+    gives the ``checkpoint_wrapper`` the policy that keeps the outputs of expensive ops
+    (``recomp.plan.policy``); ``none`` leaves the layer alone. Whatever a
     wrapper returns is assigned back to the parent module, so wrappers that return a new
     module and wrappers that change the module in place both work. Every path is checked
     before anything is wrapped: a plan that does not fit leaves the model unchanged.
-    Returns the model.
+    A ``torch.compile`` wrapper gets the plan applied to its original module. Returns
+    the model.
     """
     from recomp.torch import (
         CheckpointWrapper,
         ExcludeWrapper,
+        _compat,
         checkpoint_exclude_wrapper,
         checkpoint_wrapper,
     )
 
     plan = load_plan(plan)
+    given = model
+    # A torch.compile wrapper calls its original module: the plan's paths are the original's.
+    model = _compat.compiled_original(model) or model
     work: list[tuple[str, nn.Module, list[tuple[str, nn.Module]]]] = []
     for layer_plan in plan.layers:
         layer = _resolve(model, layer_plan.path, "layer")
@@ -69,5 +77,6 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
             parent, name = _parent(layer, region_path)
             setattr(parent, name, checkpoint_exclude_wrapper(region, name=f"{path}.{region_path}"))
         parent, name = _parent(model, path)
-        setattr(parent, name, checkpoint_wrapper(layer))
-    return model
+        options = {"context_fn": selective_context_fn()} if layer_plan.selective else {}
+        setattr(parent, name, checkpoint_wrapper(layer, **options))
+    return given

@@ -1,5 +1,18 @@
-"""Memory budgets: ``"6GiB"``, ``"512MiB"``, a plain byte count, or ``"50%"`` of the range
-between full checkpointing (0%) and no checkpointing (100%). No framework imports."""
+"""Memory budgets a user can type (no framework imports).
+
+* a share of the range between full checkpointing of every layer and no checkpointing:
+  ``"50%"``, or a bare number between 0 and 1 (``0.5``, ``"0.5"``);
+* bytes, always with a unit: ``"6GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"123456B"``.
+
+A bare number above 1 (``"50"``, ``4096``) is refused: it could be a percentage or a
+byte count, and reading it as either would plan for the wrong memory.
+
+PyTorch's ``torch._functorch.config.activation_memory_budget`` (compiled models) is
+also a share between two ends, but other ones: 0 keeps only the compiled graph's
+inputs (less than full checkpointing, which keeps each layer's input) and 1 keeps what
+the default partitioner saves (less than no checkpointing: compiled, cheap element-wise
+ops are already recomputed). The same number therefore lands on different bytes.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +20,6 @@ import re
 from dataclasses import dataclass
 
 _UNITS = {
-    "": 1,
     "b": 1,
     "k": 1 << 10,
     "kib": 1 << 10,
@@ -41,6 +53,22 @@ class BudgetTooSmallError(ValueError):
         )
 
 
+# How recomp's percentage relates to PyTorch's activation_memory_budget, for help texts.
+TORCH_BUDGET_NOTE = (
+    "recomp's percentage runs from full checkpointing of every layer (0%, each layer keeps "
+    "its input) to no checkpointing (100%), measured in eager mode. PyTorch's "
+    "torch._functorch.config.activation_memory_budget (compiled models) is also a fraction, "
+    "but from 0 = only the compiled graph's inputs kept to 1 = what its default partitioner "
+    "saves (which already recomputes cheap element-wise ops): the same number lands on "
+    "fewer bytes there. Compare plans by bytes, not by the number."
+)
+
+_BUDGET_FORMS = (
+    "a fraction between 0 and 1 (0.5), a percentage (50%) of the range between full "
+    "checkpointing (0%) and none (100%), or bytes with a unit (6GiB, 512MiB, 1.5GB, 123456B)"
+)
+
+
 @dataclass(frozen=True)
 class Budget:
     """A budget as given: absolute bytes, or a percentage of the checkpointing range."""
@@ -59,21 +87,18 @@ class Budget:
 
 
 def parse_budget(value: str | int | float | Budget) -> Budget:
-    """``"6GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"123456"`` (bytes) or ``"50%"``."""
+    """``0.5`` or ``"0.5"`` (a fraction), ``"50%"``, or bytes with a unit: ``"6GiB"``,
+    ``"512 MiB"``, ``"1.5GB"``, ``"123456B"``. A bare number above 1 is refused."""
     if isinstance(value, Budget):
         return value
     if isinstance(value, bool):
-        raise ValueError(f"a memory budget is bytes or a percentage, got {value!r}")
+        raise ValueError(f"a memory budget is {_BUDGET_FORMS}; got {value!r}")
     if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"a memory budget cannot be negative, got {value!r}")
-        return Budget(text=str(value), nbytes=int(value))
-    match = _PATTERN.match(str(value))
+        return _bare_number(float(value), str(value))
+    text = str(value).strip()
+    match = _PATTERN.match(text)
     if match is None:
-        raise ValueError(
-            f"cannot read memory budget {value!r}: give bytes with a unit (6GiB, 512MiB, 1.5GB, "
-            "123456) or a percentage between full checkpointing (0%) and none (100%), e.g. 50%"
-        )
+        raise ValueError(f"cannot read memory budget {value!r}: give {_BUDGET_FORMS}")
     number, unit = float(match.group(1)), match.group(2).lower()
     if unit == "%":
         if not 0.0 <= number <= 100.0:
@@ -81,13 +106,29 @@ def parse_budget(value: str | int | float | Budget) -> Budget:
                 f"a budget percentage lies between 0% (full checkpointing) and 100% "
                 f"(no checkpointing), got {value!r}"
             )
-        return Budget(text=str(value).strip(), percent=number)
+        return Budget(text=text, percent=number)
+    if unit == "":
+        return _bare_number(number, text)
     if unit not in _UNITS:
         raise ValueError(
             f"unknown unit {match.group(2)!r} in memory budget {value!r}: use B, KiB, MiB, "
             "GiB, TiB (powers of 1024), KB, MB, GB, TB (powers of 1000) or %"
         )
-    return Budget(text=str(value).strip(), nbytes=int(number * _UNITS[unit]))
+    return Budget(text=text, nbytes=int(number * _UNITS[unit]))
+
+
+def _bare_number(number: float, text: str) -> Budget:
+    """A number without a unit: a fraction of the range when between 0 and 1."""
+    if number != number or number < 0:  # NaN or negative
+        raise ValueError(f"a memory budget cannot be negative, got {text!r}")
+    if number <= 1.0:
+        return Budget(text=text, percent=number * 100.0)
+    shown = f"{number:g}"
+    raise ValueError(
+        f"memory budget {text!r} has no unit: a bare number is a fraction between 0 and 1. "
+        f"Write {shown}% for a share of the range between full checkpointing (0%) and none "
+        f"(100%), or {shown}B / {shown}MiB / {shown}GiB for bytes"
+    )
 
 
 def format_bytes(n: float) -> str:

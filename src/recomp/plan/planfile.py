@@ -2,14 +2,21 @@
 
 ::
 
-    {"version": 1, "budget": "50%", "budget_bytes": 23068672,
+    {"version": 2, "budget": "50%", "budget_bytes": 23068672,
      "layers": [{"path": "layers.0", "option": "exclude:attn", "kept_bytes": 2621440,
                  "predicted_ms": 4.1, "replay_flops": 369098752, "reason": "..."}, ...],
+     "near_ties": [{"path": "layers.3", "chosen": "none",
+                    "alternatives": [{"option": "selective", "replay_flops": 0}]}],
      "predicted": {...}}
 
-``option`` is ``none`` (not checkpointed), ``full`` (checkpointed) or
+``option`` is ``none`` (not checkpointed), ``full`` (checkpointed),
 ``exclude:A+B`` (checkpointed, with the sub-modules at paths ``A`` and ``B`` inside the
-layer excluded from the replay). ``predicted_ms`` is the replay time of the layer.
+layer excluded from the replay), ``selective`` (checkpointed, the outputs of its
+expensive ops kept: ``recomp.plan.policy``) or ``selective+exclude:A+B`` (both).
+``predicted_ms`` is the replay time of the layer. ``near_ties``: per layer, the options
+it could have taken in a plan that fits and is predicted as fast within the tolerance
+(the choice a tie-break made). Version 1 files (no selective options, no near ties)
+are read as well.
 """
 
 from __future__ import annotations
@@ -19,11 +26,15 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PLAN_VERSION = 1
-# The option names: a layer not checkpointed, checkpointed whole, or with exclusions.
+PLAN_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+# The option names: a layer not checkpointed, checkpointed whole, or with exclusions;
+# "selective" and "selective+exclude:..." keep the outputs of expensive ops as well.
 NO_CHECKPOINT = "none"
 FULL_CHECKPOINT = "full"
 EXCLUDE_PREFIX = "exclude:"
+SELECTIVE = "selective"
+SELECTIVE_PREFIX = "selective+"
 
 
 class PlanFormatError(ValueError):
@@ -49,6 +60,11 @@ class LayerPlan:
     def checkpointed(self) -> bool:
         return parse_option(self.option)[0] != NO_CHECKPOINT
 
+    @property
+    def selective(self) -> bool:
+        """Whether the checkpoint keeps the outputs of the layer's expensive ops."""
+        return is_selective(self.option)
+
 
 @dataclass
 class Plan:
@@ -56,6 +72,7 @@ class Plan:
     layers: list[LayerPlan]
     budget: str = ""
     predicted: dict[str, Any] = field(default_factory=dict)
+    near_ties: list[dict[str, Any]] = field(default_factory=list)
     version: int = PLAN_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -66,6 +83,7 @@ class Plan:
             "layers": [
                 {k: v for k, v in asdict(layer).items() if v is not None} for layer in self.layers
             ],
+            "near_ties": self.near_ties,
             "predicted": self.predicted,
         }
 
@@ -74,45 +92,65 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanFormatError(f"a plan is a JSON object, got {type(data).__name__}")
         version = data.get("version")
-        if version != PLAN_VERSION:
+        if version not in READABLE_VERSIONS:
             raise PlanFormatError(
-                f"plan version {version!r} is not supported: this recomp reads version "
-                f"{PLAN_VERSION}. Make the plan again with `recomp plan` (or recomp.plan.make_plan)."
+                f"plan version {version!r} is not supported: this recomp reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}. Make the plan again with "
+                "`recomp plan` (or recomp.plan.make_plan)."
             )
         try:
             layers = [LayerPlan(**layer) for layer in data["layers"]]
             budget_bytes = int(data["budget_bytes"])
         except (KeyError, TypeError) as exc:
             raise PlanFormatError(
-                f"malformed plan ({exc}): a version-1 plan has budget_bytes and layers, each "
+                f"malformed plan ({exc}): a plan has budget_bytes and layers, each "
                 "layer with path and option"
             ) from exc
         for layer in layers:
             parse_option(layer.option)
+            if version == 1 and is_selective(layer.option):
+                raise PlanFormatError(
+                    f"layer {layer.path!r}: option {layer.option!r} needs a version-2 plan"
+                )
         return cls(
             budget_bytes=budget_bytes,
             layers=layers,
             budget=str(data.get("budget", "")),
             predicted=dict(data.get("predicted") or {}),
-            version=version,
+            near_ties=list(data.get("near_ties") or []),
+            version=PLAN_VERSION,
         )
 
 
 def parse_option(option: str) -> tuple[str, tuple[str, ...]]:
-    """``"none"`` -> ``("none", ())``; ``"exclude:attn+mlp"`` -> ``("exclude", ("attn", "mlp"))``."""
-    if option in (NO_CHECKPOINT, FULL_CHECKPOINT):
+    """``"none"`` -> ``("none", ())``; ``"exclude:attn+mlp"`` -> ``("exclude", ("attn",
+    "mlp"))``; ``"selective"`` -> ``("full", ())`` and ``"selective+exclude:attn"`` ->
+    ``("exclude", ("attn",))``: the checkpoint and its exclusions (``is_selective`` tells
+    whether expensive ops' outputs are kept too)."""
+    rest = option
+    if option == SELECTIVE:
+        return FULL_CHECKPOINT, ()
+    if option.startswith(SELECTIVE_PREFIX):
+        rest = option[len(SELECTIVE_PREFIX) :]
+    if rest is option and option in (NO_CHECKPOINT, FULL_CHECKPOINT):
         return option, ()
-    if option.startswith(EXCLUDE_PREFIX):
-        regions = tuple(r for r in option[len(EXCLUDE_PREFIX) :].split("+") if r)
+    if rest.startswith(EXCLUDE_PREFIX):
+        regions = tuple(r for r in rest[len(EXCLUDE_PREFIX) :].split("+") if r)
         if regions:
             return "exclude", regions
     raise PlanFormatError(
-        f"unknown layer option {option!r}: use none, full or exclude:PATH[+PATH...] "
-        "(sub-module paths inside the layer)"
+        f"unknown layer option {option!r}: use none, full, exclude:PATH[+PATH...] "
+        "(sub-module paths inside the layer), selective or selective+exclude:PATH[+PATH...]"
     )
 
 
-def exclude_option(regions: tuple[str, ...] | list[str]) -> str:
+def is_selective(option: str) -> bool:
+    return option == SELECTIVE or option.startswith(SELECTIVE_PREFIX)
+
+
+def exclude_option(regions: tuple[str, ...] | list[str], selective: bool = False) -> str:
+    if selective:
+        return SELECTIVE_PREFIX + exclude_option(regions) if regions else SELECTIVE
     return EXCLUDE_PREFIX + "+".join(regions) if regions else FULL_CHECKPOINT
 
 

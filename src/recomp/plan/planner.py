@@ -22,8 +22,8 @@ from enum import IntEnum
 from typing import Any
 
 from .budget import Budget, format_bytes, parse_budget
-from .planfile import FULL_CHECKPOINT, NO_CHECKPOINT, LayerPlan, Plan, parse_option
-from .solver import LayerOptions, Option, evaluate, minimum_bytes, solve
+from .planfile import FULL_CHECKPOINT, NO_CHECKPOINT, LayerPlan, Plan, is_selective, parse_option
+from .solver import LayerOptions, Option, evaluate, minimum_bytes, solve_with_ties
 
 MiB = float(1 << 20)
 
@@ -31,7 +31,9 @@ MiB = float(1 << 20)
 class OptionSlot(IntEnum):
     """Where the options sit in every ``LayerProfile.options`` list, and so in the
     solver's choices and in ``pair_bytes``: no checkpoint first, then full checkpoint,
-    then the exclusions (from ``EXCLUSIONS`` on)."""
+    then the exclusions (from ``EXCLUSIONS`` on), then the selective options (the
+    checkpoint keeps its expensive ops' outputs: ``selective``, then
+    ``selective+exclude:...`` in the order of the exclusions)."""
 
     NONE = 0
     FULL = 1
@@ -105,6 +107,7 @@ class Profile:
     spread_bytes: int = 0  # part of shared_bytes kept by several non-adjacent layers
     bookkeeping_bytes: int = 0  # per checkpoint and per excluded call (saved RNG state)
     per_save_s: float = 0.0  # a checkpoint's hook time per saved tensor (in replay_s)
+    per_policy_op_s: float = 0.0  # a selective policy's time per op passing it (in replay_s)
     notes: list[str] = field(default_factory=list)
 
     # -- the solver's view ----------------------------------------------------
@@ -169,14 +172,30 @@ def resolve_budget(profile: Profile, budget: str | int | float | Budget) -> tupl
     )
 
 
-def make_plan(profile: Profile, budget: str | int | float | Budget) -> Plan:
+# Plans whose predicted step times differ by less than this share of the step are ties.
+TIE_TOLERANCE = 0.01
+
+
+def make_plan(
+    profile: Profile, budget: str | int | float | Budget, *, tie_tolerance: float = TIE_TOLERANCE
+) -> Plan:
     """The fastest plan whose predicted activation memory fits ``budget`` (exact).
+
+    Plans whose predicted replay times differ by less than ``tie_tolerance`` of the
+    measured step time are ties (the times are measurements): among them the plan with
+    the fewest replay FLOPs is taken, then the fewest bytes, then the first in option
+    order, so that profiles of the same model in two processes give the same plan. The
+    plan lists the choices that were such ties (``Plan.near_ties``).
 
     Raises ``BudgetTooSmallError`` (a ``ValueError``) stating the least memory any plan
     keeps when the budget is below it."""
+    if not 0.0 <= tie_tolerance < 1.0:
+        raise ValueError(f"tie_tolerance is a share of the step time in [0, 1), got {tie_tolerance}")
     parsed, budget_bytes = resolve_budget(profile, budget)
     layer_options = profile.layer_options()
-    solution = solve(layer_options, budget_bytes, profile.shared_bytes)
+    tolerance_s = tie_tolerance * profile.baseline_step_s
+    chosen = solve_with_ties(layer_options, budget_bytes, profile.shared_bytes, tolerance_s)
+    solution = chosen.solution
     least = minimum_bytes(layer_options, profile.shared_bytes)
     layers: list[LayerPlan] = []
     previous: int | None = None
@@ -195,6 +214,12 @@ def make_plan(profile: Profile, budget: str | int | float | Budget) -> Plan:
             )
         )
         previous = index
+    ties: dict[int, list[dict[str, Any]]] = {}
+    for tie in chosen.near_ties:
+        option = profile.layers[tie.layer].options[tie.option]
+        ties.setdefault(tie.layer, []).append(
+            {"option": option.name, "replay_flops": option.replay_flops}
+        )
     predicted = {
         "activation_bytes": solution.kept_bytes,
         "shared_bytes": profile.shared_bytes,
@@ -202,12 +227,23 @@ def make_plan(profile: Profile, budget: str | int | float | Budget) -> Plan:
         "replay_flops": solution.replay_flops,
         "baseline_step_ms": profile.baseline_step_s * 1e3,
         "step_ms": (profile.baseline_step_s + solution.replay_s) * 1e3,
+        "fastest_replay_ms": chosen.fastest_s * 1e3,
+        "tie_tolerance_ms": tolerance_s * 1e3,
         "full_bytes": profile.uniform_slot_bytes(OptionSlot.FULL),
         "none_bytes": profile.uniform_slot_bytes(OptionSlot.NONE),
         "minimum_bytes": least.kept_bytes,
         "device": profile.device,
     }
-    return Plan(budget_bytes=budget_bytes, layers=layers, budget=parsed.text, predicted=predicted)
+    return Plan(
+        budget_bytes=budget_bytes,
+        layers=layers,
+        budget=parsed.text,
+        predicted=predicted,
+        near_ties=[
+            {"path": profile.layers[i].path, "chosen": layers[i].option, "alternatives": alts}
+            for i, alts in sorted(ties.items())
+        ],
+    )
 
 
 def explain(layer: LayerProfile, option: OptionProfile) -> str:
@@ -216,6 +252,11 @@ def explain(layer: LayerProfile, option: OptionProfile) -> str:
     more = format_bytes(option.kept_bytes - full.kept_bytes)
     saved_ms = (full.replay_s - option.replay_s) * 1e3
     kind, regions = parse_option(option.name)
+    if is_selective(option.name):
+        what = "keep expensive ops' outputs" + (
+            f", exclude {'+'.join(regions)}" if regions else ""
+        )
+        return f"{what}: saves {saved_ms:.1f} ms of replay for {more} more than full"
     if kind == FULL_CHECKPOINT:
         return f"checkpoint: keeps only its input, replays {full.replay_s * 1e3:.1f} ms"
     if kind == NO_CHECKPOINT:
@@ -258,6 +299,18 @@ def plan_table(plan: Plan) -> str:
             f"{format_bytes(p['full_bytes'])}, none {format_bytes(p['none_bytes'])}); "
             f"predicted step {p['step_ms']:.1f} ms = {p['baseline_step_ms']:.1f} ms without "
             f"checkpointing + {p['replay_ms']:.1f} ms replay"
+        )
+    if plan.near_ties:
+        within = p.get("tie_tolerance_ms")
+        ties = ", ".join(
+            f"{tie['path']} ({len(tie['alternatives'])} other option"
+            f"{'s' if len(tie['alternatives']) != 1 else ''})"
+            for tie in plan.near_ties
+        )
+        lines.append(
+            "near ties, decided by fewer replay FLOPs, then bytes, then order"
+            + (f" (plans within {within:.1f} ms)" if within is not None else "")
+            + f": {ties}; the plan file lists them"
         )
     return "\n".join(lines)
 

@@ -37,6 +37,7 @@ import gc
 import itertools
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,12 +46,13 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 
-from .._modelcall import call_model, flop_formulas, mean_square_loss
+from .._modelcall import call_model, default_loss, flop_formulas
 from ..torch import _compat
 from ..torch._backend import BACKEND
 from ..torch._compat import TorchDispatchMode
 from .planfile import NO_CHECKPOINT, exclude_option
 from .planner import LayerProfile, OptionProfile, OptionSlot, Profile, RegionProfile
+from .policy import expensive_ops, selective_context_fn
 
 LayerSpec = Callable[[nn.Module], bool] | Sequence[str] | None
 
@@ -159,12 +161,19 @@ def option_sets(count: int) -> list[tuple[int, ...]]:
     return [(i,) for i in range(count)] + [tuple(range(count))]
 
 
-def layer_option_sets(count: int) -> list[tuple[int, ...] | None]:
-    """The options of a layer with ``count`` candidates, in the order of ``OptionSlot``:
-    no checkpoint (``None``), full checkpoint (nothing excluded, ``()``), then the sets of
-    candidate indices of ``option_sets``."""
+def layer_option_sets(count: int) -> list[tuple[tuple[int, ...] | None, bool]]:
+    """The options of a layer with ``count`` candidates, as (excluded candidate indices,
+    selective), in the order of ``OptionSlot``: no checkpoint (``None``), full
+    checkpoint (nothing excluded, ``()``), the sets of candidate indices of
+    ``option_sets``; then the same checkpoints selective (expensive ops' outputs kept:
+    ``recomp.plan.policy``)."""
     fixed: dict[OptionSlot, tuple[int, ...] | None] = {OptionSlot.NONE: None, OptionSlot.FULL: ()}
-    return [fixed[slot] for slot in sorted(fixed)] + list(option_sets(count))
+    checkpoints = [(), *option_sets(count)]
+    return (
+        [(fixed[slot], False) for slot in sorted(fixed)]
+        + [(s, False) for s in checkpoints[1:]]
+        + [(s, True) for s in checkpoints]
+    )
 
 
 # --------------------------------------------------------------------------- recording
@@ -185,6 +194,8 @@ class _Op:
     call: int | None
     flops: int
     seconds: float
+    expensive: bool = False  # a selective option keeps its outputs (recomp.plan.policy)
+    outputs: list[tuple[Hashable, int]] = field(default_factory=list)  # (storage, bytes)
 
 
 @dataclass
@@ -231,6 +242,7 @@ class _Recorder(TorchDispatchMode):
             display=False, custom_mapping=flop_formulas(_compat.cpu_attention_ops())
         )
         self.registry = counter.flop_registry
+        self.expensive = frozenset(expensive_ops())
         self.preexisting = preexisting
         self.seq = 0
         self.layers: list[_LayerRecord] = []
@@ -268,7 +280,14 @@ class _Recorder(TorchDispatchMode):
             return out
         formula = self.registry.get(func.overloadpacket)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-        self.current_record().ops.append(_Op(self.next_seq(), self.call, flops, seconds))
+        op = _Op(self.next_seq(), self.call, flops, seconds, func in self.expensive)
+        if op.expensive:
+            for t in _tensors(out):
+                found = _storage(t)
+                if found is not None:
+                    op.outputs.append(found)
+                    self.pinned.append(t)
+        self.current_record().ops.append(op)
         return out
 
     # -- module hooks ----------------------------------------------------------
@@ -375,6 +394,7 @@ class _OptionResult:
     region_saved_bytes: dict[str, int]  # per excluded candidate path, as recomp counts
     excluded_calls: int
     hooked_saves: int = 0  # saved tensors that go through a Python hook (checkpointed)
+    policy_ops: int = 0  # ops that pass a selective policy's dispatch modes (forward, replay)
 
 
 def _analyse_option(
@@ -382,13 +402,17 @@ def _analyse_option(
     candidates: list[tuple[str, nn.Module]],
     excluded: tuple[int, ...] | None,
     preexisting: set[Hashable],
+    selective: bool = False,
 ) -> _OptionResult:
-    """What one layer keeps and replays with ``excluded`` candidates (None: no checkpoint)."""
+    """What one layer keeps and replays with ``excluded`` candidates (None: no checkpoint);
+    ``selective``: the checkpoint also keeps the outputs of the expensive ops outside
+    the excluded regions (which its policy does not see) and so does not replay them."""
 
     def activations(keys: dict[Hashable, int]) -> dict[Hashable, int]:
         return {k: n for k, n in keys.items() if k not in preexisting}
 
     if excluded is None:
+        assert not selective, "a selective option is a checkpoint"
         saved = {s.key: s.nbytes for s in record.saves if not s.is_parameter}
         return _OptionResult(NO_CHECKPOINT, activations(saved), [], {}, 0)
 
@@ -438,14 +462,22 @@ def _analyse_option(
         saved_bytes[path] = saved_bytes.get(path, 0) + sum(held.values())
     last = max(checkpoint_saves, default=None)
     excluded_call_indices = {i for i, _ in calls}
-    replay = (
-        []
-        if last is None
-        else [op for op in record.ops if op.seq < last and op.call not in excluded_call_indices]
-    )
-    name = exclude_option([candidates[i][0] for i in excluded])
+    seen = [op for op in record.ops if op.call not in excluded_call_indices]
+    reached = [] if last is None else [op for op in seen if op.seq < last]
+    replay = reached
+    if selective:
+        for op in seen:
+            kept.update(op.outputs)
+        replay = [op for op in reached if not op.expensive]
+    name = exclude_option([candidates[i][0] for i in excluded], selective)
     return _OptionResult(
-        name, activations(kept), replay, saved_bytes, len(calls), len(record.saves)
+        name,
+        activations(kept),
+        replay,
+        saved_bytes,
+        len(calls),
+        len(record.saves),
+        len(seen) + len(reached) if selective else 0,
     )
 
 
@@ -550,6 +582,44 @@ def _per_save_seconds(clock: Callable[[], float], chain: int = 32) -> float:
     for _ in range(5):
         extra = per_call(checkpointed) - per_call(plain) - per_call(forward)
         samples.append(extra / (2 * chain))
+    return max(0.0, statistics.median(samples))
+
+
+# clock -> (per saved tensor, per op under a selective policy) seconds, on the CPU.
+_MEASURED_OVERHEADS: dict[Callable[[], float], tuple[float, float]] = {}
+
+
+def _per_policy_op_seconds(clock: Callable[[], float], chain: int = 32) -> float:
+    """CPU time a selective checkpoint's policy adds per op: each op of the layer passes
+    its caching dispatch mode in the forward and its cached mode in the replay (Python
+    calls). Measured on a chain of tiny multiplications, checkpointed with the policy
+    against without."""
+    from recomp.torch import checkpoint
+
+    weight = torch.ones(8, requires_grad=True)
+    x = torch.ones(8, requires_grad=True)
+    context_fn = selective_context_fn()
+
+    def chain_fn(t: torch.Tensor) -> torch.Tensor:
+        for _ in range(chain):
+            t = t * weight
+        return t
+
+    def plain() -> None:
+        checkpoint(chain_fn, x).sum().backward()
+
+    def selective() -> None:
+        checkpoint(chain_fn, x, context_fn=context_fn).sum().backward()
+
+    def per_call(fn: Callable[[], None], repeat: int = 10) -> float:
+        start = clock()
+        for _ in range(repeat):
+            fn()
+        return (clock() - start) / repeat
+
+    for fn in (plain, selective):
+        per_call(fn, 3)
+    samples = [(per_call(selective) - per_call(plain)) / (2 * chain) for _ in range(5)]
     return max(0.0, statistics.median(samples))
 
 
@@ -683,7 +753,9 @@ def profile(
     """Profile ``model`` on ``inputs`` for :func:`recomp.plan.make_plan`.
 
     ``inputs``: a tensor, a tuple (positional arguments) or a dict (keyword arguments).
-    ``loss_fn(output)``: the loss (default: mean square of the output).
+    ``loss_fn(output)``: the loss (default: the ``loss`` of a Hugging Face ``ModelOutput``
+    or mapping, which the model computes when given ``labels``, else the mean square of
+    the output).
     ``layers``: the checkpointable layers (default ``model.layers``; a predicate or a list
     of sub-module paths). ``exclude``: predicate choosing candidate regions inside each
     layer (default: the layer's direct children that hold parameters).
@@ -695,21 +767,36 @@ def profile(
     torch.optim.AdamW(ps)``), so that the timed steps include the update as training does.
 
     The model is not changed: the profile runs on a deep copy, and the random number
-    generators are restored afterwards.
+    generators are restored afterwards. A ``torch.compile`` wrapper is profiled through
+    its original module, eagerly, with a warning and a note in the profile.
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     clocks = {"wall": time.perf_counter, "cpu": time.process_time}
     if clock not in clocks:
         raise ValueError(f"clock is 'wall' or 'cpu', got {clock!r}")
-    loss_fn = loss_fn or mean_square_loss
+    loss_fn = loss_fn or default_loss
+    original = _compat.compiled_original(model)
+    if original is not None:
+        warnings.warn(COMPILED_NOTE, stacklevel=2)
+        model = original
     rng = _rng_state()
     try:
-        return _profile(
+        prof = _profile(
             copy.deepcopy(model), inputs, loss_fn, layers, exclude, steps, clocks[clock], optimizer
         )
     finally:
         _set_rng_state(rng)
+    if original is not None:
+        prof.notes.append(COMPILED_NOTE)
+    return prof
+
+
+COMPILED_NOTE = (
+    "the model is a torch.compile wrapper: its original module was profiled in eager mode "
+    "(layer paths without '_orig_mod.'), so the predictions are eager ones; apply_plan "
+    "applies the plan to the original module, which the compiled wrapper calls"
+)
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -803,11 +890,21 @@ def _profile(
     _average_alike_layers(layers, candidates, recorder.layers, forward_s)
     bookkeeping = int(torch.get_rng_state().nbytes) if device.type == "cpu" else 0
     # On a GPU the hooks' CPU time overlaps with the kernels: not added there.
-    per_save = _per_save_seconds(clock) if device.type == "cpu" else 0.0
+    # Machine properties: measured by the first profile of a process with this clock.
+    per_save, per_policy_op = 0.0, 0.0
+    if device.type == "cpu":
+        if clock not in _MEASURED_OVERHEADS:
+            _MEASURED_OVERHEADS[clock] = (_per_save_seconds(clock), _per_policy_op_seconds(clock))
+        per_save, per_policy_op = _MEASURED_OVERHEADS[clock]
     analysed: list[list[_OptionResult]] = []
     for index, record in enumerate(recorder.layers):
         sets = layer_option_sets(len(candidates[index]))
-        analysed.append([_analyse_option(record, candidates[index], s, preexisting) for s in sets])
+        analysed.append(
+            [
+                _analyse_option(record, candidates[index], excluded, preexisting, selective)
+                for excluded, selective in sets
+            ]
+        )
     private, pairs, shared, spread = _attribute(
         [[o.kept for o in options] for options in analysed], outside
     )
@@ -844,7 +941,8 @@ def _profile(
                     kept_bytes=private[index][o]
                     + bookkeeping * (checkpoints + result.excluded_calls),
                     replay_s=scale * sum(op.seconds for op in result.replay_ops)
-                    + per_save * result.hooked_saves,
+                    + per_save * result.hooked_saves
+                    + per_policy_op * result.policy_ops,
                     replay_flops=sum(op.flops for op in result.replay_ops),
                     region_saved_bytes=result.region_saved_bytes,
                 )
@@ -878,5 +976,6 @@ def _profile(
         spread_bytes=spread,
         bookkeeping_bytes=bookkeeping,
         per_save_s=per_save,
+        per_policy_op_s=per_policy_op,
         notes=notes,
     )

@@ -146,7 +146,11 @@ class TorchBackend(Backend):
             dst.copy_(src)
 
     def replay_alias(self, t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-        return t.detach().requires_grad_(requires_grad)
+        alias = t.detach().requires_grad_(requires_grad)
+        # A view, so that it has a grad_fn as the forward's output had: module hooks that
+        # branch on it (FlopCounterMode's module tracker views leaves) then run the same
+        # ops in the replay as in the forward, which selective checkpointing requires.
+        return alias.view_as(alias) if requires_grad else alias
 
     def stub(self, requires_grad: bool) -> torch.Tensor:
         return torch.empty(0, requires_grad=requires_grad)

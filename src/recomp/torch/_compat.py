@@ -962,3 +962,45 @@ def attach_cuda_oom_observer(observer: Callable[[int, int, int, int], None]) -> 
     attach(observer)
     _OOM_OBSERVER_ATTACHED = True
     return True
+
+
+def compiled_original(module: Any) -> Any:
+    """The module that ``torch.compile(module)`` wrapped, or None if ``module`` is not
+    such a wrapper.
+
+    Why: the planner profiles a model eagerly, op by op and hook by hook, and a
+    compiled wrapper would show it the original's modules under ``_orig_mod.`` paths,
+    which a plan cannot name; the original is what the plan applies to (and the
+    compiled wrapper sees the change, since it calls the same module).
+    The wrapper's class (``torch._dynamo.eval_frame.OptimizedModule``) is matched by
+    name and module so that Dynamo is not imported for a model that was never compiled;
+    the original is its ``_orig_mod`` attribute. Checked on 2.9.1, 2.13.0 and 2.14.1.
+    If it changes: None, and a compiled model is profiled like any other module.
+    Retired by: a public way to get a compiled module's original.
+    """
+    kind = type(module)
+    if kind.__name__ != "OptimizedModule" or not kind.__module__.startswith("torch._dynamo"):
+        return None
+    original = getattr(module, "_orig_mod", None)
+    return original if isinstance(original, torch.nn.Module) else None
+
+
+def ops_named(names: tuple[str, ...]) -> tuple[Any, ...]:
+    """The default overloads of the ops ``"namespace::name"`` that this PyTorch has.
+
+    Why: the planner's selective option keeps the outputs of expensive ops, among them
+    ATen's attention kernels and the functional collectives, whose names start with an
+    underscore (``aten::_scaled_dot_product_flash_attention``,
+    ``_c10d_functional::all_gather_into_tensor``); which of them exist depends on the
+    version and the build. Looked up by name; missing ones are left out.
+    If it changes: a renamed op is no longer kept, and is recomputed as a cheap op is.
+    Retired by: a public list of PyTorch's compute-bound and communication ops.
+    """
+    found = []
+    for qualified in names:
+        namespace, _, name = qualified.partition("::")
+        try:
+            found.append(getattr(getattr(torch.ops, namespace), name).default)
+        except (AttributeError, RuntimeError):
+            continue
+    return tuple(found)

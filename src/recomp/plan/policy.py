@@ -1,0 +1,54 @@
+"""The policy of the planner's ``selective`` options: inside a checkpointed layer, keep
+the outputs of the expensive ops (matrix products, attention, convolutions, collectives)
+and recompute the cheap ones (norms, activations, residual adds, dropout: element-wise
+work whose replay costs little time and no FLOPs worth counting).
+
+It is PyTorch's selective checkpointing (``create_selective_checkpoint_contexts`` with a
+list of ops to save), handed to ``recomp.torch.checkpoint_wrapper`` as ``context_fn``:
+recomp composes it with its own contexts, and its excluded regions stay invisible to it,
+so ``selective+exclude:attn`` keeps attention whole and the expensive outputs of the rest.
+Under ``torch.compile`` the same list marks the saved nodes for the partitioner.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch.utils.checkpoint as tuc
+
+from ..torch import _compat
+
+EXPENSIVE_OPS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_scaled_mm",
+    "aten::convolution",
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_flash_attention_forward",
+    "aten::_efficient_attention_forward",
+    "_c10d_functional::all_reduce",
+    "_c10d_functional::all_gather_into_tensor",
+    "_c10d_functional::reduce_scatter_tensor",
+    "_c10d_functional::all_to_all_single",
+)
+
+
+@functools.cache
+def expensive_ops() -> tuple[Any, ...]:
+    """The op overloads whose outputs a selective option keeps (those this PyTorch has)."""
+    return _compat.ops_named(EXPENSIVE_OPS)
+
+
+def selective_context_fn() -> Callable[[], tuple[Any, Any]]:
+    """``context_fn`` for a checkpoint that keeps the outputs of ``expensive_ops()``.
+
+    A ``functools.partial``, as ``torch.compile`` requires of a checkpoint's
+    ``context_fn``."""
+    return functools.partial(tuc.create_selective_checkpoint_contexts, list(expensive_ops()))
