@@ -44,6 +44,10 @@ class RegionObserver:
     def region_skipped(self, call: RegionCall) -> None:
         """A replay reached the region and gets the cached outputs instead of running it."""
 
+    def region_outputs_returned(self, call: RegionCall) -> None:
+        """The skipped region's cached outputs were handed to the replay (the ops between
+        this and ``region_skipped`` are recomp's own: views, the boundary)."""
+
     def tensor_kept(self, call: RegionCall, original: Any, kept: Any) -> None:
         """An activation the region's autograd saved is kept for backward (``kept`` is
         the alias recomp holds, or None when a placement took it elsewhere).

@@ -458,6 +458,8 @@ class RegionCall:
             )
             for i, alias in zip(grad_idx, passed):
                 values[i] = alias
+        for observer in OBSERVERS.get():
+            observer.region_outputs_returned(self)
         if self.unreachable:  # rule 8: the replay should have stopped before
             raise ReplayMismatchError(
                 f"The checkpoint's replay went past excluded region {region.name!r}, although "

@@ -96,6 +96,10 @@ class _PhaseLog(RegionObserver):
     def region_skipped(self, call: RegionCall) -> None:
         name = call.region_name
         self.lines.append(f"       -- excluded region {name!r} skipped: cached output returned")
+        self.region = name  # recomp's own ops handing the outputs back are not the user's
+
+    def region_outputs_returned(self, call: RegionCall) -> None:
+        self.region = None
 
     def explain(self, message: str) -> str:
         # An error in a region's backward, after the replay: add the debug report.
@@ -202,7 +206,8 @@ class _DebugLog:
                 replay.render(),
                 _first_difference(forward, replay),
                 "Ops indented under '>>' ran inside an excluded region: they run once in the "
-                "forward and are skipped in the replay, so they are left out of the comparison. "
+                "forward and are skipped in the replay, so they are left out of the comparison; "
+                "those indented under '--' hand a skipped region's cached outputs back. "
                 "Extra or missing 'detach' ops are the checkpoint's own and are left out too.",
             ]
         )
