@@ -743,21 +743,32 @@ def test_plan_at_75_percent_replays_almost_nothing_and_beats_uniform_strategies(
     (which replays no FLOPs, but whose per-op policy costs time on a CPU)."""
     from recomp.plan import make_plan
 
-    _, _, prof = decoder
+    _, _, measured = decoder
+    # The FLOP claims hold where time follows FLOPs (an accelerator, where the selective
+    # policy's per-op Python cost is small beside the compute). Measured CPU times put
+    # that cost in, and vary between runs, so the plan's FLOPs are checked on the same
+    # profile with times derived from FLOPs; its time on the measured one.
+    prof = copy.deepcopy(measured)
+    prof.per_policy_op_s = prof.per_save_s = 0.0
+    for layer in prof.layers:
+        for option in layer.options:
+            option.replay_s = option.replay_flops / 1e11
     full_flops = prof.predict(["full"] * len(prof.layers))["replay_flops"]
     plan = make_plan(prof, "75%")
     assert plan.predicted["replay_flops"] <= 0.05 * full_flops
-    fewer_flops = ("none", "full", "exclude:attn", "exclude:mlp")
-    for budget in ("0%", "10%", "25%", "40%", "50%", "60%", "75%", "90%", "100%"):
-        plan = make_plan(prof, budget)
-        tolerance_ms = plan.predicted["tie_tolerance_ms"]
-        for layer in prof.layers[0].options:
-            got = prof.predict([layer.name] * len(prof.layers))
-            if got["activation_bytes"] > plan.budget_bytes:
-                continue
-            assert plan.predicted["replay_ms"] <= got["replay_s"] * 1e3 + tolerance_ms
-            if layer.name in fewer_flops:
-                assert plan.predicted["replay_flops"] <= got["replay_flops"], (budget, layer.name)
+    fewer_flops = ("none", "full", "exclude:attn", "exclude:mlp", "selective")
+    budgets = ("0%", "10%", "25%", "40%", "50%", "60%", "75%", "90%", "100%")
+    for profile, check_flops in ((prof, True), (measured, False)):
+        for budget in budgets:
+            plan = make_plan(profile, budget)
+            tolerance_ms = plan.predicted["tie_tolerance_ms"]
+            for layer in profile.layers[0].options:
+                got = profile.predict([layer.name] * len(profile.layers))
+                if got["activation_bytes"] > plan.budget_bytes:
+                    continue
+                assert plan.predicted["replay_ms"] <= got["replay_s"] * 1e3 + tolerance_ms
+                if check_flops and layer.name in fewer_flops:
+                    assert plan.predicted["replay_flops"] <= got["replay_flops"], (budget, layer)
 
 
 def test_plans_repeat_across_processes_and_record_near_ties(decoder, tmp_path):
@@ -832,4 +843,6 @@ def test_selective_plans_apply_eager_and_compiled(small):
     assert_same_grads(expected[1], grads_of(planned, loss, x)[1])
     compiled = torch.compile(planned, backend="aot_eager", fullgraph=True)
     got = grads_of(compiled, loss, x)[1]
-    assert_same_grads(expected[1], {k.removeprefix("_orig_mod."): v for k, v in got.items()})
+    # compiled graphs may order a reduction differently (PyTorch 2.9: 7e-9 on a norm weight)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, expected[1][name.removeprefix("_orig_mod.")])
