@@ -80,3 +80,39 @@ def test_mindspore_training_step_leaves_no_tensor_in_a_cycle():
         assert len(grads) == len(params)
 
     assert tensors_left_in_cycles(step, lambda o: isinstance(o, ms.Tensor)) == 0
+
+
+def test_torch_split_backward_leaves_no_tensor_in_a_cycle():
+    """An input-gradient pass, then a weight pass over the retained graph (as zero-bubble
+    pipeline schedules run it): what recomp keeps between the passes goes with the graph."""
+    torch = pytest.importorskip("torch")
+    import recomp.torch as rt
+    from torch_models import Block, stack
+
+    model = stack(3)
+    rt.apply_activation_checkpointing(model, checkpoint_fn=lambda m: isinstance(m, Block))
+    x = torch.randn(2, 5, 8, requires_grad=True)
+
+    def step():
+        loss = model(x).pow(2).sum()
+        torch.autograd.grad(loss, [x], retain_graph=True)
+        torch.autograd.grad(loss, list(model.parameters()))
+
+    assert tensors_left_in_cycles(step, lambda o: isinstance(o, torch.Tensor)) == 0
+
+
+def test_mindspore_dropout_with_kept_masks_leaves_no_tensor_in_a_cycle():
+    ms = pytest.importorskip("mindspore")
+    vit = pytest.importorskip("mindcv.models.vit")
+    import recomp.mindspore as rm
+    from ms_models import tensor
+
+    blocks = ms.nn.SequentialCell(
+        [vit.Block(dim=16, num_heads=2, proj_drop=0.1, attn_drop=0.1, drop_path=0.1)] * 2
+    )
+    blocks.set_train()
+    rm.apply_activation_checkpointing(blocks, checkpoint_fn=vit.Block)
+    assert isinstance(blocks[0].attn.attn_drop, rm.ReplayableDropout)
+    x = tensor(2, 5, 16)
+    grad_fn = ms.grad(lambda t: (blocks(t) ** 2).sum(), None, blocks.trainable_params())
+    assert tensors_left_in_cycles(lambda: grad_fn(x), lambda o: isinstance(o, ms.Tensor)) == 0
