@@ -789,7 +789,7 @@ def checkpoint_frame(handle: Any) -> Any:
     unpack = getattr(handle, "unpack_hook", None)
     kept = _kept_replays_of(unpack)
     if kept is not None:  # recomp's kept replays took the unpack over: PyTorch's is under it
-        unpack = kept._checkpoint_unpack
+        unpack = kept.checkpoint_unpack
     frame = _closure_value(unpack, "frame")
     if frame is None:  # unpack_hook_with_error_cb closes over frame too, or over unpack_hook
         frame = _closure_value(_closure_value(unpack, "unpack_hook"), "frame")
@@ -799,7 +799,7 @@ def checkpoint_frame(handle: Any) -> Any:
 def _kept_replays_of(unpack: Any) -> Any:
     """The ``recomp.torch._kept.RecomputeHandle`` whose ``unpack`` this is, or None."""
     owner = getattr(unpack, "__self__", None)
-    return owner if hasattr(owner, "_checkpoint_unpack") and hasattr(owner, "_kept") else None
+    return owner if hasattr(owner, "checkpoint_unpack") and hasattr(owner, "kept_value") else None
 
 
 def _closure_value(fn: Any, name: str) -> Any:
@@ -874,8 +874,7 @@ def replay_tensors(frame: Any, handle: Any) -> list[torch.Tensor]:
     found = []
     kept = _kept_replays_of(getattr(handle, "unpack_hook", None))
     if kept is not None:  # what recomp keeps for a later backward pass
-        with kept._lock:
-            value = kept._kept.get(holder)
+        value = kept.kept_value(holder)
         if isinstance(value, torch.Tensor):
             found.append(value)
     handles = getattr(holder, "handles", None)

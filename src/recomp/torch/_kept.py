@@ -162,6 +162,16 @@ class RecomputeHandle:
             self._kept.clear()
             self._consumed.clear()
 
+    @property
+    def checkpoint_unpack(self) -> Callable[[Any], Any] | None:
+        """PyTorch's unpack hook of this checkpoint, which the handle's ``unpack`` wraps."""
+        return self._checkpoint_unpack
+
+    def kept_value(self, holder: Any) -> torch.Tensor | None:
+        """What the handle keeps for ``holder`` now (for reports)."""
+        with self._lock:
+            return self._kept.get(holder)
+
     def kept_count(self) -> int:
         """How many recomputed tensors the handle keeps now (for tests and reports)."""
         with self._lock:
