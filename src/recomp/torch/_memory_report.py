@@ -321,18 +321,7 @@ class _GraphWalk:
                 slot = info.deferred_slot
                 self.deferred.setdefault(id(slot), (slot, op, info.region))
                 return
-            snapshot = info.snapshot
-            if snapshot is None:
-                return
-            if isinstance(snapshot.held, OffloadHandle):
-                held: Any = snapshot.held
-                self.candidates.append(
-                    _Candidate(OFFLOADED, held, op, region=info.region, call=info.call)
-                )
-            elif isinstance(snapshot.value, torch.Tensor):
-                self.candidates.append(
-                    _Candidate(KEPT, snapshot.value, op, region=info.region, call=info.call)
-                )
+            self.snapshot(info.snapshot, KEPT, op, None, info.region, info.call)
             return
         checkpoint = _compat.checkpoint_frame(handle)
         if checkpoint is not None:
@@ -342,6 +331,24 @@ class _GraphWalk:
             return
         for t in _tensors(packed):
             self.candidates.append(_Candidate(OTHER_HOOK, t, op, frame))
+
+    def snapshot(
+        self,
+        snapshot: Any,
+        kind: str,
+        op: str,
+        frame: Any,
+        region: ExcludedRegion | None,
+        call: RegionCall | None,
+    ) -> None:
+        """What a region holds through a ``Snapshot`` (a kept tensor, a cached output):
+        its host copy when offloaded, else the tensor, billed as ``kind``."""
+        if snapshot is None:
+            return
+        if isinstance(snapshot.held, OffloadHandle):
+            self.candidates.append(_Candidate(OFFLOADED, snapshot.held, op, frame, region, call))
+        elif isinstance(snapshot.value, torch.Tensor):
+            self.candidates.append(_Candidate(kind, snapshot.value, op, frame, region, call))
 
     def checkpoint(self, frame: Any) -> None:
         """A checkpoint call, the first time the walk meets it: its inputs, what it
@@ -379,18 +386,7 @@ class _GraphWalk:
             for t in _tensors(call.rng_state):  # where a replay resumes after the region
                 self.candidates.append(_Candidate(RNG, t, "after region", frame))
             for cached in call.outputs:
-                snapshot = cached.snapshot
-                if snapshot is None:
-                    continue
-                if isinstance(snapshot.held, OffloadHandle):
-                    held: Any = snapshot.held
-                    self.candidates.append(
-                        _Candidate(OFFLOADED, held, "output", frame, call.region, call)
-                    )
-                elif isinstance(snapshot.value, torch.Tensor):
-                    self.candidates.append(
-                        _Candidate(CACHED, snapshot.value, "output", frame, call.region, call)
-                    )
+                self.snapshot(cached.snapshot, CACHED, "output", frame, call.region, call)
         for child in invocation.children:
             # A nested checkpoint's own frame claims it if the walk meets it.
             if id(child) not in self.invocation_frames:
