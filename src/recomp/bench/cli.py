@@ -95,7 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=(
             "also run the PyTorch strategies under torch.compile with BACKEND (default "
             f"inductor; aot_eager needs no C++ compiler): {','.join(COMPILED_STRATEGIES)} "
-            "unless --strategies names others; their rows read torch+BACKEND"
+            "unless --strategies names others; their rows read torch+BACKEND. Compiled, "
+            "plan@B is a compiled plan (PyTorch's partitioner at the memory budget that "
+            "lands on B) and budget@F runs PyTorch's activation_memory_budget=F (compiled "
+            "rows only)"
         ),
     )
     p.add_argument(
@@ -157,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     for fw in frameworks:
         if fw == "torch":
-            plan.append((fw, base, _split(args.strategies, _installed(TORCH_STRATEGIES, notes))))
+            eager = _split(args.strategies, _installed(TORCH_STRATEGIES, notes))
+            # budget@F is PyTorch's compiled memory budget: compiled rows only.
+            plan.append((fw, base, [s for s in eager if not s.startswith("budget@")]))
             if args.compile:
                 compiled = replace(base, compile=args.compile)
                 plan.append((fw, compiled, _split(args.strategies, COMPILED_STRATEGIES)))
@@ -206,7 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         for s, error in unplanned.items():
             notes.append(f"{fw} {s}: {error}")
         good = {s: p for s, p in made.items() if "error" not in p}
-        plan_info.update({s: {**p, "clock": job.result["clock"]} for s, p in good.items()})
+        # Keyed as attach_predictions looks them up: eager plans by strategy, compiled
+        # ones by row label and strategy.
+        prefix = f"{row_label(fw, cfg.to_dict())} " if cfg.compile else ""
+        plan_info.update(
+            {prefix + s: {**p, "clock": job.result["clock"]} for s, p in good.items()}
+        )
         extra = {**cfg.extra, "plans": good}
         plan[i] = (fw, replace(cfg, extra=extra), [s for s in strategies if s not in unplanned])
 

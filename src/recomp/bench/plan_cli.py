@@ -10,12 +10,15 @@ benchmark's do, since allocator readings need a process of their own. The planne
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+from dataclasses import replace
 from typing import Any
 
 from ..plan.budget import TORCH_BUDGET_NOTE, parse_budget
 from .config import DEFAULT_MODEL, MODEL_PROTOCOL, add_config_arguments, config_from_args
+from .report import paired_ratio
 from .results import Result, write_json
 
 
@@ -66,6 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="time the profile with wall time or process CPU time (auto: CPU time for one "
         "thread on CPU, where it is steadier on a shared machine; wall time otherwise)",
     )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        choices=("inductor", "aot_eager"),
+        metavar="BACKEND",
+        help="plan for the model compiled with torch.compile(backend=BACKEND) (default "
+        "inductor): the plan is PyTorch's partitioner at the activation_memory_budget that "
+        "lands on --budget, whose percentage then runs from the least the partitioner keeps "
+        "(0%%) to what it keeps by default (100%%); measured compiled, beside compiled none",
+    )
+    p.add_argument(
+        "--keep",
+        metavar="REGION[,REGION]",
+        help="with --compile: children of each layer to keep whole, never recomputed (say "
+        "attn); the partitioner's budget then trades only the rest",
+    )
     p.add_argument("--no-measure", action="store_true", help="plan only; do not run the plan")
     p.add_argument(
         "--show-profile",
@@ -88,9 +108,15 @@ def main(argv: list[str] | None = None) -> int:
         budget = parse_budget(args.budget)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.keep and not args.compile:
+        parser.error("--keep is for compiled plans (--compile); an eager plan chooses exclusions")
     strategy = f"plan@{budget.text}"
     extra: dict[str, Any] = {} if args.clock == "auto" else {"plan_clock": args.clock}
+    if args.keep:
+        extra["keep"] = [r.strip() for r in args.keep.split(",") if r.strip()]
     config = config_from_args(args, **extra)
+    if args.compile:
+        config = replace(config, compile=args.compile)
     progress = Progress(3 if args.no_measure else 3 + 2 + args.steps + 2, not args.quiet)
     offset = [0.0]
     planning = Job(
@@ -118,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         save_plan(plan, args.json)
     if args.profile_json:
         write_json(args.profile_json, planning.result["profile"])
-    profile_text = profile_table(Profile.from_dict(planning.result["profile"]))
+    profile_data = planning.result["profile"]
+    profile_text = (
+        json.dumps(profile_data, indent=1)
+        if profile_data.get("compiled")
+        else profile_table(Profile.from_dict(profile_data))
+    )
 
     def show_plan() -> None:
         progress.close()
@@ -150,15 +181,45 @@ def main(argv: list[str] | None = None) -> int:
     if row.error is not None:
         print(f"recomp plan: running the plan failed: {row.error}")
         return 1
-    rows = [row, Result("torch", "none")]
+    rows = [row, Result(row.framework, "none")]
     for r in rows:
         r.set_step_times(
             timing.result["times"]["wall"][r.strategy], timing.result["times"]["cpu"][r.strategy]
         )
-    attach_predictions(rows, {strategy: {**made, "clock": planning.result["clock"]}})
+    key = f"{row.framework} {strategy}" if plan.compiled else strategy
+    attach_predictions(rows, {key: {**made, "clock": planning.result["clock"]}})
     print()
-    print(comparison(row, rows[1]))
+    print(compiled_comparison(row, rows[1]) if plan.compiled else comparison(row, rows[1]))
     return 0
+
+
+def compiled_comparison(row: Result, none: Result) -> str:
+    """A compiled plan: predicted against measured memory, and its step time against the
+    compiled model without a budget (timed interleaved in one run)."""
+    p = row.plan
+    assert p is not None, "compiled_comparison() needs a row with its plan attached"
+    mib = float(1 << 20)
+    predicted = p.predicted_activation_bytes
+    measured = row.activation_bytes
+    error = "-" if not predicted or measured is None else f"{(measured / predicted - 1) * 100:+.1f}%"
+    ratio = paired_ratio(row, none, p.clock)
+    flops = p.predicted_replay_flops
+    return "\n".join(
+        [
+            f"{'':34}{'predicted':>12}{'measured':>12}{'error':>9}",
+            f"{'activation memory (MiB)':34}{(predicted or 0) / mib:12.2f}"
+            f"{(measured or 0) / mib:12.2f}{error:>9}",
+            f"{'recompute over default (GFLOP)':34}"
+            f"{'-' if flops is None else f'{flops / 1e9:.3f}':>12}{'-':>12}",
+            f"step time over compiled none ({p.clock} clock): "
+            + ("-" if ratio is None else f"{ratio:.3f}x")
+            + " (median of per-round ratios, timed interleaved)",
+            f"budget {p.budget_bytes / mib:.2f} MiB; compiled none keeps "
+            f"{(none.activation_bytes or 0) / mib:.2f} MiB"
+            if none.activation_bytes is not None
+            else f"budget {p.budget_bytes / mib:.2f} MiB",
+        ]
+    )
 
 
 def comparison(row: Result, none: Result) -> str:

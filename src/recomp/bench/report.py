@@ -320,10 +320,12 @@ UNIFORM = ("none", "full", "exclude-attn", "exclude-mlp")
 
 def attach_predictions(results: list[Result], plans: dict[str, dict[str, Any]]) -> None:
     """Give each ``plan@B`` row its plan's budget, predictions and options (``plans``:
-    plan files as dicts, by strategy, each with the ``clock`` it was profiled with)."""
+    plan files as dicts, by strategy, each with the ``clock`` it was profiled with;
+    compiled plans by row label and strategy, ``"torch+inductor plan@50%"``)."""
     for r in results:
-        made = plans.get(r.strategy)
-        if made is None or r.framework != "torch":
+        key = r.strategy if r.framework == "torch" else f"{r.framework} {r.strategy}"
+        made = plans.get(key)
+        if made is None or not r.framework.startswith("torch"):
             continue
         predicted = made.get("predicted", {})
         r.plan = PlanCheck(

@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 from .._modelcall import call_model, example_input, loss_function
+from ..torch import _compat
 from .config import BenchConfig, call_factory, load_factory, row_label
 from .measure import CpuMemory, RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader
 from .results import Offload, Result
 from .runner_stats import count_delta, region_counts, saved_bytes, time_interleaved
-from .strategies import Prepared, parse, prepare
+from .strategies import Prepared, layers_of, parse, prepare, torch_memory_budget
 
 
 def build(config: BenchConfig) -> tuple[nn.Module, Any, Callable[[Any], torch.Tensor]]:
@@ -66,12 +67,22 @@ class Trainer:
         self.run_model: Any = (
             torch.compile(self.model, backend=config.compile) if config.compile else self.model
         )
+        # PyTorch's partitioner budget (budget@F, or a compiled plan's), read when the
+        # model compiles: the forward runs with it set.
+        self.memory_budget: float | None = None
+        if parse(strategy)[0] == "budget":
+            self.memory_budget = torch_memory_budget(strategy)
+        elif plan is not None and plan.compiled is not None:
+            self.memory_budget = float(plan.compiled["activation_memory_budget"])
         self.params = list(self.model.parameters())
         self.optimizer = sgd(self.params)
         self.device = torch.device(config.device)
 
     def forward(self) -> torch.Tensor:
-        return self.loss_fn(call_model(self.run_model, self.x))
+        if self.memory_budget is None:
+            return self.loss_fn(call_model(self.run_model, self.x))
+        with _compat.activation_memory_budget(self.memory_budget):
+            return self.loss_fn(call_model(self.run_model, self.x))
 
     def step(self) -> None:
         loss = self.forward()
@@ -107,23 +118,48 @@ def plan_for(
 ) -> Any:
     """The plan of strategy ``plan@B``: made once by the parent (``config.extra["plans"]``)
     so that every process runs the same plan, or else made here."""
-    from recomp.plan import load_plan, make_plan, profile
+    from recomp.plan import load_plan, make_plan
 
     given = config.extra.get("plans", {}).get(strategy)
     if given is not None:
         return load_plan(given)
     budget = parse(strategy)[1] or ""
-    prof = profile(model, x, loss_fn, clock=plan_clock(config), optimizer=sgd)
-    return make_plan(prof, budget)
+    return make_plan(_profile(config, model, x, loss_fn), budget)
+
+
+def _profile(
+    config: BenchConfig, model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor]
+) -> Any:
+    """The planner's profile: eager, or compiled with the configured backend."""
+    from recomp.plan import profile
+
+    if config.compile:
+        keep_names = set(config.extra.get("keep") or ())
+        keep = None
+        if keep_names:
+            children = {
+                id(child)
+                for _, layer in layers_of(model)
+                for name, child in layer.named_children()
+                if name in keep_names
+            }
+            if not children:
+                raise ValueError(f"--keep {','.join(sorted(keep_names))}: no layer has such a child")
+
+            def keep(module: nn.Module) -> bool:
+                return id(module) in children
+
+        return profile(torch.compile(model, backend=config.compile), x, loss_fn, keep=keep)
+    return profile(model, x, loss_fn, clock=plan_clock(config), optimizer=sgd)
 
 
 def make_plans(config: BenchConfig, strategies: list[str]) -> dict[str, Any]:
     """Profile the model once and make the plan of each ``plan@B`` strategy."""
-    from recomp.plan import make_plan, profile
+    from recomp.plan import make_plan
 
     torch.set_num_threads(max(1, config.threads))
     model, x, loss_fn = build(config)
-    prof = profile(model, x, loss_fn, clock=plan_clock(config), optimizer=sgd)
+    prof = _profile(config, model, x, loss_fn)
     plans: dict[str, Any] = {}
     for strategy in strategies:
         try:

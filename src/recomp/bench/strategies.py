@@ -24,7 +24,10 @@ the decoder layers of a Hugging Face model: ``layers_of``).
                           around every k-th layer (layers k-1, 2k-1, ...), none elsewhere
 ``plan@B``                ``recomp.plan``: the fastest plan whose predicted activation
                           memory fits budget ``B`` (``50%``, ``6GiB``), applied with
-                          ``recomp.plan.apply_plan``
+                          ``recomp.plan.apply_plan``; compiled, the partitioner's memory
+                          budget that lands on ``B`` (``recomp.plan.compiled``)
+``budget@F``              compiled only: no checkpoint, PyTorch's partitioner with
+                          ``torch._functorch.config.activation_memory_budget = F``
 ========================  ==============================================================
 """
 
@@ -77,7 +80,7 @@ def parse(strategy: str) -> tuple[str, str | None]:
         region = strategy[len("exclude-") : -len("-offload")]
         if region:
             return "exclude-offload", region
-    for kind in ("plan", "every"):
+    for kind in ("plan", "every", "budget"):
         if strategy.startswith(kind + "@") and len(strategy) > len(kind) + 1:
             return kind, strategy[len(kind) + 1 :]
     for kind, default in (
@@ -92,7 +95,7 @@ def parse(strategy: str) -> tuple[str, str | None]:
             return kind, strategy[len(kind) + 1 :]
     raise ValueError(
         f"unknown strategy {strategy!r}: use none, full, sac[-REGION], torch-remat[-REGION], "
-        "exclude-REGION[-offload], keep-REGION, every@K or plan@BUDGET"
+        "exclude-REGION[-offload], keep-REGION, every@K, plan@BUDGET or (compiled) budget@F"
     )
 
 
@@ -143,6 +146,13 @@ def prepare(
     if kind == "every":
         _apply_every(model, region or "")
         return prepared
+    if kind == "budget":
+        if not compiled:
+            raise ValueError(
+                f"strategy {strategy!r} is PyTorch's compiled memory budget: run it with --compile"
+            )
+        torch_memory_budget(strategy)
+        return prepared
     if kind == "plan":
         if plan is None:
             raise ValueError(f"strategy {strategy!r} needs a plan (recomp.plan.make_plan)")
@@ -178,6 +188,20 @@ def prepare(
             setattr(layer, cname, NaiveKeep(child))
         _wrap_units(model, lambda name, layer: TorchCheckpoint(layer, context_fn=_naive_contexts))
     return prepared
+
+
+def torch_memory_budget(strategy: str) -> float:
+    """``budget@F`` -> ``F``, checked to lie in [0, 1]."""
+    text = parse(strategy)[1] or ""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"budget@F takes PyTorch's activation_memory_budget, a number in [0, 1], got {text!r}"
+        )
+    return value
 
 
 def _wrap_units(model: nn.Module, wrap: Callable[[str, nn.Module], nn.Module]) -> None:

@@ -47,6 +47,7 @@ __all__ = [
     "Profile",
     "Solution",
     "apply_plan",
+    "compile_with_plan",
     "evaluate",
     "load_plan",
     "make_plan",
@@ -71,4 +72,8 @@ def __getattr__(name: str) -> Any:
         from .apply import apply_plan
 
         return apply_plan
+    if name == "compile_with_plan":
+        from .apply import compile_with_plan
+
+        return compile_with_plan
     raise AttributeError(f"module 'recomp.plan' has no attribute {name!r}")

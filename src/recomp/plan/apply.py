@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from .planfile import Plan, load_plan
-from .policy import selective_context_fn
+from .policy import partitioner_context_fn, selective_context_fn
 
 
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -33,7 +33,11 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
     ``exclude:A+B`` their sub-modules ``A`` and ``B`` get ``checkpoint_exclude_wrapper``
     and the layer a ``checkpoint_wrapper``; ``selective`` (and ``selective+exclude:...``)
     gives the ``checkpoint_wrapper`` the policy that keeps the outputs of expensive ops
-    (``recomp.plan.policy``); ``none`` leaves the layer alone. Whatever a
+    (``recomp.plan.policy``); ``none`` leaves the layer alone. A compiled plan's
+    ``partitioner`` layers are left alone too, and ``partitioner+exclude:A+B`` wraps ``A``
+    and ``B`` as exclusions inside a checkpoint whose policy leaves every other op to
+    PyTorch's partitioner: compiled, the regions are never recomputed (compile the model
+    with the plan's budget: :func:`recomp.plan.compile_with_plan`). Whatever a
     wrapper returns is assigned back to the parent module, so wrappers that return a new
     module and wrappers that change the module in place both work. Every path is checked
     before anything is wrapped: a plan that does not fit leaves the model unchanged.
@@ -77,6 +81,55 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
             parent, name = _parent(layer, region_path)
             setattr(parent, name, checkpoint_exclude_wrapper(region, name=f"{path}.{region_path}"))
         parent, name = _parent(model, path)
-        options = {"context_fn": selective_context_fn()} if layer_plan.selective else {}
+        options: dict[str, Any] = {}
+        if layer_plan.selective:
+            options["context_fn"] = selective_context_fn()
+        elif layer_plan.partitioner:
+            options["context_fn"] = partitioner_context_fn()
         setattr(parent, name, checkpoint_wrapper(layer, **options))
     return given
+
+
+def compile_with_plan(
+    model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike[str], **compile_kwargs: Any
+) -> nn.Module:
+    """Apply a compiled plan (``recomp.plan.profile(torch.compile(model), ...)``) to
+    ``model`` and compile it: ``torch.compile(model, backend=<the plan's>,
+    **compile_kwargs)``, whose every call runs with the plan's
+    ``torch._functorch.config.activation_memory_budget`` (the partitioner reads it when
+    a graph is compiled, at the first call and at any recompilation), and leaves the
+    setting as it was outside. Returns the compiled module."""
+    import torch
+
+    from recomp.torch import _compat
+
+    plan = load_plan(plan)
+    if plan.compiled is None:
+        raise ValueError(
+            "this plan was made for an eager model: apply it with apply_plan(model, plan) and "
+            "compile the model as usual, or make a compiled plan from "
+            "profile(torch.compile(model), ...)"
+        )
+    if _compat.compiled_original(model) is not None:
+        raise ValueError(
+            "compile_with_plan compiles the model itself: pass the module, not "
+            "torch.compile(module)"
+        )
+    apply_plan(model, plan)
+    compile_kwargs.setdefault("backend", plan.compiled["backend"])
+    compiled: Any = torch.compile(model, **compile_kwargs)
+    budget = float(plan.compiled["activation_memory_budget"])
+    active: list[Any] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        setting = _compat.activation_memory_budget(budget)
+        setting.__enter__()
+        active.append(setting)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    compiled.register_forward_pre_hook(enter)
+    compiled.register_forward_hook(leave, always_call=True)
+    return compiled  # type: ignore[no-any-return]

@@ -17,6 +17,12 @@ expensive ops kept: ``recomp.plan.policy``) or ``selective+exclude:A+B`` (both).
 it could have taken in a plan that fits and is predicted as fast within the tolerance
 (the choice a tie-break made). Version 1 files (no selective options, no near ties)
 are read as well.
+
+Version 3 is a plan for a compiled model (``recomp.plan.compiled``): a ``"compiled"``
+section (``backend``, ``activation_memory_budget``: PyTorch's partitioner setting that
+lands on the budget) and per layer the option ``partitioner`` (the partitioner decides)
+or ``partitioner+exclude:A+B`` (``A`` and ``B`` kept whole, never recomputed). Plans
+for eager models stay version 2.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PLAN_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+COMPILED_PLAN_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 # The option names: a layer not checkpointed, checkpointed whole, or with exclusions;
 # "selective" and "selective+exclude:..." keep the outputs of expensive ops as well.
 NO_CHECKPOINT = "none"
@@ -35,6 +42,9 @@ FULL_CHECKPOINT = "full"
 EXCLUDE_PREFIX = "exclude:"
 SELECTIVE = "selective"
 SELECTIVE_PREFIX = "selective+"
+# Compiled plans: PyTorch's partitioner decides, the named regions kept whole.
+PARTITIONER = "partitioner"
+PARTITIONER_PREFIX = "partitioner+"
 
 
 class PlanFormatError(ValueError):
@@ -58,7 +68,15 @@ class LayerPlan:
 
     @property
     def checkpointed(self) -> bool:
-        return parse_option(self.option)[0] != NO_CHECKPOINT
+        """Whether the layer gets a checkpoint wrapper (a compiled plan's layer only when
+        it keeps regions whole: the wrapper carries their mark)."""
+        kind, regions = parse_option(self.option)
+        return kind != NO_CHECKPOINT and (kind != PARTITIONER or bool(regions))
+
+    @property
+    def partitioner(self) -> bool:
+        """Whether the layer is left to PyTorch's partitioner (a compiled plan)."""
+        return parse_option(self.option)[0] == PARTITIONER
 
     @property
     def selective(self) -> bool:
@@ -74,10 +92,18 @@ class Plan:
     predicted: dict[str, Any] = field(default_factory=dict)
     near_ties: list[dict[str, Any]] = field(default_factory=list)
     version: int = PLAN_VERSION
+    # A compiled plan: {"backend": ..., "activation_memory_budget": ...}; None otherwise.
+    compiled: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.compiled is not None:
+            self.version = COMPILED_PLAN_VERSION
 
     def to_dict(self) -> dict[str, Any]:
+        extra = {} if self.compiled is None else {"compiled": self.compiled}
         return {
             "version": self.version,
+            **extra,
             "budget": self.budget,
             "budget_bytes": self.budget_bytes,
             "layers": [
@@ -106,12 +132,37 @@ class Plan:
                 f"malformed plan ({exc}): a plan has budget_bytes and layers, each "
                 "layer with path and option"
             ) from exc
+        compiled = data.get("compiled")
+        if (version == COMPILED_PLAN_VERSION) != isinstance(compiled, dict):
+            raise PlanFormatError(
+                "a version-3 plan (for a compiled model) has a 'compiled' section, and only it"
+            )
         for layer in layers:
-            parse_option(layer.option)
+            kind = parse_option(layer.option)[0]
             if version == 1 and is_selective(layer.option):
                 raise PlanFormatError(
                     f"layer {layer.path!r}: option {layer.option!r} needs a version-2 plan"
                 )
+            if (kind == PARTITIONER) != (compiled is not None):
+                raise PlanFormatError(
+                    f"layer {layer.path!r}: option {layer.option!r} "
+                    + (
+                        "belongs in a plan for a compiled model (version 3)"
+                        if compiled is None
+                        else "cannot be part of a plan for a compiled model: use partitioner or "
+                        "partitioner+exclude:PATH"
+                    )
+                )
+        if compiled is not None:
+            try:
+                compiled = {
+                    **compiled,
+                    "activation_memory_budget": float(compiled["activation_memory_budget"]),
+                }
+            except (KeyError, TypeError, ValueError) as exc:
+                raise PlanFormatError(
+                    "the 'compiled' section of a plan needs activation_memory_budget (a number)"
+                ) from exc
         return cls(
             budget_bytes=budget_bytes,
             layers=layers,
@@ -119,6 +170,7 @@ class Plan:
             predicted=dict(data.get("predicted") or {}),
             near_ties=list(data.get("near_ties") or []),
             version=PLAN_VERSION,
+            compiled=compiled,
         )
 
 
@@ -130,6 +182,12 @@ def parse_option(option: str) -> tuple[str, tuple[str, ...]]:
     rest = option
     if option == SELECTIVE:
         return FULL_CHECKPOINT, ()
+    if option == PARTITIONER:
+        return PARTITIONER, ()
+    if option.startswith(PARTITIONER_PREFIX):
+        kept = parse_option(option[len(PARTITIONER_PREFIX) :])
+        if kept[0] == "exclude":
+            return PARTITIONER, kept[1]
     if option.startswith(SELECTIVE_PREFIX):
         rest = option[len(SELECTIVE_PREFIX) :]
     if rest is option and option in (NO_CHECKPOINT, FULL_CHECKPOINT):
@@ -140,7 +198,8 @@ def parse_option(option: str) -> tuple[str, tuple[str, ...]]:
             return "exclude", regions
     raise PlanFormatError(
         f"unknown layer option {option!r}: use none, full, exclude:PATH[+PATH...] "
-        "(sub-module paths inside the layer), selective or selective+exclude:PATH[+PATH...]"
+        "(sub-module paths inside the layer), selective or selective+exclude:PATH[+PATH...]; "
+        "in a plan for a compiled model partitioner or partitioner+exclude:PATH[+PATH...]"
     )
 
 
@@ -152,6 +211,11 @@ def exclude_option(regions: tuple[str, ...] | list[str], selective: bool = False
     if selective:
         return SELECTIVE_PREFIX + exclude_option(regions) if regions else SELECTIVE
     return EXCLUDE_PREFIX + "+".join(regions) if regions else FULL_CHECKPOINT
+
+
+def partitioner_option(kept: tuple[str, ...] | list[str]) -> str:
+    """The option of a compiled plan's layer that keeps regions ``kept`` whole."""
+    return PARTITIONER_PREFIX + exclude_option(kept) if kept else PARTITIONER
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:

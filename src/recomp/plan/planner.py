@@ -188,9 +188,18 @@ def make_plan(
     plan lists the choices that were such ties (``Plan.near_ties``).
 
     Raises ``BudgetTooSmallError`` (a ``ValueError``) stating the least memory any plan
-    keeps when the budget is below it."""
+    keeps when the budget is below it.
+
+    Given a compiled profile (``profile(torch.compile(model), ...)``), the plan is the
+    partitioner's memory budget that lands on ``budget`` (``recomp.plan.compiled``)."""
+    if getattr(profile, "is_compiled", False):
+        from .compiled import make_compiled_plan
+
+        return make_compiled_plan(profile, budget)  # type: ignore[arg-type]
     if not 0.0 <= tie_tolerance < 1.0:
-        raise ValueError(f"tie_tolerance is a share of the step time in [0, 1), got {tie_tolerance}")
+        raise ValueError(
+            f"tie_tolerance is a share of the step time in [0, 1), got {tie_tolerance}"
+        )
     parsed, budget_bytes = resolve_budget(profile, budget)
     layer_options = profile.layer_options()
     tolerance_s = tie_tolerance * profile.baseline_step_s
@@ -253,9 +262,7 @@ def explain(layer: LayerProfile, option: OptionProfile) -> str:
     saved_ms = (full.replay_s - option.replay_s) * 1e3
     kind, regions = parse_option(option.name)
     if is_selective(option.name):
-        what = "keep expensive ops' outputs" + (
-            f", exclude {'+'.join(regions)}" if regions else ""
-        )
+        what = "keep expensive ops' outputs" + (f", exclude {'+'.join(regions)}" if regions else "")
         return f"{what}: saves {saved_ms:.1f} ms of replay for {more} more than full"
     if kind == FULL_CHECKPOINT:
         return f"checkpoint: keeps only its input, replays {full.replay_s * 1e3:.1f} ms"
@@ -266,8 +273,45 @@ def explain(layer: LayerProfile, option: OptionProfile) -> str:
     )
 
 
+def _columns(header: list[str], rows: list[list[str]], right: tuple[int, ...]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+
+    def line(cells: list[str]) -> str:
+        out = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ]
+        return "  ".join(out).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
+
+
+def _compiled_plan_table(plan: Plan) -> str:
+    """A compiled plan: per layer its option and the bytes the partitioner saves in it."""
+    assert plan.compiled is not None
+    rows = [
+        [layer.path, layer.option, f"{layer.kept_bytes / MiB:.2f}", layer.reason]
+        for layer in plan.layers
+    ]
+    lines = _columns(["layer", "option", "saved MiB", "why"], rows, (2,))
+    p = plan.predicted
+    flops = p.get("replay_flops")
+    lines.append(
+        f"budget {plan.budget or format_bytes(plan.budget_bytes)} = "
+        f"{format_bytes(plan.budget_bytes)}; compiled with {plan.compiled['backend']} and "
+        f"torch._functorch.config.activation_memory_budget = "
+        f"{plan.compiled['activation_memory_budget']:.6g}: predicted activation memory "
+        f"{format_bytes(p['activation_bytes'])} (the partitioner's least "
+        f"{format_bytes(p['least_bytes'])}, its default {format_bytes(p['default_bytes'])}); "
+        f"recomputes {'?' if flops is None else f'{flops / 1e9:.3f}'} GFLOP more than the "
+        "default"
+    )
+    return "\n".join(lines)
+
+
 def plan_table(plan: Plan) -> str:
     """The plan as a text table: layer, option, kept MiB, predicted replay ms, reason."""
+    if plan.compiled is not None:
+        return _compiled_plan_table(plan)
     header = ["layer", "option", "kept MiB", "replay ms", "why"]
     rows = [
         [

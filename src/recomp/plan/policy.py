@@ -52,3 +52,16 @@ def selective_context_fn() -> Callable[[], tuple[Any, Any]]:
     A ``functools.partial``, as ``torch.compile`` requires of a checkpoint's
     ``context_fn``."""
     return functools.partial(tuc.create_selective_checkpoint_contexts, list(expensive_ops()))
+
+
+def _partitioner_decides(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> tuc.CheckpointPolicy:
+    return tuc.CheckpointPolicy.PREFER_SAVE
+
+
+def partitioner_context_fn() -> Callable[[], tuple[Any, Any]]:
+    """``context_fn`` for the layers of a compiled plan that keep regions whole: every op
+    outside the regions is ``PREFER_SAVE``, which PyTorch's partitioner treats as an
+    untagged op (it saves or recomputes it as its budget decides), while recomp marks the
+    regions' ops ``MUST_SAVE``. The checkpoint is there only to carry that mark; run
+    eagerly, such a layer saves what it would save without a checkpoint."""
+    return functools.partial(tuc.create_selective_checkpoint_contexts, _partitioner_decides)

@@ -37,7 +37,6 @@ import gc
 import itertools
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -749,7 +748,9 @@ def profile(
     steps: int = 3,
     clock: str = "wall",
     optimizer: Callable[[list[nn.Parameter]], Any] | None = None,
-) -> Profile:
+    keep: Callable[[nn.Module], bool] | None = None,
+    backend: str | None = None,
+) -> Any:
     """Profile ``model`` on ``inputs`` for :func:`recomp.plan.make_plan`.
 
     ``inputs``: a tensor, a tuple (positional arguments) or a dict (keyword arguments).
@@ -767,19 +768,36 @@ def profile(
     torch.optim.AdamW(ps)``), so that the timed steps include the update as training does.
 
     The model is not changed: the profile runs on a deep copy, and the random number
-    generators are restored afterwards. A ``torch.compile`` wrapper is profiled through
-    its original module, eagerly, with a warning and a note in the profile.
+    generators are restored afterwards.
+
+    Given ``torch.compile(model)``, the profile is a compiled one
+    (:class:`recomp.plan.compiled.CompiledProfile`): what PyTorch's partitioner keeps at
+    each memory budget, for the wrapper's backend (or ``backend``: ``"inductor"`` or
+    ``"aot_eager"``); ``keep`` then chooses sub-modules of the layers to keep whole
+    (never recomputed), and ``exclude``, ``steps``, ``clock`` and ``optimizer`` do not
+    apply. For the eager plan of a compiled model, profile the module itself.
     """
+    if _compat.compiled_original(model) is not None:
+        if exclude is not None or optimizer is not None:
+            raise ValueError(
+                "exclude= and optimizer= are for eager profiles; a compiled model's plan leaves "
+                "the choice to PyTorch's partitioner: pass keep= for regions to keep whole, or "
+                "profile the module itself (not torch.compile(module)) for an eager plan"
+            )
+        from .compiled import profile_compiled
+
+        return profile_compiled(model, inputs, loss_fn, layers=layers, keep=keep, backend=backend)
+    if keep is not None or backend is not None:
+        raise ValueError(
+            "keep= and backend= are for compiled models (profile(torch.compile(model), ...)); "
+            "an eager profile offers exclusions itself (exclude= chooses the candidates)"
+        )
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     clocks = {"wall": time.perf_counter, "cpu": time.process_time}
     if clock not in clocks:
         raise ValueError(f"clock is 'wall' or 'cpu', got {clock!r}")
     loss_fn = loss_fn or default_loss
-    original = _compat.compiled_original(model)
-    if original is not None:
-        warnings.warn(COMPILED_NOTE, stacklevel=2)
-        model = original
     rng = _rng_state()
     try:
         prof = _profile(
@@ -787,16 +805,7 @@ def profile(
         )
     finally:
         _set_rng_state(rng)
-    if original is not None:
-        prof.notes.append(COMPILED_NOTE)
     return prof
-
-
-COMPILED_NOTE = (
-    "the model is a torch.compile wrapper: its original module was profiled in eager mode "
-    "(layer paths without '_orig_mod.'), so the predictions are eager ones; apply_plan "
-    "applies the plan to the original module, which the compiled wrapper calls"
-)
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:

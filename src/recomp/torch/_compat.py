@@ -1003,3 +1003,135 @@ def ops_named(names: tuple[str, ...]) -> tuple[Any, ...]:
         except (AttributeError, RuntimeError):
             continue
     return tuple(found)
+
+
+# --------------------------------------------------------------------------- compiled plans
+
+
+def compiled_backend_name(module: Any) -> str | None:
+    """The name of the backend a ``torch.compile`` wrapper compiles with (``"inductor"``,
+    ``"aot_eager"``, ...), or None if it cannot be read.
+
+    Why: ``recomp.plan.profile(torch.compile(model))`` plans for the compiler the user
+    chose, whose decompositions and partitioner decide what the compiled step keeps.
+    The wrapper's Dynamo context holds its frame callback, which holds the backend
+    wrapped for debugging, which holds the backend; registered backends carry their
+    name in ``__name__``. Checked on 2.9.1 and 2.14.1.
+    If it changes: None, and ``profile`` asks for ``backend=``.
+    Retired by: a public accessor for a compiled module's backend.
+    """
+    if compiled_original(module) is None:
+        return None
+    backend: Any = getattr(getattr(module, "dynamo_ctx", None), "callback", None)
+    for _ in range(4):
+        backend = getattr(backend, "_torchdynamo_orig_backend", None)
+        name = getattr(backend, "__name__", None)
+        if isinstance(name, str):
+            return name
+    return None
+
+
+#: The backends whose partitioning ``partitioning_backend`` reproduces.
+PLANNABLE_BACKENDS = ("inductor", "aot_eager")
+
+
+def partitioning_backend(backend: str, on_joint: Callable[..., None]) -> tuple[Any, Any]:
+    """A ``torch.compile`` backend that traces like ``backend`` up to the partition of the
+    joint forward-backward graph and runs the graphs without compiling them, and the
+    partition function ``backend`` uses. ``on_joint(joint, joint_inputs, kwargs)`` sees
+    each joint graph before it is partitioned (it must not change it).
+
+    Why: the planner for compiled models asks the partitioner what it saves at several
+    memory budgets. It needs the joint graph as the backend's partitioner gets it:
+    Inductor decomposes ops first (``select_decomp_table``) and runs its joint-graph
+    passes inside its ``partition_fn`` (``torch._inductor.compile_fx``); ``aot_eager``
+    partitions with ``min_cut_rematerialization_partition`` and no decompositions.
+    Generating code is not needed, so the forward and backward compilers are no-ops
+    (``make_boxed_compiler``). Checked on 2.9.1 and 2.14.1.
+    If it changes: an ImportError or a changed graph; ``tests/test_compat.py`` checks
+    that the predicted bytes match a real compiled run.
+    Retired by: a public API to query the partitioner's choice at a budget.
+    """
+    from functorch.compile import make_boxed_compiler
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    if backend not in PLANNABLE_BACKENDS:
+        raise ValueError(
+            f"recomp plans for the torch.compile backends {', '.join(PLANNABLE_BACKENDS)}, "
+            f"not {backend!r}: compile with one of them, or pass backend="
+        )
+    decompositions: Any = None
+    partition: Any = min_cut_rematerialization_partition
+    if backend == "inductor":
+        from torch._inductor.compile_fx import partition_fn
+        from torch._inductor.decomposition import select_decomp_table
+
+        decompositions = select_decomp_table()
+        partition = partition_fn
+
+    def capture(joint: Any, joint_inputs: Any, **kwargs: Any) -> Any:
+        on_joint(joint, joint_inputs, dict(kwargs))
+        return partition(joint, joint_inputs, **kwargs)
+
+    def no_codegen(graph: Any, example_inputs: Any) -> Any:
+        return graph
+
+    compiler = make_boxed_compiler(no_codegen)
+    traced = aot_autograd(
+        fw_compiler=compiler,
+        bw_compiler=compiler,
+        partition_fn=capture,
+        decompositions=decompositions,
+        keep_inference_input_mutations=True,
+    )
+    return traced, partition
+
+
+def activation_memory_budget(budget: float) -> contextlib.AbstractContextManager[Any]:
+    """``torch._functorch.config.activation_memory_budget`` set to ``budget`` inside.
+
+    Why: a compiled plan is PyTorch's memory-budget partitioner at the budget that lands
+    on the user's bytes; the partitioner reads this setting when a graph is compiled.
+    The module config's ``patch`` is the documented way to set it for a scope. Checked
+    on 2.9.1 and 2.14.1.
+    If it changes: AttributeError at the first compiled-plan call.
+    Retired by: a public per-compile memory budget.
+    """
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=budget)
+
+
+def fake_mode_of(values: list[Any]) -> Any:
+    """The fake-tensor mode of the placeholder values of a traced graph, or None.
+
+    Why: counting the FLOPs a backward graph recomputes runs it on its fake tensors,
+    inside their mode. ``torch._guards.detect_fake_mode``. Checked on 2.9.1 and 2.14.1.
+    If it changes: None, and the FLOPs are not counted.
+    Retired by: a public way to re-enter a traced graph's fake mode.
+    """
+    try:
+        from torch._guards import detect_fake_mode
+    except ImportError:  # pragma: no cover - depends on the PyTorch version
+        return None
+    return detect_fake_mode(values)
+
+
+def many_recompiles() -> contextlib.AbstractContextManager[Any]:
+    """Dynamo's limit of compiled versions per code object raised inside.
+
+    Why: each profile compiles a fresh copy of the model's ``forward`` with a backend of
+    its own, which Dynamo counts against the code object's recompile limit (8): a
+    process that profiles often would otherwise run its profile eagerly, unseen.
+    The setting is ``recompile_limit`` (2.14) or ``cache_size_limit`` (2.9, an alias
+    later). Checked on 2.9.1 and 2.14.1.
+    If it changes: the limit is left as it is.
+    Retired by: a way to compile a module copy without counting against the original.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            return dynamo_config.patch(name, 1 << 16)
+    return contextlib.nullcontext()  # pragma: no cover - depends on the PyTorch version
