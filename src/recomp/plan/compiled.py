@@ -61,8 +61,14 @@ from .planfile import PARTITIONER, LayerPlan, Plan, partitioner_option
 # The smallest budget tried: the partitioner's least memory that still saves MUST_SAVE
 # nodes (at exactly 0 it keeps only the graph's inputs, recomputing everything).
 MIN_BUDGET = 2.0**-12
-# Bisection steps between MIN_BUDGET and 1: the budget is found to 2**-12.
-BISECTION_STEPS = 12
+# The search for the budget stops when the saved bytes are within this share of the
+# partitioner's range below the target, when the bracket's two ends are that close
+# (no budget lands nearer), when the budget is known to RESOLUTION, or after
+# MAX_SEARCH_STEPS bisection steps, each a partition of every graph (about a second for
+# a small model on a CPU: the min cut runs in Python).
+CLOSE_ENOUGH = 0.005
+RESOLUTION = 2.0**-10
+MAX_SEARCH_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -71,8 +77,6 @@ class PartitionOutcome:
 
     memory_budget: float
     saved_bytes: int  # activation storages the forward hands to the backward
-    recompute_flops: int | None  # backward FLOPs above the default partition's
-    backward_flops: int | None  # FLOPs of the backward graphs
     layer_bytes: dict[str, int] = field(default_factory=dict)  # saved bytes per layer path
 
 
@@ -100,14 +104,20 @@ class CompiledProfile:
         layers: list[tuple[str, str]],
         kept_regions: dict[str, list[str]],
         notes: list[str],
+        outside_bytes: int = 0,
     ) -> None:
         self.backend = backend
+        # What the loss function saves outside the compiled model (the model's output,
+        # say), held whatever the budget.
+        self.outside_bytes = outside_bytes
         self.layers = layers  # (path, type name)
         self.kept_regions = kept_regions  # layer path -> region paths inside it
         self.notes = notes
         self._joints = joints
         self._partition = partition
         self._outcomes: dict[float, PartitionOutcome] = {}
+        self._backwards: dict[float, list[Any]] = {}  # partitioned backward graphs
+        self._flops: dict[float, int | None] = {}
 
     @property
     def graphs(self) -> int:
@@ -119,13 +129,7 @@ class CompiledProfile:
             raise ValueError(f"memory_budget lies in [{MIN_BUDGET}, 1], got {memory_budget}")
         found = self._outcomes.get(memory_budget)
         if found is None:
-            saved, flops, per_layer = self._partition_all(memory_budget)
-            default_flops = flops if memory_budget == 1.0 else self.default.backward_flops
-            extra = None
-            if flops is not None and default_flops is not None:
-                extra = max(0, flops - default_flops)
-            found = PartitionOutcome(memory_budget, saved, extra, flops, per_layer)
-            self._outcomes[memory_budget] = found
+            found = self._outcomes[memory_budget] = self._partition_all(memory_budget)
         return found
 
     @property
@@ -138,10 +142,26 @@ class CompiledProfile:
         """The least the partitioner keeps (budget ``MIN_BUDGET``): 0 %."""
         return self.outcome(MIN_BUDGET)
 
-    def _partition_all(self, memory_budget: float) -> tuple[int, int | None, dict[str, int]]:
+    def recompute_flops(self, memory_budget: float) -> int | None:
+        """FLOPs the backward graphs run at ``memory_budget`` beyond those at budget 1:
+        what the budget makes the backward recompute (None if they cannot be counted)."""
+        at, default = self._backward_flops(memory_budget), self._backward_flops(1.0)
+        return None if at is None or default is None else max(0, at - default)
+
+    def _backward_flops(self, memory_budget: float) -> int | None:
+        self.outcome(memory_budget)
+        if memory_budget not in self._flops:
+            total: int | None = 0
+            for graph in self._backwards[memory_budget]:
+                flops = _graph_flops(graph)
+                total = None if total is None or flops is None else total + flops
+            self._flops[memory_budget] = total
+        return self._flops[memory_budget]
+
+    def _partition_all(self, memory_budget: float) -> PartitionOutcome:
         saved = 0
-        flops: int | None = 0
         per_layer: dict[str, int] = {}
+        backwards = []
         paths = [path for path, _ in self.layers]
         for joint in self._joints:
             with _compat.activation_memory_budget(memory_budget), warnings.catch_warnings():
@@ -155,9 +175,9 @@ class CompiledProfile:
             saved += nbytes
             for path, n in layer_bytes.items():
                 per_layer[path] = per_layer.get(path, 0) + n
-            graph_flops = _graph_flops(backward)
-            flops = None if flops is None or graph_flops is None else flops + graph_flops
-        return saved, flops, per_layer
+            backwards.append(backward)
+        self._backwards[memory_budget] = backwards
+        return PartitionOutcome(memory_budget, saved, per_layer)
 
     def to_dict(self) -> dict[str, Any]:
         """A summary (the graphs stay in the process)."""
@@ -167,8 +187,9 @@ class CompiledProfile:
             "graphs": self.graphs,
             "layers": [{"path": p, "type": t} for p, t in self.layers],
             "kept_regions": self.kept_regions,
-            "least_bytes": self.least.saved_bytes,
-            "default_bytes": self.default.saved_bytes,
+            "least_bytes": self.least.saved_bytes + self.outside_bytes,
+            "default_bytes": self.default.saved_bytes + self.outside_bytes,
+            "outside_bytes": self.outside_bytes,
             "notes": list(self.notes),
         }
 
@@ -265,11 +286,15 @@ def profile_compiled(
             f"({' or '.join(_compat.PLANNABLE_BACKENDS)})"
         )
     loss_fn = loss_fn or default_loss
+    # The regions are chosen on the model as given (``keep`` may compare identities),
+    # and marked in the copy that is traced.
+    kept_regions = {} if keep is None else _kept_regions(find_layers(original, layers), keep)
     model = copy.deepcopy(original)
     found = find_layers(model, layers)
-    kept_regions: dict[str, list[str]] = {}
-    if keep is not None:
-        kept_regions = _mark_kept_regions(model, found, keep)
+    if kept_regions:
+        from .apply import apply_plan
+
+        apply_plan(model, compiled_plan_layers(found, kept_regions))
     joints: list[_Joint] = []
 
     def on_joint(joint: Any, joint_inputs: Any, kwargs: dict[str, Any]) -> None:
@@ -280,7 +305,12 @@ def profile_compiled(
     try:
         with _compat.many_recompiles():
             step = torch.compile(model, backend=traced, dynamic=False)
-            loss = loss_fn(call_model(step, _detached(inputs)))
+            given = _detached(inputs)
+            output = call_model(step, given)
+            outside = _StorageCounter(model, given)
+            with torch.autograd.graph.saved_tensors_hooks(outside.pack, lambda t: t):
+                loss = loss_fn(output)
+            del output
             loss.backward()
     finally:
         torch.set_rng_state(rng)
@@ -302,7 +332,34 @@ def profile_compiled(
         [(path, type(layer).__name__) for path, layer in found],
         kept_regions,
         notes,
+        outside.nbytes,
     )
+
+
+class _StorageCounter:
+    """A pack hook that adds up the activation storages autograd saves (parameters and
+    inputs excluded, each storage once)."""
+
+    def __init__(self, model: nn.Module, inputs: Any) -> None:
+        held = [*model.parameters(), *model.buffers()]
+        held += [t for t in _flat(inputs) if isinstance(t, torch.Tensor)]
+        self._seen = {StorageWeakRef(t.untyped_storage()) for t in held}
+        self.nbytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = StorageWeakRef(t.untyped_storage())
+        if key not in self._seen:
+            self._seen.add(key)
+            self.nbytes += int(t.untyped_storage().nbytes())
+        return t
+
+
+def _flat(tree: Any) -> list[Any]:
+    if isinstance(tree, (tuple, list)):
+        return [x for v in tree for x in _flat(v)]
+    if isinstance(tree, dict):
+        return [x for v in tree.values() for x in _flat(v)]
+    return [tree]
 
 
 def _detached(inputs: Any) -> Any:
@@ -315,12 +372,10 @@ def _detached(inputs: Any) -> Any:
     return inputs
 
 
-def _mark_kept_regions(
-    model: nn.Module, layers: list[tuple[str, nn.Module]], keep: Callable[[nn.Module], bool]
+def _kept_regions(
+    layers: list[tuple[str, nn.Module]], keep: Callable[[nn.Module], bool]
 ) -> dict[str, list[str]]:
-    """Wrap the ``keep`` sub-modules of each layer as a compiled plan will (in the copy)."""
-    from .apply import apply_plan
-
+    """Per layer path, the paths of its sub-modules that ``keep`` chooses (outermost)."""
     kept: dict[str, list[str]] = {}
     for path, layer in layers:
         regions = [name for name, m in layer.named_modules() if name and keep(m)]
@@ -330,7 +385,6 @@ def _mark_kept_regions(
             kept[path] = outermost
     if not kept:
         raise ValueError("keep= matched no sub-module inside the layers")
-    apply_plan(model, compiled_plan_layers(layers, kept))
     return kept
 
 
@@ -349,23 +403,18 @@ def compiled_plan_layers(layers: list[tuple[str, nn.Module]], kept: dict[str, li
 def make_compiled_plan(profile: CompiledProfile, budget: str | int | float | Budget) -> Plan:
     """The largest ``activation_memory_budget`` whose saved bytes fit ``budget``."""
     parsed = parse_budget(budget)
-    least, default = profile.least, profile.default
-    target = parsed.resolve(least.saved_bytes, default.saved_bytes)
-    if target < least.saved_bytes:
+    least, default, outside = profile.least, profile.default, profile.outside_bytes
+    target = parsed.resolve(least.saved_bytes + outside, default.saved_bytes + outside)
+    if target < least.saved_bytes + outside:
         raise BudgetTooSmallError(
-            target, least.saved_bytes, " compiled (what the partitioner keeps at its least)"
+            target,
+            least.saved_bytes + outside,
+            " compiled (what the partitioner keeps at its least)",
         )
-    if default.saved_bytes <= target:
+    if default.saved_bytes + outside <= target:
         chosen = default
     else:
-        low, high = MIN_BUDGET, 1.0
-        for _ in range(BISECTION_STEPS):
-            middle = (low + high) / 2
-            if profile.outcome(middle).saved_bytes <= target:
-                low = middle
-            else:
-                high = middle
-        chosen = profile.outcome(low)
+        chosen = _largest_fitting(profile, target - outside)
     layers = [
         LayerPlan(
             path=path,
@@ -381,16 +430,42 @@ def make_compiled_plan(profile: CompiledProfile, budget: str | int | float | Bud
         layers=layers,
         budget=parsed.text,
         predicted={
-            "activation_bytes": chosen.saved_bytes,
-            "replay_flops": chosen.recompute_flops,
-            "least_bytes": least.saved_bytes,
-            "default_bytes": default.saved_bytes,
+            "activation_bytes": chosen.saved_bytes + outside,
+            "replay_flops": profile.recompute_flops(chosen.memory_budget),
+            "least_bytes": least.saved_bytes + outside,
+            "default_bytes": default.saved_bytes + outside,
+            "outside_bytes": outside,
         },
         compiled={
             "backend": profile.backend,
             "activation_memory_budget": chosen.memory_budget,
         },
     )
+
+
+def _largest_fitting(profile: CompiledProfile, target: int) -> PartitionOutcome:
+    """The outcome of (nearly) the largest budget whose saved bytes fit ``target``.
+
+    Below 1 the partitioner solves a knapsack whose capacity grows with the budget, so
+    the saved bytes grow with it in steps: bisection. Budget 1 is another algorithm
+    (the runtime-optimized cut, no knapsack), whose bytes can lie well above the
+    knapsack's at ``1 - RESOLUTION``: that budget is tried first, as the upper end."""
+    low = profile.least
+    high = profile.outcome(1.0 - RESOLUTION)
+    if high.saved_bytes <= target:
+        return high
+    close = CLOSE_ENOUGH * (profile.default.saved_bytes - low.saved_bytes)
+    for _ in range(MAX_SEARCH_STEPS):
+        if target - low.saved_bytes <= close or high.saved_bytes - low.saved_bytes <= close:
+            break
+        if high.memory_budget - low.memory_budget <= RESOLUTION:
+            break
+        probe = profile.outcome((low.memory_budget + high.memory_budget) / 2)
+        if probe.saved_bytes <= target:
+            low = probe
+        else:
+            high = probe
+    return low
 
 
 def _reason(kept: tuple[str, ...] | list[str]) -> str:
