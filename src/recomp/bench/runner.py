@@ -64,8 +64,13 @@ class Trainer:
         self.prepared: Prepared = prepare(strategy, model, plan, compiled=bool(config.compile))
         self.model = self.prepared.model
         # What the step calls: the model, or the model compiled with the chosen backend.
+        # Each compiled trainer gets a backend object of its own: Dynamo would otherwise
+        # run a second trainer of the same model class on the first one's graph, compiled
+        # under the first one's partitioner budget (see _compat.separate_backend).
         self.run_model: Any = (
-            torch.compile(self.model, backend=config.compile) if config.compile else self.model
+            torch.compile(self.model, backend=_compat.separate_backend(config.compile))
+            if config.compile
+            else self.model
         )
         # PyTorch's partitioner budget (budget@F, or a compiled plan's), read when the
         # model compiles: the forward runs with it set.

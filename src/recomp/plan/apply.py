@@ -95,10 +95,13 @@ def compile_with_plan(
 ) -> nn.Module:
     """Apply a compiled plan (``recomp.plan.profile(torch.compile(model), ...)``) to
     ``model`` and compile it: ``torch.compile(model, backend=<the plan's>,
-    **compile_kwargs)``, whose every call runs with the plan's
-    ``torch._functorch.config.activation_memory_budget`` (the partitioner reads it when
-    a graph is compiled, at the first call and at any recompilation), and leaves the
-    setting as it was outside. Returns the compiled module."""
+    **compile_kwargs)`` (``mode``, ``options``, ``fullgraph``, ``dynamic`` as there),
+    whose every call runs with the plan's ``torch._functorch.config.
+    activation_memory_budget`` (the partitioner reads it when a graph is compiled, at
+    the first call and at any recompilation), leaving the setting as it was outside.
+    The model is compiled separately from any other model of its class (Dynamo would
+    otherwise reuse a graph compiled under another budget). Returns the compiled
+    module."""
     import torch
 
     from recomp.torch import _compat
@@ -115,9 +118,19 @@ def compile_with_plan(
             "compile_with_plan compiles the model itself: pass the module, not "
             "torch.compile(module)"
         )
+    backend = compile_kwargs.pop("backend", plan.compiled["backend"])
+    if not isinstance(backend, str):
+        raise ValueError(
+            "compile_with_plan takes the backend by name (inductor, aot_eager): the plan was "
+            f"made for {plan.compiled['backend']!r}"
+        )
+    # A backend object of its own: Dynamo would otherwise hand this model the graph it
+    # compiled for another instance of its class, under another budget (see _compat).
+    own = _compat.separate_backend(
+        backend, compile_kwargs.pop("mode", None), compile_kwargs.pop("options", None)
+    )
     apply_plan(model, plan)
-    compile_kwargs.setdefault("backend", plan.compiled["backend"])
-    compiled: Any = torch.compile(model, **compile_kwargs)
+    compiled: Any = torch.compile(model, backend=own, **compile_kwargs)
     budget = float(plan.compiled["activation_memory_budget"])
     active: list[Any] = []
 
