@@ -111,14 +111,15 @@ def test_kept_regions_stay_saved_at_every_budget(prof, kept_prof):
 @pytest.mark.parametrize("which", ["prof", "kept_prof"])
 def test_compiled_plans_train_like_the_model(which, request):
     """At the least budget (most recompute), with and without kept regions: gradients
-    bit for bit those of the eager model (aot_eager runs the same ATen ops)."""
+    those of the eager model (bit for bit on 2.14, where aot_eager runs the same ATen
+    ops in the same order; within rounding on 2.9, which reorders a norm's reduction)."""
     plan = make_plan(request.getfixturevalue(which), "0%")
     model = _model()
     compile_with_plan(model, plan)(X).sum().backward()
     reference = _model()
     reference(X).sum().backward()
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
-        assert torch.equal(a.grad, b.grad), name
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_compile_with_plan_sets_the_budget_only_while_it_runs(prof):
