@@ -178,9 +178,7 @@ def test_misuse_names_the_fix():
 
 
 def test_the_loss_outside_the_model_is_counted():
-    squared = profile(
-        torch.compile(_model(), backend="aot_eager"), X, lambda y: y.pow(2).mean()
-    )
+    squared = profile(torch.compile(_model(), backend="aot_eager"), X, lambda y: y.pow(2).mean())
     assert squared.outside_bytes == 2 * 16 * 32 * 4  # pow saves the model's output
     plan = make_plan(squared, "100%")
     assert plan.predicted["activation_bytes"] == squared.default.saved_bytes + 4096
@@ -212,3 +210,47 @@ result = {{"made": made, "measured": {{s: measure_strategy(cfg, s).to_dict() for
         extra = measured["activation_bytes"] - predicted
         assert 0 <= extra <= 0.02 * predicted + 8 * 1024, (name, extra, predicted)
         assert measured["max_grad_diff"] <= 1e-5
+
+
+def test_cli_plans_for_a_compiled_model(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from recomp.bench.memory import child_env
+
+    env = child_env(1)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    tiny = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2"]
+
+    def recomp(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "recomp", "plan", *tiny, "--quiet", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=240,
+        )
+
+    path = tmp_path / "plan.json"
+    done = recomp(
+        "--compile",
+        "aot_eager",
+        "--keep",
+        "attn",
+        "--budget",
+        "50%",
+        "--no-measure",
+        "--json",
+        str(path),
+    )
+    assert done.returncode == 0, done.stderr
+    plan = load_plan(path)
+    assert plan.compiled["backend"] == "aot_eager" and plan.budget == "50%"
+    assert [layer.option for layer in plan.layers] == ["partitioner+exclude:attn"] * 2
+    assert (
+        "activation_memory_budget = " in done.stdout and "partitioner+exclude:attn" in done.stdout
+    )
+    refused = recomp("--keep", "attn", "--budget", "50%", "--no-measure")
+    assert refused.returncode == 2 and "--keep is for compiled plans" in refused.stderr
