@@ -154,3 +154,20 @@ class NormMatmulSiluStack(nn.Module):
 def norm_matmul_silu(layers: int = 4, hidden: int = 256) -> NormMatmulSiluStack:
     """Scenario model: per layer RMSNorm, a matmul (child ``proj``), SiLU."""
     return NormMatmulSiluStack(layers, hidden)
+
+
+def hf_llama(layers: int = 4, hidden: int = 256, heads: int = 4) -> nn.Module:
+    """A Hugging Face ``LlamaForCausalLM`` built from a config (``--model
+    recomp.bench.models:hf_llama``; needs transformers): vocabulary 1000, MLP width the
+    built-in model's, half as many key-value heads as heads, no weights downloaded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate_size(hidden),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        vocab_size=1000,
+    )
+    return LlamaForCausalLM(config)
