@@ -226,8 +226,8 @@ def test_plan_json_round_trip(tmp_path):
 
 def test_plan_file_rejects_unknown_version_and_options(tmp_path):
     data = _plan().to_dict()
-    with pytest.raises(PlanFormatError, match="plan version 3 is not supported"):
-        load_plan({**data, "version": 3})
+    with pytest.raises(PlanFormatError, match="plan version 4 is not supported"):
+        load_plan({**data, "version": 4})
     with pytest.raises(PlanFormatError, match="plan version None"):
         load_plan({k: v for k, v in data.items() if k != "version"})
     data["layers"][0]["option"] = "offload"

@@ -187,7 +187,10 @@ def test_the_loss_outside_the_model_is_counted():
 @pytest.mark.parametrize(
     ("backend", "budgets"),
     # Inductor compiles C++ for every graph (about 30 s each here): one budget.
-    [("aot_eager", ["0%", "40%", "100%"]), ("inductor", ["40%"])],
+    [
+        ("aot_eager", ["0%", "40%", "100%"]),
+        pytest.param("inductor", ["40%"], marks=pytest.mark.inductor),
+    ],
 )
 def test_predicted_bytes_are_the_allocators(backend, budgets):
     """The plan run compiled by the benchmark in a child process (one malloc arena):

@@ -23,10 +23,16 @@ plans only the number:
     anyway; views of one storage counted once), and the FLOPs of the backward graph
     above those of the default partition (``b = 1``), which is the recompute the budget
     adds (``FlopCounterMode`` on the graph's fake tensors).
+  * What the loss function saves outside the compiled model (the model's output, for
+    a mean square) is counted once, by a saved-tensors hook around the loss, and added
+    to every budget's bytes.
   * A percentage budget spans the partitioner's own range: 0 % is the least it can
     keep (``b = MIN_BUDGET``; at exactly 0 it would recompute even ``MUST_SAVE`` nodes),
     100 % what it keeps by default (``b = 1``). Bytes are bytes. The plan is the largest
     ``b`` whose saved bytes fit, found by bisection (the saved bytes grow with ``b``).
+  * Compiling with the plan (``compile_with_plan``) sets ``b`` around every call and
+    gives the model a backend object of its own: Dynamo's cache does not guard on the
+    budget, and would hand a second model of the same class the first one's graph.
   * Regions the user wants kept whole (``keep=``: attention, an expert dispatch, any
     sub-module that must run once) get recomp's compiled mark: the layer is wrapped in
     a recomp checkpoint whose policy leaves every op to the partitioner
