@@ -33,7 +33,9 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
     ``exclude:A+B`` their sub-modules ``A`` and ``B`` get ``checkpoint_exclude_wrapper``
     and the layer a ``checkpoint_wrapper``; ``selective`` (and ``selective+exclude:...``)
     gives the ``checkpoint_wrapper`` the policy that keeps the outputs of expensive ops
-    (``recomp.plan.policy``); ``none`` leaves the layer alone. Whatever a
+    (``recomp.plan.policy``); ``none`` leaves the layer alone. Every checkpoint gets the
+    plan's ``exclude_collectives`` (the profile's: True unless it was made with False),
+    so it keeps the results of collectives as predicted. Whatever a
     wrapper returns is assigned back to the parent module, so wrappers that return a new
     module and wrappers that change the module in place both work. Every path is checked
     before anything is wrapped: a plan that does not fit leaves the model unchanged.
@@ -77,6 +79,8 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
             parent, name = _parent(layer, region_path)
             setattr(parent, name, checkpoint_exclude_wrapper(region, name=f"{path}.{region_path}"))
         parent, name = _parent(model, path)
-        options = {"context_fn": selective_context_fn()} if layer_plan.selective else {}
+        options: dict[str, Any] = {"exclude_collectives": plan.exclude_collectives}
+        if layer_plan.selective:
+            options["context_fn"] = selective_context_fn()
         setattr(parent, name, checkpoint_wrapper(layer, **options))
     return given

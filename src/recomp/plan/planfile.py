@@ -2,7 +2,7 @@
 
 ::
 
-    {"version": 2, "budget": "50%", "budget_bytes": 23068672,
+    {"version": 2, "budget": "50%", "budget_bytes": 23068672, "exclude_collectives": true,
      "layers": [{"path": "layers.0", "option": "exclude:attn", "kept_bytes": 2621440,
                  "predicted_ms": 4.1, "replay_flops": 369098752, "reason": "..."}, ...],
      "near_ties": [{"path": "layers.3", "chosen": "none",
@@ -15,7 +15,9 @@ layer excluded from the replay), ``selective`` (checkpointed, the outputs of its
 expensive ops kept: ``recomp.plan.policy``) or ``selective+exclude:A+B`` (both).
 ``predicted_ms`` is the replay time of the layer. ``near_ties``: per layer, the options
 it could have taken in a plan that fits and is predicted as fast within the tolerance
-(the choice a tie-break made). Version 1 files (no selective options, no near ties)
+(the choice a tie-break made). ``exclude_collectives``: the option every checkpoint
+of the plan gets (true unless profiled with ``exclude_collectives=False``; absent in
+older files: true). Version 1 files (no selective options, no near ties)
 are read as well.
 """
 
@@ -74,12 +76,15 @@ class Plan:
     predicted: dict[str, Any] = field(default_factory=dict)
     near_ties: list[dict[str, Any]] = field(default_factory=list)
     version: int = PLAN_VERSION
+    # The checkpoints' exclude_collectives option, as the profile predicted for it.
+    exclude_collectives: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "version": self.version,
             "budget": self.budget,
             "budget_bytes": self.budget_bytes,
+            "exclude_collectives": self.exclude_collectives,
             "layers": [
                 {k: v for k, v in asdict(layer).items() if v is not None} for layer in self.layers
             ],
@@ -106,6 +111,11 @@ class Plan:
                 f"malformed plan ({exc}): a plan has budget_bytes and layers, each "
                 "layer with path and option"
             ) from exc
+        exclude_collectives = data.get("exclude_collectives", True)
+        if not isinstance(exclude_collectives, bool):
+            raise PlanFormatError(
+                f"exclude_collectives is true or false, got {exclude_collectives!r}"
+            )
         for layer in layers:
             parse_option(layer.option)
             if version == 1 and is_selective(layer.option):
@@ -119,6 +129,7 @@ class Plan:
             predicted=dict(data.get("predicted") or {}),
             near_ties=list(data.get("near_ties") or []),
             version=PLAN_VERSION,
+            exclude_collectives=exclude_collectives,
         )
 
 
