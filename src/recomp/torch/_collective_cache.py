@@ -53,7 +53,7 @@ from ..errors import CollectiveReplayedWarning, ReplayMismatchError
 from . import _compat
 from ._backend import BACKEND
 from ._compat import TorchDispatchMode
-from .collectives import collective_kind
+from .collectives import KEEPING_RECORDS, collective_kind
 
 __all__ = ["collectives_may_run", "keep_collective_results", "kept_results"]
 
@@ -183,6 +183,10 @@ class CollectiveRecord:
         self.cursor = 0
         self.save_counter: Callable[[], int] | None = None
         self.region: Any = None  # the excluded region active when the forward started
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """Aliases of the results held for the replay (``collectives.kept_collective_bytes``)."""
+        return [t for entry in self.entries for t in entry.written + entry._new()]
 
 
 def _written_leaves(func: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
@@ -469,6 +473,8 @@ class _ForwardContext:
                 if entry.saves_after == total:
                     entry.drop()
         record.save_counter = None
+        if any(not entry.rerun for entry in record.entries):
+            KEEPING_RECORDS.add(record)
 
 
 class _ReplayContext:
