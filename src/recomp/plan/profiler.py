@@ -20,6 +20,9 @@ replay runs, following the rules recomp and ``torch.utils.checkpoint`` apply:
 * checkpoint with regions excluded: the inputs, plus per excluded call its saved tensors
   except its deferred inputs (inputs computed inside the checkpoint by recomputed code),
   plus its output, dropped again when the checkpoint saves nothing after the call;
+* a checkpoint that keeps collectives' results (``exclude_collectives=True``, under a
+  process group): also the results of the collectives outside excluded regions that
+  come before its last saved tensor, which its replay reads instead of communicating;
 * the replay runs the layer's ops that come before the checkpoint's last saved tensor
   (early stop), except those inside excluded regions; its time is the ops' share of the
   layer's measured forward time.
