@@ -363,7 +363,11 @@ def _main_tensor_parallel(
     started = time.monotonic()
     if not args.quiet:
         print(f"recomp bench --tp {args.tp}: {len(strategies)} strategies...", file=sys.stderr)
-    rows = tensor_parallel.run(base, strategies, args.tp)
+    try:
+        rows = tensor_parallel.run(base, strategies, args.tp)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     elapsed = time.monotonic() - started
     print(tensor_parallel.table(rows))
     print(
