@@ -224,6 +224,18 @@ def test_plan_json_round_trip(tmp_path):
     assert not again.layers[0].checkpointed and again.layers[2].checkpointed
 
 
+def test_plan_file_carries_exclude_collectives():
+    """Absent (older files): True; False survives the round trip; anything but a bool
+    is refused."""
+    data = _plan().to_dict()
+    assert data["exclude_collectives"] is True
+    older = {k: v for k, v in data.items() if k != "exclude_collectives"}
+    assert load_plan(older).exclude_collectives is True
+    assert load_plan({**data, "exclude_collectives": False}).exclude_collectives is False
+    with pytest.raises(PlanFormatError, match="exclude_collectives is true or false"):
+        load_plan({**data, "exclude_collectives": "no"})
+
+
 def test_plan_file_rejects_unknown_version_and_options(tmp_path):
     data = _plan().to_dict()
     with pytest.raises(PlanFormatError, match="plan version 4 is not supported"):
@@ -423,6 +435,28 @@ def test_apply_plan_gradients_equal_and_regions_as_planned(small):
         option = layer.option(plan.layers[int(path)].option)
         for region, nbytes in option.region_saved_bytes.items():
             assert wrappers[f"{path}.{region}"].region_saved_bytes == nbytes
+
+
+def test_apply_plan_gives_the_profiles_exclude_collectives_to_the_wrappers(small):
+    from recomp.plan import apply_plan, make_plan, profile
+    from recomp.torch import CheckpointWrapper
+
+    model, x, prof = small
+    assert prof.exclude_collectives and make_plan(prof, "0%").exclude_collectives
+    without = profile(model, x, layers=_is_block, steps=1, exclude_collectives=False)
+    plan = make_plan(without, "0%")
+    assert plan.exclude_collectives is False
+    for layer in plan.layers:
+        layer.option = "full"
+    planned = apply_plan(copy.deepcopy(model), plan)
+    wrapped = [m for m in planned.modules() if isinstance(m, CheckpointWrapper)]
+    assert wrapped and all(m.checkpoint_kwargs["exclude_collectives"] is False for m in wrapped)
+    # No process group: no collective runs, the two profiles keep the same bytes.
+    assert [o.kept_bytes for layer in without.layers for o in layer.options] == [
+        o.kept_bytes for layer in prof.layers for o in layer.options
+    ]
+    with pytest.raises(ValueError, match="exclude_collectives must be True or False"):
+        profile(model, x, layers=_is_block, steps=1, exclude_collectives=None)
 
 
 def test_apply_plan_checks_everything_before_wrapping(small):

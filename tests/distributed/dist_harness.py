@@ -172,12 +172,15 @@ def launch_ranks(
     world_size: int = 2,
     timeout: float = DEFAULT_TIMEOUT,
     peer_grace: float = 10.0,
+    env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Run ``target`` ("module:function") on ``world_size`` ranks; return each rank's result.
 
     The function is called as ``function(rank, world_size, **kwargs)`` inside a
     gloo process group; modules are found on src/, examples/ and this folder.
+    ``env``: variables added to the ranks' environment (``MALLOC_ARENA_MAX=1`` for
+    allocator readings).
     The run fails after ``timeout`` seconds, or ``peer_grace`` seconds after a
     rank failed while another still runs (it is likely waiting for the dead one).
     A run in which a rank was killed by a signal is run once more (see
@@ -190,7 +193,7 @@ def launch_ranks(
         return failure is not None and "timed out" not in failure and signalled
 
     failure, _, logs, run_dir = _rerun_once_if_killed(
-        lambda base: _launch_once(target, base, world_size, timeout, peer_grace, kwargs),
+        lambda base: _launch_once(target, base, world_size, timeout, peer_grace, kwargs, env or {}),
         killed,
         tmp_path,
         target,
@@ -214,6 +217,7 @@ def _launch_once(
     timeout: float,
     peer_grace: float,
     kwargs: dict[str, Any],
+    extra_env: dict[str, str],
 ) -> tuple[str | None, list[int | None], list[Path], Path]:
     """One run of ``launch_ranks``: (failure or None, exit codes, log paths, run folder)."""
     base.mkdir(parents=True, exist_ok=True)
@@ -223,6 +227,7 @@ def _launch_once(
         WORLD_SIZE=str(world_size),
         RECOMP_TEST_INIT=f"file://{run_dir / 'rendezvous'}",
         RECOMP_TEST_OUT=str(run_dir),
+        **extra_env,
     )
     procs: list[subprocess.Popen[bytes]] = []
     logs = [run_dir / f"rank{r}.log" for r in range(world_size)]

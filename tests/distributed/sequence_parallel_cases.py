@@ -39,37 +39,38 @@ BATCH, SEQ = 2, 8
 
 
 class Attention(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = HIDDEN, heads: int = HEADS) -> None:
         super().__init__()
-        self.q = nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.k = nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.v = nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.o = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.head_dim = hidden // heads
+        self.q = nn.Linear(hidden, hidden, bias=False)
+        self.k = nn.Linear(hidden, hidden, bias=False)
+        self.v = nn.Linear(hidden, hidden, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, -1, HIDDEN // HEADS).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(o.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = HIDDEN, ffn: int = FFN) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(HIDDEN, FFN, bias=False)
-        self.fc2 = nn.Linear(FFN, HIDDEN, bias=False)
+        self.fc1 = nn.Linear(hidden, ffn, bias=False)
+        self.fc2 = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.silu(self.fc1(x)))
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = HIDDEN, heads: int = HEADS, ffn: int = FFN) -> None:
         super().__init__()
-        self.attn_norm = nn.LayerNorm(HIDDEN)
-        self.attn = Attention()
-        self.mlp_norm = nn.LayerNorm(HIDDEN)
-        self.mlp = MLP()
+        self.attn_norm = nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, heads)
+        self.mlp_norm = nn.LayerNorm(hidden)
+        self.mlp = MLP(hidden, ffn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -77,11 +78,13 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(
+        self, layers: int = LAYERS, hidden: int = HIDDEN, heads: int = HEADS, ffn: int = FFN
+    ) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, 4, bias=False)
+        self.layers = nn.ModuleList(Block(hidden, heads, ffn) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, 4, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -121,9 +124,11 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 }
 
 
-def build(options: dict[str, Any] | None, mesh: Any) -> nn.Module:
+def build(options: dict[str, Any] | None, mesh: Any, **sizes: int) -> nn.Module:
+    """The parallelized model (``sizes``: ``layers``, ``hidden``, ``heads``, ``ffn`` of
+    ``Model``), checkpointed with ``options`` unless None."""
     torch.manual_seed(0)
-    model = Model()
+    model = Model(**sizes)
     with torch.no_grad():
         g = seeded(0)
         for p in model.parameters():

@@ -117,6 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="write each eager PyTorch strategy's saved-tensor report (recomp report) to "
         "DIR/report-STRATEGY.txt and .png",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        metavar="N",
+        help=(
+            "instead: the built-in decoder with DTensor tensor + sequence parallelism on N "
+            "gloo processes (CPU); per strategy rank 0's activation memory, the bytes "
+            "recomp keeps for collectives' results, and the collectives the replay runs "
+            "(strategies: none, full, exclude-attn, and full:no-keep, exclude-attn:no-keep "
+            "with exclude_collectives=False)"
+        ),
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -153,8 +165,11 @@ def _ms_supported(strategy: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     base = config_from_args(args)
+    if args.tp is not None:
+        return _main_tensor_parallel(parser, args, base, argv)
     frameworks = ["torch", "mindspore"] if args.framework == "all" else [args.framework]
     plan: list[tuple[str, BenchConfig, list[str]]] = []
     notes: list[str] = []
@@ -327,6 +342,65 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"wrote {path}")
     failed = [r for r in results + scenario if r.error is not None]
     return 1 if failed and len(failed) == len(results + scenario) else 0
+
+
+def _main_tensor_parallel(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    base: BenchConfig,
+    argv: list[str] | None,
+) -> int:
+    """``recomp bench --tp N``: the tensor + sequence parallel comparison only."""
+    from . import tensor_parallel
+
+    others = [
+        flag
+        for flag, given in (
+            ("--framework", args.framework != "torch"),
+            ("--compile", bool(args.compile)),
+            ("--plot", bool(args.plot)),
+            ("--report", bool(args.report)),
+        )
+        if given
+    ]
+    if others:
+        parser.error(f"--tp runs PyTorch's eager decoder only: drop {', '.join(others)}")
+    strategies = _split(args.strategies, tensor_parallel.TP_STRATEGIES)
+    try:
+        tensor_parallel.check_config(base, args.tp, strategies)
+    except ValueError as exc:
+        parser.error(str(exc))
+    started = time.monotonic()
+    if not args.quiet:
+        print(f"recomp bench --tp {args.tp}: {len(strategies)} strategies...", file=sys.stderr)
+    try:
+        rows = tensor_parallel.run(base, strategies, args.tp)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    elapsed = time.monotonic() - started
+    print(tensor_parallel.table(rows))
+    print(
+        f"\n{args.tp} gloo processes, tensor + sequence parallel (DTensor); rank 0's figures: "
+        "activation memory from its allocator, kept for collectives from "
+        "recomp.torch.collectives.kept_collective_bytes after the forward, replay comm = the "
+        f"replayed collectives' input tensors; {elapsed:.0f} s"
+    )
+    if args.json:
+        import json
+
+        report = {
+            "command": "recomp bench " + " ".join(sys.argv[2:] if argv is None else argv),
+            "environment": _environment(),
+            "tp": args.tp,
+            "config": base.to_dict(),
+            "rows": rows,
+            "elapsed_s": elapsed,
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _collect(

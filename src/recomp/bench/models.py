@@ -63,13 +63,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        shape = (b, s, self.heads, self.head_dim)
+        b, s, _ = x.shape
+        # Heads from the projections' width: under tensor parallelism each rank holds some.
+        shape = (b, s, -1, self.head_dim)
         q = self.q_proj(x).view(shape).transpose(1, 2)
         k = self.k_proj(x).view(shape).transpose(1, 2)
         v = self.v_proj(x).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, h))
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class SwiGLU(nn.Module):

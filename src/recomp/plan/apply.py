@@ -37,8 +37,10 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
     ``partitioner`` layers are left alone too, and ``partitioner+exclude:A+B`` wraps ``A``
     and ``B`` as exclusions inside a checkpoint whose policy leaves every other op to
     PyTorch's partitioner: compiled, the regions are never recomputed (compile the model
-    with the plan's budget: :func:`recomp.plan.compile_with_plan`). Whatever a
-    wrapper returns is assigned back to the parent module, so wrappers that return a new
+    with the plan's budget: :func:`recomp.plan.compile_with_plan`). Every checkpoint gets
+    the plan's ``exclude_collectives`` (the profile's: True unless it was made with
+    False), so it keeps the results of collectives as predicted. Whatever a wrapper
+    returns is assigned back to the parent module, so wrappers that return a new
     module and wrappers that change the module in place both work. Every path is checked
     before anything is wrapped: a plan that does not fit leaves the model unchanged.
     A ``torch.compile`` wrapper gets the plan applied to its original module. Returns
@@ -81,7 +83,7 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
             parent, name = _parent(layer, region_path)
             setattr(parent, name, checkpoint_exclude_wrapper(region, name=f"{path}.{region_path}"))
         parent, name = _parent(model, path)
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = {"exclude_collectives": plan.exclude_collectives}
         if layer_plan.selective:
             options["context_fn"] = selective_context_fn()
         elif layer_plan.partitioner:

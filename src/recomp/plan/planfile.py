@@ -2,7 +2,7 @@
 
 ::
 
-    {"version": 2, "budget": "50%", "budget_bytes": 23068672,
+    {"version": 2, "budget": "50%", "budget_bytes": 23068672, "exclude_collectives": true,
      "layers": [{"path": "layers.0", "option": "exclude:attn", "kept_bytes": 2621440,
                  "predicted_ms": 4.1, "replay_flops": 369098752, "reason": "..."}, ...],
      "near_ties": [{"path": "layers.3", "chosen": "none",
@@ -15,7 +15,9 @@ layer excluded from the replay), ``selective`` (checkpointed, the outputs of its
 expensive ops kept: ``recomp.plan.policy``) or ``selective+exclude:A+B`` (both).
 ``predicted_ms`` is the replay time of the layer. ``near_ties``: per layer, the options
 it could have taken in a plan that fits and is predicted as fast within the tolerance
-(the choice a tie-break made). Version 1 files (no selective options, no near ties)
+(the choice a tie-break made). ``exclude_collectives``: the option every checkpoint
+of the plan gets (true unless profiled with ``exclude_collectives=False``; absent in
+older files: true). Version 1 files (no selective options, no near ties)
 are read as well.
 
 Version 3 is a plan for a compiled model (``recomp.plan.compiled``): a ``"compiled"``
@@ -98,6 +100,8 @@ class Plan:
     def __post_init__(self) -> None:
         if self.compiled is not None:
             self.version = COMPILED_PLAN_VERSION
+    # The checkpoints' exclude_collectives option, as the profile predicted for it.
+    exclude_collectives: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         extra = {} if self.compiled is None else {"compiled": self.compiled}
@@ -106,6 +110,7 @@ class Plan:
             **extra,
             "budget": self.budget,
             "budget_bytes": self.budget_bytes,
+            "exclude_collectives": self.exclude_collectives,
             "layers": [
                 {k: v for k, v in asdict(layer).items() if v is not None} for layer in self.layers
             ],
@@ -132,6 +137,11 @@ class Plan:
                 f"malformed plan ({exc}): a plan has budget_bytes and layers, each "
                 "layer with path and option"
             ) from exc
+        exclude_collectives = data.get("exclude_collectives", True)
+        if not isinstance(exclude_collectives, bool):
+            raise PlanFormatError(
+                f"exclude_collectives is true or false, got {exclude_collectives!r}"
+            )
         compiled = data.get("compiled")
         if (version == COMPILED_PLAN_VERSION) != isinstance(compiled, dict):
             raise PlanFormatError(
@@ -171,6 +181,7 @@ class Plan:
             near_ties=list(data.get("near_ties") or []),
             version=PLAN_VERSION,
             compiled=compiled,
+            exclude_collectives=exclude_collectives,
         )
 
 

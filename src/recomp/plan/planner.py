@@ -58,13 +58,16 @@ class RegionProfile:
 class OptionProfile:
     """One option of one layer. ``kept_bytes``: what the layer keeps under it, without
     the bytes it may share with its neighbour (``LayerProfile.pair_bytes``).
-    ``region_saved_bytes``: per excluded region, what recomp's counter will report."""
+    ``region_saved_bytes``: per excluded region, what recomp's counter will report.
+    ``collective_bytes``: the part of ``kept_bytes`` that holds results of collectives,
+    which the checkpoint keeps so that its replay does not communicate."""
 
     name: str
     kept_bytes: int
     replay_s: float
     replay_flops: int
     region_saved_bytes: dict[str, int] = field(default_factory=dict)
+    collective_bytes: int = 0
 
 
 @dataclass
@@ -109,6 +112,8 @@ class Profile:
     per_save_s: float = 0.0  # a checkpoint's hook time per saved tensor (in replay_s)
     per_policy_op_s: float = 0.0  # a selective policy's time per op passing it (in replay_s)
     notes: list[str] = field(default_factory=list)
+    # The checkpoints keep the results of collectives (their exclude_collectives option).
+    exclude_collectives: bool = True
 
     # -- the solver's view ----------------------------------------------------
 
@@ -246,6 +251,7 @@ def make_plan(
     return Plan(
         budget_bytes=budget_bytes,
         layers=layers,
+        exclude_collectives=profile.exclude_collectives,
         budget=parsed.text,
         predicted=predicted,
         near_ties=[

@@ -20,6 +20,9 @@ replay runs, following the rules recomp and ``torch.utils.checkpoint`` apply:
 * checkpoint with regions excluded: the inputs, plus per excluded call its saved tensors
   except its deferred inputs (inputs computed inside the checkpoint by recomputed code),
   plus its output, dropped again when the checkpoint saves nothing after the call;
+* a checkpoint that keeps collectives' results (``exclude_collectives=True``, under a
+  process group): also the results of the collectives outside excluded regions that
+  come before its last saved tensor, which its replay reads instead of communicating;
 * the replay runs the layer's ops that come before the checkpoint's last saved tensor
   (early stop), except those inside excluded regions; its time is the ops' share of the
   layer's measured forward time.
@@ -48,6 +51,7 @@ from torch.utils import flop_counter
 from .._modelcall import call_model, default_loss, flop_formulas
 from ..torch import _compat
 from ..torch._backend import BACKEND
+from ..torch._collective_cache import kept_results
 from ..torch._compat import TorchDispatchMode
 from .planfile import NO_CHECKPOINT, exclude_option
 from .planner import LayerProfile, OptionProfile, OptionSlot, Profile, RegionProfile
@@ -195,6 +199,8 @@ class _Op:
     seconds: float
     expensive: bool = False  # a selective option keeps its outputs (recomp.plan.policy)
     outputs: list[tuple[Hashable, int]] = field(default_factory=list)  # (storage, bytes)
+    # A collective whose results a checkpoint keeps: their (storage, bytes); else None.
+    collective: list[tuple[Hashable, int]] | None = None
 
 
 @dataclass
@@ -219,10 +225,30 @@ class _LayerRecord:
 
 
 def _storage(t: torch.Tensor) -> tuple[Hashable, int] | None:
+    inner = _local_tensor(t)
+    if inner is not None:
+        return _storage(inner)
     key = _compat.storage_key(t)
     if key is None:
         return None
     return key, int(t.untyped_storage().nbytes())
+
+
+def _is_wrapper_subclass(t: type) -> bool:
+    # DTensor and the like: tensor subclasses that wrap local tensors.
+    return t is not torch.Tensor and hasattr(t, "__tensor_flatten__")
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """The one tensor a wrapper subclass holds (a DTensor's local shard), else None.
+
+    A DTensor reports a storage of its global size that holds no memory; what this
+    process holds is its local tensor's storage, which the local ops see."""
+    if not _is_wrapper_subclass(type(t)):
+        return None
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = [v for v in (getattr(t, name) for name in names) if isinstance(v, torch.Tensor)]
+    return inner[0] if len(inner) == 1 else None
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -232,7 +258,12 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 class _Recorder(TorchDispatchMode):
     """Saved tensors and ATen ops of one forward, in one sequence, tagged by layer and
-    candidate region."""
+    candidate region.
+
+    An op on a wrapper subclass (DTensor) is left to the subclass, whose ops on local
+    tensors come back here: FLOPs, times and storages are this process's, and the
+    collectives that DTensor issues are seen, with the tensors a checkpoint's collective
+    record would keep (``recomp.torch._collective_cache``)."""
 
     def __init__(self, preexisting: set[Hashable], clock: Callable[[], float]) -> None:
         super().__init__()
@@ -274,6 +305,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if any(_is_wrapper_subclass(t) for t in types):
+            return NotImplemented
         out, seconds = _run_timed(self, func, args, kwargs)
         if seconds is None:  # decomposed: its parts were recorded
             return out
@@ -286,6 +319,14 @@ class _Recorder(TorchDispatchMode):
                 if found is not None:
                     op.outputs.append(found)
                     self.pinned.append(t)
+        kept = kept_results(func, args, kwargs, out)
+        if kept is not None:
+            op.collective = []
+            for t in kept:
+                found = _storage(t)
+                if found is not None:
+                    op.collective.append(found)
+                    self.pinned.append(t)
         self.current_record().ops.append(op)
         return out
 
@@ -297,14 +338,21 @@ class _Recorder(TorchDispatchMode):
         handles = []
         for index, (path, layer) in enumerate(layers):
             self.layers.append(_LayerRecord())
+            # A layer's own hooks (a tensor-parallel plan's input redistributions) run
+            # outside its checkpoint, a region's inside its exclusion: the layer's
+            # boundaries lie within its hooks, a region's around them.
             handles.append(
                 layer.register_forward_pre_hook(self.layer_enter(index, path), with_kwargs=True)
             )
-            handles.append(layer.register_forward_hook(self.layer_exit(index), always_call=True))
+            handles.append(
+                layer.register_forward_hook(
+                    self.layer_exit(index), always_call=True, prepend=True
+                )
+            )
             for c, (_, region) in enumerate(candidates[index]):
                 handles.append(
                     region.register_forward_pre_hook(
-                        self.region_enter(index, c, region), with_kwargs=True
+                        self.region_enter(index, c, region), with_kwargs=True, prepend=True
                     )
                 )
                 handles.append(
@@ -394,6 +442,7 @@ class _OptionResult:
     excluded_calls: int
     hooked_saves: int = 0  # saved tensors that go through a Python hook (checkpointed)
     policy_ops: int = 0  # ops that pass a selective policy's dispatch modes (forward, replay)
+    collective_bytes: int = 0  # part of kept: results of collectives the replay reads
 
 
 def _analyse_option(
@@ -402,10 +451,14 @@ def _analyse_option(
     excluded: tuple[int, ...] | None,
     preexisting: set[Hashable],
     selective: bool = False,
+    keep_collectives: bool = True,
 ) -> _OptionResult:
     """What one layer keeps and replays with ``excluded`` candidates (None: no checkpoint);
     ``selective``: the checkpoint also keeps the outputs of the expensive ops outside
-    the excluded regions (which its policy does not see) and so does not replay them."""
+    the excluded regions (which its policy does not see) and so does not replay them;
+    ``keep_collectives`` (a checkpoint's ``exclude_collectives``): it keeps the results of
+    the collectives outside the excluded regions that its replay reaches (those before
+    its last saved tensor: early stop drops the others), and the replay does not run them."""
 
     def activations(keys: dict[Hashable, int]) -> dict[Hashable, int]:
         return {k: n for k, n in keys.items() if k not in preexisting}
@@ -464,10 +517,18 @@ def _analyse_option(
     seen = [op for op in record.ops if op.call not in excluded_call_indices]
     reached = [] if last is None else [op for op in seen if op.seq < last]
     replay = reached
+    collective_bytes = 0
+    if keep_collectives:
+        for op in reached:
+            for key, nbytes in op.collective or ():
+                if key not in kept and key not in preexisting:
+                    kept[key] = nbytes
+                    collective_bytes += nbytes
+        replay = [op for op in replay if op.collective is None]
     if selective:
         for op in seen:
             kept.update(op.outputs)
-        replay = [op for op in reached if not op.expensive]
+        replay = [op for op in replay if not op.expensive]
     name = exclude_option([candidates[i][0] for i in excluded], selective)
     return _OptionResult(
         name,
@@ -477,6 +538,7 @@ def _analyse_option(
         len(calls),
         len(record.saves),
         len(seen) + len(reached) if selective else 0,
+        collective_bytes,
     )
 
 
@@ -539,6 +601,8 @@ class _OpTimer(TorchDispatchMode):
         self.seconds: list[float] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if any(_is_wrapper_subclass(t) for t in types):
+            return NotImplemented
         out, seconds = _run_timed(self, func, args, kwargs or {})
         if seconds is not None:
             self.seconds.append(seconds)
@@ -748,6 +812,7 @@ def profile(
     steps: int = 3,
     clock: str = "wall",
     optimizer: Callable[[list[nn.Parameter]], Any] | None = None,
+    exclude_collectives: bool = True,
     keep: Callable[[nn.Module], bool] | None = None,
     backend: str | None = None,
 ) -> Any:
@@ -766,6 +831,12 @@ def profile(
     time for one intra-op thread on an idle one; not for GPUs).
     ``optimizer``: a factory ``optimizer(parameters)`` (say ``lambda ps:
     torch.optim.AdamW(ps)``), so that the timed steps include the update as training does.
+    ``exclude_collectives``: what the plan's checkpoints will be given (as
+    ``checkpoint_wrapper``'s option of that name; ``apply_plan`` passes it on). True:
+    a checkpointed option also keeps the results of the collectives its replay would
+    reach (DTensor's all-gathers and reduce-scatters, ...), and does not replay them.
+    Collectives run only under a process group: in a distributed job call ``profile`` on
+    every rank, where the model runs parallelised; each rank profiles its own share.
 
     The model is not changed: the profile runs on a deep copy, and the random number
     generators are restored afterwards.
@@ -794,6 +865,10 @@ def profile(
         )
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
+    if not isinstance(exclude_collectives, bool):
+        raise ValueError(
+            f"exclude_collectives must be True or False, got {exclude_collectives!r}"
+        )
     clocks = {"wall": time.perf_counter, "cpu": time.process_time}
     if clock not in clocks:
         raise ValueError(f"clock is 'wall' or 'cpu', got {clock!r}")
@@ -801,7 +876,15 @@ def profile(
     rng = _rng_state()
     try:
         prof = _profile(
-            copy.deepcopy(model), inputs, loss_fn, layers, exclude, steps, clocks[clock], optimizer
+            copy.deepcopy(model),
+            inputs,
+            loss_fn,
+            layers,
+            exclude,
+            steps,
+            clocks[clock],
+            optimizer,
+            exclude_collectives,
         )
     finally:
         _set_rng_state(rng)
@@ -829,6 +912,7 @@ def _profile(
     steps: int,
     clock: Callable[[], float],
     optimizer: Callable[[list[nn.Parameter]], Any] | None,
+    exclude_collectives: bool = True,
 ) -> Profile:
     device = _device_of(model, inputs)
     layers = find_layers(model, layer_spec)
@@ -910,7 +994,9 @@ def _profile(
         sets = layer_option_sets(len(candidates[index]))
         analysed.append(
             [
-                _analyse_option(record, candidates[index], excluded, preexisting, selective)
+                _analyse_option(
+                    record, candidates[index], excluded, preexisting, selective, exclude_collectives
+                )
                 for excluded, selective in sets
             ]
         )
@@ -954,6 +1040,7 @@ def _profile(
                     + per_policy_op * result.policy_ops,
                     replay_flops=sum(op.flops for op in result.replay_ops),
                     region_saved_bytes=result.region_saved_bytes,
+                    collective_bytes=result.collective_bytes,
                 )
             )
         layer_profiles.append(
@@ -970,6 +1057,19 @@ def _profile(
             )
         )
     notes = []
+    collectives = sum(
+        1 for record in recorder.layers for op in record.ops if op.collective is not None
+    )
+    if collectives:
+        notes.append(
+            f"the layers' forward issued {collectives} collective(s): a checkpoint "
+            + (
+                "keeps the results of those its replay reaches (in the kept bytes) and "
+                "does not run them again"
+                if exclude_collectives
+                else "made with exclude_collectives=False runs them again in its replay"
+            )
+        )
     if spread:
         notes.append(
             f"{spread} bytes are kept by several non-adjacent layers (inputs every layer "
@@ -987,4 +1087,5 @@ def _profile(
         per_save_s=per_save,
         per_policy_op_s=per_policy_op,
         notes=notes,
+        exclude_collectives=exclude_collectives,
     )

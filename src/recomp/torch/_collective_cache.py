@@ -53,9 +53,9 @@ from ..errors import CollectiveReplayedWarning, ReplayMismatchError
 from . import _compat
 from ._backend import BACKEND
 from ._compat import TorchDispatchMode
-from .collectives import collective_kind
+from .collectives import KEEPING_RECORDS, collective_kind
 
-__all__ = ["collectives_may_run", "keep_collective_results"]
+__all__ = ["collectives_may_run", "keep_collective_results", "kept_results"]
 
 # Kinds whose operator writes nothing the program reads afterwards.
 _NO_OUTPUT_KINDS = frozenset({"send", "barrier"})
@@ -184,6 +184,10 @@ class CollectiveRecord:
         self.save_counter: Callable[[], int] | None = None
         self.region: Any = None  # the excluded region active when the forward started
 
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """Aliases of the results held for the replay (``collectives.kept_collective_bytes``)."""
+        return [t for entry in self.entries for t in entry.written + entry._new()]
+
 
 def _written_leaves(func: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
     """Positions, among the tensor leaves of ``(args, kwargs)``, of those ``func`` writes into."""
@@ -243,6 +247,32 @@ def _kept_kind(func: Any) -> str | None:
     return kind
 
 
+def kept_results(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+) -> list[torch.Tensor] | None:
+    """The tensors whose aliases a checkpoint's record keeps for this call of ``func``
+    (what it wrote into, what it created), or None when ``func`` is not a collective the
+    record keeps. The planner counts their storages as what a checkpoint keeps."""
+    kind = _kept_kind(func)
+    if kind is None:
+        return None
+    written = _written_tensors(func, kind, args, kwargs)
+    out_leaves, _ = BACKEND.flatten(out)
+    created = [
+        leaf
+        for leaf in out_leaves
+        if isinstance(leaf, torch.Tensor) and not any(leaf is t for t in written)
+    ]
+    return written + created
+
+
+def _written_tensors(
+    func: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    leaves = _tensor_leaves(func, args, kwargs)
+    return [leaves[i] for i in _written_leaves(func, kind, args, kwargs)]
+
+
 def _is_wrapper_subclass(types: Any) -> bool:
     # DTensor, AsyncCollectiveTensor: let them run first; their collectives on local
     # tensors come back through the mode.
@@ -293,8 +323,7 @@ def _record_call(
     func: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
 ) -> _Entry:
     entry = _Entry(func)
-    leaves = _tensor_leaves(func, args, kwargs)
-    written = [leaves[i] for i in _written_leaves(func, kind, args, kwargs)]
+    written = _written_tensors(func, kind, args, kwargs)
     entry.written = [_detach(t) for t in written]
     entry.written_shapes = [tuple(t.shape) for t in written]
     out_leaves, entry.out_spec = BACKEND.flatten(out)
@@ -330,8 +359,7 @@ class _ReplayMode(TorchDispatchMode):
             return func(*args, **kwargs)
         # Excluded regions are skipped in the replay: every collective seen here was recorded.
         entry = self.next_entry(func)
-        leaves = _tensor_leaves(func, args, kwargs)
-        written = [leaves[i] for i in _written_leaves(func, kind, args, kwargs)]
+        written = _written_tensors(func, kind, args, kwargs)
         shapes = [tuple(t.shape) for t in written]
         if shapes != entry.written_shapes:
             raise ReplayMismatchError(
@@ -445,6 +473,8 @@ class _ForwardContext:
                 if entry.saves_after == total:
                     entry.drop()
         record.save_counter = None
+        if any(not entry.rerun for entry in record.entries):
+            KEEPING_RECORDS.add(record)
 
 
 class _ReplayContext:

@@ -56,6 +56,7 @@ engine carries the mode to its own worker threads).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,7 +73,14 @@ from . import _compat
 from ._backend import BACKEND
 from ._compat import TorchDispatchMode
 
-__all__ = ["PHASES", "CollectiveCounts", "CollectiveEvent", "collective_kind", "count_collectives"]
+__all__ = [
+    "PHASES",
+    "CollectiveCounts",
+    "CollectiveEvent",
+    "collective_kind",
+    "count_collectives",
+    "kept_collective_bytes",
+]
 
 # Operator namespaces that hold collectives: the classic process-group ops and
 # the functional collectives (native, legacy Python and autograd variants).
@@ -200,3 +208,24 @@ def count_collectives(
     mode = _CollectiveCounterMode(counts, is_replaying or DEFAULT_IS_REPLAYING)
     with mode:
         yield counts
+
+
+# The collective records of recomp checkpoints (``_collective_cache``) whose forward
+# kept results, for as long as their checkpoint's graph holds them.
+KEEPING_RECORDS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def kept_collective_bytes() -> int:
+    """Bytes that recomp checkpoints hold now for the results of collectives in their
+    recomputed code (the replay reads them instead of communicating), each storage once.
+
+    Read it between a forward and its backward: a checkpoint holds them from its forward
+    until its graph is freed. Zero without a process group, and for checkpoints made
+    with ``exclude_collectives=False``."""
+    storages: dict[Any, int] = {}
+    for record in list(KEEPING_RECORDS):
+        for t in record.kept_tensors():
+            key = _compat.storage_key(t)
+            if key is not None:
+                storages[key] = int(t.untyped_storage().nbytes())
+    return sum(storages.values())
