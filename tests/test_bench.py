@@ -173,6 +173,17 @@ def test_strategy_names():
         parse("exclude")
     with pytest.raises(ValueError, match="unknown strategy"):
         parse("selective")
+    assert parse("budget@0.5") == ("budget", "0.5")
+
+
+def test_torch_budget_strategy_is_compiled_only_and_checked():
+    from recomp.bench.models import llama
+    from recomp.bench.strategies import prepare
+
+    with pytest.raises(ValueError, match="run it with --compile"):
+        prepare("budget@0.5", llama(layers=1, hidden=32, heads=2))
+    with pytest.raises(ValueError, match=r"a number in \[0, 1\], got '2'"):
+        prepare("budget@2", llama(layers=1, hidden=32, heads=2), compiled=True)
 
 
 def test_missing_region_is_reported():
@@ -477,6 +488,8 @@ def test_target_ids_are_unique_with_offload_compiled_and_plan_rows():
         Result("torch+inductor", "exclude-attn", activation_bytes=100, step_time_s=1.0),
         Result("torch+inductor", "sac", activation_bytes=100, step_time_s=1.0),
         Result("torch+aot_eager", "exclude-attn", activation_bytes=100, step_time_s=1.0),
+        # A compiled plan of the same budget: its row has a plan too, but no eager target.
+        Result("torch+inductor", "plan@50%", activation_bytes=90, step_time_s=1.0, plan=plan),
     ]
     targets = evaluate_targets(results)
     ids = [t.id for t in targets]
