@@ -62,7 +62,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from .._modelcall import call_model, default_loss
 from ..torch import _compat
 from .budget import Budget, BudgetTooSmallError, parse_budget
-from .planfile import PARTITIONER, LayerPlan, Plan, partitioner_option
+from .planfile import LayerPlan, Plan, partitioner_option
 
 # The smallest budget tried: the partitioner's least memory that still saves MUST_SAVE
 # nodes (at exactly 0 it keeps only the graph's inputs, recomputing everything).
@@ -202,13 +202,14 @@ class CompiledProfile:
 
 def _module_path(stack: dict[str, Any] | None) -> str | None:
     """The innermost module path of a node's ``nn_module_stack``, in ``named_modules``
-    form (``layers.0.attn``; Dynamo writes ``L['self'].layers[0].attn`` or
-    ``L['self']._modules['layers']._modules['0'].attn``)."""
+    form (``layers.0.attn``; Dynamo writes ``L['self'].layers[0].attn``,
+    ``L['self']._modules['layers']._modules['0'].attn`` or ``L['args'][0].layers.0.attn``)."""
     if not stack:
         return None
     entry = list(stack.values())[-1]
     text = entry[0] if isinstance(entry, tuple) else str(entry)
-    text = re.sub(r"^L\['self'\]", "", text)
+    # The root: L['self'], or L['args'][0] when the model was called with keywords.
+    text = re.sub(r"^L(\[[^\]]*\])+", "", text)
     text = re.sub(r"\._modules\['([^']*)'\]", r".\1", text)
     text = re.sub(r"\[(\d+)\]", r".\1", text)
     text = re.sub(r"\['([^']*)'\]", r".\1", text)
@@ -280,7 +281,7 @@ def profile_compiled(
     """Trace a copy of the module that ``compiled`` (a ``torch.compile`` wrapper) calls,
     as ``backend`` (default: the wrapper's own) would, and keep its joint graphs.
     ``keep`` chooses sub-modules of the layers to keep whole (never recomputed)."""
-    from .profiler import find_layers
+    from .profiler import _fresh_inputs, find_layers
 
     original = _compat.compiled_original(compiled)
     if original is None:
@@ -311,7 +312,7 @@ def profile_compiled(
     try:
         with _compat.many_recompiles():
             step = torch.compile(model, backend=traced, dynamic=False)
-            given = _detached(inputs)
+            given = _fresh_inputs(inputs)
             output = call_model(step, given)
             outside = _StorageCounter(model, given)
             with torch.autograd.graph.saved_tensors_hooks(outside.pack, lambda t: t):
@@ -347,8 +348,9 @@ class _StorageCounter:
     inputs excluded, each storage once)."""
 
     def __init__(self, model: nn.Module, inputs: Any) -> None:
-        held = [*model.parameters(), *model.buffers()]
-        held += [t for t in _flat(inputs) if isinstance(t, torch.Tensor)]
+        from .profiler import _tensors
+
+        held = [*model.parameters(), *model.buffers(), *_tensors(inputs)]
         self._seen = {StorageWeakRef(t.untyped_storage()) for t in held}
         self.nbytes = 0
 
@@ -358,24 +360,6 @@ class _StorageCounter:
             self._seen.add(key)
             self.nbytes += int(t.untyped_storage().nbytes())
         return t
-
-
-def _flat(tree: Any) -> list[Any]:
-    if isinstance(tree, (tuple, list)):
-        return [x for v in tree for x in _flat(v)]
-    if isinstance(tree, dict):
-        return [x for v in tree.values() for x in _flat(v)]
-    return [tree]
-
-
-def _detached(inputs: Any) -> Any:
-    if isinstance(inputs, torch.Tensor):
-        return inputs.detach().clone().requires_grad_(inputs.requires_grad)
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(_detached(v) for v in inputs)
-    if isinstance(inputs, dict):
-        return {k: _detached(v) for k, v in inputs.items()}
-    return inputs
 
 
 def _kept_regions(
@@ -482,7 +466,6 @@ def _reason(kept: tuple[str, ...] | list[str]) -> str:
 
 __all__ = [
     "MIN_BUDGET",
-    "PARTITIONER",
     "CompiledProfile",
     "PartitionOutcome",
     "make_compiled_plan",
