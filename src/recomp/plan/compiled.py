@@ -61,6 +61,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .._modelcall import call_model, default_loss
 from ..torch import _compat
+from ._layers import _fresh_inputs, _tensors, find_layers
 from .budget import Budget, BudgetTooSmallError, parse_budget
 from .planfile import LayerPlan, Plan, partitioner_option
 
@@ -281,7 +282,6 @@ def profile_compiled(
     """Trace a copy of the module that ``compiled`` (a ``torch.compile`` wrapper) calls,
     as ``backend`` (default: the wrapper's own) would, and keep its joint graphs.
     ``keep`` chooses sub-modules of the layers to keep whole (never recomputed)."""
-    from .profiler import _fresh_inputs, find_layers
 
     original = _compat.compiled_original(compiled)
     if original is None:
@@ -348,8 +348,6 @@ class _StorageCounter:
     inputs excluded, each storage once)."""
 
     def __init__(self, model: nn.Module, inputs: Any) -> None:
-        from .profiler import _tensors
-
         held = [*model.parameters(), *model.buffers(), *_tensors(inputs)]
         self._seen = {StorageWeakRef(t.untyped_storage()) for t in held}
         self.nbytes = 0

@@ -40,7 +40,7 @@ import gc
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,80 +50,18 @@ from torch.utils import flop_counter
 
 from .._modelcall import call_model, default_loss, flop_formulas
 from ..torch import _compat
-from ..torch._backend import BACKEND
 from ..torch._collective_cache import kept_results
 from ..torch._compat import TorchDispatchMode
+from ._layers import LayerSpec, _fresh_inputs, _tensors, find_layers
 from .planfile import NO_CHECKPOINT, exclude_option
 from .planner import LayerProfile, OptionProfile, OptionSlot, Profile, RegionProfile
 from .policy import expensive_ops, selective_context_fn
-
-LayerSpec = Callable[[nn.Module], bool] | Sequence[str] | None
 
 # More candidates than this: only single exclusions and all of them together are options.
 MAX_COMBINED = 5
 
 
 # --------------------------------------------------------------------------- finding layers
-
-
-def find_layers(model: nn.Module, layers: LayerSpec = None) -> list[tuple[str, nn.Module]]:
-    """The checkpointable layers: ``model.layers`` by default (or the one ``nn.ModuleList``
-    named ``layers`` below the model, as ``model.model.layers`` of a Hugging Face causal
-    LM; else, on a Hugging Face model, the outermost sub-modules whose class its
-    ``_no_split_modules`` names: its decoder or encoder layers), the sub-modules for which
-    a predicate holds (outermost matches), or sub-module paths."""
-    if layers is None:
-        stack = getattr(model, "layers", None)
-        if stack is None:
-            # Wrapped stacks (model.model.layers in HF causal LMs): one ModuleList "layers".
-            lists = [
-                m
-                for name, m in model.named_modules()
-                if name.rpartition(".")[2] == "layers" and isinstance(m, nn.ModuleList)
-            ]
-            if len(lists) == 1:
-                stack = lists[0]
-        if stack is None:
-            names = _compat.hf_no_split_modules(model)
-            if names:
-                return find_layers(model, lambda m: type(m).__name__ in names)
-            raise ValueError(
-                f"{type(model).__name__} has no attribute `layers` (nor one nn.ModuleList named "
-                "`layers` below it, nor Hugging Face's _no_split_modules): pass layers= (a "
-                "predicate such as lambda m: isinstance(m, DecoderLayer), or a list of "
-                "sub-module paths)"
-            )
-        prefix = _path_of(model, stack)
-        return [(f"{prefix}.{i}" if prefix else str(i), m) for i, m in enumerate(stack)]
-    if callable(layers):
-        found: list[tuple[str, nn.Module]] = []
-
-        def visit(module: nn.Module, path: str) -> None:
-            for name, child in module.named_children():
-                child_path = f"{path}.{name}" if path else name
-                if layers(child):  # type: ignore[operator]
-                    found.append((child_path, child))
-                else:
-                    visit(child, child_path)
-
-        visit(model, "")
-        if not found:
-            raise ValueError("the layers= predicate matched no sub-module of the model")
-        return found
-    out = []
-    for path in layers:
-        try:
-            out.append((path, model.get_submodule(path)))
-        except AttributeError as exc:
-            raise ValueError(f"layers=: the model has no sub-module {path!r}") from exc
-    return out
-
-
-def _path_of(model: nn.Module, target: nn.Module) -> str:
-    for name, module in model.named_modules():
-        if module is target:
-            return name
-    raise ValueError("model.layers is not a sub-module of the model (use an nn.ModuleList)")
 
 
 def find_candidates(
@@ -251,11 +189,6 @@ def _local_tensor(t: torch.Tensor) -> torch.Tensor | None:
     return inner[0] if len(inner) == 1 else None
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    leaves, _ = BACKEND.flatten(tree)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-
-
 class _Recorder(TorchDispatchMode):
     """Saved tensors and ATen ops of one forward, in one sequence, tagged by layer and
     candidate region.
@@ -345,9 +278,7 @@ class _Recorder(TorchDispatchMode):
                 layer.register_forward_pre_hook(self.layer_enter(index, path), with_kwargs=True)
             )
             handles.append(
-                layer.register_forward_hook(
-                    self.layer_exit(index), always_call=True, prepend=True
-                )
+                layer.register_forward_hook(self.layer_exit(index), always_call=True, prepend=True)
             )
             for c, (_, region) in enumerate(candidates[index]):
                 handles.append(
@@ -778,23 +709,6 @@ class _Timer:
             handle.remove()
 
 
-def _fresh_inputs(inputs: Any) -> Any:
-    """Copies of the input tensors, so that the profile's backward leaves the user's alone."""
-
-    def fresh(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.detach().clone().requires_grad_(x.requires_grad)
-        if isinstance(x, tuple):
-            return tuple(fresh(v) for v in x)
-        if isinstance(x, list):
-            return [fresh(v) for v in x]
-        if isinstance(x, dict):
-            return {k: fresh(v) for k, v in x.items()}
-        return x
-
-    return fresh(inputs)
-
-
 def _device_of(model: nn.Module, inputs: Any) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -866,9 +780,7 @@ def profile(
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     if not isinstance(exclude_collectives, bool):
-        raise ValueError(
-            f"exclude_collectives must be True or False, got {exclude_collectives!r}"
-        )
+        raise ValueError(f"exclude_collectives must be True or False, got {exclude_collectives!r}")
     clocks = {"wall": time.perf_counter, "cpu": time.process_time}
     if clock not in clocks:
         raise ValueError(f"clock is 'wall' or 'cpu', got {clock!r}")

@@ -1,0 +1,97 @@
+"""Finding a model's checkpointable layers, and copying its inputs: what the eager and
+the compiled profiles share (``profiler``, ``compiled``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..torch import _compat
+from ..torch._backend import BACKEND
+
+LayerSpec = Callable[[nn.Module], bool] | Sequence[str] | None
+
+
+def find_layers(model: nn.Module, layers: LayerSpec = None) -> list[tuple[str, nn.Module]]:
+    """The checkpointable layers: ``model.layers`` by default (or the one ``nn.ModuleList``
+    named ``layers`` below the model, as ``model.model.layers`` of a Hugging Face causal
+    LM; else, on a Hugging Face model, the outermost sub-modules whose class its
+    ``_no_split_modules`` names: its decoder or encoder layers), the sub-modules for which
+    a predicate holds (outermost matches), or sub-module paths."""
+    if layers is None:
+        stack = getattr(model, "layers", None)
+        if stack is None:
+            # Wrapped stacks (model.model.layers in HF causal LMs): one ModuleList "layers".
+            lists = [
+                m
+                for name, m in model.named_modules()
+                if name.rpartition(".")[2] == "layers" and isinstance(m, nn.ModuleList)
+            ]
+            if len(lists) == 1:
+                stack = lists[0]
+        if stack is None:
+            names = _compat.hf_no_split_modules(model)
+            if names:
+                return find_layers(model, lambda m: type(m).__name__ in names)
+            raise ValueError(
+                f"{type(model).__name__} has no attribute `layers` (nor one nn.ModuleList named "
+                "`layers` below it, nor Hugging Face's _no_split_modules): pass layers= (a "
+                "predicate such as lambda m: isinstance(m, DecoderLayer), or a list of "
+                "sub-module paths)"
+            )
+        prefix = _path_of(model, stack)
+        return [(f"{prefix}.{i}" if prefix else str(i), m) for i, m in enumerate(stack)]
+    if callable(layers):
+        found: list[tuple[str, nn.Module]] = []
+
+        def visit(module: nn.Module, path: str) -> None:
+            for name, child in module.named_children():
+                child_path = f"{path}.{name}" if path else name
+                if layers(child):  # type: ignore[operator]
+                    found.append((child_path, child))
+                else:
+                    visit(child, child_path)
+
+        visit(model, "")
+        if not found:
+            raise ValueError("the layers= predicate matched no sub-module of the model")
+        return found
+    out = []
+    for path in layers:
+        try:
+            out.append((path, model.get_submodule(path)))
+        except AttributeError as exc:
+            raise ValueError(f"layers=: the model has no sub-module {path!r}") from exc
+    return out
+
+
+def _path_of(model: nn.Module, target: nn.Module) -> str:
+    for name, module in model.named_modules():
+        if module is target:
+            return name
+    raise ValueError("model.layers is not a sub-module of the model (use an nn.ModuleList)")
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    leaves, _ = BACKEND.flatten(tree)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def _fresh_inputs(inputs: Any) -> Any:
+    """Copies of the input tensors, so that the profile's backward leaves the user's alone."""
+
+    def fresh(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone().requires_grad_(x.requires_grad)
+        if isinstance(x, tuple):
+            return tuple(fresh(v) for v in x)
+        if isinstance(x, list):
+            return [fresh(v) for v in x]
+        if isinstance(x, dict):
+            return {k: fresh(v) for k, v in x.items()}
+        return x
+
+    return fresh(inputs)
