@@ -11,13 +11,18 @@ The MindSpore twin of ``examples/tp.py``: each layer has two column-parallel
 then row-parallel MLPs. Two custom autograd functions carry the communication,
 as in Megatron-LM: ``f`` (identity forward, all-reduce of the gradient in
 backward) in front of each column-parallel dense, ``g`` (all-reduce forward,
-identity backward) after each row-parallel dense. Plain ``ops.AllReduce`` is
-not used for ``g`` because its own backward all-reduces the gradient again.
+identity backward) after each row-parallel dense, in a sub-cell of its own.
 
-Every layer is a ``recomp.mindspore`` checkpoint and ``g`` is an excluded
-region. The script computes gradients in several variants from the same
-weights and data, counts the collectives per phase and checks that gradients
-are equal bit for bit and that the parallel model matches the dense one.
+Every layer is a ``recomp.mindspore`` checkpoint. The cell around ``g`` is an
+excluded region, given by hand (``exclude_fn``) or found by the checkpoint
+(``exclude_collectives=True``, the default); ``exclude_collectives=False``
+without a hand-made exclusion lets the replay all-reduce again. A second model
+uses a plain ``ops.AllReduce`` primitive (whose backward all-reduces the
+gradient) in that sub-cell: the checkpoint excludes it too, and its recorded
+backward runs once. The script computes gradients in all these variants from
+the same weights and data, counts the collectives per phase and checks that
+gradients are equal bit for bit to the same model without checkpoints and that
+the parallel model matches the dense one.
 """
 
 from __future__ import annotations
@@ -78,10 +83,22 @@ class ReduceFromTP(nn.Cell):
         return ReduceFromTensorParallel.apply(x) if self.parallel else x
 
 
+class PlainAllReduce(nn.Cell):
+    """A plain ``ops.AllReduce``: its backward all-reduces the gradient as well."""
+
+    def __init__(self, parallel: bool) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.all_reduce = ops.AllReduce()
+
+    def construct(self, x: Any) -> Any:
+        return self.all_reduce(x) if self.parallel else x
+
+
 class ParallelMLP(nn.Cell):
     """Column-parallel dense (output split), GELU, row-parallel dense (input split)."""
 
-    def __init__(self, tp: int) -> None:
+    def __init__(self, tp: int, plain: bool = False) -> None:
         super().__init__()
         self.parallel = tp > 1
         local = FFN // tp
@@ -89,7 +106,7 @@ class ParallelMLP(nn.Cell):
         self.b1 = ms.Parameter(ms.Tensor(np.zeros((local,), np.float32)))
         self.w2 = ms.Parameter(ms.Tensor(np.zeros((HIDDEN, local), np.float32)))
         self.b2 = ms.Parameter(ms.Tensor(np.zeros((HIDDEN,), np.float32)))
-        self.reduce = ReduceFromTP(self.parallel)
+        self.reduce = (PlainAllReduce if plain else ReduceFromTP)(self.parallel)
 
     def construct(self, x: Any) -> Any:
         if self.parallel:
@@ -99,12 +116,12 @@ class ParallelMLP(nn.Cell):
 
 
 class Block(nn.Cell):
-    def __init__(self, tp: int) -> None:
+    def __init__(self, tp: int, plain: bool = False) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm((HIDDEN,))
-        self.mlp1 = ParallelMLP(tp)
+        self.mlp1 = ParallelMLP(tp, plain)
         self.norm2 = nn.LayerNorm((HIDDEN,))
-        self.mlp2 = ParallelMLP(tp)
+        self.mlp2 = ParallelMLP(tp, plain)
 
     def construct(self, x: Any) -> Any:
         x = x + self.mlp1(self.norm1(x))
@@ -112,11 +129,12 @@ class Block(nn.Cell):
 
 
 class Model(nn.Cell):
-    """``tp=1`` is the dense model: same code, full weights, no communication."""
+    """``tp=1`` is the dense model: same code, full weights, no communication.
+    ``plain``: the row-parallel all-reduce is a plain ``ops.AllReduce``."""
 
-    def __init__(self, tp: int) -> None:
+    def __init__(self, tp: int, plain: bool = False) -> None:
         super().__init__()
-        self.layers = nn.CellList([Block(tp) for _ in range(LAYERS)])
+        self.layers = nn.CellList([Block(tp, plain) for _ in range(LAYERS)])
 
     def construct(self, x: Any) -> Any:
         for layer in self.layers:
@@ -146,23 +164,33 @@ def shard(name: str, full: np.ndarray, rank: int, tp: int) -> np.ndarray:
     return full  # norms and the row-parallel bias are replicated
 
 
-# variant -> (exclude g?, checkpoint options)
+# variant -> (exclude g by hand?, checkpoint options)
 # recomp.mindspore's default is early_stop=False (MindSpore 2.10 fails when an early
 # stop ends inside a dropout; this model has none), so the early-stop variants ask for it.
+NO_EXCLUSION = {"exclude_collectives": False}
 VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
     "recomp": (True, {"early_stop": True}),
-    "recomp_no_exclusion": (False, {"early_stop": True}),
+    "recomp_no_exclusion": (False, {"early_stop": True, **NO_EXCLUSION}),
     "recomp_full_replay": (True, {"early_stop": False}),
-    "recomp_full_replay_no_exclusion": (False, {"early_stop": False}),
+    "recomp_full_replay_no_exclusion": (False, {"early_stop": False, **NO_EXCLUSION}),
+    # No exclusion by hand: the checkpoint finds the cell around g (exclude_collectives).
+    "recomp_collectives_excluded": (False, {"early_stop": True}),
+    "recomp_full_replay_collectives_excluded": (False, {}),
+}
+AUTO_EXCLUDED = ("recomp_collectives_excluded", "recomp_full_replay_collectives_excluded")
+# The model with a plain ops.AllReduce, against itself without checkpoints.
+PLAIN_VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
+    "plain_recomp": (False, {}),
+    "plain_recomp_no_exclusion": (False, NO_EXCLUSION),
 }
 
 
 def build(variant: str, rank: int, tp: int, dense: dict[str, np.ndarray]) -> nn.Cell:
-    model = Model(tp)
+    model = Model(tp, plain=variant.startswith("plain_"))
     for p in model.get_parameters():
         p.set_data(ms.Tensor(np.ascontiguousarray(shard(p.name, dense[p.name], rank, tp))))
-    if variant != "reference":
-        exclude, options = VARIANTS[variant]
+    if variant not in ("reference", "plain_reference"):
+        exclude, options = {**VARIANTS, **PLAIN_VARIANTS}[variant]
         apply_activation_checkpointing(
             model,
             checkpoint_fn=lambda c: isinstance(c, Block),
@@ -197,19 +225,20 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
     x = ms.Tensor(np.random.default_rng(1).standard_normal((BATCH, HIDDEN)).astype(np.float32))
     report: dict[str, Any] = {"title": "MindSpore tensor parallel", "rank": rank, "variants": {}}
     grads, losses = {}, {}
-    for variant in ("reference", *VARIANTS):
+    for variant in ("reference", *VARIANTS, "plain_reference", *PLAIN_VARIANTS):
         model = build(variant, rank, world_size, dense)
         with count_collectives() as counts:
             grads[variant], losses[variant] = gradients(model, x)
         entry: dict[str, Any] = {"counts": counts.as_dict(), "exclusions": exclude_stats(model)}
-        if variant != "reference":
-            ref = grads["reference"]
+        reference = "plain_reference" if variant.startswith("plain_") else "reference"
+        if variant != reference:
+            ref = grads[reference]
             entry["grads_vs_reference"] = {
                 "same_names": set(grads[variant]) == set(ref),
                 "bitwise_equal": set(grads[variant]) == set(ref)
                 and all(np.array_equal(grads[variant][n], ref[n]) for n in ref),
             }
-            entry["loss_equal"] = bool(np.array_equal(losses[variant], losses["reference"]))
+            entry["loss_equal"] = bool(np.array_equal(losses[variant], losses[reference]))
         report["variants"][variant] = entry
 
     dense_grads, dense_loss = gradients(build("reference", 0, 1, dense), x)
@@ -225,6 +254,17 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
     report["layers"] = LAYERS
     report["checks"] = checks = tensor_parallel_checks(
         report, layers=LAYERS, variants=VARIANTS, equal_key="loss_equal", dense_key="loss_rel_diff"
+    )
+    variants = report["variants"]
+    checks["replay issues no collective (exclusions found by the checkpoint)"] = all(
+        variants[k]["counts"]["replay"] == {} for k in AUTO_EXCLUDED
+    )
+    checks["plain AllReduce: gradients bit-for-bit equal to the model without recomp"] = all(
+        variants[k]["grads_vs_reference"]["bitwise_equal"] and variants[k]["loss_equal"]
+        for k in PLAIN_VARIANTS
+    )
+    checks["plain AllReduce: replay issues no collective (exclude_collectives)"] = (
+        variants["plain_recomp"]["counts"]["replay"] == {}
     )
     report["ok"] = all(checks.values())
     return report

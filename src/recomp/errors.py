@@ -69,7 +69,8 @@ class ForeignCheckpointWarning(UserWarning):
 
 class CollectiveReplayedWarning(UserWarning):
     """A checkpoint's replay runs a collective again instead of reading the result its
-    forward kept (the result was changed in place, or was not kept)."""
+    forward kept (the result was changed in place, or was not kept); on MindSpore, a
+    collective that runs in recomputed code outside every excluded region."""
 
 
 class WrapperNotReachedWarning(UserWarning):

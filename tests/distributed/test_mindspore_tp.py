@@ -1,10 +1,12 @@
 """MindSpore tensor parallelism on 2 workers started with msrun (examples/mindspore_tp.py).
 
 The row-parallel all-reduce (a ``_Function``: ``ops.AllReduce`` forward,
-identity backward) is an excluded region of a ``recomp.mindspore`` checkpoint.
+identity backward) is an excluded region of a ``recomp.mindspore`` checkpoint,
+given by hand or found by the checkpoint (``exclude_collectives``, the default).
 Fails if the replay issues an all-reduce with the exclusion, or not the
-expected ones without it, or if a gradient differs by a single bit from the
-model without checkpoints.
+expected ones with ``exclude_collectives=False``, or if a gradient differs by a
+single bit from the model without checkpoints; also for a model whose
+all-reduce is a plain ``ops.AllReduce`` (its own backward all-reduces again).
 """
 
 from __future__ import annotations
@@ -83,7 +85,36 @@ def test_excluded_all_reduce_is_not_replayed(reports, variant):
         assert skips == [1] * (2 * layers)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+AUTO_EXCLUDED = ["recomp_collectives_excluded", "recomp_full_replay_collectives_excluded"]
+PLAIN = ["plain_recomp", "plain_recomp_no_exclusion"]
+
+
+@pytest.mark.parametrize("variant", [*AUTO_EXCLUDED, "plain_recomp"])
+def test_checkpoint_excludes_the_communicating_cells(reports, variant):
+    # No exclude_fn: the cell around the all-reduce is excluded by exclude_collectives.
+    layers = reports[0]["layers"]
+    reference = "plain_reference" if variant.startswith("plain") else "reference"
+    for r in reports:
+        v = r["variants"][variant]
+        assert v["counts"]["replay"] == {}, v["counts"]
+        ref = r["variants"][reference]["counts"]
+        assert (v["counts"]["forward"], v["counts"]["backward"]) == (ref["forward"], ref["backward"])
+        assert v["counts"]["forward"] == {"all_reduce": 2 * layers}
+        names = [f"layers.{i}.mlp{j}.reduce" for i in range(layers) for j in (1, 2)]
+        assert sorted(v["exclusions"]) == names, v["exclusions"]
+        assert all(s["runs"] == 1 for s in v["exclusions"].values()), v["exclusions"]
+
+
+def test_plain_all_reduce_is_replayed_with_exclude_collectives_off(reports):
+    # Control for the plain model: the counter sees its all-reduces when they replay.
+    layers = reports[0]["layers"]
+    for r in reports:
+        v = r["variants"]["plain_recomp_no_exclusion"]
+        assert v["counts"]["replay"] == {"all_reduce": 2 * layers}
+        assert v["exclusions"] == {}
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, *AUTO_EXCLUDED, *PLAIN])
 def test_gradients_bit_equal(reports, variant):
     for r in reports:
         v = r["variants"][variant]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,12 @@ from .._wrapping import CHECKPOINT_KWARGS, REGION, RegionCounters, check_callabl
 from . import _compat
 from ._backend import BACKEND, check_pynative
 from ._cache import adapt_cache_kwargs
+from ._communicating import (
+    communicating_cells,
+    issues_collectives,
+    warn_own_collective,
+    watch_first_forward,
+)
 from ._dropout import ReplayableDropout, is_unreplayable_dropout, make_dropout_replayable
 from ._early_stop import explain_stop_inside_an_op
 from ._graph_mode import pynative_only
@@ -24,6 +31,7 @@ def checkpoint(
     *args: Any,
     context_fn: Callable[[], tuple[Any, Any]] | None = None,
     use_reentrant: bool | None = None,
+    exclude_collectives: bool = True,
     **kwargs: Any,
 ) -> Any:
     """Checkpoint ``function(*args, **kwargs)`` with recomp's recompute state installed.
@@ -37,9 +45,20 @@ def checkpoint(
     MindSpore's own restore misses on CPU; ``save_rng_state=False`` turns that off.
     A Cell in training called with a KV cache gets it turned off, with a warning
     (see ``recomp.mindspore._cache``).
+
+    ``exclude_collectives`` (default True): if ``function`` is a Cell (or a Cell's
+    method), the sub-cells of it that issue collectives become excluded regions the
+    first time, so that the replay does not communicate; the first forward warns
+    about a collective that still runs in recomputed code (see NOTE [ Collectives
+    in a MindSpore checkpoint ]). False communicates again in the replay.
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
+    _engine.check_flag("exclude_collectives", exclude_collectives)
     check_pynative("checkpoint")
+    if exclude_collectives:
+        cell = BACKEND.module_of(function)
+        exclude_communicating_cells(cell, "checkpoint", once=True)
+        context_fn = watch_first_forward(cell, context_fn)
     if kwargs.setdefault("early_stop", False):
         context_fn = explain_stop_inside_an_op(context_fn)
     if BACKEND.grad_enabled():
@@ -105,9 +124,13 @@ class CheckpointWrapper(_NamesKept, _wrapping.WrapperMixin, nn.Cell):
     @pynative_only("checkpoint_wrapper")
     def construct(self, *args: Any, **kwargs: Any) -> Any:
         own = self._recomp_instance_method or super().construct
+        options = self._recomp_checkpoint_kwargs
         if self.mixed_precision_type is not None:  # set by auto_mixed_precision / to_float
             own = _compat.with_mixed_precision(own, self.mixed_precision_type)
-        return checkpoint(own, *args, **self._recomp_checkpoint_kwargs, **kwargs)
+            if options.get("exclude_collectives", True):
+                # The wrapped function is no Cell's method any more: watch this Cell.
+                options = {**options, "context_fn": watch_first_forward(self, options.get("context_fn"))}
+        return checkpoint(own, *args, **options, **kwargs)
 
     def extend_repr(self) -> str:
         own = ", ".join(f"{k}={v!r}" for k, v in self._recomp_checkpoint_kwargs.items())
@@ -161,6 +184,34 @@ class PlainFunction(nn.Cell):
         return f"function={default_name(self._recomp_function)}"
 
 
+# Cells whose communicating sub-cells a call of ``checkpoint`` already excluded (once each).
+_collectives_checked: weakref.WeakSet[nn.Cell] = weakref.WeakSet()
+
+
+def exclude_communicating_cells(cell: Any, api: str, *, once: bool = False) -> None:
+    """Make each innermost sub-cell of ``cell`` that issues collectives an excluded
+    region, and warn if ``cell`` issues one in its own code (see NOTE [ Collectives in
+    a MindSpore checkpoint ]). Every sub-cell is checked before any is wrapped. With
+    ``once`` (a ``checkpoint`` call, every step), only the first call for ``cell`` looks."""
+    if not isinstance(cell, nn.Cell):
+        return
+    if once:
+        if cell in _collectives_checked:
+            return
+        _collectives_checked.add(cell)
+    own, found = communicating_cells(
+        cell,
+        skip=lambda c: isinstance(c, (ExcludeWrapper, ReplayableDropout)),
+        can_exclude=lambda c: _wrapping.recomp_wrapper_of(c) is None,
+    )
+    if own:
+        warn_own_collective(cell, own, api)
+    for _, child, _ in found:
+        _wrapping.check_wrappable(_MODEL_OPS, child, ExcludeWrapper, api)
+    for path, child, _ in found:
+        checkpoint_exclude_wrapper(child, name=f"{type(cell).__name__}.{path}")
+
+
 def _check_reachable(cell: Any, api: str) -> None:
     """Raise if MindSpore would run ``cell`` without calling its ``construct`` attribute."""
     if _compat.recompute_called(cell):
@@ -183,13 +234,21 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     class :class:`recomp.mindspore.ReplayableDropout` the same way: the forward
     keeps their mask (one byte per element) and the replay applies it again, so
     the gradients are exact and neither the dropout's output nor its input is kept.
+
+    With ``exclude_collectives=True`` (the default) the innermost sub-cells that
+    issue collectives become excluded regions now (see :func:`checkpoint`);
+    ``unwrap`` takes them off with the rest.
     """
     check_callable(module, "checkpoint_wrapper", "Cell")
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
+    exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)
+    _engine.check_flag("exclude_collectives", exclude_collectives)
     if not isinstance(module, nn.Cell):
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
     warn_unhandled(BACKEND, module, "checkpoint_wrapper")
+    if exclude_collectives:
+        exclude_communicating_cells(module, "checkpoint_wrapper")
     _wrapping.wrap_in_place(
         _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
@@ -259,6 +318,10 @@ def apply_activation_checkpointing(
     ``copy_output_fn`` gives, for each excluded cell, its ``copy_output=`` option
     (see :func:`checkpoint_exclude_wrapper`). Each ``*_fn`` may also be a class or a
     tuple of classes, meaning ``isinstance(c, classes)``.
+
+    With ``exclude_collectives=True`` (the default), the innermost sub-cells inside a
+    checkpoint that issue collectives are excluded too (see :func:`checkpoint`);
+    ``exclude_collectives=False`` lets the replay communicate again.
     """
     select_checkpoint = _wrapping.as_predicate(checkpoint_fn, "checkpoint_fn", required=True)
     select_exclude = _wrapping.as_predicate(exclude_fn, "exclude_fn")
@@ -266,6 +329,9 @@ def apply_activation_checkpointing(
     _wrapping.check_option_fns(select_exclude, copy_output_fn=select_copy)
     choose_copy = select_copy or (lambda c: False)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
+    exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)
+    _engine.check_flag("exclude_collectives", exclude_collectives)
+    communicates = issues_collectives() if exclude_collectives else (lambda c: False)
     return _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
         model,
@@ -273,7 +339,7 @@ def apply_activation_checkpointing(
         select_exclude,
         lambda c: checkpoint_wrapper(c, **checkpoint_kwargs),
         lambda c, path: checkpoint_exclude_wrapper(c, name=path, copy_output=bool(choose_copy(c))),
-        also_exclude=is_unreplayable_dropout,
+        also_exclude=lambda c: is_unreplayable_dropout(c) or communicates(c),
     )
 
 

@@ -120,16 +120,45 @@ _FUNCTION_MODULES = (
 )
 
 
+def primitive_classes() -> dict[type, str]:
+    """The communication primitive classes this MindSpore has -> their class name."""
+    from mindspore.ops.operations import comm_ops
+
+    classes = (getattr(comm_ops, name, None) for name in _PRIMITIVES)
+    return {cls: cls.__name__ for cls in classes if isinstance(cls, type)}
+
+
+def collective_functions() -> dict[int, str]:
+    """``id`` of each functional collective (as the modules hold it now, and the
+    original behind a counter's wrapping) -> its name."""
+    found: dict[int, str] = {}
+    for module_name in _FUNCTION_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name in _FUNCTIONS:
+            fn = module.__dict__.get(name)
+            while callable(fn):
+                found[id(fn)] = name
+                fn = getattr(fn, "__wrapped__", None) if getattr(fn, "__recomp_counted__", False) else None
+    return found
+
+
 class _Counter:
-    """The active counters (a stack: blocks may nest) and the wrapped entry points."""
+    """The active counters (a stack: blocks may nest), the watchers of the checkpoint
+    forwards (``recomp.mindspore._communicating``) and the wrapped entry points."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.active: list[tuple[CollectiveCounts, Callable[[], bool]]] = []
+        self.watchers: list[Callable[[str], None]] = []
         self.restore: list[tuple[Any, str, Any]] = []
         self.local = threading.local()
 
     def count(self, kind: str, op: str) -> None:
+        for watcher in list(self.watchers):
+            watcher(op)
         if not self.active:
             return
         counts, is_replaying = self.active[-1]
@@ -194,6 +223,23 @@ _COUNTER = _Counter()
 
 
 @contextlib.contextmanager
+def watch_collectives(watcher: Callable[[str], None]) -> Iterator[None]:
+    """Call ``watcher(op)`` for each collective entry point called while the block runs
+    (outermost calls only, as counted). For recomp's own checks; counts are unchanged."""
+    with _COUNTER.lock:
+        if not _COUNTER.active and not _COUNTER.watchers:
+            _COUNTER.install()
+        _COUNTER.watchers.append(watcher)
+    try:
+        yield
+    finally:
+        with _COUNTER.lock:
+            _COUNTER.watchers.remove(watcher)
+            if not _COUNTER.active and not _COUNTER.watchers:
+                _COUNTER.uninstall()
+
+
+@contextlib.contextmanager
 def count_collectives(
     *, is_replaying: Callable[[], bool] | None = None
 ) -> Iterator[CollectiveCounts]:
@@ -206,7 +252,7 @@ def count_collectives(
     counts = CollectiveCounts()
     entry = (counts, is_replaying or DEFAULT_IS_REPLAYING)
     with _COUNTER.lock:
-        if not _COUNTER.active:
+        if not _COUNTER.active and not _COUNTER.watchers:
             _COUNTER.install()
         _COUNTER.active.append(entry)
     try:
@@ -214,5 +260,5 @@ def count_collectives(
     finally:
         with _COUNTER.lock:
             _COUNTER.active.remove(entry)
-            if not _COUNTER.active:
+            if not _COUNTER.active and not _COUNTER.watchers:
                 _COUNTER.uninstall()
