@@ -47,6 +47,7 @@ also includes what the compiled kernels allocate around it, which ``recomp plan
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import warnings
@@ -94,6 +95,8 @@ class _Joint:
     graph: Any
     inputs: Any
     kwargs: dict[str, Any]
+    context: Any  # the tracing context it was partitioned in
+    fake_mode: Any  # the fake-tensor mode of its values
 
 
 class CompiledProfile:
@@ -171,10 +174,17 @@ class CompiledProfile:
         backwards = []
         paths = [path for path, _ in self.layers]
         for joint in self._joints:
-            with _compat.activation_memory_budget(memory_budget), warnings.catch_warnings():
+            # As AOTAutograd partitions: in the graph's tracing context and fake mode
+            # (Inductor's joint-graph passes trace replacements that make new tensors).
+            with (
+                _compat.in_tracing_context(joint.context),
+                joint.fake_mode or contextlib.nullcontext(),
+                _compat.activation_memory_budget(memory_budget),
+                warnings.catch_warnings(),
+            ):
                 warnings.simplefilter("ignore")
                 forward, backward = self._partition(
-                    copy.deepcopy(joint.graph), joint.inputs, **dict(joint.kwargs)
+                    _copy_graph(joint.graph), joint.inputs, **dict(joint.kwargs)
                 )
             nbytes, layer_bytes = _saved_activations(
                 forward, joint.kwargs["num_fwd_outputs"], paths
@@ -199,6 +209,15 @@ class CompiledProfile:
             "outside_bytes": self.outside_bytes,
             "notes": list(self.notes),
         }
+
+
+def _copy_graph(module: Any) -> Any:
+    """A copy of a traced graph module that partitioning may change: new nodes, the same
+    fake tensors in their ``meta`` (a deep copy would make new ones, of a new fake mode,
+    which Inductor's joint-graph passes then mix with the graph inputs' mode)."""
+    copied = torch.fx.GraphModule(module, copy.deepcopy(module.graph))
+    copied.meta = dict(getattr(module, "meta", {}))
+    return copied
 
 
 def _module_path(stack: dict[str, Any] | None) -> str | None:
@@ -304,8 +323,9 @@ def profile_compiled(
         apply_plan(model, compiled_plan_layers(found, kept_regions))
     joints: list[_Joint] = []
 
-    def on_joint(joint: Any, joint_inputs: Any, kwargs: dict[str, Any]) -> None:
-        joints.append(_Joint(copy.deepcopy(joint), joint_inputs, kwargs))
+    def on_joint(joint: Any, joint_inputs: Any, kwargs: dict[str, Any], context: Any) -> None:
+        mode = _compat.fake_mode_of(list(joint_inputs))
+        joints.append(_Joint(_copy_graph(joint), joint_inputs, kwargs, context, mode))
 
     traced, partition = _compat.partitioning_backend(backend, on_joint)
     rng = torch.get_rng_state()

@@ -1038,8 +1038,11 @@ PLANNABLE_BACKENDS = ("inductor", "aot_eager")
 def partitioning_backend(backend: str, on_joint: Callable[..., None]) -> tuple[Any, Any]:
     """A ``torch.compile`` backend that traces like ``backend`` up to the partition of the
     joint forward-backward graph and runs the graphs without compiling them, and the
-    partition function ``backend`` uses. ``on_joint(joint, joint_inputs, kwargs)`` sees
-    each joint graph before it is partitioned (it must not change it).
+    partition function ``backend`` uses. ``on_joint(joint, joint_inputs, kwargs,
+    context)`` sees each joint graph before it is partitioned (it must not change it),
+    with the tracing context it is partitioned in: partitioning it again later must
+    happen inside that context (``in_tracing_context``), where Inductor's joint-graph
+    passes find the fake-tensor mode of the graph's constants.
 
     Why: the planner for compiled models asks the partitioner what it saves at several
     memory budgets. It needs the joint graph as the backend's partitioner gets it:
@@ -1055,6 +1058,7 @@ def partitioning_backend(backend: str, on_joint: Callable[..., None]) -> tuple[A
     from functorch.compile import make_boxed_compiler
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._guards import TracingContext
 
     if backend not in PLANNABLE_BACKENDS:
         raise ValueError(
@@ -1071,7 +1075,7 @@ def partitioning_backend(backend: str, on_joint: Callable[..., None]) -> tuple[A
         partition = partition_fn
 
     def capture(joint: Any, joint_inputs: Any, **kwargs: Any) -> Any:
-        on_joint(joint, joint_inputs, dict(kwargs))
+        on_joint(joint, joint_inputs, dict(kwargs), TracingContext.try_get())
         return partition(joint, joint_inputs, **kwargs)
 
     def no_codegen(graph: Any, example_inputs: Any) -> Any:
@@ -1086,6 +1090,16 @@ def partitioning_backend(backend: str, on_joint: Callable[..., None]) -> tuple[A
         keep_inference_input_mutations=True,
     )
     return traced, partition
+
+
+def in_tracing_context(context: Any) -> contextlib.AbstractContextManager[Any]:
+    """Re-enter the tracing context a joint graph was partitioned in (see
+    ``partitioning_backend``; ``torch._guards.tracing``). Checked on 2.9.1 and 2.14.1.
+    If it changes: an ImportError when a compiled profile partitions.
+    Retired by: a public API to query the partitioner's choice at a budget."""
+    from torch._guards import tracing
+
+    return tracing(context) if context is not None else contextlib.nullcontext()
 
 
 def activation_memory_budget(budget: float) -> contextlib.AbstractContextManager[Any]:
