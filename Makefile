@@ -17,6 +17,11 @@ TITAN_PY := $(TITAN_VENV)/bin/python
 TITAN_REQUIREMENTS := requirements/torchtitan.txt
 TITAN_STAMP := $(TITAN_VENV)/.installed-$(shell cat pyproject.toml $(TITAN_REQUIREMENTS) | cksum | cut -d' ' -f1)
 
+# Test processes (pytest-xdist), each running whole files: the distributed tests' module
+# fixtures start their process groups once. Two fit this machine's two cores.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+
 .PHONY: demo test test-torch-range test-torchtitan lint typecheck unit clean
 
 $(STAMP): pyproject.toml
@@ -48,12 +53,12 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 unit: $(STAMP)
-	RECOMP_TEST_REQUIRE=torch,mindspore $(PY) -m pytest -q
+	RECOMP_TEST_REQUIRE=torch,mindspore $(PY) -m pytest -q $(PYTEST_PARALLEL)
 
 ## The PyTorch tests on the oldest supported PyTorch (2.9.1), in their own environment.
 ## The MindSpore tests skip there (MindSpore 2.10 needs numpy<2; the dev set runs them).
 test-torch-range: $(RANGE_STAMP)
-	RECOMP_TEST_REQUIRE=torch $(RANGE_PY) -m pytest -q
+	RECOMP_TEST_REQUIRE=torch $(RANGE_PY) -m pytest -q $(PYTEST_PARALLEL)
 
 ## The torchtitan recipe (examples/torchtitan) on torchtitan's llama3 debug model, in its
 ## own environment (torchtitan wants numpy 2). Optional: `make test` does not need it.
