@@ -8,6 +8,7 @@ without a checkpoint; the parent asserts on the report.
 from __future__ import annotations
 
 import gc
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -105,13 +106,24 @@ def step(
     }
 
 
-def storage_alive(t: torch.Tensor) -> Callable[[], bool]:
-    """Whether the storage of ``t`` is still allocated (held by anything, an alias too)."""
+def storage_alive(t: torch.Tensor, settle_s: float = 2.0) -> Callable[[], bool]:
+    """Whether the storage of ``t`` is still allocated (held by anything, an alias too).
+
+    A storage that is not kept can outlive its last Python reference for a moment: the
+    process group's worker thread drops its own reference to a collective's tensors
+    after the caller's wait returns. So the answer is "alive" only if the storage is
+    still there ``settle_s`` later (seen on PyTorch 2.9 with both cores busy)."""
     ref = weakref.ref(t.untyped_storage())
 
     def alive() -> bool:
-        gc.collect()
-        return ref() is not None
+        deadline = time.monotonic() + settle_s
+        while True:
+            gc.collect()
+            if ref() is None:
+                return False
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.01)
 
     return alive
 
