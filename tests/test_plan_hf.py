@@ -89,6 +89,17 @@ def test_planner_finds_the_decoder_layers_and_their_regions():
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100))
     assert [p for p, _ in find_layers(gpt2)] == ["transformer.h.0", "transformer.h.1"]
+    # BERT's _no_split_modules also names its embeddings: the layers are the stacked ones.
+    from transformers import BertConfig, BertForMaskedLM
+
+    bert = BertForMaskedLM(
+        BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            vocab_size=100,
+        )
+    )
+    assert "BertEmbeddings" in bert._no_split_modules
+    assert [p for p, _ in find_layers(bert)] == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
 
 
 def test_help_states_the_model_protocol():

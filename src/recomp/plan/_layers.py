@@ -19,7 +19,8 @@ def find_layers(model: nn.Module, layers: LayerSpec = None) -> list[tuple[str, n
     """The checkpointable layers: ``model.layers`` by default (or the one ``nn.ModuleList``
     named ``layers`` below the model, as ``model.model.layers`` of a Hugging Face causal
     LM; else, on a Hugging Face model, the outermost sub-modules whose class its
-    ``_no_split_modules`` names: its decoder or encoder layers), the sub-modules for which
+    ``_no_split_modules`` names, those in a ``ModuleList`` if any are: its decoder or
+    encoder layers, not BERT's embeddings), the sub-modules for which
     a predicate holds (outermost matches), or sub-module paths."""
     if layers is None:
         stack = getattr(model, "layers", None)
@@ -35,7 +36,15 @@ def find_layers(model: nn.Module, layers: LayerSpec = None) -> list[tuple[str, n
         if stack is None:
             names = _compat.hf_no_split_modules(model)
             if names:
-                return find_layers(model, lambda m: type(m).__name__ in names)
+                named = find_layers(model, lambda m: type(m).__name__ in names)
+                # _no_split_modules also names one-off modules (BERT's embeddings): the
+                # layers are the ones stacked in a ModuleList, where there are such.
+                stacked = [
+                    (path, m)
+                    for path, m in named
+                    if isinstance(model.get_submodule(path.rpartition(".")[0]), nn.ModuleList)
+                ]
+                return stacked or named
             raise ValueError(
                 f"{type(model).__name__} has no attribute `layers` (nor one nn.ModuleList named "
                 "`layers` below it, nor Hugging Face's _no_split_modules): pass layers= (a "
