@@ -108,6 +108,25 @@ def wrapped_class(mixin: type, base: type) -> type:
     return cls
 
 
+class FirstLooks:
+    """Modules a check already looked at. A check that runs on every call of
+    ``checkpoint`` (every step) looks at each module the first time only; weak
+    references, so a module dropped by the user is dropped here too."""
+
+    def __init__(self) -> None:
+        self._seen: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def __contains__(self, module: Any) -> bool:
+        return module in self._seen
+
+    def first(self, module: Any) -> bool:
+        """True the first time ``module`` is looked at, False after."""
+        if module in self._seen:
+            return False
+        self._seen.add(module)
+        return True
+
+
 def recomp_wrapper_of(module: Any) -> type | None:
     """The recomp mixin in ``module``'s class, or None."""
     for cls in type(module).__mro__:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -185,7 +184,7 @@ class PlainFunction(nn.Cell):
 
 
 # Cells whose communicating sub-cells a call of ``checkpoint`` already excluded (once each).
-_collectives_checked: weakref.WeakSet[nn.Cell] = weakref.WeakSet()
+_collectives_checked = _wrapping.FirstLooks()
 
 
 def exclude_communicating_cells(cell: Any, api: str, *, once: bool = False) -> None:
@@ -195,10 +194,8 @@ def exclude_communicating_cells(cell: Any, api: str, *, once: bool = False) -> N
     ``once`` (a ``checkpoint`` call, every step), only the first call for ``cell`` looks."""
     if not isinstance(cell, nn.Cell):
         return
-    if once:
-        if cell in _collectives_checked:
-            return
-        _collectives_checked.add(cell)
+    if once and not _collectives_checked.first(cell):
+        return
     own, found = communicating_cells(
         cell,
         skip=lambda c: isinstance(c, (ExcludeWrapper, ReplayableDropout)),

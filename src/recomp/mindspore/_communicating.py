@@ -39,6 +39,7 @@ from mindspore import nn
 from .._engine import ComposedContext
 from .._region import ACTIVE_REGION
 from .._state import get_recompute_state
+from .._wrapping import FirstLooks
 from ..errors import CollectiveReplayedWarning
 from . import collectives
 from ._compat import function_base
@@ -50,8 +51,8 @@ _LOADS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_FAST"}
 _ATTRS = {"LOAD_ATTR", "LOAD_METHOD"}
 
 # Checkpointed cells already warned about (once each) or already watched once.
-_warned: weakref.WeakSet[nn.Cell] = weakref.WeakSet()
-_watched: weakref.WeakSet[nn.Cell] = weakref.WeakSet()
+_warned = FirstLooks()
+_watched = FirstLooks()
 
 
 class _Search:
@@ -254,9 +255,8 @@ def communicating_cells(
 
 def warn_own_collective(cell: Any, how: str, api: str) -> None:
     """Warn once that ``cell``'s own code communicates, which its checkpoint replays."""
-    if cell in _warned:
+    if not _warned.first(cell):
         return
-    _warned.add(cell)
     name = type(cell).__name__
     warnings.warn(
         f"recomp.mindspore.{api}: {name} issues a collective in its own code ({how}), "
@@ -292,7 +292,7 @@ class _WatchFirstForward:
             return
         if ACTIVE_REGION.get() is not None:
             return  # inside an excluded region: runs once
-        _warned.add(cell)
+        _warned.first(cell)
         running = _innermost_cell(inspect.currentframe())
         name = type(cell).__name__
         if running is None or running is cell:
@@ -334,9 +334,8 @@ def watch_first_forward(
 ) -> Callable[[], tuple[Any, Any]] | None:
     """``context_fn`` whose forward context also watches this first call of ``cell``;
     ``context_fn`` itself for every later call."""
-    if not isinstance(cell, nn.Cell) or cell in _watched:
+    if not isinstance(cell, nn.Cell) or not _watched.first(cell):
         return context_fn
-    _watched.add(cell)
 
     def composed() -> tuple[Any, Any]:
         watch = _WatchFirstForward(cell)

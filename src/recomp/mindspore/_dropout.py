@@ -39,7 +39,6 @@ rebinds ``mindspore.nn.Dropout`` does not change what recomp looks for.
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -63,7 +62,7 @@ _DROPOUT_3D = _basic.Dropout3d
 _FAMILY = (_DROPOUT, _DROPOUT_1D, _DROPOUT_2D, _DROPOUT_3D)
 
 # Cells already made replayable by a call of ``checkpoint`` (each is looked at once).
-_checked: weakref.WeakSet[nn.Cell] = weakref.WeakSet()
+_checked = _wrapping.FirstLooks()
 
 
 def _keep_prob(cell: Any) -> float:
@@ -196,10 +195,8 @@ def make_dropout_replayable(
     ``checkpoint`` call, every step), only the first call for ``cell`` looks."""
     if not isinstance(cell, nn.Cell):
         return
-    if once:
-        if cell in _checked:
-            return
-        _checked.add(cell)
+    if once and not _checked.first(cell):
+        return
     unreplayable = []
     owner = type(cell).__name__
     for path, dropout in _dropout_cells(cell, "", model_ops.exclude_wrapper):

@@ -27,14 +27,13 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-import weakref
 from typing import Any
 
 from torch import nn
 
 from .. import _kv_cache
 from .._engine import ExcludedRegion
-from .._wrapping import CHECKPOINT_KWARGS
+from .._wrapping import CHECKPOINT_KWARGS, FirstLooks
 from ..errors import DoubleCheckpointError
 from . import _compat
 
@@ -121,14 +120,11 @@ def guard_model_cache(model: nn.Module) -> None:
 
 
 # HF models that already have the hook (applying recomp twice registers it once).
-_GUARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_GUARDED = FirstLooks()
 
 
 def _guarded(module: nn.Module) -> bool:
-    if module in _GUARDED:
-        return True
-    _GUARDED.add(module)
-    return False
+    return not _GUARDED.first(module)
 
 
 def _is_checkpointed_hf_layer(module: nn.Module) -> bool:
