@@ -180,6 +180,7 @@ CORE_ORDER = [
     "recomp._kv_cache",
     "recomp._collectives",
     "recomp._wrapping",
+    "recomp._report",
     "recomp._modelcall",
     "recomp._testing",
     "recomp",

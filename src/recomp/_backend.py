@@ -120,6 +120,11 @@ class Backend:
         bound method (a wrapper's ``forward``); None for any other function."""
         return None
 
+    def operation_name(self, obj: Any) -> str | None:
+        """The name of the framework operation ``obj``, if it is one (a MindSpore
+        primitive); None otherwise. Used to name what saved a tensor."""
+        return None
+
     def named_children(self, module: Any) -> list[tuple[str, Any]]:
         """``module``'s direct sub-modules, with their attribute names."""
         return []

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._backend import Backend
+from ._hooks import OBSERVERS
 from ._record import Invocation, invocation_of
 from ._region import ExcludedRegion, check_flag
 from ._running_stats import RestoreStatistics, replayed_statistics
@@ -170,6 +171,8 @@ def begin(
             key = backend.storage_key(leaf)
             if key is not None:
                 invocation.checkpoint_inputs.add(key, leaf)
+        for observer in OBSERVERS.get():
+            observer.checkpoint_started(invocation, function)
         if parent is not None:
             invocation_of(parent).children.append(invocation)
             # The parent's replay re-runs this call in full (see above) and needs

@@ -33,7 +33,12 @@ class RegionCall(Protocol):
 
 
 class RegionObserver:
-    """Watches excluded-region calls; every method does nothing unless overridden."""
+    """Watches checkpoint and excluded-region calls; every method does nothing unless
+    overridden."""
+
+    def checkpoint_started(self, invocation: Any, function: Any) -> None:
+        """A checkpoint call's forward begins (not its replay): ``invocation`` is its
+        record (``recomp._record.Invocation``), ``function`` what it checkpoints."""
 
     def region_started(self, call: RegionCall) -> None:
         """The region's forward is about to run."""

@@ -26,6 +26,7 @@ from ._api import (
     unwrap,
 )
 from ._dropout import ReplayableDropout
+from ._memory_report import record_saved_tensors
 
 __all__ = [
     "CheckpointWrapper",
@@ -35,5 +36,6 @@ __all__ = [
     "checkpoint",
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
+    "record_saved_tensors",
     "unwrap",
 ]

@@ -79,6 +79,9 @@ class MindSporeBackend(Backend):
         owner = getattr(fn, "__self__", fn)
         return owner if isinstance(owner, mindspore.nn.Cell) else None
 
+    def operation_name(self, obj: Any) -> str | None:
+        return type(obj).__name__ if isinstance(obj, ops.Primitive) else None
+
     def named_children(self, module: Any) -> list[tuple[str, Any]]:
         return [(n, c) for n, c in module.name_cells().items() if c is not None]
 

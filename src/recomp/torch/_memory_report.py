@@ -22,8 +22,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,121 +31,24 @@ from torch import nn
 
 from .._record import Invocation
 from .._region import ExcludedRegion, RegionCall, saved_by_region
+from .._report import (
+    CACHED,
+    CHECKPOINT_INPUT,
+    DEFERRED,
+    HELD_KINDS,
+    KEPT,
+    OFFLOADED,
+    OTHER_HOOK,
+    OUTSIDE,
+    REPLAYED,
+    RNG,
+    ReportRow,
+    SavedTensorsReport,
+)
 from .._state import PhaseContext
 from . import _compat
 from ._backend import BACKEND
 from ._offload import OffloadHandle
-
-KEPT = "kept by region"
-CACHED = "cached output"
-OFFLOADED = "offloaded (host)"
-CHECKPOINT_INPUT = "checkpoint input"
-REPLAYED = "replayed, awaiting backward"
-OUTSIDE = "saved outside checkpoints"
-OTHER_HOOK = "other saved-tensor hook"
-RNG = "random state (host)"
-DEFERRED = "deferred (not held)"
-
-#: The kinds of held rows, in billing order: a storage held by several is billed to the first.
-HELD_KINDS = (KEPT, OFFLOADED, CACHED, CHECKPOINT_INPUT, REPLAYED, OUTSIDE, OTHER_HOOK, RNG)
-
-
-@dataclass(frozen=True)
-class ReportRow:
-    """One storage held for backward (or, for ``kind == DEFERRED``, one that is not).
-
-    ``layer`` and ``region`` are module paths (``layers.0``, ``layers.0.attn``) when the
-    report was given the model, else the region's name and the layer's class; None
-    outside checkpointed layers and excluded regions. ``shape`` and ``dtype`` are those
-    of the saved tensor (a view may be smaller than its storage); ``bytes`` is the whole
-    storage's size.
-    """
-
-    layer: str | None
-    region: str | None
-    op: str
-    kind: str
-    bytes: int
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-
-
-@dataclass
-class SavedTensorsReport:
-    """What the autograd graph holds for backward; ``str()`` is a table."""
-
-    rows: list[ReportRow]
-    deferred: list[ReportRow] = field(default_factory=list)
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes held, each storage once (offloaded host copies included)."""
-        return sum(r.bytes for r in self.rows)
-
-    @property
-    def host_bytes(self) -> int:
-        """Bytes kept in host memory: offloaded copies and random states (on a GPU these
-        are not device memory)."""
-        return sum(r.bytes for r in self.rows if r.kind in (OFFLOADED, RNG))
-
-    @property
-    def deferred_bytes(self) -> int:
-        """Bytes the deferred inputs would have cost had their regions kept them."""
-        return sum(r.bytes for r in self.deferred)
-
-    def by_kind(self) -> dict[str, int]:
-        return _sum_by(self.rows, lambda r: r.kind)
-
-    def by_layer(self) -> dict[str | None, int]:
-        return _sum_by(self.rows, lambda r: r.layer)
-
-    def by_region(self) -> dict[str | None, int]:
-        return _sum_by(self.rows, lambda r: r.region)
-
-    def largest(self, n: int | None = None) -> list[ReportRow]:
-        rows = sorted(self.rows, key=lambda r: -r.bytes)
-        return rows if n is None else rows[:n]
-
-    def format(self, largest_first: bool = False, max_rows: int | None = None) -> str:
-        """The table: rows in forward order (or largest first), the deferred inputs, then
-        totals per kind."""
-        rows = self.largest() if largest_first else list(self.rows)
-        shown = rows if max_rows is None else rows[:max_rows]
-        header = ("layer", "region", "op", "kind", "shape", "dtype", "bytes")
-        cells = [_cells(r) for r in shown]
-        if len(shown) < len(rows):
-            rest = rows[len(shown) :]
-            more = f"... {len(rest)} more rows"
-            cells.append(("...", "", more, "", "", "", str(sum(r.bytes for r in rest))))
-        cells += [_cells(r) for r in self.deferred]
-        return _table(header, cells) + "\n\n" + self._totals()
-
-    def summary(self) -> str:
-        """One line per layer, region and kind: how many storages, how many bytes."""
-        groups: dict[tuple[str | None, str | None, str], list[int]] = {}
-        for row in self.rows + self.deferred:
-            group = groups.setdefault((row.layer, row.region, row.kind), [0, 0])
-            group[0] += 1
-            group[1] += row.bytes
-        header = ("layer", "region", "kind", "storages", "bytes")
-        cells = [
-            (layer or "-", region or "-", kind, str(n), str(nbytes))
-            for (layer, region, kind), (n, nbytes) in groups.items()
-        ]
-        return _table(header, cells) + "\n\n" + self._totals()
-
-    def _totals(self) -> str:
-        lines = [f"{kind:>28}  {_size(nbytes)}" for kind, nbytes in self.by_kind().items()]
-        lines.append(f"{'total held for backward':>28}  {_size(self.total_bytes)}")
-        if self.deferred:
-            lines.append(
-                f"{'deferred, not held':>28}  {_size(self.deferred_bytes)} (rebuilt by the replay)"
-            )
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.format()
 
 
 def saved_tensors_report(
@@ -543,43 +446,3 @@ def _op_name(node: Any) -> str:
     return _CAMEL.sub("_", _BACKWARD_SUFFIX.sub("", name)).lower() or name
 
 
-def _sum_by(rows: list[ReportRow], key: Any) -> dict[Any, int]:
-    out: dict[Any, int] = {}
-    for row in rows:
-        k = key(row)
-        out[k] = out.get(k, 0) + row.bytes
-    return out
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit} ({n} B)"
-    return f"{n} B"
-
-
-def _cells(r: ReportRow) -> tuple[str, ...]:
-    return (
-        r.layer or "-",
-        r.region or "-",
-        r.op,
-        r.kind,
-        "x".join(map(str, r.shape)) or "scalar",
-        r.dtype,
-        str(r.bytes),
-    )
-
-
-def _table(header: tuple[str, ...], cells: Sequence[tuple[str, ...]]) -> str:
-    """Columns padded to their widths; the last (bytes) right-aligned."""
-    table = [header, *cells]
-    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    last = len(header) - 1
-    lines = [
-        "  ".join(
-            c.rjust(w) if i == last else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))
-        )
-        for line in table
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)

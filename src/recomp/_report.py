@@ -1,0 +1,414 @@
+"""What a report of the memory held for backward looks like, for both frameworks, and
+how one is recorded where the graph cannot be read afterwards.
+
+A report is a list of rows, one per storage held for backward, each billed once
+(see ``recomp.torch.saved_tensors_report`` for PyTorch, which reads the autograd
+graph after the forward). :class:`SavedTensorsRecorder` builds the same report while
+the forward runs instead, from saved-tensor hooks and recomp's own observers: the
+way for a framework whose gradient graph cannot be walked without running backward
+(MindSpore PyNative). Both bill a storage to the first kind in ``HELD_KINDS`` that
+holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._backend import Backend
+from ._hooks import RegionCall, RegionObserver, observing
+from ._record import invocation_of
+from ._region import ExcludedRegion
+from ._state import get_recompute_state
+from ._wrapping import REGION
+
+KEPT = "kept by region"
+CACHED = "cached output"
+OFFLOADED = "offloaded (host)"
+CHECKPOINT_INPUT = "checkpoint input"
+REPLAYED = "replayed, awaiting backward"
+OUTSIDE = "saved outside checkpoints"
+OTHER_HOOK = "other saved-tensor hook"
+RNG = "random state (host)"
+DEFERRED = "deferred (not held)"
+
+#: The kinds of held rows, in billing order: a storage held by several is billed to the first.
+HELD_KINDS = (KEPT, OFFLOADED, CACHED, CHECKPOINT_INPUT, REPLAYED, OUTSIDE, OTHER_HOOK, RNG)
+
+
+@dataclass(frozen=True)
+class ReportRow:
+    """One storage held for backward (or, for ``kind == DEFERRED``, one that is not).
+
+    ``layer`` and ``region`` are module paths (``layers.0``, ``layers.0.attn``) when the
+    report was given the model, else the region's name and the layer's class; None
+    outside checkpointed layers and excluded regions. ``shape`` and ``dtype`` are those
+    of the saved tensor (a view may be smaller than its storage); ``bytes`` is the whole
+    storage's size.
+    """
+
+    layer: str | None
+    region: str | None
+    op: str
+    kind: str
+    bytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+
+
+@dataclass
+class SavedTensorsReport:
+    """What the autograd graph holds for backward; ``str()`` is a table."""
+
+    rows: list[ReportRow]
+    deferred: list[ReportRow] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes held, each storage once (offloaded host copies included)."""
+        return sum(r.bytes for r in self.rows)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes kept in host memory: offloaded copies and random states (on a GPU these
+        are not device memory)."""
+        return sum(r.bytes for r in self.rows if r.kind in (OFFLOADED, RNG))
+
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes the deferred inputs would have cost had their regions kept them."""
+        return sum(r.bytes for r in self.deferred)
+
+    def by_kind(self) -> dict[str, int]:
+        return _sum_by(self.rows, lambda r: r.kind)
+
+    def by_layer(self) -> dict[str | None, int]:
+        return _sum_by(self.rows, lambda r: r.layer)
+
+    def by_region(self) -> dict[str | None, int]:
+        return _sum_by(self.rows, lambda r: r.region)
+
+    def largest(self, n: int | None = None) -> list[ReportRow]:
+        rows = sorted(self.rows, key=lambda r: -r.bytes)
+        return rows if n is None else rows[:n]
+
+    def format(self, largest_first: bool = False, max_rows: int | None = None) -> str:
+        """The table: rows in forward order (or largest first), the deferred inputs, then
+        totals per kind."""
+        rows = self.largest() if largest_first else list(self.rows)
+        shown = rows if max_rows is None else rows[:max_rows]
+        header = ("layer", "region", "op", "kind", "shape", "dtype", "bytes")
+        cells = [_cells(r) for r in shown]
+        if len(shown) < len(rows):
+            rest = rows[len(shown) :]
+            more = f"... {len(rest)} more rows"
+            cells.append(("...", "", more, "", "", "", str(sum(r.bytes for r in rest))))
+        cells += [_cells(r) for r in self.deferred]
+        return _table(header, cells) + "\n\n" + self._totals()
+
+    def summary(self) -> str:
+        """One line per layer, region and kind: how many storages, how many bytes."""
+        groups: dict[tuple[str | None, str | None, str], list[int]] = {}
+        for row in self.rows + self.deferred:
+            group = groups.setdefault((row.layer, row.region, row.kind), [0, 0])
+            group[0] += 1
+            group[1] += row.bytes
+        header = ("layer", "region", "kind", "storages", "bytes")
+        cells = [
+            (layer or "-", region or "-", kind, str(n), str(nbytes))
+            for (layer, region, kind), (n, nbytes) in groups.items()
+        ]
+        return _table(header, cells) + "\n\n" + self._totals()
+
+    def _totals(self) -> str:
+        lines = [f"{kind:>28}  {_size(nbytes)}" for kind, nbytes in self.by_kind().items()]
+        lines.append(f"{'total held for backward':>28}  {_size(self.total_bytes)}")
+        if self.deferred:
+            lines.append(
+                f"{'deferred, not held':>28}  {_size(self.deferred_bytes)} (rebuilt by the replay)"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+class SavedTensorsRecord:
+    """What :func:`record_saved_tensors` saw; ``report`` is complete once the block ends."""
+
+    def __init__(self) -> None:
+        self.report = SavedTensorsReport([])
+
+    def __str__(self) -> str:
+        return str(self.report)
+
+
+@dataclass
+class _Seen:
+    key: Hashable
+    kind: str
+    layer: str | None
+    region: str | None
+    op: str
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class SavedTensorsRecorder(RegionObserver):
+    """Records, while a forward runs, every storage it saves for backward.
+
+    Three sources, none of which holds a tensor: a saved-tensor hook outermost
+    around the step (tensors saved outside checkpoints, and each checkpoint's own
+    inputs, which the framework's checkpoint saves there), recomp's region
+    observers (what each excluded region keeps, caches and defers), and each
+    checkpoint's start (its inputs and its layer). Inside a checkpoint, the
+    checkpoint's own hook is innermost, so its recomputed tensors are not seen:
+    they are not held. Saves made during backward (a replay) are ignored.
+    """
+
+    def __init__(self, backend: Backend, model: Any, inputs: Any) -> None:
+        self.backend = backend
+        self.seen: list[_Seen] = []
+        self.deferred: list[_Seen] = []
+        self.excluded: set[Hashable] = set()
+        self.input_layers: dict[Hashable, str] = {}
+        self.layers: dict[int, str] = {}  # id(invocation) -> layer
+        self.calls: dict[int, str | None] = {}  # id(region call) -> layer
+        self.paths: dict[int, str] = {}  # id(module) -> path
+        self.region_paths: dict[int, str] = {}
+        self.unnamed: dict[str, int] = {}
+        self.keep_alive: list[Any] = []  # ids above stay unique while recording
+        if model is not None:
+            for path, module in _named_modules(backend, model, ""):
+                self.paths.setdefault(id(module), path)
+                region = getattr(module, REGION, None)
+                if isinstance(region, ExcludedRegion):
+                    self.region_paths.setdefault(id(region), path)
+            for t in backend.parameters_of(model):
+                self._exclude(t)
+        leaves, _ = backend.flatten(inputs)
+        for leaf in leaves:
+            if backend.is_tensor(leaf):
+                self._exclude(leaf)
+
+    def _exclude(self, t: Any) -> None:
+        key = self.backend.storage_key(t)
+        if key is not None:
+            self.excluded.add(key)
+
+    # -- sources ---------------------------------------------------------------------
+
+    def pack(self, t: Any) -> Any:
+        if self._recording():
+            key = self.backend.storage_key(t)
+            layer = self.input_layers.get(key) if key is not None else None
+            if layer is not None:
+                self._add(self.seen, t, CHECKPOINT_INPUT, layer, None, "input")
+            else:
+                self._add(self.seen, t, OUTSIDE, None, None, self._running())
+        return t
+
+    @staticmethod
+    def unpack(t: Any) -> Any:
+        return t
+
+    def checkpoint_started(self, invocation: Any, function: Any) -> None:
+        if not self._recording():
+            return
+        self.keep_alive.append(invocation)
+        module = self.backend.module_of(function)
+        layer = self._name_of(function if module is None else module)
+        self.layers[id(invocation)] = layer
+        for key in invocation.checkpoint_inputs:
+            self.input_layers.setdefault(key, layer)
+
+    def region_started(self, call: RegionCall) -> None:
+        state = get_recompute_state()
+        if state is None or state.is_recomputing:
+            self.calls[id(call)] = None
+            return
+        self.keep_alive.append(call)
+        self.calls[id(call)] = self.layers.get(id(invocation_of(state)))
+
+    def tensor_kept(self, call: RegionCall, original: Any, kept: Any) -> None:
+        self._add(self.seen, original, KEPT, self.calls.get(id(call)), call, self._running())
+
+    def output_cached(self, call: RegionCall, output: Any, nbytes: int) -> None:
+        self._add(self.seen, output, CACHED, self.calls.get(id(call)), call, "output")
+
+    def tensor_deferred(self, call: RegionCall, original: Any, is_view: bool) -> None:
+        self._add(
+            self.deferred,
+            original,
+            DEFERRED,
+            self.calls.get(id(call)),
+            call,
+            self._running(),
+            is_view,
+        )
+
+    # -- the report ------------------------------------------------------------------
+
+    def report(self) -> SavedTensorsReport:
+        order = {kind: i for i, kind in enumerate(HELD_KINDS)}
+        billed = set(self.excluded)
+        rows: list[tuple[int, ReportRow]] = []
+        for position, seen in sorted(enumerate(self.seen), key=lambda p: order[p[1].kind]):
+            if seen.key in billed or seen.nbytes == 0:
+                continue
+            billed.add(seen.key)
+            rows.append((position, _row(seen)))
+        return SavedTensorsReport(
+            [row for _, row in sorted(rows, key=lambda p: p[0])],
+            [_row(seen) for seen in self.deferred],
+        )
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _recording(self) -> bool:
+        state = get_recompute_state()
+        return not self.backend.in_backward() and not (state is not None and state.is_recomputing)
+
+    def _add(
+        self,
+        into: list[_Seen],
+        t: Any,
+        kind: str,
+        layer: str | None,
+        call: RegionCall | None,
+        op: str,
+        is_view: bool = False,
+    ) -> None:
+        if not self.backend.is_tensor(t) or self.backend.is_parameter(t):
+            return
+        key = self.backend.storage_key(t)
+        if key is None:
+            return
+        shape = tuple(int(n) for n in t.shape)
+        nbytes = int(t.nbytes) if is_view else self.backend.storage_nbytes(t)
+        region = None
+        if call is not None:
+            owner = getattr(call, "region", None)
+            region = self.region_paths.get(id(owner), call.region_name)
+        into.append(_Seen(key, kind, layer, region, op, nbytes, shape, _dtype(t)))
+
+    def _name_of(self, owner: Any) -> str:
+        path = self.paths.get(id(owner))
+        if path is not None:
+            return path or "(model)"
+        base = (
+            type(owner).__name__
+            if self.backend.module_of(owner) is owner
+            else getattr(owner, "__qualname__", "checkpoint")
+        )
+        n = self.unnamed.get(base, 0)
+        self.unnamed[base] = n + 1
+        self.paths[id(owner)] = f"{base}#{n}"  # the same name for its next call
+        self.keep_alive.append(owner)
+        return self.paths[id(owner)]
+
+    def _running(self) -> str:
+        """What is saving, from the Python stack: the framework's operation, if it shows
+        there, in the innermost module whose forward runs (``MatMul in layers.0.fc
+        (Dense)``)."""
+        frame = inspect.currentframe()
+        op = None
+        try:
+            while frame is not None:
+                code = frame.f_code
+                owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+                if owner is not None:
+                    if op is None and code.co_name == "__call__":
+                        op = self.backend.operation_name(owner)
+                    if code.co_name in ("construct", "forward") and (
+                        self.backend.module_of(owner) is owner
+                    ):
+                        path = self.paths.get(id(owner))
+                        module = (
+                            f"{path} ({type(owner).__name__})" if path else type(owner).__name__
+                        )
+                        return f"{op} in {module}" if op else module
+                frame = frame.f_back
+            return op or "-"
+        finally:
+            del frame  # a frame kept in a local would make a reference cycle
+
+
+def _row(seen: _Seen) -> ReportRow:
+    return ReportRow(
+        seen.layer, seen.region, seen.op, seen.kind, seen.nbytes, seen.shape, seen.dtype, "-"
+    )
+
+
+def _dtype(t: Any) -> str:
+    name = str(t.dtype)
+    return name.rpartition(".")[2].lower()
+
+
+def _named_modules(backend: Backend, module: Any, path: str) -> Iterator[tuple[str, Any]]:
+    yield path, module
+    for name, child in backend.named_children(module):
+        yield from _named_modules(backend, child, f"{path}.{name}" if path else name)
+
+
+@contextlib.contextmanager
+def record_saved_tensors(
+    backend: Backend, model: Any = None, inputs: Any = None
+) -> Iterator[SavedTensorsRecord]:
+    """Record what the forward inside the block saves for backward; see the
+    framework's ``record_saved_tensors``."""
+    recorder = SavedTensorsRecorder(backend, model, inputs)
+    record = SavedTensorsRecord()
+    try:
+        with backend.saved_tensors_hooks(recorder.pack, recorder.unpack), observing(recorder):
+            yield record
+    finally:
+        record.report = recorder.report()
+        recorder.keep_alive.clear()
+
+
+def _sum_by(rows: list[ReportRow], key: Any) -> dict[Any, int]:
+    out: dict[Any, int] = {}
+    for row in rows:
+        k = key(row)
+        out[k] = out.get(k, 0) + row.bytes
+    return out
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit} ({n} B)"
+    return f"{n} B"
+
+
+def _cells(r: ReportRow) -> tuple[str, ...]:
+    return (
+        r.layer or "-",
+        r.region or "-",
+        r.op,
+        r.kind,
+        "x".join(map(str, r.shape)) or "scalar",
+        r.dtype,
+        str(r.bytes),
+    )
+
+
+def _table(header: tuple[str, ...], cells: Sequence[tuple[str, ...]]) -> str:
+    """Columns padded to their widths; the last (bytes) right-aligned."""
+    table = [header, *cells]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    last = len(header) - 1
+    lines = [
+        "  ".join(
+            c.rjust(w) if i == last else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))
+        )
+        for line in table
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
