@@ -46,41 +46,79 @@ def region_sums(report):
     return sums
 
 
-# Not compared for full checkpointing alone: there the totals are small, and MindSpore's
-# record at the end of the forward differed between two runs of one step by more than the
-# difference to the report.
-@pytest.mark.parametrize("strategy", ["none", "exclude-attn"])
+class Residual(nn.Cell):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a = nn.Dense(d, d)
+        self.b = nn.Dense(d, d)
+
+    def construct(self, x):
+        return x + self.b(ops.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("strategy", ["none", "full", "exclude"])
 def test_total_is_what_the_allocator_holds_for_backward(strategy):
+    d, rows, layers = 256, 256, 4
+    act = rows * d * 4
+    model = nn.SequentialCell([nn.Dense(d, d)] + [Residual(d) for _ in range(layers)])
+    if strategy != "none":
+        rm.apply_activation_checkpointing(
+            model,
+            checkpoint_fn=Residual,
+            exclude_fn=(lambda c: c is not None and c.cls_name == "Dense" and c is not model[0])
+            if strategy == "exclude"
+            else None,
+        )
+    x = tensor(rows, d)
+    report = record_step(model, x)
+    held, _ = held_for_backward(model, x, after_loss=True)
+    # within 2%: the rest is MindSpore's own (seen: 0.03 of an activation)
+    assert report.total_bytes == pytest.approx(held, rel=0.02), report.summary()
+    expected = {
+        # per layer: a's input (the layer input), tanh's output, b's input (the same);
+        # first Dense: its output; the loss's Pow: the model output and its own result
+        "none": (2 * layers + 2) * act,
+        # the inputs of layers 1 to 3 (layer 0's is the first Dense's output, also an input)
+        "full": (layers + 2) * act,
+        # a keeps its input (the layer input); a and b cache their outputs; b's input,
+        # tanh(a(x)), is rebuilt by the replay (deferred)
+        "exclude": (layers * 3 + 2) * act,
+    }[strategy]
+    assert report.total_bytes == expected, report.summary()
+    if strategy == "exclude":
+        assert region_sums(report) == pytest.approx(
+            {
+                f"{i}.{n}": getattr(model[i], n).region_saved_bytes
+                for i in range(1, layers + 1)
+                for n in "ab"
+            }
+        )
+
+
+def test_the_benchmark_decoder_with_excluded_attention():
+    """Per-region bytes equal region_saved_bytes; the total is within 5% of MindSpore's
+    record (on this model the record's difference between the start of the step and the
+    end of the forward stays about 1.8 activations below what is held: MindSpore frees
+    something of the previous step during the forward)."""
     from recomp.bench.config import BenchConfig
     from recomp.bench.ms_runner import build
 
-    config = BenchConfig(layers=3, hidden=64, heads=2, seq=64, batch=2)
+    config = BenchConfig(layers=3, hidden=128, heads=2, seq=128, batch=2)
     model, x = build(config)
-    if strategy != "none":
-        layers = {id(layer) for layer in model.layers}
-        rm.apply_activation_checkpointing(
-            model,
-            checkpoint_fn=lambda c: id(c) in layers,
-            exclude_fn=(lambda c: type(c).__name__ == "Attention")
-            if strategy == "exclude-attn"
-            else None,
-        )
+    layers = {id(layer) for layer in model.layers}
+    rm.apply_activation_checkpointing(
+        model,
+        checkpoint_fn=lambda c: id(c) in layers,
+        exclude_fn=lambda c: type(c).__name__ == "Attention",
+    )
     report = record_step(model, x)
     held, _ = held_for_backward(model, x, after_loss=True)
-    # MindSpore's pool may still hold a short-lived temporary when the loss returns
-    # (seen: one activation's size, in some runs only).
-    activation = config.batch * config.seq * config.hidden * 4
-    assert abs(report.total_bytes - held) <= 0.05 * held + activation, report.summary()
-    kinds = report.by_kind()
-    if strategy == "none":
-        assert set(kinds) == {OUTSIDE}
-    else:
-        assert kinds[KEPT] > 0 and kinds[CACHED] > 0
-        assert region_sums(report) == {
-            f"layers.{i}.attn": layer.attn.region_saved_bytes
-            for i, layer in enumerate(model.layers)
-        }
-        assert {r.layer for r in report.rows if r.region} == {"layers.0", "layers.1", "layers.2"}
+    assert report.total_bytes == pytest.approx(held, rel=0.07), report.summary()
+    assert region_sums(report) == {
+        f"layers.{i}.attn": layer.attn.region_saved_bytes for i, layer in enumerate(model.layers)
+    }
+    assert {r.layer for r in report.rows if r.region} == {"layers.0", "layers.1", "layers.2"}
+    assert report.by_kind()[KEPT] > 0 and report.by_kind()[CACHED] > 0
 
 
 def test_rows_name_layers_regions_and_the_saving_cell():
