@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,8 +171,11 @@ class SavedTensorsRecorder(RegionObserver):
     they are not held. Saves made during backward (a replay) are ignored.
     """
 
-    def __init__(self, backend: Backend, model: Any, inputs: Any) -> None:
+    def __init__(
+        self, backend: Backend, model: Any, inputs: Any, layers: Iterable[str] = ()
+    ) -> None:
         self.backend = backend
+        self.layer_paths = set(layers)
         self.seen: list[_Seen] = []
         self.deferred: list[_Seen] = []
         self.excluded: set[Hashable] = set()
@@ -210,7 +213,8 @@ class SavedTensorsRecorder(RegionObserver):
             if layer is not None:
                 self._add(self.seen, t, CHECKPOINT_INPUT, layer, None, "input")
             else:
-                self._add(self.seen, t, OUTSIDE, None, None, self._running())
+                op, path = self._running_op()
+                self._add(self.seen, t, OUTSIDE, self._layer_of(path), None, op)
         return t
 
     @staticmethod
@@ -230,7 +234,8 @@ class SavedTensorsRecorder(RegionObserver):
     def region_started(self, call: RegionCall) -> None:
         state = get_recompute_state()
         if state is None or state.is_recomputing:
-            self.calls[id(call)] = None
+            owner = getattr(call, "region", None)
+            self.calls[id(call)] = self._layer_of(self.region_paths.get(id(owner)))
             return
         self.keep_alive.append(call)
         self.calls[id(call)] = self.layers.get(id(invocation_of(state)))
@@ -313,9 +318,20 @@ class SavedTensorsRecorder(RegionObserver):
         return self.paths[id(owner)]
 
     def _running(self) -> str:
+        return self._running_op()[0]
+
+    def _layer_of(self, path: str | None) -> str | None:
+        """The layer (of ``layers``) that the module at ``path`` belongs to."""
+        while path is not None:
+            if path in self.layer_paths:
+                return path
+            path = path.rpartition(".")[0] if "." in path else None
+        return None
+
+    def _running_op(self) -> tuple[str, str | None]:
         """What is saving, from the Python stack: the framework's operation, if it shows
         there, in the innermost module whose forward runs (``MatMul in layers.0.fc
-        (Dense)``)."""
+        (Dense)``), and that module's path (None if unknown)."""
         frame = inspect.currentframe()
         op = None
         try:
@@ -332,9 +348,9 @@ class SavedTensorsRecorder(RegionObserver):
                         module = (
                             f"{path} ({type(owner).__name__})" if path else type(owner).__name__
                         )
-                        return f"{op} in {module}" if op else module
+                        return (f"{op} in {module}" if op else module), path
                 frame = frame.f_back
-            return op or "-"
+            return op or "-", None
         finally:
             del frame  # a frame kept in a local would make a reference cycle
 
@@ -358,11 +374,22 @@ def _named_modules(backend: Backend, module: Any, path: str) -> Iterator[tuple[s
 
 @contextlib.contextmanager
 def record_saved_tensors(
-    backend: Backend, model: Any = None, inputs: Any = None
+    backend: Backend, model: Any = None, inputs: Any = None, layers: Iterable[str] = ()
 ) -> Iterator[SavedTensorsRecord]:
     """Record what the forward inside the block saves for backward; see the
     framework's ``record_saved_tensors``."""
-    recorder = SavedTensorsRecorder(backend, model, inputs)
+    layers = list(layers)
+    if layers and model is None:
+        raise ValueError(
+            "record_saved_tensors: layers= names module paths of model=; pass the model too"
+        )
+    recorder = SavedTensorsRecorder(backend, model, inputs, layers)
+    unknown = sorted(set(layers) - set(recorder.paths.values()))
+    if unknown:
+        raise ValueError(
+            f"record_saved_tensors: no module of the model at {', '.join(map(repr, unknown[:3]))}; "
+            "layers= takes module paths as the model names them (for example 'layers.0')"
+        )
     record = SavedTensorsRecord()
     try:
         with backend.saved_tensors_hooks(recorder.pack, recorder.unpack), observing(recorder):

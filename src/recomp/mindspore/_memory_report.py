@@ -9,7 +9,7 @@ the MindSpore report is recorded while the forward runs: see
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .._report import SavedTensorsRecord
@@ -18,7 +18,9 @@ from ._backend import BACKEND
 
 
 @contextlib.contextmanager
-def record_saved_tensors(model: Any = None, inputs: Any = None) -> Iterator[SavedTensorsRecord]:
+def record_saved_tensors(
+    model: Any = None, inputs: Any = None, layers: Iterable[str] = ()
+) -> Iterator[SavedTensorsRecord]:
     """Record what the forward run inside the block saves for backward.
 
     Wrap one training step (the call of the function ``mindspore.grad`` or
@@ -33,9 +35,11 @@ def record_saved_tensors(model: Any = None, inputs: Any = None) -> Iterator[Save
     checkpointed layer, excluded region and the Cell that saved it), ready when the
     block ends. ``model`` names layers and regions by their Cell paths and keeps its
     parameters out of the bill; ``inputs``: tensors made before the forward (data,
-    labels), saved but not activations. Record one step: a second forward in the
+    labels), saved but not activations. ``layers``: Cell paths (``["layers.0",
+    "layers.1"]``) under which tensors saved outside checkpoints are listed, by the
+    Cell that saved them (checkpointed layers are named without it). Record one step: a second forward in the
     block adds its rows. The ``op`` column names the innermost Cell running when the
     tensor was saved (MindSpore's hook does not say which operation saved it).
     """
-    with _record(BACKEND, model, inputs) as record:
+    with _record(BACKEND, model, inputs, layers) as record:
         yield record
