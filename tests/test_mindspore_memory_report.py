@@ -273,3 +273,17 @@ def test_bad_layers_raise_before_anything_is_recorded():
     from recomp._hooks import OBSERVERS
 
     assert OBSERVERS.get() == ()
+
+
+def test_the_report_command_on_mindspore(tmp_path, capsys):
+    from recomp.bench.memory_cli import main
+
+    png = tmp_path / "report.png"
+    args = ["--framework", "mindspore", "--layers", "2", "--hidden", "32", "--seq", "16"]
+    assert main([*args, "--summary", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "MindSpore decoder" in out and "layers.1.attn" in out and "kept by region" in out
+    pytest.importorskip("matplotlib")
+    assert png.stat().st_size > 0
+    assert main([*args, "--model", "some.module:factory"]) == 2
+    assert "PyTorch factories only" in capsys.readouterr().err

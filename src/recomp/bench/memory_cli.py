@@ -48,6 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="none, full, exclude-REGION, sac, every@K, ... (see recomp bench --help), or "
         "PLAN.json written by recomp plan --json (default: exclude-attn)",
     )
+    p.add_argument(
+        "--framework",
+        choices=("torch", "mindspore"),
+        default="torch",
+        help="torch (default) or mindspore: the MindSpore decoder of recomp bench, with "
+        "strategies none, full (mindspore.recompute) and exclude-REGION, recorded during "
+        "one step with recomp.mindspore.record_saved_tensors",
+    )
     p.add_argument("--png", metavar="PATH", help="write per-layer stacked bars here")
     p.add_argument(
         "--summary",
@@ -66,18 +74,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = config_from_args(args)
     config.model = args.model
+    report_of = strategy_report if args.framework == "torch" else mindspore_strategy_report
     try:
-        report = strategy_report(config, args.strategy)
+        report = report_of(config, args.strategy)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"recomp report: {exc}", file=sys.stderr)
         return 2
-    print(f"strategy {args.strategy}, model {config.model}")
+    model = config.model if args.framework == "torch" else "MindSpore decoder of recomp bench"
+    print(f"strategy {args.strategy}, model {model}")
     if args.summary:
         print(report.summary())
     else:
         print(report.format(largest_first=args.max_rows is not None, max_rows=args.max_rows))
     if args.png:
-        references = {s: strategy_report(config, s) for s in ("none", "full")}
+        references = {s: report_of(config, s) for s in ("none", "full")}
         if not write_png(args.png, report, args.strategy, references):
             print("no picture: matplotlib is not installed (pip install recomp[bench])")
             return 0
@@ -113,6 +123,27 @@ def strategy_report(config: BenchConfig, strategy: str) -> Any:
     report = saved_tensors_report(loss, model=model, inputs=x)
     loss.backward()
     return report
+
+
+def mindspore_strategy_report(config: BenchConfig, strategy: str) -> Any:
+    """One training step of the MindSpore decoder under ``strategy`` (after a warm-up
+    step), recorded by ``recomp.mindspore.record_saved_tensors``."""
+    if config.model != DEFAULT_MODEL:
+        raise ValueError(
+            "--framework mindspore runs the MindSpore decoder of recomp bench; --model takes "
+            "PyTorch factories only"
+        )
+    from recomp.mindspore import record_saved_tensors
+
+    from .ms_runner import Trainer, setup
+
+    setup(config)
+    trainer = Trainer(config, strategy)
+    trainer.step()
+    layers = [f"layers.{i}" for i in range(len(trainer.model.layers))]
+    with record_saved_tensors(trainer.model, inputs=trainer.x, layers=layers) as record:
+        trainer.step()
+    return record.report
 
 
 def write_strategy_reports(directory: str, config: BenchConfig, strategies: list[str]) -> list[str]:
