@@ -81,3 +81,24 @@ def test_a_batchnorm_whose_statistics_recomp_cannot_find_is_named_at_wrap_time()
         rm.checkpoint_wrapper(block)
     x = tensor(2, 8, 4, 4)
     assert block(x).shape == x.shape
+
+
+def test_running_statistics_under_mixed_precision_move_once():
+    """A Cell with a mixed-precision type (``to_float``, what ``auto_mixed_precision``
+    O2/O3 set) is checkpointed through a function that sets the type again for the
+    replay; the checkpoint must still see the Cell, or its BatchNorms are replayed
+    without their statistics restored (seen: moving means off by up to 0.14)."""
+    ref, model = twins()
+    rm.apply_activation_checkpointing(model, checkpoint_fn=mindcv_resnet.BasicBlock)
+    for net in (ref, model):  # as O2 does: float16, BatchNorms in float32
+        net.to_float(ms.float16)
+        for _, cell in net.cells_and_names():
+            if isinstance(cell, nn.BatchNorm2d):
+                cell.to_float(ms.float32)
+    assert model.layer1[0].mixed_precision_type is not None
+    ref_history, ref_stats = train(ref, 2)
+    history, stats = train(model, 2)
+    for want, got in zip(ref_history, history):
+        assert_same(want, got)
+    for name, value in ref_stats.items():
+        assert np.array_equal(value, stats[name]), name

@@ -126,9 +126,6 @@ class CheckpointWrapper(_NamesKept, _wrapping.WrapperMixin, nn.Cell):
         options = self._recomp_checkpoint_kwargs
         if self.mixed_precision_type is not None:  # set by auto_mixed_precision / to_float
             own = _compat.with_mixed_precision(own, self.mixed_precision_type)
-            if options.get("exclude_collectives", True):
-                # The wrapped function is no Cell's method any more: watch this Cell.
-                options = {**options, "context_fn": watch_first_forward(self, options.get("context_fn"))}
         return checkpoint(own, *args, **options, **kwargs)
 
     def extend_repr(self) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+import types
 from typing import Any
 
 from ..errors import RecompError
@@ -253,7 +254,12 @@ def with_mixed_precision(function: Any, mixed_precision_type: Any) -> Any:
         finally:
             executor.set_mixed_precision_type(MixedPrecisionType.NOTSET, False)
 
-    return run
+    owner = getattr(function, "__self__", None)
+    if owner is None:
+        return run
+    # Still a method of the Cell: the checkpoint finds the Cell through it (its running
+    # statistics, dropout cells, collectives, the memory report's layer).
+    return types.MethodType(lambda _cell, *args, **kwargs: run(*args, **kwargs), owner)
 
 
 def no_mixed_precision() -> Any:
