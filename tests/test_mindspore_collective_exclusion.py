@@ -282,9 +282,38 @@ def test_a_collective_inside_an_excluded_region_does_not_warn(fake_collective):
 
 
 def test_the_first_forward_is_watched_under_mixed_precision(fake_collective):
-    # The checkpointed function is then no Cell's method: the wrapper names its Cell.
+    # The checkpointed function is then a wrapper around construct, still bound to the Cell.
     model = rm.checkpoint_wrapper(OwnHiddenCollective())
     model.to_float(ms.float16)
     assert model.mixed_precision_type is not None
     with pytest.warns(CollectiveReplayedWarning, match="in OwnHiddenCollective's own construct"):
         grads(model, model.trainable_params(), tensor(4, 8))
+
+
+def test_a_checkpointed_function_that_communicates_warns_at_the_first_forward(fake_collective):
+    """A plain function given to checkpoint has no sub-cells to exclude: a collective in
+    its recomputed code warns once, naming the fix."""
+    dense, hidden = nn.Dense(8, 8), Hidden()
+
+    def block(x):
+        return ops.tanh(hidden.reduce(dense(x)))
+
+    x = tensor(4, 8)
+    step = lambda t: (rm.checkpoint(block, t) ** 2).sum()  # noqa: E731
+    fn = ms.grad(step, 0, dense.trainable_params())
+    with pytest.warns(CollectiveReplayedWarning, match="function .*block") as record:
+        fn(x)
+    assert "checkpoint_exclude_wrapper (it takes Cells and functions)" in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CollectiveReplayedWarning)
+        fn(x)  # once per function
+    reduce = rm.checkpoint_exclude_wrapper(hidden.reduce)
+
+    def block_excluded(x):
+        return ops.tanh(reduce(dense(x)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CollectiveReplayedWarning)
+        with count_collectives() as counts:
+            ms.grad(lambda t: (rm.checkpoint(block_excluded, t) ** 2).sum(), 0)(x)
+    assert counts.as_dict()["replay"] == {}

@@ -57,7 +57,7 @@ def checkpoint(
     if exclude_collectives:
         cell = BACKEND.module_of(function)
         exclude_communicating_cells(cell, "checkpoint", once=True)
-        context_fn = watch_first_forward(cell, context_fn)
+        context_fn = watch_first_forward(function if cell is None else cell, context_fn)
     if kwargs.setdefault("early_stop", False):
         context_fn = explain_stop_inside_an_op(context_fn)
     if BACKEND.grad_enabled():

@@ -15,8 +15,9 @@ excludes the innermost sub-cells that issue a collective themselves:
   (``_SEARCH_DEPTH`` calls deep; MindSpore's own functions are known by identity,
   not followed). A cell that issues a collective itself is excluded whole;
   otherwise its sub-cells are looked at.
-* checked at the first forward of each checkpointed cell: a collective that runs
-  in its recomputed code outside every excluded region warns once
+* checked at the first forward of each checkpointed cell (or function given to
+  ``checkpoint`` on its own, which has no sub-cells to exclude): a collective that
+  runs in its recomputed code outside every excluded region warns once
   (``CollectiveReplayedWarning``), naming the innermost cell running it. That
   covers the checkpointed cell's own ``construct`` (which cannot be excluded from
   its own checkpoint) and what the search above cannot see (a primitive built
@@ -270,11 +271,12 @@ def warn_own_collective(cell: Any, how: str, api: str) -> None:
 
 
 class _WatchFirstForward:
-    """The forward context of a checkpointed cell's first call: a collective that runs
-    in its recomputed code, outside every excluded region, warns (see the NOTE)."""
+    """The forward context of a checkpoint's first call (of a cell or a function): a
+    collective that runs in its recomputed code, outside every excluded region, warns
+    (see the NOTE)."""
 
-    def __init__(self, cell: Any) -> None:
-        self.cell = weakref.ref(cell)
+    def __init__(self, target: Any) -> None:
+        self.target = weakref.ref(target)
         self._contexts: list[Any] = []
 
     def __enter__(self) -> None:
@@ -286,23 +288,33 @@ class _WatchFirstForward:
         self._contexts.pop().__exit__(*exc_info)
 
     def _seen(self, op: str) -> None:
-        cell = self.cell()
+        target = self.target()
         state = get_recompute_state()
-        if cell is None or cell in _warned or state is None or state.is_recomputing:
+        if target is None or target in _warned or state is None or state.is_recomputing:
             return
         if ACTIVE_REGION.get() is not None:
             return  # inside an excluded region: runs once
-        _warned.first(cell)
+        _warned.first(target)
         running = _innermost_cell(inspect.currentframe())
-        name = type(cell).__name__
-        if running is None or running is cell:
+        if not isinstance(target, nn.Cell):
+            name = f"function {getattr(target, '__qualname__', type(target).__name__)}"
+            where = "in the checkpointed function" + (
+                f", in {type(running).__name__}" if running is not None else ""
+            )
+            fix = (
+                "wrap the code that communicates in checkpoint_exclude_wrapper (it takes "
+                "Cells and functions)"
+            )
+        elif running is None or running is target:
+            name = type(target).__name__
             where = f"in {name}'s own construct"
             fix = (
                 f"move the collective into a sub-cell of {name} (recomp then excludes it), "
                 f"or checkpoint the parts of {name} around it"
             )
         else:
-            path = next((p for p, c in cell.cells_and_names() if c is running), None)
+            name = type(target).__name__
+            path = next((p for p, c in target.cells_and_names() if c is running), None)
             where = f"in its sub-cell {path or type(running).__name__!r} ({type(running).__name__})"
             fix = (
                 "exclude that sub-cell by hand (checkpoint_exclude_wrapper, or exclude_fn of "
@@ -319,10 +331,12 @@ class _WatchFirstForward:
 
 
 def _innermost_cell(frame: Any) -> Any:
-    """The cell whose ``construct`` is innermost on the Python stack, if any."""
+    """The cell whose ``construct`` is innermost on the Python stack, if any (its first
+    argument, whatever it is called)."""
     while frame is not None:
-        if frame.f_code.co_name == "construct":
-            owner = frame.f_locals.get("self")
+        code = frame.f_code
+        if code.co_name == "construct" and code.co_argcount:
+            owner = frame.f_locals.get(code.co_varnames[0])
             if isinstance(owner, nn.Cell):
                 return owner
         frame = frame.f_back
@@ -332,9 +346,13 @@ def _innermost_cell(frame: Any) -> Any:
 def watch_first_forward(
     cell: Any, context_fn: Callable[[], tuple[Any, Any]] | None
 ) -> Callable[[], tuple[Any, Any]] | None:
-    """``context_fn`` whose forward context also watches this first call of ``cell``;
-    ``context_fn`` itself for every later call."""
-    if not isinstance(cell, nn.Cell) or not _watched.first(cell):
+    """``context_fn`` whose forward context also watches this first call of ``cell`` (a
+    Cell, or a function checkpointed on its own); ``context_fn`` itself for every later
+    call, and for a callable that cannot be referred to weakly."""
+    try:
+        if cell is None or not _watched.first(cell):
+            return context_fn
+    except TypeError:  # no weak reference to it (a builtin)
         return context_fn
 
     def composed() -> tuple[Any, Any]:
