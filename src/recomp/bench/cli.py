@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--report",
         metavar="DIR",
-        help="write each eager PyTorch strategy's saved-tensor report (recomp report) to "
-        "DIR/report-STRATEGY.txt and .png",
+        help="write each eager strategy's saved-tensor report (recomp report) to "
+        "DIR/report-STRATEGY.txt and .png (MindSpore: DIR/report-mindspore-STRATEGY.*)",
     )
     p.add_argument(
         "--tp",
@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         from .memory_cli import write_strategy_reports
 
         for fw, cfg, strategies in plan:
-            if fw == "torch" and not cfg.compile:
-                for path in write_strategy_reports(args.report, cfg, strategies):
+            if not cfg.compile:
+                for path in write_strategy_reports(args.report, cfg, strategies, fw):
                     print(f"wrote {path}")
     failed = [r for r in results + scenario if r.error is not None]
     return 1 if failed and len(failed) == len(results + scenario) else 0

@@ -75,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     config.model = args.model
     report_of = strategy_report if args.framework == "torch" else mindspore_strategy_report
+    if args.framework == "mindspore" and config.model != DEFAULT_MODEL:
+        print(
+            "recomp report: --framework mindspore runs the MindSpore decoder of recomp bench; "
+            "--model takes PyTorch factories only",
+            file=sys.stderr,
+        )
+        return 2
     try:
         report = report_of(config, args.strategy)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
@@ -128,11 +135,6 @@ def strategy_report(config: BenchConfig, strategy: str) -> Any:
 def mindspore_strategy_report(config: BenchConfig, strategy: str) -> Any:
     """One training step of the MindSpore decoder under ``strategy`` (after a warm-up
     step), recorded by ``recomp.mindspore.record_saved_tensors``."""
-    if config.model != DEFAULT_MODEL:
-        raise ValueError(
-            "--framework mindspore runs the MindSpore decoder of recomp bench; --model takes "
-            "PyTorch factories only"
-        )
     from recomp.mindspore import record_saved_tensors
 
     from .ms_runner import Trainer, setup
@@ -146,17 +148,23 @@ def mindspore_strategy_report(config: BenchConfig, strategy: str) -> Any:
     return record.report
 
 
-def write_strategy_reports(directory: str, config: BenchConfig, strategies: list[str]) -> list[str]:
+def write_strategy_reports(
+    directory: str, config: BenchConfig, strategies: list[str], framework: str = "torch"
+) -> list[str]:
     """For ``recomp bench --report``: ``report-<strategy>.txt`` and ``.png`` per strategy in
-    ``directory``; returns the paths written (no pictures without matplotlib)."""
+    ``directory`` (``report-mindspore-<strategy>`` for MindSpore); returns the paths
+    written (no pictures without matplotlib)."""
     os.makedirs(directory, exist_ok=True)
-    references = {s: strategy_report(config, s) for s in ("none", "full")}
+    report_of = strategy_report if framework == "torch" else mindspore_strategy_report
+    model = config.model if framework == "torch" else "MindSpore decoder of recomp bench"
+    prefix = "report-" if framework == "torch" else "report-mindspore-"
+    references = {s: report_of(config, s) for s in ("none", "full")}
     written = []
     for strategy in strategies:
-        report = strategy_report(config, strategy)
-        stem = os.path.join(directory, "report-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", strategy))
+        report = references[strategy] if strategy in references else report_of(config, strategy)
+        stem = os.path.join(directory, prefix + re.sub(r"[^A-Za-z0-9_.-]+", "_", strategy))
         with open(stem + ".txt", "w") as f:
-            f.write(f"strategy {strategy}, model {config.model}\n{report.format()}\n")
+            f.write(f"strategy {strategy}, model {model}\n{report.format()}\n")
         written.append(stem + ".txt")
         if write_png(stem + ".png", report, strategy, references):
             written.append(stem + ".png")
