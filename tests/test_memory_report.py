@@ -7,6 +7,7 @@ the rest against byte counts that follow from the model's shapes.
 
 from __future__ import annotations
 
+import functools
 import io
 
 import pytest
@@ -188,6 +189,69 @@ def test_a_storage_two_regions_keep_is_billed_once():
     assert inputs == []  # billed to the region that keeps it
     shared = [r for r in report.rows if r.kind == KEPT and r.shape == (B * T, D)]
     assert len(shared) == 2  # once per layer, not once per region
+
+
+class _Cache:
+    """A plain object holding tensors (as a KV cache does), not a pytree node."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.layers = [{"keys": t} for t in tensors]
+
+
+class KeywordLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x, pair=None, cache=None):
+        return self.lin(x).tanh()
+
+
+class KeywordStack(nn.Module):
+    """Layers that receive their input by keyword, a tuple and a cache object."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(KeywordLayer() for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, by_partial: bool = False) -> torch.Tensor:
+        h = x.exp()
+        for layer in self.layers:
+            pair, cache = (h.sin(),), _Cache([h.cos()])
+            if by_partial:  # as Hugging Face's own checkpointing binds keyword arguments
+                h = torch.utils.checkpoint.checkpoint(
+                    functools.partial(layer.__call__, pair=pair, cache=cache), h,
+                    use_reentrant=False,
+                )
+            else:
+                h = layer(x=h, pair=pair, cache=cache)
+        return h
+
+
+@needs_saved_values
+@pytest.mark.parametrize("by_partial", [False, True])
+def test_arguments_a_checkpoint_holds_as_they_are_are_billed(by_partial):
+    """A checkpoint keeps its keyword arguments, its positional arguments that are not
+    tensors (a tuple, a cache object) and what a partial binds, as they are, until its
+    replay: every tensor in them is billed as a checkpoint input, once, named by its
+    parameter; the caller's input is not."""
+    model = KeywordStack(2)
+    if not by_partial:
+        rt.apply_activation_checkpointing(
+            model, checkpoint_fn=lambda m: isinstance(m, KeywordLayer)
+        )
+    x = torch.randn(B, T, D, requires_grad=True)
+    loss = model(x, by_partial).pow(2).mean()
+    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    kinds = {k: v for k, v in report.by_kind().items() if k != RNG}
+    # per layer: its input, the tuple's tensor and the cache's; outside: the output (pow)
+    assert kinds == {CHECKPOINT_INPUT: 2 * 3 * ACT, OUTSIDE: ACT}
+    inputs = [(r.layer, r.op) for r in report.rows if r.kind == CHECKPOINT_INPUT]
+    names = {"input" if by_partial else "input x", "input pair", "input cache"}
+    assert len(inputs) == 6 and {op for _, op in inputs} == names
+    assert {layer for layer, _ in inputs} == {"layers.0", "layers.1"}
+    loss.backward()
+    assert rt.saved_tensors_report(loss).rows == []
 
 
 @needs_saved_values

@@ -833,6 +833,32 @@ def checkpoint_input_handles(frame: Any) -> list[Any]:
     return [h for _, h in saved_handles(node)] if node is not None else []
 
 
+def checkpoint_plain_arguments(frame: Any) -> list[tuple[str, Any]]:
+    """``(name, value)`` of what a checkpoint call holds of its arguments as they are, not
+    as saved tensors: its keyword arguments (``past_key_values``, ``position_embeddings``,
+    a layer input passed by keyword) and positional arguments that are not tensors
+    (tuples of tensors, cache objects). They stay alive until the replay has run.
+
+    Private: 2.14 keeps positional arguments in ``frame.saved_args`` (tensors as
+    ``SavedTensor``, anything else as it is) and the keyword arguments in the closure
+    (``kwargs``) of ``frame.recompute_fn``. If it changes: empty; the report then misses
+    tensors passed this way (the allocator shows more than its total).
+    """
+    found: list[tuple[str, Any]] = []
+    saved = getattr(frame, "saved_args", None)
+    if isinstance(saved, list):
+        for i, value in enumerate(saved):
+            if value is None or (
+                _SAVED_TENSOR_TYPE is not None and isinstance(value, _SAVED_TENSOR_TYPE)
+            ):
+                continue
+            found.append((f"argument {i}", value))
+    kwargs = _closure_value(getattr(frame, "recompute_fn", None), "kwargs")
+    if isinstance(kwargs, dict):
+        found.extend((str(k), v) for k, v in kwargs.items() if v is not None)
+    return found
+
+
 def checkpoint_function(frame: Any) -> tuple[Any, Any]:
     """``(function, replay context)`` of a checkpoint call: what it checkpointed (a
     module, a bound method, a function) and the context its replay enters (recomp's

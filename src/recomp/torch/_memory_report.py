@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -260,6 +261,9 @@ class _GraphWalk:
         self.frames: dict[int, Any] = {}  # id -> checkpoint frame, in discovery order
         self.frame_modules: dict[int, Any] = {}  # id(frame) -> what it checkpointed
         self.frame_labels: dict[int, str] = {}  # id(frame) -> its layer, from label_layers
+        # (frame, name, value): arguments a checkpoint holds as they are (keyword
+        # arguments, containers, cache objects), read once the walk has met every frame.
+        self.arguments: list[tuple[Any, str, Any]] = []
         self.call_frames: dict[int, Any] = {}  # id(RegionCall) -> frame
         self.invocation_frames: dict[int, Any] = {}  # id(Invocation) -> frame
         self.keep_alive: list[Any] = []  # ids above stay unique while the walk runs
@@ -360,17 +364,29 @@ class _GraphWalk:
         function, replay_context = _compat.checkpoint_function(frame)
         owner = None
         while isinstance(function, functools.partial):  # HF: partial(forward, layer, **kwargs)
-            if function.args and isinstance(function.args[0], nn.Module):
-                owner = function.args[0]
+            args = function.args
+            if args and isinstance(args[0], nn.Module):
+                owner, args = args[0], args[1:]
+            # what the partial binds lives as long as the checkpoint, as its arguments do
+            self.arguments.extend((frame, f"argument {i}", a) for i, a in enumerate(args))
+            self.arguments.extend((frame, str(k), v) for k, v in function.keywords.items())
             function = function.func
         if owner is None:
             owner = getattr(function, "__self__", function)
         self.frame_modules[id(frame)] = owner
+        names = _parameter_names(function)
+        if not names and isinstance(owner, nn.Module):  # Module.__call__: name forward's
+            names = _parameter_names(owner.forward)
         if isinstance(owner, nn.Module):
             for t in [*owner.parameters(), *owner.buffers()]:
                 self.not_billed(t)
         for handle in _compat.checkpoint_input_handles(frame):
             self.saved(handle, "input", frame)
+        for name, value in _compat.checkpoint_plain_arguments(frame):
+            index = name.removeprefix("argument ")
+            if index.isdigit() and int(index) < len(names):
+                name = names[int(index)]
+            self.arguments.append((frame, name, value))
         for t in _compat.checkpoint_rng_states(frame):
             self.candidates.append(_Candidate(RNG, t, "checkpoint", frame))
         invocation = _invocation_of(replay_context)
@@ -394,7 +410,17 @@ class _GraphWalk:
 
     # -- billing ---------------------------------------------------------------------
 
+    def held_arguments(self) -> None:
+        """Tensors in the arguments checkpoints hold as they are, first layer first: one
+        that several layers receive (rotary tables, a KV cache) is billed to the first."""
+        frames = list(self.frames)
+        arguments = sorted(self.arguments, key=lambda a: -frames.index(id(a[0])))
+        for frame, name, value in arguments:
+            for t in _reachable_tensors(value):
+                self.candidates.append(_Candidate(CHECKPOINT_INPUT, t, f"input {name}", frame))
+
     def report(self) -> SavedTensorsReport:
+        self.held_arguments()
         order = {kind: i for i, kind in enumerate(HELD_KINDS)}
         # Nested checkpoints are met after their parents; their calls belong to them.
         for frame in self.frames.values():
@@ -505,6 +531,57 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
         return iter(())
     leaves, _ = BACKEND.flatten(tree)
     return (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+def _parameter_names(function: Any) -> list[str]:
+    """Names of the positional parameters of ``function`` (none if it takes ``*args``)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in positional]
+
+
+#: How deep :func:`_reachable_tensors` looks into objects, and at most how many it visits.
+_REACH_DEPTH = 4
+_REACH_OBJECTS = 10_000
+
+
+def _reachable_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Tensors an argument holds: itself, the leaves of containers and pytree nodes, and
+    attributes of plain objects (a KV cache's ``layers[i].keys``), a few levels deep.
+    Modules are not entered (their parameters and buffers are not activations)."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack and len(seen) < _REACH_OBJECTS:
+        obj, depth = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            yield obj
+            continue
+        if depth >= _REACH_DEPTH or isinstance(obj, (nn.Module, type)) or callable(obj):
+            continue
+        children: Iterable[Any]
+        if isinstance(obj, dict):
+            children = obj.values()
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            children = obj
+        else:
+            leaves, _ = BACKEND.flatten(obj)
+            if len(leaves) != 1 or leaves[0] is not obj:  # a registered pytree node
+                children = leaves
+            else:
+                attrs = getattr(obj, "__dict__", None)
+                children = list(attrs.values()) if isinstance(attrs, dict) else []
+                for cls in type(obj).__mro__:
+                    slots = cls.__dict__.get("__slots__", ())
+                    for slot in (slots,) if isinstance(slots, str) else slots:
+                        if slot not in ("__dict__", "__weakref__"):
+                            children.append(getattr(obj, slot, None))
+        stack.extend((child, depth + 1) for child in children)
 
 
 def _describe(t: Any) -> tuple[Any, int, tuple[int, ...], str, str]:
