@@ -191,6 +191,66 @@ def test_a_storage_two_regions_keep_is_billed_once():
     assert len(shared) == 2  # once per layer, not once per region
 
 
+class BiasAttention(nn.Module):
+    """Returns its output and a bias it makes when not given one (as T5's first
+    self-attention makes the position bias every later layer receives and returns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x, bias=None):
+        if bias is None:
+            bias = x.detach().pow(2)  # a new storage, made in the first layer only
+        return self.lin(x).tanh() + bias, bias
+
+
+class BiasLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = BiasAttention()
+
+    def forward(self, x, bias=None):
+        out, bias = self.attn(x, bias)
+        return out.sin(), bias
+
+
+class BiasStack(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(BiasLayer() for _ in range(layers))
+
+    def forward(self, x):
+        bias = None
+        for layer in self.layers:
+            x, bias = layer(x, bias)
+        return x
+
+
+@needs_saved_values
+def test_a_storage_several_layers_hold_is_billed_to_the_first():
+    """The bias every layer's region returns is cached by each of them: billed once, to
+    the layer that made it, whatever order the graph walk meets the layers in."""
+    model = BiasStack(3)
+    rt.apply_activation_checkpointing(
+        model,
+        checkpoint_fn=lambda m: isinstance(m, BiasLayer),
+        exclude_fn=lambda m: isinstance(m, BiasAttention),
+    )
+    x = torch.randn(B, T, D, requires_grad=True)
+    loss = model(x).pow(2).mean()
+    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    regions = report.by_region()
+    # each keeps its input (linear) and tanh's output, and caches its output and the bias
+    assert [layer.attn.region_saved_bytes for layer in model.layers] == [4 * ACT] * 3
+    # layer 0's input is the caller's x; layers 1 and 2 hold the bias layer 0 made
+    assert [regions[f"layers.{i}.attn"] for i in range(3)] == [3 * ACT] * 3
+    cached = [len([r for r in report.rows if r.kind == CACHED and r.layer == f"layers.{i}"])
+              for i in range(3)]
+    assert cached == [2, 1, 1]
+    loss.backward()
+
+
 class _Cache:
     """A plain object holding tensors (as a KV cache does), not a pytree node."""
 

@@ -259,6 +259,7 @@ class _GraphWalk:
         self.deferred: dict[int, tuple[Any, str, ExcludedRegion]] = {}  # id(slot) -> ...
         self.excluded: set[Any] = set()  # storage keys not billed
         self.frames: dict[int, Any] = {}  # id -> checkpoint frame, in discovery order
+        self.frame_order: dict[int, int] = {}  # id -> its index in frames
         self.frame_modules: dict[int, Any] = {}  # id(frame) -> what it checkpointed
         self.frame_labels: dict[int, str] = {}  # id(frame) -> its layer, from label_layers
         # (frame, name, value): arguments a checkpoint holds as they are (keyword
@@ -411,11 +412,9 @@ class _GraphWalk:
     # -- billing ---------------------------------------------------------------------
 
     def held_arguments(self) -> None:
-        """Tensors in the arguments checkpoints hold as they are, first layer first: one
-        that several layers receive (rotary tables, a KV cache) is billed to the first."""
-        frames = list(self.frames)
-        arguments = sorted(self.arguments, key=lambda a: -frames.index(id(a[0])))
-        for frame, name, value in arguments:
+        """Tensors in the arguments checkpoints hold as they are (one that several layers
+        receive, such as rotary tables or a KV cache, is billed to the first)."""
+        for frame, name, value in self.arguments:
             for t in _reachable_tensors(value):
                 self.candidates.append(_Candidate(CHECKPOINT_INPUT, t, f"input {name}", frame))
 
@@ -430,21 +429,29 @@ class _GraphWalk:
                 for call in invocation.entries:
                     self.call_frames[id(call)] = frame
         layer_names = self._layer_names()
-        billed: set[Any] = set()
-        rows: list[tuple[tuple[int, ...], ReportRow]] = []
-        for position, c in sorted(enumerate(self.candidates), key=lambda p: order[p[1].kind]):
-            key, nbytes, shape, dtype, device = _describe(c.tensor)
-            if key is None or key in billed or key in self.excluded:
-                continue
-            billed.add(key)
+        # Every candidate with its layer and its place in forward order; a storage held
+        # by several is billed to the first kind (HELD_KINDS), then the first in forward
+        # order (rotary tables every layer keeps: the first layer).
+        placed = []
+        for position, c in enumerate(self.candidates):
             frame = c.frame
             if c.call is not None:
                 frame = self.call_frames.get(id(c.call), frame)
             layer = layer_names.get(id(frame)) if frame is not None else c.layer
+            rank = self._rank(layer, frame, c.region, position)
+            placed.append(((order[c.kind], rank), c, layer))
+        placed.sort(key=lambda p: p[0])
+        billed: set[Any] = set()
+        rows: list[tuple[tuple[int, ...], ReportRow]] = []
+        for (_, rank), c, layer in placed:
+            key, nbytes, shape, dtype, device = _describe(c.tensor)
+            if key is None or key in billed or key in self.excluded:
+                continue
+            billed.add(key)
             row = ReportRow(
                 layer, self._region_name(c.region), c.op, c.kind, nbytes, shape, dtype, device
             )
-            rows.append((self._rank(layer, frame, c.region, position), row))
+            rows.append((rank, row))
         deferred = []
         for slot, op, owner in self.deferred.values():
             invocation = slot.invocation()
@@ -502,8 +509,10 @@ class _GraphWalk:
         elif layer in self.path_index:
             first = (0, self.path_index[layer])
         elif frame is not None and id(frame) in self.frames:
-            frames = list(self.frames)
-            first = (0, len(self.path_index) + len(frames) - frames.index(id(frame)))
+            if len(self.frame_order) != len(self.frames):
+                self.frame_order = {key: i for i, key in enumerate(self.frames)}
+            met = self.frame_order[id(frame)]
+            first = (0, len(self.path_index) + len(self.frames) - met)
         else:
             first = (0, 1 << 30)
         region_rank = 1 << 30
