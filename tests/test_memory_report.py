@@ -481,6 +481,10 @@ def test_report_command_prints_the_table_and_draws(tmp_path, capsys):
     assert png.stat().st_size > 0
     assert main(["report", "--layers", "1", "--strategy", "nonsense"]) == 2
     assert "unknown strategy" in capsys.readouterr().err
+    assert main(["report", "--model", "no_such_module_here:build"]) == 2
+    assert "cannot import 'no_such_module_here'" in capsys.readouterr().err
+    assert main(["report", "--model", "recomp.bench.models:no_such_factory"]) == 2
+    assert "has no 'no_such_factory'" in capsys.readouterr().err
     assert main([*args[:7], "--strategy", "none", "--summary"]) == 0
     lines = capsys.readouterr().out.splitlines()
     # without a checkpoint, label_layers still names each layer
