@@ -140,6 +140,7 @@ _COLOURS = {
     "checkpoint input": "#2ca02c",
     "replayed, awaiting backward": "#bcbd22",
     "saved outside checkpoints": "#7f7f7f",
+    "saved by a compiled graph": "#17becf",
     "other saved-tensor hook": "#8c564b",
     "random state (host)": "#e377c2",
 }

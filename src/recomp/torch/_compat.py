@@ -763,6 +763,17 @@ def saved_handles(node: Any) -> list[tuple[str, Any]]:
     return found
 
 
+def is_compiled_graph_node(node: Any) -> bool:
+    """Whether the autograd ``node`` is the backward of a graph compiled by torch.compile.
+
+    Private: AOTAutograd runs each compiled forward as an autograd Function named
+    ``CompiledFunction`` (``torch._functorch._aot_autograd.runtime_wrappers``), whose node class is
+    ``CompiledFunctionBackward``; its saved tensors are what the partitioner kept.
+    If it changes: False; the report then lists them as saved outside checkpoints.
+    """
+    return type(node).__name__ == "CompiledFunctionBackward"
+
+
 def packed_value(handle: Any) -> Any:
     """What the pack hook returned for ``handle`` (the tensor itself without hooks), or None
     once a backward released it. See :func:`saved_values_readable`."""

@@ -43,12 +43,14 @@ OFFLOADED = "offloaded (host)"
 CHECKPOINT_INPUT = "checkpoint input"
 REPLAYED = "replayed, awaiting backward"
 OUTSIDE = "saved outside checkpoints"
+COMPILED = "saved by a compiled graph"
 OTHER_HOOK = "other saved-tensor hook"
 RNG = "random state (host)"
 DEFERRED = "deferred (not held)"
 
 #: The kinds of held rows, in billing order: a storage held by several is billed to the first.
-HELD_KINDS = (KEPT, OFFLOADED, CACHED, CHECKPOINT_INPUT, REPLAYED, OUTSIDE, OTHER_HOOK, RNG)
+HELD_KINDS = (KEPT, OFFLOADED, CACHED, CHECKPOINT_INPUT, REPLAYED, OUTSIDE, COMPILED, OTHER_HOOK, RNG)
+
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,13 @@ class SavedTensorsReport:
         if self.deferred:
             lines.append(
                 f"{'deferred, not held':>28}  {_size(self.deferred_bytes)} (rebuilt by the replay)"
+            )
+        if any(r.kind == COMPILED for r in self.rows):
+            lines.append(
+                "\nSaved by a compiled graph: torch.compile's partitioner chose what its graphs "
+                "keep (checkpoints and excluded regions inside them included); the layers and "
+                "regions inside compiled code are not visible here. For them, take the report "
+                "of the model run eagerly with the same strategy."
             )
         return "\n".join(lines)
 
@@ -300,17 +309,19 @@ class _GraphWalk:
             if isinstance(variable, torch.Tensor):  # AccumulateGrad: a leaf the user owns
                 self.not_billed(variable)
             op = _op_name(node)
+            compiled = _compat.is_compiled_graph_node(node)
             for _name, handle in _compat.saved_handles(node):
-                self.saved(handle, op, None)
+                self.saved(handle, op, None, compiled)
             stack.extend(next_node for next_node, _ in node.next_functions)
 
-    def saved(self, handle: Any, op: str, frame: Any) -> None:
-        """Classify one saved-tensor handle; ``frame``: it saves an input of that checkpoint."""
+    def saved(self, handle: Any, op: str, frame: Any, compiled: bool = False) -> None:
+        """Classify one saved-tensor handle; ``frame``: it saves an input of that checkpoint;
+        ``compiled``: a torch.compile graph saved it."""
         packed = _compat.packed_value(handle)
         if packed is None:  # released by a backward
             return
         if isinstance(packed, torch.Tensor):
-            kind = CHECKPOINT_INPUT if frame is not None else OUTSIDE
+            kind = CHECKPOINT_INPUT if frame is not None else COMPILED if compiled else OUTSIDE
             self.candidates.append(_Candidate(kind, packed, op, frame))
             return
         if isinstance(packed, _Labelled):
