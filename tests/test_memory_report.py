@@ -332,6 +332,25 @@ def test_without_any_checkpoint():
 
 
 @needs_saved_values
+def test_a_long_table_points_to_the_summary(capsys):
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x
+    for _ in range(120):  # each tanh saves its output: 120 storages
+        h = h.tanh()
+    loss = h.sum()
+    report = rt.print_saved_tensors_report(loss, inputs=x)
+    table = capsys.readouterr().out
+    assert len(report.rows) == 120 and report.total_bytes == 120 * 4 * 8 * 4
+    assert "(120 rows: summary() gives one line per layer" in table
+    assert "rows:" not in report.format(max_rows=10)
+    rt.print_saved_tensors_report(loss, inputs=x, summary=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split() == ["-", "-", "saved", "outside", "checkpoints", "120", "15360"]
+    with pytest.raises(TypeError, match="no format options"):
+        rt.print_saved_tensors_report(loss, summary=True, max_rows=3)
+
+
+@needs_saved_values
 def test_label_layers_names_the_layers_of_a_model_without_checkpoints():
     model = norm_matmul_silu(3, D)
     x = torch.randn(B, T, D)

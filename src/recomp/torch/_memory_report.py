@@ -48,6 +48,9 @@ OTHER_HOOK = "other saved-tensor hook"
 RNG = "random state (host)"
 DEFERRED = "deferred (not held)"
 
+#: Beyond this many rows, a table ends with a pointer to the shorter forms.
+LONG_TABLE = 100
+
 #: The kinds of held rows, in billing order: a storage held by several is billed to the first.
 HELD_KINDS = (KEPT, OFFLOADED, CACHED, CHECKPOINT_INPUT, REPLAYED, OUTSIDE, COMPILED, OTHER_HOOK, RNG)
 
@@ -122,7 +125,13 @@ class SavedTensorsReport:
             more = f"... {len(rest)} more rows"
             cells.append(("...", "", more, "", "", "", str(sum(r.bytes for r in rest))))
         cells += [_cells(r) for r in self.deferred]
-        return _table(header, cells) + "\n\n" + self._totals()
+        text = _table(header, cells) + "\n\n" + self._totals()
+        if len(shown) > LONG_TABLE:
+            text += (
+                f"\n({len(shown)} rows: summary() gives one line per layer, region and kind, "
+                "format(largest_first=True, max_rows=N) the N largest storages)"
+            )
+        return text
 
     def summary(self) -> str:
         """One line per layer, region and kind: how many storages, how many bytes."""
@@ -186,11 +195,22 @@ def saved_tensors_report(
 
 
 def print_saved_tensors_report(
-    loss: Any, model: nn.Module | None = None, inputs: Any = None, **format_options: Any
+    loss: Any,
+    model: nn.Module | None = None,
+    inputs: Any = None,
+    *,
+    summary: bool = False,
+    **format_options: Any,
 ) -> SavedTensorsReport:
-    """Print :func:`saved_tensors_report` as a table (options of ``format``) and return it."""
+    """Print :func:`saved_tensors_report` as a table (options of ``format``: ``largest_first``,
+    ``max_rows``) or, with ``summary=True``, one line per layer, region and kind; return it."""
     report = saved_tensors_report(loss, model, inputs)
-    print(report.format(**format_options))
+    if summary:
+        if format_options:
+            raise TypeError(f"summary=True takes no format options, got {sorted(format_options)}")
+        print(report.summary())
+    else:
+        print(report.format(**format_options))
     return report
 
 
