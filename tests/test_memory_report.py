@@ -400,6 +400,26 @@ def test_inside_a_replay():
 
 
 @needs_saved_values
+def test_after_a_backward_that_retains_the_graph():
+    """The replay bound each deferred input (the norm's output) for the excluded matmul's
+    backward; the region holds it until the next replay rebinds it: billed as replayed,
+    no longer listed as not held. The rest is as before the backward."""
+    model = _checkpointed(norm_matmul_silu(2, D), (type(norm_matmul_silu(1, D).layers[0].proj),))
+    x = torch.randn(B, T, D, requires_grad=True)
+    loss = model(x).pow(2).mean()
+    before = rt.saved_tensors_report(loss, model=model, inputs=x)
+    assert before.deferred_bytes == 2 * ACT
+    loss.backward(retain_graph=True)
+    after = rt.saved_tensors_report(loss, model=model, inputs=x)
+    assert after.deferred == []
+    bound = [(r.layer, r.region, r.op) for r in after.rows if r.kind == REPLAYED and r.bytes == ACT]
+    assert bound == [(f"layers.{i}", f"layers.{i}.proj", "mm") for i in range(2)]
+    assert sum(r.bytes for r in after.rows if r.kind != REPLAYED) == before.total_bytes
+    loss.backward()
+    assert rt.saved_tensors_report(loss).rows == []
+
+
+@needs_saved_values
 def test_between_split_backward_passes():
     """After an input-gradient pass over a retained graph (as zero-bubble pipeline
     schedules run it), what the replay recomputed for the weight passes is held by

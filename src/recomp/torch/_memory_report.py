@@ -449,8 +449,18 @@ class _GraphWalk:
             for t in _reachable_tensors(value):
                 self.candidates.append(_Candidate(CHECKPOINT_INPUT, t, f"input {name}", frame))
 
+    def bound_inputs(self) -> None:
+        """Deferred inputs a replay has supplied: held until the next replay rebinds them
+        or the graph goes (after a ``retain_graph=True`` backward, during a replay)."""
+        for slot, op, owner in self.deferred.values():
+            if isinstance(slot.bound, torch.Tensor):
+                invocation = slot.invocation()
+                frame = self.invocation_frames.get(id(invocation)) if invocation else None
+                self.candidates.append(_Candidate(REPLAYED, slot.bound, op, frame, owner))
+
     def report(self) -> SavedTensorsReport:
         self.held_arguments()
+        self.bound_inputs()
         order = {kind: i for i, kind in enumerate(HELD_KINDS)}
         # Nested checkpoints are met after their parents; their calls belong to them.
         for frame in self.frames.values():
@@ -485,6 +495,8 @@ class _GraphWalk:
             rows.append((rank, row))
         deferred = []
         for slot, op, owner in self.deferred.values():
+            if isinstance(slot.bound, torch.Tensor):  # held now: billed above
+                continue
             invocation = slot.invocation()
             frame = self.invocation_frames.get(id(invocation)) if invocation is not None else None
             shape, stride, dtype, device = slot.layout
