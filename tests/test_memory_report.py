@@ -7,6 +7,7 @@ the rest against byte counts that follow from the model's shapes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 
@@ -16,7 +17,7 @@ from torch import nn
 
 import recomp.torch as rt
 from memory import run_measured
-from recomp.bench.models import norm_matmul_silu
+from recomp.bench.models import Projection, RMSNorm, norm_matmul_silu
 from recomp.torch import _compat
 from recomp.torch._memory_report import (
     CACHED,
@@ -142,6 +143,45 @@ def test_deferred_inputs_are_listed_but_not_billed():
     assert not [r for r in report.rows if r.kind == KEPT]  # W is a parameter
     loss.backward()
     assert rt.saved_tensors_report(loss).rows == []
+
+
+class NormedLayer(nn.Module):
+    """silu(norm(x) @ W) with the matmul excluded; the norm a BatchNorm (whose running
+    statistics the replay must leave as it found them: recomp composes a context of its
+    own for that) or an RMSNorm."""
+
+    def __init__(self, batch_norm: bool) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(T) if batch_norm else RMSNorm(D)
+        self.proj = Projection(D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(self.proj(self.norm(x)))
+
+
+@needs_saved_values
+@pytest.mark.parametrize("extra", ["running statistics", "context_fn"])
+def test_regions_are_found_whatever_contexts_the_checkpoint_composes(extra):
+    """recomp's record of a checkpoint call (cached outputs, the layer of a deferred
+    input) is found under composed contexts too: a BatchNorm's, a user's context_fn."""
+    model = nn.Sequential(*(NormedLayer(extra == "running statistics") for _ in range(2)))
+    options = {}
+    if extra == "context_fn":
+        options["context_fn"] = lambda: (contextlib.nullcontext(), contextlib.nullcontext())
+    rt.apply_activation_checkpointing(
+        model,
+        checkpoint_fn=lambda m: isinstance(m, NormedLayer),
+        exclude_fn=lambda m: isinstance(m, Projection),
+        **options,
+    )
+    x = torch.randn(B, T, D, requires_grad=True)
+    loss = model(x).pow(2).mean()
+    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    for i in range(2):  # its cached output; its input (the norm's output) is deferred
+        assert report.by_region()[f"{i}.proj"] == model[i].proj.region_saved_bytes == ACT
+    assert [(r.layer, r.kind) for r in report.rows if r.region == "1.proj"] == [("1", CACHED)]
+    assert [(r.layer, r.region) for r in report.deferred] == [("0", "0.proj"), ("1", "1.proj")]
+    loss.backward()
 
 
 class TwoReaders(nn.Module):

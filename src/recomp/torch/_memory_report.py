@@ -571,10 +571,14 @@ class _GraphWalk:
 
 def _invocation_of(context: Any) -> Invocation | None:
     """recomp's record of a checkpoint call, from the replay context it gave PyTorch."""
-    contexts = getattr(context, "contexts", (context,))  # a ComposedContext, or one
-    for ctx in contexts:
+    stack = [context]  # a ComposedContext (possibly of others), or one
+    while stack:
+        ctx = stack.pop()
         if isinstance(ctx, PhaseContext) and isinstance(ctx.state.record, Invocation):
             return ctx.state.record
+        inner = getattr(ctx, "contexts", None)
+        if isinstance(inner, (list, tuple)):
+            stack.extend(reversed(inner))
     return None
 
 
