@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from recomp.torch._memory_report import (
     OUTSIDE,
     REPLAYED,
     RNG,
+    SELECTIVE,
 )
 
 needs_saved_values = pytest.mark.skipif(
@@ -184,6 +186,47 @@ def test_regions_are_found_whatever_contexts_the_checkpoint_composes(extra):
     loss.backward()
 
 
+class _TorchCheckpointed(nn.Module):
+    def __init__(self, inner: nn.Module, **options: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.options = options
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False, **self.options)
+
+
+@needs_saved_values
+@pytest.mark.parametrize("by", ["torch", "recomp"])
+def test_what_selective_checkpoints_keep_is_billed(by):
+    """Selective checkpointing keeps the outputs its policy saves in a cache of its own,
+    outside the autograd graph: each layer's matmul output here, billed to its layer.
+    Under PyTorch's checkpoint, and under recomp's (which composes the contexts)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    context_fn = functools.partial(
+        create_selective_checkpoint_contexts, [torch.ops.aten.mm.default]
+    )
+    model = norm_matmul_silu(3, D)
+    if by == "torch":
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = _TorchCheckpointed(layer, context_fn=context_fn)
+    else:
+        layers = set(model.layers)
+        rt.apply_activation_checkpointing(
+            model, checkpoint_fn=lambda m: m in layers, context_fn=context_fn
+        )
+    x = torch.randn(B, T, D, requires_grad=True)
+    loss = model(x).pow(2).mean()
+    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    kept = [(r.layer, r.op, r.bytes) for r in report.rows if r.kind == SELECTIVE]
+    suffix = ".inner" if by == "torch" else ""  # the module the checkpoint runs
+    assert kept == [(f"layers.{i}{suffix}", "mm", ACT) for i in range(3)]
+    assert report.by_kind()[CHECKPOINT_INPUT] == 2 * ACT  # layers 1 and 2
+    loss.backward()
+    assert rt.saved_tensors_report(loss).rows == []
+
+
 class TwoReaders(nn.Module):
     """Two excluded linears that both save the layer input (a checkpoint input: kept)."""
 
@@ -285,8 +328,10 @@ def test_a_storage_several_layers_hold_is_billed_to_the_first():
     assert [layer.attn.region_saved_bytes for layer in model.layers] == [4 * ACT] * 3
     # layer 0's input is the caller's x; layers 1 and 2 hold the bias layer 0 made
     assert [regions[f"layers.{i}.attn"] for i in range(3)] == [3 * ACT] * 3
-    cached = [len([r for r in report.rows if r.kind == CACHED and r.layer == f"layers.{i}"])
-              for i in range(3)]
+    cached = [
+        len([r for r in report.rows if r.kind == CACHED and r.layer == f"layers.{i}"])
+        for i in range(3)
+    ]
     assert cached == [2, 1, 1]
     loss.backward()
 
@@ -320,7 +365,8 @@ class KeywordStack(nn.Module):
             pair, cache = (h.sin(),), _Cache([h.cos()])
             if by_partial:  # as Hugging Face's own checkpointing binds keyword arguments
                 h = torch.utils.checkpoint.checkpoint(
-                    functools.partial(layer.__call__, pair=pair, cache=cache), h,
+                    functools.partial(layer.__call__, pair=pair, cache=cache),
+                    h,
                     use_reentrant=False,
                 )
             else:

@@ -870,6 +870,54 @@ def checkpoint_plain_arguments(frame: Any) -> list[tuple[str, Any]]:
     return found
 
 
+def selective_checkpoint_storage(context: Any) -> list[tuple[str, Any]]:
+    """``(op name, entry)`` for each op output a selective activation checkpoint keeps
+    for its replay, found in the checkpoint's replay ``context`` (or in contexts composed
+    into it). An entry is what the cache holds (tensors inside wrappers), or a marker.
+
+    Private: ``create_selective_checkpoint_contexts`` returns a caching mode and a cached
+    mode (``torch.utils.checkpoint._CachingTorchDispatchMode`` /
+    ``_CachedTorchDispatchMode``) that share ``storage``: op key (the op, or a tuple
+    starting with it) -> list or dict of entries (``_VersionWrapper``s around detached
+    outputs); the replay replaces each entry it reads with a marker. These tensors are
+    held outside the autograd graph, so no saved-tensor handle shows them.
+    If it changes: empty; the report then misses what selective checkpoints keep.
+    """
+    mode_types = tuple(
+        t
+        for t in (
+            getattr(torch.utils.checkpoint, "_CachedTorchDispatchMode", None),
+            getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None),
+        )
+        if isinstance(t, type)
+    )
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    stack = [context]
+    while stack and mode_types:
+        ctx = stack.pop()
+        if ctx is None or id(ctx) in seen:
+            continue
+        seen.add(id(ctx))
+        if isinstance(ctx, mode_types):
+            storage = getattr(ctx, "storage", None)
+            if not isinstance(storage, dict) or id(storage) in seen:
+                continue
+            seen.add(id(storage))
+            for key, entries in storage.items():
+                op = key[0] if isinstance(key, tuple) and key else key
+                name = getattr(op, "_opname", None) or getattr(op, "__name__", None) or str(op)
+                if isinstance(entries, dict):
+                    entries = list(entries.values())
+                for entry in entries if isinstance(entries, list) else [entries]:
+                    found.append((str(name), entry))
+            continue
+        inner = getattr(ctx, "contexts", None)  # recomp's ComposedContext
+        if isinstance(inner, (list, tuple)):
+            stack.extend(reversed(inner))
+    return found
+
+
 def checkpoint_function(frame: Any) -> tuple[Any, Any]:
     """``(function, replay context)`` of a checkpoint call: what it checkpointed (a
     module, a bound method, a function) and the context its replay enters (recomp's

@@ -39,6 +39,7 @@ from ._offload import OffloadHandle
 
 KEPT = "kept by region"
 CACHED = "cached output"
+SELECTIVE = "kept by selective checkpoint"
 OFFLOADED = "offloaded (host)"
 CHECKPOINT_INPUT = "checkpoint input"
 REPLAYED = "replayed, awaiting backward"
@@ -52,8 +53,18 @@ DEFERRED = "deferred (not held)"
 LONG_TABLE = 100
 
 #: The kinds of held rows, in billing order: a storage held by several is billed to the first.
-HELD_KINDS = (KEPT, OFFLOADED, CACHED, CHECKPOINT_INPUT, REPLAYED, OUTSIDE, COMPILED, OTHER_HOOK, RNG)
-
+HELD_KINDS = (
+    KEPT,
+    OFFLOADED,
+    CACHED,
+    SELECTIVE,
+    CHECKPOINT_INPUT,
+    REPLAYED,
+    OUTSIDE,
+    COMPILED,
+    OTHER_HOOK,
+    RNG,
+)
 
 
 @dataclass(frozen=True)
@@ -424,6 +435,9 @@ class _GraphWalk:
         invocation = _invocation_of(replay_context)
         if invocation is not None:
             self.invocation(invocation, frame)
+        for op, entry in _compat.selective_checkpoint_storage(replay_context):
+            for t in _reachable_tensors(entry):
+                self.candidates.append(_Candidate(SELECTIVE, t, op, frame))
 
     def invocation(self, invocation: Invocation, frame: Any) -> None:
         self.invocation_frames[id(invocation)] = frame
