@@ -87,14 +87,14 @@ HF_LLAMA = "hf_models:tiny_llama"
 
 @needs_saved_values
 def test_total_is_the_activation_memory_the_allocator_sees():
-    """On the built-in decoder and a Hugging Face Llama, with no, full and attention-excluded
-    checkpointing: within 2% of the heap the forward left in use, as the benchmark measures
+    """On the built-in decoder and a Hugging Face Llama, with no, full, selective (the
+    decoder) and attention-excluded checkpointing: within 2% of the heap the forward left in use, as the benchmark measures
     it (the rest is autograd's nodes and Python objects). Per-region sums are
     region_saved_bytes, except what two regions share; nothing is left after backward."""
     import os
 
     pytest.importorskip("transformers")
-    cases = [(DECODER, s, 256, 512) for s in ("none", "full", "exclude-attn")]
+    cases = [(DECODER, s, 256, 512) for s in ("none", "full", "sac", "exclude-attn")]
     cases += [(HF_LLAMA, s, 256, 256) for s in ("none", "exclude-attn")]
     figures = run_measured(MEASURE.format(tests=os.path.dirname(__file__), cases=cases))
     for case, f in figures.items():
