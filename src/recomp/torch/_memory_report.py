@@ -5,13 +5,17 @@ reads, without unpacking anything, what each autograd node saved: a tensor saved
 as it is, a placeholder of a non-reentrant checkpoint (which holds nothing until
 its replay), or one of recomp's handles (a tensor an excluded region keeps, or a
 deferred input the replay rebuilds). Through each checkpoint placeholder it
-reaches the checkpoint call itself: the inputs the checkpoint keeps, recomp's
-record of the call (the cached outputs of its excluded regions), and, during a
-replay, the replayed tensors waiting for backward.
+reaches the checkpoint call itself: the inputs the checkpoint keeps (tensors saved
+as such, and whatever tensors its other arguments hold: keyword arguments, tuples,
+cache objects), recomp's record of the call (the cached outputs of its excluded
+regions, deferred inputs a replay has bound), the cache of a selective checkpoint,
+and, during a replay, the replayed tensors waiting for backward.
 
-Every storage is billed once, to the first of these that holds it: a region that
-keeps it, a cached output, an offloaded host copy, a checkpoint input, a replayed
-tensor, a tensor saved outside any checkpoint, another saved-tensor hook's value.
+Every storage is billed once, to the first kind that holds it, in the order of
+``HELD_KINDS`` (a region that keeps it, an offloaded host copy, a cached output, a
+selective checkpoint's cache, a checkpoint input, a replayed tensor, a tensor saved
+outside any checkpoint or by a compiled graph, another saved-tensor hook's value),
+and among holders of one kind to the first in forward order (the first layer).
 Parameters, buffers and the given inputs are not billed (they exist before the
 forward). The graph walk reads PyTorch's private structures only through
 ``recomp.torch._compat``.
