@@ -7,7 +7,10 @@ the rest against byte counts that follow from the model's shapes.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
+from typing import Any
 
 import pytest
 import torch
@@ -15,16 +18,17 @@ from torch import nn
 
 import recomp.torch as rt
 from memory import run_measured
-from recomp.bench.models import norm_matmul_silu
-from recomp.torch import _compat
-from recomp.torch._memory_report import (
+from recomp._report import (
     CACHED,
     CHECKPOINT_INPUT,
     KEPT,
     OUTSIDE,
     REPLAYED,
     RNG,
+    SELECTIVE,
 )
+from recomp.bench.models import Projection, RMSNorm, norm_matmul_silu
+from recomp.torch import _compat
 
 needs_saved_values = pytest.mark.skipif(
     not _compat.saved_values_readable(),
@@ -83,14 +87,14 @@ HF_LLAMA = "hf_models:tiny_llama"
 
 @needs_saved_values
 def test_total_is_the_activation_memory_the_allocator_sees():
-    """On the built-in decoder and a Hugging Face Llama, with no, full and attention-excluded
-    checkpointing: within 2% of the heap the forward left in use, as the benchmark measures
+    """On the built-in decoder and a Hugging Face Llama, with no, full, selective (the
+    decoder) and attention-excluded checkpointing: within 2% of the heap the forward left in use, as the benchmark measures
     it (the rest is autograd's nodes and Python objects). Per-region sums are
     region_saved_bytes, except what two regions share; nothing is left after backward."""
     import os
 
     pytest.importorskip("transformers")
-    cases = [(DECODER, s, 256, 512) for s in ("none", "full", "exclude-attn")]
+    cases = [(DECODER, s, 256, 512) for s in ("none", "full", "sac", "exclude-attn")]
     cases += [(HF_LLAMA, s, 256, 256) for s in ("none", "exclude-attn")]
     figures = run_measured(MEASURE.format(tests=os.path.dirname(__file__), cases=cases))
     for case, f in figures.items():
@@ -143,6 +147,86 @@ def test_deferred_inputs_are_listed_but_not_billed():
     assert rt.saved_tensors_report(loss).rows == []
 
 
+class NormedLayer(nn.Module):
+    """silu(norm(x) @ W) with the matmul excluded; the norm a BatchNorm (whose running
+    statistics the replay must leave as it found them: recomp composes a context of its
+    own for that) or an RMSNorm."""
+
+    def __init__(self, batch_norm: bool) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(T) if batch_norm else RMSNorm(D)
+        self.proj = Projection(D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(self.proj(self.norm(x)))
+
+
+@needs_saved_values
+@pytest.mark.parametrize("extra", ["running statistics", "context_fn"])
+def test_regions_are_found_whatever_contexts_the_checkpoint_composes(extra):
+    """recomp's record of a checkpoint call (cached outputs, the layer of a deferred
+    input) is found under composed contexts too: a BatchNorm's, a user's context_fn."""
+    model = nn.Sequential(*(NormedLayer(extra == "running statistics") for _ in range(2)))
+    options = {}
+    if extra == "context_fn":
+        options["context_fn"] = lambda: (contextlib.nullcontext(), contextlib.nullcontext())
+    rt.apply_activation_checkpointing(
+        model,
+        checkpoint_fn=lambda m: isinstance(m, NormedLayer),
+        exclude_fn=lambda m: isinstance(m, Projection),
+        **options,
+    )
+    x = torch.randn(B, T, D, requires_grad=True)
+    loss = model(x).pow(2).mean()
+    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    for i in range(2):  # its cached output; its input (the norm's output) is deferred
+        assert report.by_region()[f"{i}.proj"] == model[i].proj.region_saved_bytes == ACT
+    assert [(r.layer, r.kind) for r in report.rows if r.region == "1.proj"] == [("1", CACHED)]
+    assert [(r.layer, r.region) for r in report.deferred] == [("0", "0.proj"), ("1", "1.proj")]
+    loss.backward()
+
+
+class _TorchCheckpointed(nn.Module):
+    def __init__(self, inner: nn.Module, **options: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.options = options
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False, **self.options)
+
+
+@needs_saved_values
+@pytest.mark.parametrize("by", ["torch", "recomp"])
+def test_what_selective_checkpoints_keep_is_billed(by):
+    """Selective checkpointing keeps the outputs its policy saves in a cache of its own,
+    outside the autograd graph: each layer's matmul output here, billed to its layer.
+    Under PyTorch's checkpoint, and under recomp's (which composes the contexts)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    context_fn = functools.partial(
+        create_selective_checkpoint_contexts, [torch.ops.aten.mm.default]
+    )
+    model = norm_matmul_silu(3, D)
+    if by == "torch":
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = _TorchCheckpointed(layer, context_fn=context_fn)
+    else:
+        layers = set(model.layers)
+        rt.apply_activation_checkpointing(
+            model, checkpoint_fn=lambda m: m in layers, context_fn=context_fn
+        )
+    x = torch.randn(B, T, D, requires_grad=True)
+    loss = model(x).pow(2).mean()
+    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    kept = [(r.layer, r.op, r.bytes) for r in report.rows if r.kind == SELECTIVE]
+    suffix = ".inner" if by == "torch" else ""  # the module the checkpoint runs
+    assert kept == [(f"layers.{i}{suffix}", "mm", ACT) for i in range(3)]
+    assert report.by_kind()[CHECKPOINT_INPUT] == 2 * ACT  # layers 1 and 2
+    loss.backward()
+    assert rt.saved_tensors_report(loss).rows == []
+
+
 class TwoReaders(nn.Module):
     """Two excluded linears that both save the layer input (a checkpoint input: kept)."""
 
@@ -190,6 +274,132 @@ def test_a_storage_two_regions_keep_is_billed_once():
     assert len(shared) == 2  # once per layer, not once per region
 
 
+class BiasAttention(nn.Module):
+    """Returns its output and a bias it makes when not given one (as T5's first
+    self-attention makes the position bias every later layer receives and returns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x, bias=None):
+        if bias is None:
+            bias = x.detach().pow(2)  # a new storage, made in the first layer only
+        return self.lin(x).tanh() + bias, bias
+
+
+class BiasLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = BiasAttention()
+
+    def forward(self, x, bias=None):
+        out, bias = self.attn(x, bias)
+        return out.sin(), bias
+
+
+class BiasStack(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(BiasLayer() for _ in range(layers))
+
+    def forward(self, x):
+        bias = None
+        for layer in self.layers:
+            x, bias = layer(x, bias)
+        return x
+
+
+@needs_saved_values
+def test_a_storage_several_layers_hold_is_billed_to_the_first():
+    """The bias every layer's region returns is cached by each of them: billed once, to
+    the layer that made it, whatever order the graph walk meets the layers in."""
+    model = BiasStack(3)
+    rt.apply_activation_checkpointing(
+        model,
+        checkpoint_fn=lambda m: isinstance(m, BiasLayer),
+        exclude_fn=lambda m: isinstance(m, BiasAttention),
+    )
+    x = torch.randn(B, T, D, requires_grad=True)
+    loss = model(x).pow(2).mean()
+    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    regions = report.by_region()
+    # each keeps its input (linear) and tanh's output, and caches its output and the bias
+    assert [layer.attn.region_saved_bytes for layer in model.layers] == [4 * ACT] * 3
+    # layer 0's input is the caller's x; layers 1 and 2 hold the bias layer 0 made
+    assert [regions[f"layers.{i}.attn"] for i in range(3)] == [3 * ACT] * 3
+    cached = [
+        len([r for r in report.rows if r.kind == CACHED and r.layer == f"layers.{i}"])
+        for i in range(3)
+    ]
+    assert cached == [2, 1, 1]
+    loss.backward()
+
+
+class _Cache:
+    """A plain object holding tensors (as a KV cache does), not a pytree node."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.layers = [{"keys": t} for t in tensors]
+
+
+class KeywordLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x, pair=None, cache=None):
+        return self.lin(x).tanh()
+
+
+class KeywordStack(nn.Module):
+    """Layers that receive their input by keyword, a tuple and a cache object."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(KeywordLayer() for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, by_partial: bool = False) -> torch.Tensor:
+        h = x.exp()
+        for layer in self.layers:
+            pair, cache = (h.sin(),), _Cache([h.cos()])
+            if by_partial:  # as Hugging Face's own checkpointing binds keyword arguments
+                h = torch.utils.checkpoint.checkpoint(
+                    functools.partial(layer.__call__, pair=pair, cache=cache),
+                    h,
+                    use_reentrant=False,
+                )
+            else:
+                h = layer(x=h, pair=pair, cache=cache)
+        return h
+
+
+@needs_saved_values
+@pytest.mark.parametrize("by_partial", [False, True])
+def test_arguments_a_checkpoint_holds_as_they_are_are_billed(by_partial):
+    """A checkpoint keeps its keyword arguments, its positional arguments that are not
+    tensors (a tuple, a cache object) and what a partial binds, as they are, until its
+    replay: every tensor in them is billed as a checkpoint input, once, named by its
+    parameter; the caller's input is not."""
+    model = KeywordStack(2)
+    if not by_partial:
+        rt.apply_activation_checkpointing(
+            model, checkpoint_fn=lambda m: isinstance(m, KeywordLayer)
+        )
+    x = torch.randn(B, T, D, requires_grad=True)
+    loss = model(x, by_partial).pow(2).mean()
+    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    kinds = {k: v for k, v in report.by_kind().items() if k != RNG}
+    # per layer: its input, the tuple's tensor and the cache's; outside: the output (pow)
+    assert kinds == {CHECKPOINT_INPUT: 2 * 3 * ACT, OUTSIDE: ACT}
+    inputs = [(r.layer, r.op) for r in report.rows if r.kind == CHECKPOINT_INPUT]
+    names = {"input" if by_partial else "input x", "input pair", "input cache"}
+    assert len(inputs) == 6 and {op for _, op in inputs} == names
+    assert {layer for layer, _ in inputs} == {"layers.0", "layers.1"}
+    loss.backward()
+    assert rt.saved_tensors_report(loss).rows == []
+
+
 @needs_saved_values
 def test_without_any_checkpoint():
     """A plain model: every saved activation billed once as saved outside checkpoints;
@@ -205,6 +415,25 @@ def test_without_any_checkpoint():
     ]
     assert report.total_bytes == 2 * ACT
     assert "total held for backward" in str(report)
+
+
+@needs_saved_values
+def test_a_long_table_points_to_the_summary(capsys):
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x
+    for _ in range(120):  # each tanh saves its output: 120 storages
+        h = h.tanh()
+    loss = h.sum()
+    report = rt.print_saved_tensors_report(loss, inputs=x)
+    table = capsys.readouterr().out
+    assert len(report.rows) == 120 and report.total_bytes == 120 * 4 * 8 * 4
+    assert "(120 rows: summary() gives one line per layer" in table
+    assert "rows:" not in report.format(max_rows=10)
+    rt.print_saved_tensors_report(loss, inputs=x, summary=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split() == ["-", "-", "saved", "outside", "checkpoints", "120", "15360"]
+    with pytest.raises(TypeError, match="no format options"):
+        rt.print_saved_tensors_report(loss, summary=True, max_rows=3)
 
 
 @needs_saved_values
@@ -253,6 +482,26 @@ def test_inside_a_replay():
     assert sorted(still, key=repr) == sorted(layer0, key=repr)
     assert not [r for r in during.rows if r.layer == "layers.1"]
     assert [r for r in during.rows if r.kind == REPLAYED and r.layer == "layers.0"]
+    assert rt.saved_tensors_report(loss).rows == []
+
+
+@needs_saved_values
+def test_after_a_backward_that_retains_the_graph():
+    """The replay bound each deferred input (the norm's output) for the excluded matmul's
+    backward; the region holds it until the next replay rebinds it: billed as replayed,
+    no longer listed as not held. The rest is as before the backward."""
+    model = _checkpointed(norm_matmul_silu(2, D), (type(norm_matmul_silu(1, D).layers[0].proj),))
+    x = torch.randn(B, T, D, requires_grad=True)
+    loss = model(x).pow(2).mean()
+    before = rt.saved_tensors_report(loss, model=model, inputs=x)
+    assert before.deferred_bytes == 2 * ACT
+    loss.backward(retain_graph=True)
+    after = rt.saved_tensors_report(loss, model=model, inputs=x)
+    assert after.deferred == []
+    bound = [(r.layer, r.region, r.op) for r in after.rows if r.kind == REPLAYED and r.bytes == ACT]
+    assert bound == [(f"layers.{i}", f"layers.{i}.proj", "mm") for i in range(2)]
+    assert sum(r.bytes for r in after.rows if r.kind != REPLAYED) == before.total_bytes
+    loss.backward()
     assert rt.saved_tensors_report(loss).rows == []
 
 
@@ -357,6 +606,10 @@ def test_report_command_prints_the_table_and_draws(tmp_path, capsys):
     assert png.stat().st_size > 0
     assert main(["report", "--layers", "1", "--strategy", "nonsense"]) == 2
     assert "unknown strategy" in capsys.readouterr().err
+    assert main(["report", "--model", "no_such_module_here:build"]) == 2
+    assert "cannot import 'no_such_module_here'" in capsys.readouterr().err
+    assert main(["report", "--model", "recomp.bench.models:no_such_factory"]) == 2
+    assert "has no 'no_such_factory'" in capsys.readouterr().err
     assert main([*args[:7], "--strategy", "none", "--summary"]) == 0
     lines = capsys.readouterr().out.splitlines()
     # without a checkpoint, label_layers still names each layer

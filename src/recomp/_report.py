@@ -27,16 +27,32 @@ from ._wrapping import REGION
 
 KEPT = "kept by region"
 CACHED = "cached output"
+SELECTIVE = "kept by selective checkpoint"
 OFFLOADED = "offloaded (host)"
 CHECKPOINT_INPUT = "checkpoint input"
 REPLAYED = "replayed, awaiting backward"
 OUTSIDE = "saved outside checkpoints"
+COMPILED = "saved by a compiled graph"
 OTHER_HOOK = "other saved-tensor hook"
 RNG = "random state (host)"
 DEFERRED = "deferred (not held)"
 
+#: Beyond this many rows, a table ends with a pointer to the shorter forms.
+LONG_TABLE = 100
+
 #: The kinds of held rows, in billing order: a storage held by several is billed to the first.
-HELD_KINDS = (KEPT, OFFLOADED, CACHED, CHECKPOINT_INPUT, REPLAYED, OUTSIDE, OTHER_HOOK, RNG)
+HELD_KINDS = (
+    KEPT,
+    OFFLOADED,
+    CACHED,
+    SELECTIVE,
+    CHECKPOINT_INPUT,
+    REPLAYED,
+    OUTSIDE,
+    COMPILED,
+    OTHER_HOOK,
+    RNG,
+)
 
 
 @dataclass(frozen=True)
@@ -108,7 +124,13 @@ class SavedTensorsReport:
             more = f"... {len(rest)} more rows"
             cells.append(("...", "", more, "", "", "", str(sum(r.bytes for r in rest))))
         cells += [_cells(r) for r in self.deferred]
-        return _table(header, cells) + "\n\n" + self._totals()
+        text = _table(header, cells) + "\n\n" + self._totals()
+        if len(shown) > LONG_TABLE:
+            text += (
+                f"\n({len(shown)} rows: summary() gives one line per layer, region and kind, "
+                "format(largest_first=True, max_rows=N) the N largest storages)"
+            )
+        return text
 
     def summary(self) -> str:
         """One line per layer, region and kind: how many storages, how many bytes."""
@@ -130,6 +152,13 @@ class SavedTensorsReport:
         if self.deferred:
             lines.append(
                 f"{'deferred, not held':>28}  {_size(self.deferred_bytes)} (rebuilt by the replay)"
+            )
+        if any(r.kind == COMPILED for r in self.rows):
+            lines.append(
+                "\nSaved by a compiled graph: torch.compile's partitioner chose what its graphs "
+                "keep (checkpoints and excluded regions inside them included); the layers and "
+                "regions inside compiled code are not visible here. For them, take the report "
+                "of the model run eagerly with the same strategy."
             )
         return "\n".join(lines)
 

@@ -104,10 +104,19 @@ def load_factory(spec: str) -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--model takes MODULE:FACTORY (e.g. mypkg.models:build), got {spec!r}")
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"--model {spec}: cannot import {module_name!r} ({type(exc).__name__}: {exc}); "
+            "the module must be importable from here (its directory on PYTHONPATH)"
+        ) from exc
     factory = module
     for part in attr.split("."):
-        factory = getattr(factory, part)
+        try:
+            factory = getattr(factory, part)
+        except AttributeError as exc:
+            raise ValueError(f"--model {spec}: {module_name!r} has no {attr!r}") from exc
     if not callable(factory):
         raise ValueError(f"{spec!r} is not callable")
     return factory

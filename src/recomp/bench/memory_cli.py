@@ -14,6 +14,7 @@ import argparse
 import os
 import re
 import sys
+import warnings
 from typing import Any
 
 from .config import (
@@ -125,7 +126,12 @@ def strategy_report(config: BenchConfig, strategy: str) -> Any:
     model = prepared.model
     model.train()
     # Layers without a checkpoint are named through hooks; checkpointed ones by their checkpoint.
-    with label_layers(model, [path for path, _ in layers_of(model)]):
+    with warnings.catch_warnings(), label_layers(model, [path for path, _ in layers_of(model)]):
+        # label_layers' hook only names layers; what selective checkpoints keep is found
+        # without it, so PyTorch's notice about such hooks around them does not apply.
+        warnings.filterwarnings(
+            "ignore", message="A saved_tensors_hooks context", category=FutureWarning
+        )
         loss = loss_fn(call_model(model, x))
     report = saved_tensors_report(loss, model=model, inputs=x)
     loss.backward()
@@ -176,9 +182,11 @@ _COLOURS = {
     "kept by region": "#1f77b4",
     "offloaded (host)": "#9edae5",
     "cached output": "#ff7f0e",
+    "kept by selective checkpoint": "#9467bd",
     "checkpoint input": "#2ca02c",
     "replayed, awaiting backward": "#bcbd22",
     "saved outside checkpoints": "#7f7f7f",
+    "saved by a compiled graph": "#17becf",
     "other saved-tensor hook": "#8c564b",
     "random state (host)": "#e377c2",
 }

@@ -763,6 +763,17 @@ def saved_handles(node: Any) -> list[tuple[str, Any]]:
     return found
 
 
+def is_compiled_graph_node(node: Any) -> bool:
+    """Whether the autograd ``node`` is the backward of a graph compiled by torch.compile.
+
+    Private: AOTAutograd runs each compiled forward as an autograd Function named
+    ``CompiledFunction`` (``torch._functorch._aot_autograd.runtime_wrappers``), whose node class is
+    ``CompiledFunctionBackward``; its saved tensors are what the partitioner kept.
+    If it changes: False; the report then lists them as saved outside checkpoints.
+    """
+    return type(node).__name__ == "CompiledFunctionBackward"
+
+
 def packed_value(handle: Any) -> Any:
     """What the pack hook returned for ``handle`` (the tensor itself without hooks), or None
     once a backward released it. See :func:`saved_values_readable`."""
@@ -831,6 +842,80 @@ def checkpoint_input_handles(frame: Any) -> list[Any]:
     saver = getattr(frame, "input_saver", None)
     node = getattr(saver, "grad_fn", None)
     return [h for _, h in saved_handles(node)] if node is not None else []
+
+
+def checkpoint_plain_arguments(frame: Any) -> list[tuple[str, Any]]:
+    """``(name, value)`` of what a checkpoint call holds of its arguments as they are, not
+    as saved tensors: its keyword arguments (``past_key_values``, ``position_embeddings``,
+    a layer input passed by keyword) and positional arguments that are not tensors
+    (tuples of tensors, cache objects). They stay alive until the replay has run.
+
+    Private: 2.14 keeps positional arguments in ``frame.saved_args`` (tensors as
+    ``SavedTensor``, anything else as it is) and the keyword arguments in the closure
+    (``kwargs``) of ``frame.recompute_fn``. If it changes: empty; the report then misses
+    tensors passed this way (the allocator shows more than its total).
+    """
+    found: list[tuple[str, Any]] = []
+    saved = getattr(frame, "saved_args", None)
+    if isinstance(saved, list):
+        for i, value in enumerate(saved):
+            if value is None or (
+                _SAVED_TENSOR_TYPE is not None and isinstance(value, _SAVED_TENSOR_TYPE)
+            ):
+                continue
+            found.append((f"argument {i}", value))
+    kwargs = _closure_value(getattr(frame, "recompute_fn", None), "kwargs")
+    if isinstance(kwargs, dict):
+        found.extend((str(k), v) for k, v in kwargs.items() if v is not None)
+    return found
+
+
+def selective_checkpoint_storage(context: Any) -> list[tuple[str, Any]]:
+    """``(op name, entry)`` for each op output a selective activation checkpoint keeps
+    for its replay, found in the checkpoint's replay ``context`` (or in contexts composed
+    into it). An entry is what the cache holds (tensors inside wrappers), or a marker.
+
+    Private: ``create_selective_checkpoint_contexts`` returns a caching mode and a cached
+    mode (``torch.utils.checkpoint._CachingTorchDispatchMode`` /
+    ``_CachedTorchDispatchMode``) that share ``storage``: op key (the op, or a tuple
+    starting with it) -> list or dict of entries (``_VersionWrapper``s around detached
+    outputs); the replay replaces each entry it reads with a marker. These tensors are
+    held outside the autograd graph, so no saved-tensor handle shows them.
+    If it changes: empty; the report then misses what selective checkpoints keep.
+    """
+    mode_types = tuple(
+        t
+        for t in (
+            getattr(torch.utils.checkpoint, "_CachedTorchDispatchMode", None),
+            getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None),
+        )
+        if isinstance(t, type)
+    )
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    stack = [context]
+    while stack and mode_types:
+        ctx = stack.pop()
+        if ctx is None or id(ctx) in seen:
+            continue
+        seen.add(id(ctx))
+        if isinstance(ctx, mode_types):
+            storage = getattr(ctx, "storage", None)
+            if not isinstance(storage, dict) or id(storage) in seen:
+                continue
+            seen.add(id(storage))
+            for key, entries in storage.items():
+                op = key[0] if isinstance(key, tuple) and key else key
+                name = getattr(op, "_opname", None) or getattr(op, "__name__", None) or str(op)
+                if isinstance(entries, dict):
+                    entries = list(entries.values())
+                for entry in entries if isinstance(entries, list) else [entries]:
+                    found.append((str(name), entry))
+            continue
+        inner = getattr(ctx, "contexts", None)  # recomp's ComposedContext
+        if isinstance(inner, (list, tuple)):
+            stack.extend(reversed(inner))
+    return found
 
 
 def checkpoint_function(frame: Any) -> tuple[Any, Any]:

@@ -5,13 +5,17 @@ reads, without unpacking anything, what each autograd node saved: a tensor saved
 as it is, a placeholder of a non-reentrant checkpoint (which holds nothing until
 its replay), or one of recomp's handles (a tensor an excluded region keeps, or a
 deferred input the replay rebuilds). Through each checkpoint placeholder it
-reaches the checkpoint call itself: the inputs the checkpoint keeps, recomp's
-record of the call (the cached outputs of its excluded regions), and, during a
-replay, the replayed tensors waiting for backward.
+reaches the checkpoint call itself: the inputs the checkpoint keeps (tensors saved
+as such, and whatever tensors its other arguments hold: keyword arguments, tuples,
+cache objects), recomp's record of the call (the cached outputs of its excluded
+regions, deferred inputs a replay has bound), the cache of a selective checkpoint,
+and, during a replay, the replayed tensors waiting for backward.
 
-Every storage is billed once, to the first of these that holds it: a region that
-keeps it, a cached output, an offloaded host copy, a checkpoint input, a replayed
-tensor, a tensor saved outside any checkpoint, another saved-tensor hook's value.
+Every storage is billed once, to the first kind that holds it, in the order of
+``HELD_KINDS`` (a region that keeps it, an offloaded host copy, a cached output, a
+selective checkpoint's cache, a checkpoint input, a replayed tensor, a tensor saved
+outside any checkpoint or by a compiled graph, another saved-tensor hook's value),
+and among holders of one kind to the first in forward order (the first layer).
 Parameters, buffers and the given inputs are not billed (they exist before the
 forward). The graph walk reads PyTorch's private structures only through
 ``recomp.torch._compat``.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -34,6 +39,7 @@ from .._region import ExcludedRegion, RegionCall, saved_by_region
 from .._report import (
     CACHED,
     CHECKPOINT_INPUT,
+    COMPILED,
     DEFERRED,
     HELD_KINDS,
     KEPT,
@@ -42,6 +48,7 @@ from .._report import (
     OUTSIDE,
     REPLAYED,
     RNG,
+    SELECTIVE,
     ReportRow,
     SavedTensorsReport,
 )
@@ -79,11 +86,22 @@ def saved_tensors_report(
 
 
 def print_saved_tensors_report(
-    loss: Any, model: nn.Module | None = None, inputs: Any = None, **format_options: Any
+    loss: Any,
+    model: nn.Module | None = None,
+    inputs: Any = None,
+    *,
+    summary: bool = False,
+    **format_options: Any,
 ) -> SavedTensorsReport:
-    """Print :func:`saved_tensors_report` as a table (options of ``format``) and return it."""
+    """Print :func:`saved_tensors_report` as a table (options of ``format``: ``largest_first``,
+    ``max_rows``) or, with ``summary=True``, one line per layer, region and kind; return it."""
     report = saved_tensors_report(loss, model, inputs)
-    print(report.format(**format_options))
+    if summary:
+        if format_options:
+            raise TypeError(f"summary=True takes no format options, got {sorted(format_options)}")
+        print(report.summary())
+    else:
+        print(report.format(**format_options))
     return report
 
 
@@ -161,8 +179,12 @@ class _GraphWalk:
         self.deferred: dict[int, tuple[Any, str, ExcludedRegion]] = {}  # id(slot) -> ...
         self.excluded: set[Any] = set()  # storage keys not billed
         self.frames: dict[int, Any] = {}  # id -> checkpoint frame, in discovery order
+        self.frame_order: dict[int, int] = {}  # id -> its index in frames
         self.frame_modules: dict[int, Any] = {}  # id(frame) -> what it checkpointed
         self.frame_labels: dict[int, str] = {}  # id(frame) -> its layer, from label_layers
+        # (frame, name, value): arguments a checkpoint holds as they are (keyword
+        # arguments, containers, cache objects), read once the walk has met every frame.
+        self.arguments: list[tuple[Any, str, Any]] = []
         self.call_frames: dict[int, Any] = {}  # id(RegionCall) -> frame
         self.invocation_frames: dict[int, Any] = {}  # id(Invocation) -> frame
         self.keep_alive: list[Any] = []  # ids above stay unique while the walk runs
@@ -198,17 +220,19 @@ class _GraphWalk:
             if isinstance(variable, torch.Tensor):  # AccumulateGrad: a leaf the user owns
                 self.not_billed(variable)
             op = _op_name(node)
+            compiled = _compat.is_compiled_graph_node(node)
             for _name, handle in _compat.saved_handles(node):
-                self.saved(handle, op, None)
+                self.saved(handle, op, None, compiled)
             stack.extend(next_node for next_node, _ in node.next_functions)
 
-    def saved(self, handle: Any, op: str, frame: Any) -> None:
-        """Classify one saved-tensor handle; ``frame``: it saves an input of that checkpoint."""
+    def saved(self, handle: Any, op: str, frame: Any, compiled: bool = False) -> None:
+        """Classify one saved-tensor handle; ``frame``: it saves an input of that checkpoint;
+        ``compiled``: a torch.compile graph saved it."""
         packed = _compat.packed_value(handle)
         if packed is None:  # released by a backward
             return
         if isinstance(packed, torch.Tensor):
-            kind = CHECKPOINT_INPUT if frame is not None else OUTSIDE
+            kind = CHECKPOINT_INPUT if frame is not None else COMPILED if compiled else OUTSIDE
             self.candidates.append(_Candidate(kind, packed, op, frame))
             return
         if isinstance(packed, _Labelled):
@@ -263,22 +287,37 @@ class _GraphWalk:
         function, replay_context = _compat.checkpoint_function(frame)
         owner = None
         while isinstance(function, functools.partial):  # HF: partial(forward, layer, **kwargs)
-            if function.args and isinstance(function.args[0], nn.Module):
-                owner = function.args[0]
+            args = function.args
+            if args and isinstance(args[0], nn.Module):
+                owner, args = args[0], args[1:]
+            # what the partial binds lives as long as the checkpoint, as its arguments do
+            self.arguments.extend((frame, f"argument {i}", a) for i, a in enumerate(args))
+            self.arguments.extend((frame, str(k), v) for k, v in function.keywords.items())
             function = function.func
         if owner is None:
             owner = getattr(function, "__self__", function)
         self.frame_modules[id(frame)] = owner
+        names = _parameter_names(function)
+        if not names and isinstance(owner, nn.Module):  # Module.__call__: name forward's
+            names = _parameter_names(owner.forward)
         if isinstance(owner, nn.Module):
             for t in [*owner.parameters(), *owner.buffers()]:
                 self.not_billed(t)
         for handle in _compat.checkpoint_input_handles(frame):
             self.saved(handle, "input", frame)
+        for name, value in _compat.checkpoint_plain_arguments(frame):
+            index = name.removeprefix("argument ")
+            if index.isdigit() and int(index) < len(names):
+                name = names[int(index)]
+            self.arguments.append((frame, name, value))
         for t in _compat.checkpoint_rng_states(frame):
             self.candidates.append(_Candidate(RNG, t, "checkpoint", frame))
         invocation = _invocation_of(replay_context)
         if invocation is not None:
             self.invocation(invocation, frame)
+        for op, entry in _compat.selective_checkpoint_storage(replay_context):
+            for t in _reachable_tensors(entry):
+                self.candidates.append(_Candidate(SELECTIVE, t, op, frame))
 
     def invocation(self, invocation: Invocation, frame: Any) -> None:
         self.invocation_frames[id(invocation)] = frame
@@ -297,7 +336,25 @@ class _GraphWalk:
 
     # -- billing ---------------------------------------------------------------------
 
+    def held_arguments(self) -> None:
+        """Tensors in the arguments checkpoints hold as they are (one that several layers
+        receive, such as rotary tables or a KV cache, is billed to the first)."""
+        for frame, name, value in self.arguments:
+            for t in _reachable_tensors(value):
+                self.candidates.append(_Candidate(CHECKPOINT_INPUT, t, f"input {name}", frame))
+
+    def bound_inputs(self) -> None:
+        """Deferred inputs a replay has supplied: held until the next replay rebinds them
+        or the graph goes (after a ``retain_graph=True`` backward, during a replay)."""
+        for slot, op, owner in self.deferred.values():
+            if isinstance(slot.bound, torch.Tensor):
+                invocation = slot.invocation()
+                frame = self.invocation_frames.get(id(invocation)) if invocation else None
+                self.candidates.append(_Candidate(REPLAYED, slot.bound, op, frame, owner))
+
     def report(self) -> SavedTensorsReport:
+        self.held_arguments()
+        self.bound_inputs()
         order = {kind: i for i, kind in enumerate(HELD_KINDS)}
         # Nested checkpoints are met after their parents; their calls belong to them.
         for frame in self.frames.values():
@@ -307,23 +364,33 @@ class _GraphWalk:
                 for call in invocation.entries:
                     self.call_frames[id(call)] = frame
         layer_names = self._layer_names()
-        billed: set[Any] = set()
-        rows: list[tuple[tuple[int, ...], ReportRow]] = []
-        for position, c in sorted(enumerate(self.candidates), key=lambda p: order[p[1].kind]):
-            key, nbytes, shape, dtype, device = _describe(c.tensor)
-            if key is None or key in billed or key in self.excluded:
-                continue
-            billed.add(key)
+        # Every candidate with its layer and its place in forward order; a storage held
+        # by several is billed to the first kind (HELD_KINDS), then the first in forward
+        # order (rotary tables every layer keeps: the first layer).
+        placed = []
+        for position, c in enumerate(self.candidates):
             frame = c.frame
             if c.call is not None:
                 frame = self.call_frames.get(id(c.call), frame)
             layer = layer_names.get(id(frame)) if frame is not None else c.layer
+            rank = self._rank(layer, frame, c.region, position)
+            placed.append(((order[c.kind], rank), c, layer))
+        placed.sort(key=lambda p: p[0])
+        billed: set[Any] = set()
+        rows: list[tuple[tuple[int, ...], ReportRow]] = []
+        for (_, rank), c, layer in placed:
+            key, nbytes, shape, dtype, device = _describe(c.tensor)
+            if key is None or key in billed or key in self.excluded:
+                continue
+            billed.add(key)
             row = ReportRow(
                 layer, self._region_name(c.region), c.op, c.kind, nbytes, shape, dtype, device
             )
-            rows.append((self._rank(layer, frame, c.region, position), row))
+            rows.append((rank, row))
         deferred = []
         for slot, op, owner in self.deferred.values():
+            if isinstance(slot.bound, torch.Tensor):  # held now: billed above
+                continue
             invocation = slot.invocation()
             frame = self.invocation_frames.get(id(invocation)) if invocation is not None else None
             shape, stride, dtype, device = slot.layout
@@ -379,8 +446,10 @@ class _GraphWalk:
         elif layer in self.path_index:
             first = (0, self.path_index[layer])
         elif frame is not None and id(frame) in self.frames:
-            frames = list(self.frames)
-            first = (0, len(self.path_index) + len(frames) - frames.index(id(frame)))
+            if len(self.frame_order) != len(self.frames):
+                self.frame_order = {key: i for i, key in enumerate(self.frames)}
+            met = self.frame_order[id(frame)]
+            first = (0, len(self.path_index) + len(self.frames) - met)
         else:
             first = (0, 1 << 30)
         region_rank = 1 << 30
@@ -396,10 +465,14 @@ class _GraphWalk:
 
 def _invocation_of(context: Any) -> Invocation | None:
     """recomp's record of a checkpoint call, from the replay context it gave PyTorch."""
-    contexts = getattr(context, "contexts", (context,))  # a ComposedContext, or one
-    for ctx in contexts:
+    stack = [context]  # a ComposedContext (possibly of others), or one
+    while stack:
+        ctx = stack.pop()
         if isinstance(ctx, PhaseContext) and isinstance(ctx.state.record, Invocation):
             return ctx.state.record
+        inner = getattr(ctx, "contexts", None)
+        if isinstance(inner, (list, tuple)):
+            stack.extend(reversed(inner))
     return None
 
 
@@ -408,6 +481,57 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
         return iter(())
     leaves, _ = BACKEND.flatten(tree)
     return (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+def _parameter_names(function: Any) -> list[str]:
+    """Names of the positional parameters of ``function`` (none if it takes ``*args``)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in positional]
+
+
+#: How deep :func:`_reachable_tensors` looks into objects, and at most how many it visits.
+_REACH_DEPTH = 4
+_REACH_OBJECTS = 10_000
+
+
+def _reachable_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Tensors an argument holds: itself, the leaves of containers and pytree nodes, and
+    attributes of plain objects (a KV cache's ``layers[i].keys``), a few levels deep.
+    Modules are not entered (their parameters and buffers are not activations)."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack and len(seen) < _REACH_OBJECTS:
+        obj, depth = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            yield obj
+            continue
+        if depth >= _REACH_DEPTH or isinstance(obj, (nn.Module, type)) or callable(obj):
+            continue
+        children: Iterable[Any]
+        if isinstance(obj, dict):
+            children = obj.values()
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            children = obj
+        else:
+            leaves, _ = BACKEND.flatten(obj)
+            if len(leaves) != 1 or leaves[0] is not obj:  # a registered pytree node
+                children = leaves
+            else:
+                attrs = getattr(obj, "__dict__", None)
+                children = list(attrs.values()) if isinstance(attrs, dict) else []
+                for cls in type(obj).__mro__:
+                    slots = cls.__dict__.get("__slots__", ())
+                    for slot in (slots,) if isinstance(slots, str) else slots:
+                        if slot not in ("__dict__", "__weakref__"):
+                            children.append(getattr(obj, slot, None))
+        stack.extend((child, depth + 1) for child in children)
 
 
 def _describe(t: Any) -> tuple[Any, int, tuple[int, ...], str, str]:
