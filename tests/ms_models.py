@@ -92,6 +92,7 @@ def held_for_backward(
     """(bytes the forward leaves allocated for backward, peak bytes of the step) for one
     training step of ``model`` after a warm-up, read from MindSpore's memory record at
     the model's output (``after_loss``: once the loss is computed, as ``recomp bench``)."""
+    import gc
     import tempfile
     import time
 
@@ -111,15 +112,22 @@ def held_for_backward(
     step = ms.grad(loss, None, model.trainable_params())
     step(*inputs)
     ms.runtime.launch_blocking()
-    with tempfile.TemporaryDirectory(prefix="recomp-test-ms-") as tmp:
-        with _profiled(tmp):
-            # a tensor made and dropped before the step puts a reading into the record
-            (ms.Tensor(np.ones(16, np.float32)) * 2).asnumpy()
-            marks.clear()
-            start = time.time_ns()
-            step(*inputs)  # the gradients are dropped at once
-            end = time.time_ns()
-        rows = _read_record(tmp)
+    # Garbage of earlier tests in this process, freed by the collector in the middle of
+    # the step, would move the readings: collect it first, and keep the collector off.
+    gc.collect()
+    gc.disable()
+    try:
+        with tempfile.TemporaryDirectory(prefix="recomp-test-ms-") as tmp:
+            with _profiled(tmp):
+                # a tensor made and dropped before the step puts a reading into the record
+                (ms.Tensor(np.ones(16, np.float32)) * 2).asnumpy()
+                marks.clear()
+                start = time.time_ns()
+                step(*inputs)  # the gradients are dropped at once
+                end = time.time_ns()
+            rows = _read_record(tmp)
+    finally:
+        gc.enable()
     base = _allocated_at(rows, start)
     peak = max(a for t, a in rows if start <= t <= end)
     return _allocated_at(rows, marks[0]) - base, peak - base
