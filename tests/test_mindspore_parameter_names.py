@@ -41,3 +41,40 @@ def test_a_plain_cell_assigned_elsewhere_is_still_renamed_as_mindspore_does():
     block = model.layers[0]
     block.other = rm.checkpoint_exclude_wrapper(ms.nn.Dense(8, 8))
     assert {"other.weight", "other.bias"} <= set(names(block))
+
+
+class OneBlockStage(ms.nn.Cell):
+    """mindcv's ResNet-like stage of one block, the block's parameters below
+    segments equal to its index (``stage.0.branch.0.0.weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        branch = ms.nn.SequentialCell(
+            [ms.nn.SequentialCell([ms.nn.Dense(4, 4), ms.nn.BatchNorm1d(4)])]
+        )
+        self.stage = ms.nn.SequentialCell([ms.nn.SequentialCell([branch])])
+        self.head = ms.nn.CellList([ms.nn.SequentialCell([ms.nn.Dense(4, 4)])])
+
+    def construct(self, x):
+        return self.head[0](self.stage(x))
+
+
+def test_item_assignment_into_a_one_element_container_keeps_the_names():
+    """SequentialCell and CellList item assignment guess the container's path from the
+    cell's own names; with one element, they guess too long a path."""
+    model = OneBlockStage()
+    before = names(model)
+    branch = model.stage[0][0]
+    branch[0] = rm.checkpoint_exclude_wrapper(branch[0])
+    model.stage[0] = rm.checkpoint_wrapper(model.stage[0])
+    model.head[0] = rm.checkpoint_wrapper(model.head[0])
+    assert names(model) == before
+    ms.nn.Momentum(model.trainable_params(), learning_rate=0.1, momentum=0.9)
+
+
+def test_mindspore_renames_an_unwrapped_cell_put_back_into_a_one_element_container():
+    """Canary for the path guess above: the same assignment without recomp renames."""
+    model = OneBlockStage()
+    before = names(model)
+    model.stage[0] = model.stage[0]
+    assert names(model) != before

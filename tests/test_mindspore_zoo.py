@@ -735,3 +735,20 @@ def test_private_mindspore_api_used_here_is_present():
 
     assert issubclass(_compat.stop_recomputation_error(), Exception)
     assert len(_compat.graph_parser_lookups()) == 2
+
+
+def test_mindcv_sknet_blocks_wrapped_by_item_assignment_keep_parameter_names():
+    """Each of this SKNet's stages holds one block, whose parameter paths repeat the
+    index 0 (``layer1.0.conv1.paths.0.features.0.weight``): item assignment back into
+    the stage and into the branch's SequentialCell keeps every name."""
+    mindcv_sknet = pytest.importorskip("mindcv.models.sknet")
+    model = mindcv_sknet.SKNet(mindcv_sknet.SelectiveKernelBasic, [1, 1, 1, 1], num_classes=3)
+    before = [p.name for p in model.get_parameters()]
+    for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
+        for path in stage[0].conv1.paths:
+            path.features[1] = rm.checkpoint_exclude_wrapper(path.features[1])  # BatchNorm
+        stage[0] = rm.checkpoint_wrapper(stage[0])
+    after = [p.name for p in model.get_parameters()]
+    assert after == before
+    assert len(set(after)) == len(after)
+    nn.Momentum(model.trainable_params(), learning_rate=0.1, momentum=0.9)

@@ -83,16 +83,39 @@ def checkpoint(
     )
 
 
+def _placed_at(named: list[tuple[str, Any]]) -> str | None:
+    """The common path ``X`` of parameters all named ``X + relative name``, if any."""
+    places = {p.name[: -len(n)] for n, p in named if p.name.endswith(n)}
+    if len(places) != 1 or len(named) != sum(p.name.endswith(n) for n, p in named):
+        return None
+    return places.pop()
+
+
 class _NamesKept:
-    """Assigning a wrapped Cell back to the attribute it came from keeps its parameters'
-    names. MindSpore's ``Cell.__setattr__`` re-prefixes a Cell's parameters with the
-    bare attribute name (``layers.0.attn.weight`` becomes ``attn.weight``), which an
-    optimizer built right after wrapping sees as duplicates; recomp wraps in place,
-    so the Cell is where it was and its names are already right."""
+    """Assigning a wrapped Cell back to where it came from keeps its parameters' names.
+
+    MindSpore renames on assignment, and gets it wrong for a Cell that is already in
+    place: ``Cell.__setattr__`` re-prefixes the parameters with the bare attribute
+    name (``layers.0.attn.weight`` becomes ``attn.weight``, which an optimizer built
+    right after wrapping sees as duplicates), and ``SequentialCell``/``CellList``
+    item assignment guesses the container's path from the Cell's own parameter
+    names, taking the last path segment equal to the index: in a one-element
+    container of ``layer1.0.conv1.paths.0.features.0.weight`` it guesses
+    ``layer1.0.conv1.paths.0.features.`` and renames the weight
+    ``layer1.0.conv1.paths.0.features.0.conv1.paths.0.features.0.weight``. recomp
+    wraps in place, so the Cell is where it was and its names are already right:
+    a prefix that is such a re-prefixing of the path the names already carry
+    keeps them; any other prefix renames as MindSpore does."""
 
     def update_parameters_name(self, prefix: str = "", recurse: bool = True) -> None:
         named = list(self.parameters_and_names(expand=recurse))  # type: ignore[attr-defined]
-        if prefix and named and all(p.name.endswith(f".{prefix}{n}") for n, p in named):
+        place = _placed_at(named) if prefix and named else None
+        if place is not None and (
+            place == prefix
+            or place.endswith(f".{prefix}")  # attribute assignment: the bare name
+            # item assignment: a longer path guessed from the names themselves
+            or (prefix.startswith(place) and named[0][1].name.startswith(prefix))
+        ):
             return
         super().update_parameters_name(prefix, recurse)  # type: ignore[misc]
 
