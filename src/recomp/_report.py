@@ -214,7 +214,10 @@ class SavedTensorsRecorder(RegionObserver):
         self.paths: dict[int, str] = {}  # id(module) -> path
         self.region_paths: dict[int, str] = {}
         self.unnamed: dict[str, int] = {}
-        self.keep_alive: list[Any] = []  # ids above stay unique while recording
+        # Unnamed checkpointed callables, kept so that their ids stay theirs. Invocations
+        # and region calls are not kept (that would hold cached outputs past backward):
+        # each is labelled when it starts, before any lookup by its id.
+        self.keep_alive: list[Any] = []
         if model is not None:
             for path, module in _named_modules(backend, model, ""):
                 self.paths.setdefault(id(module), path)
@@ -253,7 +256,6 @@ class SavedTensorsRecorder(RegionObserver):
     def checkpoint_started(self, invocation: Any, function: Any) -> None:
         if not self._recording():
             return
-        self.keep_alive.append(invocation)
         module = self.backend.module_of(function)
         layer = self._name_of(function if module is None else module)
         self.layers[id(invocation)] = layer
@@ -266,7 +268,6 @@ class SavedTensorsRecorder(RegionObserver):
             owner = getattr(call, "region", None)
             self.calls[id(call)] = self._layer_of(self.region_paths.get(id(owner)))
             return
-        self.keep_alive.append(call)
         self.calls[id(call)] = self.layers.get(id(invocation_of(state)))
 
     def tensor_kept(self, call: RegionCall, original: Any, kept: Any) -> None:
