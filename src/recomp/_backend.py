@@ -120,6 +120,18 @@ class Backend:
         bound method (a wrapper's ``forward``); None for any other function."""
         return None
 
+    def running_module(self, frame: Any) -> Any | None:
+        """The innermost module whose ``forward``/``construct`` runs at ``frame`` or
+        below it on the Python stack (its first argument, whatever it is called)."""
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name in ("forward", "construct") and code.co_argcount:
+                owner = frame.f_locals.get(code.co_varnames[0])
+                if owner is not None and self.module_of(owner) is owner:
+                    return owner
+            frame = frame.f_back
+        return None
+
     def operation_name(self, obj: Any) -> str | None:
         """The name of the framework operation ``obj``, if it is one (a MindSpore
         primitive); None otherwise. Used to name what saved a tensor."""

@@ -23,7 +23,7 @@ from ._hooks import RegionCall, RegionObserver, observing
 from ._record import invocation_of
 from ._region import ExcludedRegion
 from ._state import get_recompute_state
-from ._wrapping import REGION
+from ._wrapping import REGION, walk_named
 
 KEPT = "kept by region"
 CACHED = "cached output"
@@ -176,18 +176,6 @@ class SavedTensorsRecord:
         return str(self.report)
 
 
-@dataclass
-class _Seen:
-    key: Hashable
-    kind: str
-    layer: str | None
-    region: str | None
-    op: str
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: str
-
-
 class SavedTensorsRecorder(RegionObserver):
     """Records, while a forward runs, every storage it saves for backward.
 
@@ -205,8 +193,9 @@ class SavedTensorsRecorder(RegionObserver):
     ) -> None:
         self.backend = backend
         self.layer_paths = set(layers)
-        self.seen: list[_Seen] = []
-        self.deferred: list[_Seen] = []
+        # (storage key, row) in the order seen; billed once per key in report()
+        self.seen: list[tuple[Hashable, ReportRow]] = []
+        self.deferred: list[tuple[Hashable, ReportRow]] = []
         self.excluded: set[Hashable] = set()
         self.input_layers: dict[Hashable, str] = {}
         self.layers: dict[int, str] = {}  # id(invocation) -> layer
@@ -219,7 +208,7 @@ class SavedTensorsRecorder(RegionObserver):
         # each is labelled when it starts, before any lookup by its id.
         self.keep_alive: list[Any] = []
         if model is not None:
-            for path, module in _named_modules(backend, model, ""):
+            for path, module in walk_named(backend.named_children, model):
                 self.paths.setdefault(id(module), path)
                 region = getattr(module, REGION, None)
                 if isinstance(region, ExcludedRegion):
@@ -293,14 +282,14 @@ class SavedTensorsRecorder(RegionObserver):
         order = {kind: i for i, kind in enumerate(HELD_KINDS)}
         billed = set(self.excluded)
         rows: list[tuple[int, ReportRow]] = []
-        for position, seen in sorted(enumerate(self.seen), key=lambda p: order[p[1].kind]):
-            if seen.key in billed or seen.nbytes == 0:
+        for position, (key, row) in sorted(enumerate(self.seen), key=lambda p: order[p[1][1].kind]):
+            if key in billed or row.bytes == 0:
                 continue
-            billed.add(seen.key)
-            rows.append((position, _row(seen)))
+            billed.add(key)
+            rows.append((position, row))
         return SavedTensorsReport(
             [row for _, row in sorted(rows, key=lambda p: p[0])],
-            [_row(seen) for seen in self.deferred],
+            [row for _, row in self.deferred],
         )
 
     # -- helpers ---------------------------------------------------------------------
@@ -311,7 +300,7 @@ class SavedTensorsRecorder(RegionObserver):
 
     def _add(
         self,
-        into: list[_Seen],
+        into: list[tuple[Hashable, ReportRow]],
         t: Any,
         kind: str,
         layer: str | None,
@@ -330,7 +319,7 @@ class SavedTensorsRecorder(RegionObserver):
         if call is not None:
             owner = getattr(call, "region", None)
             region = self.region_paths.get(id(owner), call.region_name)
-        into.append(_Seen(key, kind, layer, region, op, nbytes, shape, _dtype(t)))
+        into.append((key, ReportRow(layer, region, op, kind, nbytes, shape, _dtype(t), "-")))
 
     def _name_of(self, owner: Any) -> str:
         path = self.paths.get(id(owner))
@@ -363,43 +352,36 @@ class SavedTensorsRecorder(RegionObserver):
         there, in the innermost module whose forward runs (``MatMul in layers.0.fc
         (Dense)``), and that module's path (None if unknown)."""
         frame = inspect.currentframe()
-        op = None
         try:
-            while frame is not None:
-                code = frame.f_code
-                owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-                if owner is not None:
-                    if op is None and code.co_name == "__call__":
-                        op = self.backend.operation_name(owner)
-                    if code.co_name in ("construct", "forward") and (
-                        self.backend.module_of(owner) is owner
-                    ):
-                        path = self.paths.get(id(owner))
-                        module = (
-                            f"{path} ({type(owner).__name__})" if path else type(owner).__name__
-                        )
-                        return (f"{op} in {module}" if op else module), path
-                frame = frame.f_back
-            return op or "-", None
+            op = _operation(self.backend, frame)
+            module = self.backend.running_module(frame)
         finally:
             del frame  # a frame kept in a local would make a reference cycle
+        if module is None:
+            return op or "-", None
+        path = self.paths.get(id(module))
+        where = f"{path} ({type(module).__name__})" if path else type(module).__name__
+        return (f"{op} in {where}" if op else where), path
 
 
-def _row(seen: _Seen) -> ReportRow:
-    return ReportRow(
-        seen.layer, seen.region, seen.op, seen.kind, seen.nbytes, seen.shape, seen.dtype, "-"
-    )
+def _operation(backend: Backend, frame: Any) -> str | None:
+    """The framework operation being called nearest to ``frame`` (a MindSpore primitive's
+    ``__call__``), looking no further than the innermost module's forward."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in ("forward", "construct"):
+            return None
+        if code.co_name == "__call__" and code.co_argcount:
+            name = backend.operation_name(frame.f_locals.get(code.co_varnames[0]))
+            if name is not None:
+                return name
+        frame = frame.f_back
+    return None
 
 
 def _dtype(t: Any) -> str:
     name = str(t.dtype)
     return name.rpartition(".")[2].lower()
-
-
-def _named_modules(backend: Backend, module: Any, path: str) -> Iterator[tuple[str, Any]]:
-    yield path, module
-    for name, child in backend.named_children(module):
-        yield from _named_modules(backend, child, f"{path}.{name}" if path else name)
 
 
 @contextlib.contextmanager

@@ -271,7 +271,7 @@ def unwrap(ops: ModelOps, module: Any) -> Any:
     fn = getattr(module, "_recomp_function", None)
     if fn is not None and recomp_wrapper_of(module) is not None:
         return fn
-    named = [(p, m) for p, m in _walk_named(ops, module) if recomp_wrapper_of(m) is not None]
+    named = [(p, m) for p, m in walk_named(ops.children, module) if recomp_wrapper_of(m) is not None]
     wrapped = [m for _, m in named]
     if not wrapped:
         raise ValueError(
@@ -311,12 +311,15 @@ def unwrap(ops: ModelOps, module: Any) -> Any:
     return module
 
 
-def _walk_named(ops: ModelOps, root: Any) -> list[tuple[str, Any]]:
-    """``root`` and every module below it, each once, with its path from ``root``."""
+def walk_named(
+    children: Callable[[Any], Iterable[tuple[str, Any]]], root: Any
+) -> list[tuple[str, Any]]:
+    """``root`` and every module below it, each once, with its path from ``root``
+    (``children``: a module's named children, as the framework lists them)."""
     seen = {id(root)}
     out = [("", root)]
     for path, module in out:
-        for name, child in ops.children(module):
+        for name, child in children(module):
             if id(child) not in seen:
                 seen.add(id(child))
                 out.append((f"{path}.{name}" if path else name, child))

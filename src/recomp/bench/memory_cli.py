@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = config_from_args(args)
     config.model = args.model
-    report_of = strategy_report if args.framework == "torch" else mindspore_strategy_report
+    report_of, model = _reporter(args.framework, config)
     if args.framework == "mindspore" and config.model != DEFAULT_MODEL:
         print(
             "recomp report: --framework mindspore runs the MindSpore decoder of recomp bench; "
@@ -88,7 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"recomp report: {exc}", file=sys.stderr)
         return 2
-    model = config.model if args.framework == "torch" else "MindSpore decoder of recomp bench"
     print(f"strategy {args.strategy}, model {model}")
     if args.summary:
         print(report.summary())
@@ -138,6 +137,13 @@ def strategy_report(config: BenchConfig, strategy: str) -> Any:
     return report
 
 
+def _reporter(framework: str, config: BenchConfig) -> tuple[Any, str]:
+    """The report function of ``framework`` and the name of the model it reports on."""
+    if framework == "torch":
+        return strategy_report, config.model
+    return mindspore_strategy_report, "MindSpore decoder of recomp bench"
+
+
 def mindspore_strategy_report(config: BenchConfig, strategy: str) -> Any:
     """One training step of the MindSpore decoder under ``strategy`` (after a warm-up
     step), recorded by ``recomp.mindspore.record_saved_tensors``."""
@@ -161,8 +167,7 @@ def write_strategy_reports(
     ``directory`` (``report-mindspore-<strategy>`` for MindSpore); returns the paths
     written (no pictures without matplotlib)."""
     os.makedirs(directory, exist_ok=True)
-    report_of = strategy_report if framework == "torch" else mindspore_strategy_report
-    model = config.model if framework == "torch" else "MindSpore decoder of recomp bench"
+    report_of, model = _reporter(framework, config)
     prefix = "report-" if framework == "torch" else "report-mindspore-"
     references = {s: report_of(config, s) for s in ("none", "full")}
     written = []

@@ -43,6 +43,7 @@ from .._state import get_recompute_state
 from .._wrapping import FirstLooks
 from ..errors import CollectiveReplayedWarning
 from . import collectives
+from ._backend import BACKEND
 from ._compat import function_base
 
 # How many calls deep the search follows functions named by a cell's construct.
@@ -295,7 +296,7 @@ class _WatchFirstForward:
         if ACTIVE_REGION.get() is not None:
             return  # inside an excluded region: runs once
         _warned.first(target)
-        running = _innermost_cell(inspect.currentframe())
+        running = BACKEND.running_module(inspect.currentframe())
         if not isinstance(target, nn.Cell):
             name = f"function {getattr(target, '__qualname__', type(target).__name__)}"
             where = "in the checkpointed function" + (
@@ -328,19 +329,6 @@ class _WatchFirstForward:
             CollectiveReplayedWarning,
             stacklevel=2,
         )
-
-
-def _innermost_cell(frame: Any) -> Any:
-    """The cell whose ``construct`` is innermost on the Python stack, if any (its first
-    argument, whatever it is called)."""
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "construct" and code.co_argcount:
-            owner = frame.f_locals.get(code.co_varnames[0])
-            if isinstance(owner, nn.Cell):
-                return owner
-        frame = frame.f_back
-    return None
 
 
 def watch_first_forward(
