@@ -1,4 +1,4 @@
-"""Find private attribute use outside the per-framework compat modules.
+"""Find private attribute use outside the per-framework compat fence.
 
 Run: ``python tools/check_private_api.py [src/recomp]``; exits 1 and lists each
 place if it finds one. The rules:
@@ -22,8 +22,9 @@ place if it finds one. The rules:
   can collide with them in a later version;
 * framework-private API (``torch._C``, ``from torch.utils._pytree import ...``,
   ``mindspore.common._grad_function``, ``tensor._version``, transformers'
-  private layer attributes) appears only in ``torch/_compat.py`` and
-  ``mindspore/_compat.py``, each use with its reason.
+  private layer attributes) appears only inside the fence: the package
+  ``torch/_compat/`` (every module in it) and the module ``mindspore/_compat.py``,
+  each use with its reason.
 
 recomp's own private modules (``recomp._engine``) are package-internal and may
 be imported by name; what they define without a leading underscore is theirs
@@ -36,7 +37,9 @@ import ast
 import sys
 from pathlib import Path
 
-COMPAT = {"torch/_compat.py", "mindspore/_compat.py"}
+# The fence, relative to the checked root: a path ending in "/" is a package (every
+# module below it is inside), any other a single module.
+FENCE = ("torch/_compat/", "mindspore/_compat.py")
 OWN_PACKAGE = "recomp"
 
 
@@ -51,6 +54,13 @@ ATTRIBUTE_METHODS = {
     ("object", "__delattr__"),
     ("inspect", "getattr_static"),
 }
+
+
+def inside_fence(relative: str) -> bool:
+    """Whether the module at ``relative`` (a POSIX path below the root) may use private API."""
+    return any(
+        relative.startswith(entry) if entry.endswith("/") else relative == entry for entry in FENCE
+    )
 
 
 def _private(name: str) -> bool:
@@ -104,8 +114,8 @@ def _defined_names(tree: ast.AST) -> set[str]:
 
 
 def _foreign_names(tree: ast.AST) -> set[str]:
-    """Names bound by imports from other packages, or from recomp's compat modules
-    (which hand out framework classes)."""
+    """Names bound by imports from other packages, or from recomp's compat modules and
+    their sub-modules (which hand out framework classes)."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -114,7 +124,7 @@ def _foreign_names(tree: ast.AST) -> set[str]:
                     names.add(alias.asname or alias.name.split(".")[0])
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
-            compat = module.endswith("_compat") or any(a.name == "_compat" for a in node.names)
+            compat = "_compat" in module.split(".") or any(a.name == "_compat" for a in node.names)
             if (node.level == 0 and _other_package(module)) or compat:
                 names.update(alias.asname or alias.name for alias in node.names)
     return names
@@ -264,13 +274,13 @@ def main(argv: list[str]) -> int:
     found = []
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root).as_posix()
-        if relative in COMPAT:
+        if inside_fence(relative):
             continue
         found.extend(problems(path, relative))
     for line in found:
         print(line)
     if found:
-        print(f"{len(found)} private API use(s) outside the compat modules", file=sys.stderr)
+        print(f"{len(found)} private API use(s) outside the compat fence", file=sys.stderr)
         return 1
     return 0
 

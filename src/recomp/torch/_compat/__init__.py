@@ -1,0 +1,156 @@
+"""Every use of PyTorch's private API in recomp (and of transformers'), behind one fence.
+
+The rule: no recomp module outside this package touches a private attribute, module or
+name of torch or of another package; ``tools/check_private_api.py`` checks it (this
+package and ``mindspore/_compat.py`` are the only places it lets through). Each entry
+here says why it is needed, the versions it was checked on, what happens if PyTorch
+changes it (each use is guarded: recomp degrades as stated rather than failing at import
+or on the first call), and what public API would retire it.
+
+Checked on torch 2.9.1, 2.13.0 and 2.14.1 (and 2.11 on CUDA). Where recomp needs to tell
+versions apart, an entry says which versions take which path and how it detects them
+(by feature, not by version number).
+
+The package is split by the kind of consumer; everything is re-exported here, and recomp
+uses it as ``_compat.name``. Each module has a test file ``tests/test_compat_<module>.py``
+with one test per entry that fails when PyTorch changes underneath.
+
+``engine``
+    Storage identity, version counters, autograd engine queries (in a backward, which
+    one, whether the running node finishes in this pass): for the engine's torch
+    backend, the offloader, kept replays and collective caches.
+``checkpoint``
+    PyTorch's non-reentrant checkpoint from the inside: its hooks on the saved-tensors
+    hook stack, its frame's save counter and holders, the marks of its hooks, the debug
+    switch, and closing a checkpoint whose function raised: for the torch backend, kept
+    replays, the checkpoint debug log and the public entry points.
+``dispatch``
+    Dispatch modes (running without them, hiding selective checkpointing's, a detach
+    that shares the version counter, a completed c10d ``Work``), operator names,
+    arguments and FLOPs: for the offloader, collective caches, collective counting, the
+    planner and the benchmark.
+``pytree``
+    PyTorch's pytree registry: for recomp's walker of region outputs.
+``saved_tensors``
+    Reading the autograd graph without unpacking it, and the checkpoint call behind a
+    placeholder: for the saved-tensor report.
+``cuda``
+    The caching allocator's memory history, allocation labels and OOM observer: for
+    region labels and the out-of-memory report.
+``compile``
+    Dynamo and AOTAutograd: the wrapper that marks excluded regions in a compiled
+    checkpoint, and the partitioner asked at a memory budget for compiled plans.
+``hf``
+    transformers' private layer and model attributes: for the Hugging Face integration
+    and the planner's layer finder.
+"""
+
+from __future__ import annotations
+
+from .checkpoint import (
+    checkpoint_debug_switch,
+    checkpoint_holders,
+    checkpoint_save_counter,
+    close_enclosing_checkpoint,
+    finish_failed_checkpoint,
+    mark_as_checkpoint_hook,
+    replace_top_hooks,
+    top_checkpoint_hooks,
+)
+from .compile import (
+    PLANNABLE_BACKENDS,
+    activation_memory_budget,
+    compiled_backend_name,
+    compiled_original,
+    dynamo_bypassing_wrapper,
+    fake_mode_of,
+    in_tracing_context,
+    many_recompiles,
+    partitioning_backend,
+    run_at_trace_time,
+    separate_backend,
+)
+from .cuda import attach_cuda_oom_observer, memory_history_enabled, memory_label
+from .dispatch import (
+    TorchDispatchMode,
+    completed_work_factory,
+    cpu_attention_ops,
+    hide_selective_checkpoint_modes,
+    no_dispatch_modes,
+    op_arguments,
+    op_flop_counter,
+    op_name,
+    ops_named,
+    version_sharing_detach,
+)
+from .engine import graph_task_id, in_backward, node_finishes_in_this_pass, storage_key, version
+from .hf import hf_layer_keeps_cache, hf_no_split_modules
+from .pytree import pytree_generation, pytree_node
+from .saved_tensors import (
+    checkpoint_frame,
+    checkpoint_function,
+    checkpoint_input_handles,
+    checkpoint_plain_arguments,
+    checkpoint_rng_states,
+    is_compiled_graph_node,
+    packed_value,
+    replay_tensors,
+    saved_handles,
+    saved_values_readable,
+    selective_checkpoint_storage,
+)
+
+__all__ = [
+    "PLANNABLE_BACKENDS",
+    "TorchDispatchMode",
+    "activation_memory_budget",
+    "attach_cuda_oom_observer",
+    "checkpoint_debug_switch",
+    "checkpoint_frame",
+    "checkpoint_function",
+    "checkpoint_holders",
+    "checkpoint_input_handles",
+    "checkpoint_plain_arguments",
+    "checkpoint_rng_states",
+    "checkpoint_save_counter",
+    "close_enclosing_checkpoint",
+    "compiled_backend_name",
+    "compiled_original",
+    "completed_work_factory",
+    "cpu_attention_ops",
+    "dynamo_bypassing_wrapper",
+    "fake_mode_of",
+    "finish_failed_checkpoint",
+    "graph_task_id",
+    "hf_layer_keeps_cache",
+    "hf_no_split_modules",
+    "hide_selective_checkpoint_modes",
+    "in_backward",
+    "in_tracing_context",
+    "is_compiled_graph_node",
+    "many_recompiles",
+    "mark_as_checkpoint_hook",
+    "memory_history_enabled",
+    "memory_label",
+    "no_dispatch_modes",
+    "node_finishes_in_this_pass",
+    "op_arguments",
+    "op_flop_counter",
+    "op_name",
+    "ops_named",
+    "packed_value",
+    "partitioning_backend",
+    "pytree_generation",
+    "pytree_node",
+    "replace_top_hooks",
+    "replay_tensors",
+    "run_at_trace_time",
+    "saved_handles",
+    "saved_values_readable",
+    "selective_checkpoint_storage",
+    "separate_backend",
+    "storage_key",
+    "top_checkpoint_hooks",
+    "version",
+    "version_sharing_detach",
+]

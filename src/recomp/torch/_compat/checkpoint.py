@@ -1,0 +1,242 @@
+"""PyTorch's non-reentrant checkpoint from the inside: the hooks it pushes on the
+saved-tensors hook stack, the frame (``_CheckpointFrame``) its pack hook closes over, and
+what it leaves open when its function raises.
+
+Consumers: ``torch/_backend.py`` (the save counter), ``torch/_kept.py`` (the top hooks,
+their holders and marks), ``torch/_debug.py`` (the debug switch, the top hooks),
+``torch/_api.py`` and ``torch/_hf.py`` (closing a failed checkpoint).
+Tested by ``tests/test_compat_checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+# --------------------------------------------------------------------------- saved-tensors hook stack
+
+
+def _checkpoint_frame(pack: Any) -> Any:
+    """The ``_CheckpointFrame`` a non-reentrant checkpoint's pack hook closes over, or None."""
+    try:
+        from torch.utils.checkpoint import _CheckpointFrame
+    except ImportError:
+        return None
+    cells = getattr(pack, "__closure__", None)
+    frame = next(
+        (c.cell_contents for c in cells or () if isinstance(c.cell_contents, _CheckpointFrame)),
+        None,
+    )
+    if frame is None or not isinstance(getattr(frame, "weak_holders", None), list):
+        return None
+    return frame
+
+
+def checkpoint_save_counter() -> Callable[[], int] | None:
+    """How many tensors the enclosing non-reentrant checkpoint has saved so far, when
+    its replay stops early after the last of them; None otherwise.
+
+    Why: with early stop a replay never reaches regions called after the last saved
+    tensor, so their cached outputs can be dropped at the end of the forward.
+    How: the pack hook on top of the saved-tensors hook stack is the checkpoint's;
+    its closure holds the ``_CheckpointFrame``, whose ``weak_holders`` grow by one per
+    saved tensor.
+    If it changes: None, and every cached output is kept (more memory, same results).
+    Retired by: a public early-stop position on the checkpoint.
+    """
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, RuntimeError):
+        return None
+    frame = _checkpoint_frame(hooks[0]) if hooks is not None else None
+    if frame is None or not getattr(frame, "early_stop", False):
+        return None
+    frame_ref = weakref.ref(frame)
+
+    def saved_so_far() -> int:
+        live = frame_ref()
+        return -1 if live is None else len(live.weak_holders)
+
+    return saved_so_far
+
+
+def checkpoint_debug_switch() -> bool | None:
+    """The value set by ``torch.utils.checkpoint.set_checkpoint_debug_enabled`` (None: unset).
+
+    Private: PyTorch offers a setter but no getter for this global.
+    """
+    value = getattr(torch.utils.checkpoint, "_checkpoint_debug_enabled", None)
+    return value if isinstance(value, bool) else None
+
+
+def top_checkpoint_hooks() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | None:
+    """The (pack, unpack) pair of the innermost non-reentrant checkpoint, if it is on top.
+
+    Private: the saved-tensors hook stack has no public reader, and the marker
+    ``_checkpoint_internal`` is how PyTorch's checkpoint tags its own hooks.
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None or not _is_checkpoint_pack_hook(hooks[0]):
+        return None
+    return hooks[0], hooks[1]
+
+
+# Per version: PyTorch 2.14 marks the checkpoint's hooks (``pack_hook._checkpoint_internal
+# = True``, set by ``_checkpoint_internal_hook``); 2.9 to 2.13 do not, and their pack hook
+# is a function defined in ``_checkpoint_hook.__init__`` of ``torch.utils.checkpoint``.
+# Detected by feature: the marker where it is set, else where the hook was defined
+# (2.14's hooks have the marker, so its own classes never reach the second test).
+# Retired by: the marker in every supported PyTorch (requiring 2.14).
+_CHECKPOINT_HOOK_QUALNAMES = ("_checkpoint_hook.__init__.", "_recomputation_hook.__init__.")
+
+
+def _is_checkpoint_pack_hook(pack: Any) -> bool:
+    if getattr(pack, "_checkpoint_internal", False):
+        return True
+    return getattr(pack, "__module__", None) == "torch.utils.checkpoint" and str(
+        getattr(pack, "__qualname__", "")
+    ).startswith(_CHECKPOINT_HOOK_QUALNAMES)
+
+
+@contextlib.contextmanager
+def replace_top_hooks(
+    pack: Callable[[Any], Any], unpack: Callable[[Any], Any], original: tuple[Any, Any]
+) -> Iterator[None]:
+    """Swap the top saved-tensors hook pair for (pack, unpack), and put ``original`` back.
+
+    Private: the push/pop functions behind ``saved_tensors_hooks``. Replacing
+    the pair in place (rather than pushing another on top) keeps the
+    checkpoint's own pack hook on top, which PyTorch and recomp look for.
+    """
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    try:
+        yield
+    finally:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        torch._C._autograd._push_saved_tensors_default_hooks(*original)
+
+
+# --------------------------------------------------------------------------- kept replays
+# What recomp's own unpack needs to keep a replay's tensors for later backward passes
+# (``recomp.torch._kept``). The upstream code relied on is ``torch/utils/checkpoint.py``
+# of 2.9.1 to 2.14.1, the same in all of them in these respects:
+# ``_checkpoint_without_reentrant_generator`` enters ``_checkpoint_hook(frame)`` and then,
+# directly inside it, the forward context of ``context_fn``; ``_checkpoint_hook``'s pack
+# hook appends ``weakref.ref(holder)`` to ``frame.weak_holders`` in save order, and its
+# unpack hook replays the forward (once per graph task) under ``_recomputation_hook``,
+# whose pack hook files the n-th saved tensor of the replay under the n-th holder and
+# checks only its shape, dtype and device against the forward's; ``recompute_fn`` enters
+# the recompute context of ``context_fn`` directly inside that hook.
+
+
+def checkpoint_holders(pack: Any) -> Callable[[], list[Any]] | None:
+    """For the checkpoint whose pack hook is ``pack``: a function giving its holders
+    (the objects its saved tensors are replaced by), in save order, None for dead ones.
+
+    Why: a replay's n-th saved tensor belongs to the forward's n-th holder; recomp keeps
+    it under that holder for the backward passes that have not read it yet.
+    How: the frame's ``weak_holders`` list (see the note above), held weakly here.
+    If it changes: None, and recomp leaves PyTorch's unpack alone: one replay per
+    backward pass, as with PyTorch's checkpoint.
+    Retired by: a public per-holder recompute cache in PyTorch's checkpoint.
+    """
+    frame = _checkpoint_frame(pack)
+    if frame is None:
+        return None
+    frame_ref = weakref.ref(frame)
+
+    def holders() -> list[Any]:
+        live = frame_ref()
+        return [] if live is None else [ref() for ref in live.weak_holders]
+
+    return holders
+
+
+def mark_as_checkpoint_hook(hook: Callable[[Any], Any], like: Callable[[Any], Any]) -> None:
+    """Give ``hook``, which stands in for the checkpoint pack hook ``like`` on top of the
+    hook stack, the marks PyTorch 2.14 reads there.
+
+    Why: 2.14 finds the user's saved-tensors hooks below its checkpoint's own by skipping
+    pack hooks marked ``_checkpoint_internal`` and following their ``_user_hooks``
+    (a checkpoint nested in a replay, selective checkpointing); unmarked, recomp's
+    stand-in would be taken for a user hook. Before 2.14 nothing reads the marks.
+    If it changes: the marks are set and ignored.
+    """
+    hook._checkpoint_internal = True  # type: ignore[attr-defined]
+    hook._user_hooks = getattr(like, "_user_hooks", None)  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- failed checkpoint forward
+
+
+_CHECKPOINT_FILE = os.path.abspath(torch.utils.checkpoint.__file__)
+
+
+def finish_failed_checkpoint(exc: BaseException) -> None:
+    """Close what a non-reentrant checkpoint left open when its function raised ``exc``.
+
+    Why: PyTorch 2.9 runs the checkpoint's setup as a generator
+    (``_checkpoint_without_reentrant_generator``) and, when the checkpointed function
+    raises, leaves it suspended: its saved-tensors hooks stay pushed and the forward
+    context of ``context_fn`` (recomp's and the user's) stays entered until the
+    generator is collected, which the traceback delays. The next forward on the thread
+    then saves its tensors into the dead checkpoint, and its backward fails ("A
+    different number of tensors was saved"). PyTorch 2.13 and later throw the
+    exception into the generator themselves (``torch.utils.checkpoint.checkpoint``:
+    ``gen.throw(e)``), which closes both.
+    Detected by feature: the frame of ``torch.utils.checkpoint.checkpoint`` in the
+    traceback still holds its generator suspended (2.9); where PyTorch closed it
+    (2.13, 2.14) or the frame is not found, nothing is done. Here the exception is
+    thrown into it, as later PyTorch does.
+    If it changes: nothing is found and nothing is done (the behaviour of 2.9 remains).
+    Retired by: requiring a PyTorch that closes the generator itself (2.13 does).
+    """
+    tb = exc.__traceback__
+    while tb is not None:
+        if _close_checkpoint_frame(tb.tb_frame, exc):
+            return
+        tb = tb.tb_next
+
+
+def close_enclosing_checkpoint(exc: BaseException) -> None:
+    """Before raising ``exc`` inside a plain PyTorch checkpoint (HF's), close that checkpoint.
+
+    Why: as for :func:`finish_failed_checkpoint`, on PyTorch 2.9 the error would leave
+    the enclosing checkpoint, which recomp does not call, open. Only for errors raised
+    before recomp's own checkpoint opens anything (nothing of it is above that one).
+    Detected by feature, as there: the innermost ``torch.utils.checkpoint.checkpoint``
+    frame on the stack holds its generator suspended; nothing is done otherwise
+    (on 2.13 and 2.14 PyTorch closes it when the error passes).
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _close_checkpoint_frame(frame, exc):
+            return
+        frame = frame.f_back  # type: ignore[assignment]
+
+
+def _close_checkpoint_frame(frame: Any, exc: BaseException) -> bool:
+    """Throw ``exc`` into the suspended generator of a ``checkpoint`` frame; False if
+    ``frame`` is not PyTorch's checkpoint."""
+    code = frame.f_code
+    if code.co_name != "checkpoint" or os.path.abspath(code.co_filename) != _CHECKPOINT_FILE:
+        return False
+    gen = frame.f_locals.get("gen")
+    if inspect.isgenerator(gen) and gen.gi_frame is not None and not gen.gi_running:
+        try:
+            gen.throw(exc)
+        except StopIteration:
+            pass  # a context swallowed it: the caller raises it all the same
+        except BaseException as raised:
+            if raised is not exc:
+                raise
+    return True

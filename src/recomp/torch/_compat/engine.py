@@ -1,0 +1,112 @@
+"""What the engine and the offloader ask of PyTorch's autograd: which storage a tensor
+lives in, how often it was changed in place, and what the autograd engine is running.
+
+Consumers: ``torch/_backend.py`` (the questions the framework-free engine asks),
+``torch/_offload.py``, ``torch/_kept.py``, ``torch/_collective_cache.py``,
+``torch/collectives.py``, ``torch/_memory_report.py`` and the planner's profiler.
+Tested by ``tests/test_compat_engine.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+# --------------------------------------------------------------------------- storage identity
+
+
+def storage_key(t: torch.Tensor) -> Hashable | None:
+    """Identity of the storage behind ``t``, equal for every view of it.
+
+    Why: deferring a region's input must recognise views of it (``linear`` saves
+    a 2-D view of a 3-D input), and ``tensor._base`` names only the root of a
+    view chain. ``untyped_storage()`` returns a new Python object per call, so its
+    ``_cdata`` (the address of the C++ storage) is the stable identity.
+    If it changes: falls back to the data pointer and device (ambiguous only for
+    empty storages, which hold no memory to defer).
+    Retired by: a public storage identity (``torch.UntypedStorage`` hash/eq by storage).
+    """
+    if t.layout is not torch.strided or t.is_meta:
+        return None
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # wrapper subclasses have no storage
+        return None
+    cdata = getattr(storage, "_cdata", None)
+    if cdata is not None:
+        return cdata
+    return ("ptr", storage.data_ptr(), t.device)
+
+
+def version(t: torch.Tensor) -> int | None:
+    """The in-place modification counter of ``t``.
+
+    Why: recomp detects in-place changes of what it caches, as autograd does.
+    If it changes: None, and mutation checks are skipped (no false errors).
+    Retired by: a public version counter accessor.
+    """
+    try:
+        return t._version
+    except (RuntimeError, AttributeError):  # inference tensors have no version counter
+        return None
+
+
+# --------------------------------------------------------------------------- autograd engine
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread.
+
+    Why: an excluded region executed during backward but not in a recomp replay
+    is being replayed by a checkpoint recomp does not control (warned about).
+    If it changes: False (the warning is not given; nothing else depends on it).
+    Retired by: a public "current graph task" query.
+    """
+    query = getattr(torch._C, "_current_graph_task_id", None)
+    if query is None:
+        return False
+    return bool(query() != -1)
+
+
+def graph_task_id() -> int:
+    """An id of the backward pass running on this thread (-1 outside one).
+
+    Why: the offloader starts the next region's copy back once per backward pass.
+    If it changes: -1 always, and prefetching chains once per process instead.
+    Retired by: a public "current graph task" query.
+    """
+    query = getattr(torch._C, "_current_graph_task_id", None)
+    return int(query()) if query is not None else -1
+
+
+def node_finishes_in_this_pass() -> bool:
+    """Whether the autograd node running now computes, in this backward pass, every
+    gradient it can give (False: a later pass over the retained graph may run it again
+    for the others, as a zero-bubble pipeline's weight pass does); True outside backward.
+
+    Why: a recomputed tensor is dropped after its unpack only where no later pass of the
+    same micro-batch will ask for it again.
+    How: ``torch._C._current_autograd_node`` and, for each next node,
+    ``torch._C._will_engine_execute_node`` (what ``register_multi_grad_hook`` uses). A
+    leaf captured by ``autograd.grad`` raises there; its gradient is computed.
+    If it changes: True, and the tensor is dropped after its first unpack (a later pass
+    replays, as with PyTorch's checkpoint).
+    Retired by: a public "gradients this pass computes" query on a node.
+    """
+    current = getattr(torch._C, "_current_autograd_node", None)
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if current is None or will_execute is None:
+        return True
+    node = current()
+    if node is None:
+        return True
+    for next_node, _ in node.next_functions:
+        if next_node is None:
+            continue
+        try:
+            if not will_execute(next_node):
+                return False
+        except RuntimeError:  # a leaf captured by autograd.grad: its gradient is computed
+            continue
+    return True

@@ -1,0 +1,134 @@
+"""``recomp.torch._compat.checkpoint``: PyTorch's non-reentrant checkpoint from the inside
+(its hooks, its frame's save counter and holders, the debug switch) and closing one whose
+function raised. Each test fails when PyTorch changes what recomp relies on."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from recomp.torch import _compat  # noqa: E402
+
+
+def test_save_counter_follows_the_checkpoint_frame():
+    counts = []
+
+    def body(x):
+        counter = _compat.checkpoint_save_counter()
+        if counter is None:  # the replay: no checkpoint hook on top then
+            counts.append(None)
+            return torch.sin(x)
+        before = counter()
+        y = torch.sin(x)  # saves x
+        counts.append(counter() - before)
+        return y
+
+    x = torch.randn(3, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False).sum().backward()
+    assert counts == [1, None]
+    assert _compat.checkpoint_save_counter() is None  # outside a checkpoint
+
+
+def test_debug_switch_reads_the_global_setter():
+    tuc = torch.utils.checkpoint
+    with tuc.set_checkpoint_debug_enabled(True):
+        assert _compat.checkpoint_debug_switch() is True
+    assert _compat.checkpoint_debug_switch() is None
+
+
+def test_top_checkpoint_hooks_are_found_and_can_be_replaced():
+    packed = []
+
+    def body(x):
+        hooks = _compat.top_checkpoint_hooks()
+        assert hooks is not None
+
+        def pack(t):
+            packed.append(t.shape)
+            return hooks[0](t)
+
+        with _compat.replace_top_hooks(pack, hooks[1], hooks):
+            y = torch.sin(x)
+        assert _compat.top_checkpoint_hooks() == hooks
+        return y
+
+    x = torch.randn(3, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False, early_stop=False)
+    assert packed == [torch.Size([3])]
+    assert _compat.top_checkpoint_hooks() is None
+
+
+def test_checkpoint_holders_are_the_frames_in_save_order():
+    seen = []
+
+    def body(x):
+        hooks = _compat.top_checkpoint_hooks()
+        holders = _compat.checkpoint_holders(hooks[0])
+        assert holders is not None and holders() == []
+        y = torch.sin(x)  # saves x
+        z = torch.tanh(y)  # saves its output
+        seen.extend(holders())
+        return z
+
+    x = torch.randn(3, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False)
+    assert len(seen) == 2 and all(h is not None for h in seen)
+    assert len({id(h) for h in seen}) == 2
+    del out
+    assert _compat.checkpoint_holders(lambda t: t) is None  # not a checkpoint's hook
+
+
+def test_marks_of_a_checkpoint_hook_are_copied():
+    def like(t):
+        return t
+
+    like._user_hooks = ("pack", "unpack")
+
+    def hook(t):
+        return t
+
+    _compat.mark_as_checkpoint_hook(hook, like)
+    assert hook._checkpoint_internal is True
+    assert hook._user_hooks == ("pack", "unpack")
+
+
+class TestFailedCheckpoint:
+    """PyTorch 2.9 leaves a non-reentrant checkpoint open when its function raises."""
+
+    def _hooks_left(self):
+        return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    def test_a_failed_checkpoint_is_closed_from_the_traceback(self):
+        x = torch.randn(3, requires_grad=True)
+
+        def fails(t):
+            torch.sin(t)  # saves t into the checkpoint
+            raise KeyError("in the checkpointed function")
+
+        with pytest.raises(KeyError) as info:  # info keeps the traceback, as a notebook does
+            try:
+                torch.utils.checkpoint.checkpoint(fails, x, use_reentrant=False)
+            except KeyError as exc:
+                _compat.finish_failed_checkpoint(exc)
+                raise
+        assert info.value.__traceback__ is not None
+        assert self._hooks_left() is None
+        torch.sin(x).sum().backward()  # saves normally again
+        assert torch.equal(x.grad, torch.cos(x))
+
+    def test_an_enclosing_checkpoint_is_closed_before_raising(self):
+        x = torch.randn(3, requires_grad=True)
+
+        def fails(t):
+            torch.sin(t)
+            error = KeyError("raised inside a plain checkpoint")
+            _compat.close_enclosing_checkpoint(error)
+            raise error
+
+        with pytest.raises(KeyError) as info:
+            torch.utils.checkpoint.checkpoint(fails, x, use_reentrant=False)
+        assert info.value.__traceback__ is not None
+        assert self._hooks_left() is None
+        torch.sin(x).sum().backward()
+        assert torch.equal(x.grad, torch.cos(x))

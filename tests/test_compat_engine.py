@@ -1,0 +1,69 @@
+"""``recomp.torch._compat.engine``: storage identity, version counters and the autograd
+engine queries. Each test fails when PyTorch changes what recomp relies on."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from recomp.torch import _compat  # noqa: E402
+
+
+def test_storage_key_is_shared_by_views_and_differs_between_storages():
+    a = torch.randn(4, 6)
+    assert _compat.storage_key(a) == _compat.storage_key(a.t()[1:])
+    assert _compat.storage_key(a) == _compat.storage_key(a.view(24))
+    assert _compat.storage_key(a) != _compat.storage_key(a.clone())
+    assert isinstance(_compat.storage_key(a), int)  # the _cdata path, not the fallback
+
+
+def test_version_counts_in_place_changes():
+    t = torch.zeros(3)
+    before = _compat.version(t)
+    t.add_(1)
+    assert _compat.version(t) == before + 1
+    with torch.inference_mode():
+        assert _compat.version(torch.zeros(1)) is None
+
+
+def test_in_backward_is_true_only_inside_a_backward():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(_compat.in_backward())
+            return g
+
+    x = torch.randn(2, requires_grad=True)
+    assert not _compat.in_backward()
+    Probe.apply(x).sum().backward()
+    assert seen == [True]
+
+
+def test_node_finishes_in_this_pass_follows_the_pass_inputs():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(_compat.node_finishes_in_this_pass())
+            return g, g
+
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    out = Probe.apply(x * 1, w * 1).sum()
+    torch.autograd.grad(out, [x], retain_graph=True)  # w's branch is left for later
+    out.backward(retain_graph=True)  # every branch
+    torch.autograd.grad(out, [x, w])  # leaves captured by autograd.grad: computed
+    assert seen == [False, True, True]
+    assert _compat.node_finishes_in_this_pass()  # outside backward
