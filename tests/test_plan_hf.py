@@ -15,7 +15,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402
-from recomp._modelcall import (  # noqa: E402
+from recomp.bench.config import BenchConfig  # noqa: E402
+from recomp.bench.memory import child_env  # noqa: E402
+from recomp.plan import apply_plan, load_plan  # noqa: E402
+from recomp.plan.modelcall import (  # noqa: E402
     call_model,
     example_input,
     is_hugging_face,
@@ -23,9 +26,6 @@ from recomp._modelcall import (  # noqa: E402
     mean_square_loss,
     model_output_loss,
 )
-from recomp.bench.config import BenchConfig  # noqa: E402
-from recomp.bench.memory import child_env  # noqa: E402
-from recomp.plan import apply_plan, load_plan  # noqa: E402
 from recomp.plan.profiler import find_candidates, find_layers  # noqa: E402
 from recomp.torch import ExcludeWrapper  # noqa: E402
 from torch_models import assert_same_grads  # noqa: E402

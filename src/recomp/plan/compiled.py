@@ -60,10 +60,10 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
-from .._modelcall import call_model, default_loss
 from ..torch import _compat
 from ._layers import _fresh_inputs, _tensors, find_layers
 from .budget import Budget, BudgetTooSmallError, parse_budget
+from .modelcall import call_model, default_loss
 from .planfile import LayerPlan, Plan, partitioner_option
 
 # The smallest budget tried: the partitioner's least memory that still saves MUST_SAVE

@@ -48,11 +48,11 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 
-from .._modelcall import call_model, default_loss, flop_formulas
 from ..torch import _compat
 from ..torch._collective_cache import kept_results
 from ..torch._compat import TorchDispatchMode
 from ._layers import LayerSpec, _fresh_inputs, _tensors, find_layers
+from .modelcall import call_model, default_loss, flop_formulas
 from .planfile import NO_CHECKPOINT, exclude_option
 from .planner import LayerProfile, OptionProfile, OptionSlot, Profile, RegionProfile
 from .policy import expensive_ops, selective_context_fn
