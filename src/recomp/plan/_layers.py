@@ -1,16 +1,13 @@
-"""Finding a model's checkpointable layers, and copying its inputs: what the eager and
-the compiled profiles share (``profiler``, ``compiled``)."""
+"""Finding a model's checkpointable layers: what the eager and the compiled profiles
+share (``profiler``, ``compiled``) and how ``recomp bench`` finds its layers."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
-import torch
 from torch import nn
 
 from ..torch import _compat
-from ..torch._backend import BACKEND
 
 LayerSpec = Callable[[nn.Module], bool] | Sequence[str] | None
 
@@ -82,25 +79,3 @@ def _path_of(model: nn.Module, target: nn.Module) -> str:
         if module is target:
             return name
     raise ValueError("model.layers is not a sub-module of the model (use an nn.ModuleList)")
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    leaves, _ = BACKEND.flatten(tree)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-
-
-def _fresh_inputs(inputs: Any) -> Any:
-    """Copies of the input tensors, so that the profile's backward leaves the user's alone."""
-
-    def fresh(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.detach().clone().requires_grad_(x.requires_grad)
-        if isinstance(x, tuple):
-            return tuple(fresh(v) for v in x)
-        if isinstance(x, list):
-            return [fresh(v) for v in x]
-        if isinstance(x, dict):
-            return {k: fresh(v) for k, v in x.items()}
-        return x
-
-    return fresh(inputs)

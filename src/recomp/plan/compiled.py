@@ -61,9 +61,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..torch import _compat
-from ._layers import _fresh_inputs, _tensors, find_layers
+from ._layers import find_layers
 from .budget import Budget, BudgetTooSmallError, parse_budget
-from .modelcall import call_model, default_loss
+from .modelcall import call_model, default_loss, fresh_inputs, tensors_of
 from .planfile import LayerPlan, Plan, partitioner_option
 
 # The smallest budget tried: the partitioner's least memory that still saves MUST_SAVE
@@ -332,7 +332,7 @@ def profile_compiled(
     try:
         with _compat.many_recompiles():
             step = torch.compile(model, backend=traced, dynamic=False)
-            given = _fresh_inputs(inputs)
+            given = fresh_inputs(inputs)
             output = call_model(step, given)
             outside = _StorageCounter(model, given)
             with torch.autograd.graph.saved_tensors_hooks(outside.pack, lambda t: t):
@@ -368,7 +368,7 @@ class _StorageCounter:
     inputs excluded, each storage once)."""
 
     def __init__(self, model: nn.Module, inputs: Any) -> None:
-        held = [*model.parameters(), *model.buffers(), *_tensors(inputs)]
+        held = [*model.parameters(), *model.buffers(), *tensors_of(inputs)]
         self._seen = {StorageWeakRef(t.untyped_storage()) for t in held}
         self.nbytes = 0
 
