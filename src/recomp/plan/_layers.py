@@ -51,17 +51,7 @@ def find_layers(model: nn.Module, layers: LayerSpec = None) -> list[tuple[str, n
         prefix = _path_of(model, stack)
         return [(f"{prefix}.{i}" if prefix else str(i), m) for i, m in enumerate(stack)]
     if callable(layers):
-        found: list[tuple[str, nn.Module]] = []
-
-        def visit(module: nn.Module, path: str) -> None:
-            for name, child in module.named_children():
-                child_path = f"{path}.{name}" if path else name
-                if layers(child):  # type: ignore[operator]
-                    found.append((child_path, child))
-                else:
-                    visit(child, child_path)
-
-        visit(model, "")
+        found = outermost_matches(model, layers)
         if not found:
             raise ValueError("the layers= predicate matched no sub-module of the model")
         return found
@@ -72,6 +62,25 @@ def find_layers(model: nn.Module, layers: LayerSpec = None) -> list[tuple[str, n
         except AttributeError as exc:
             raise ValueError(f"layers=: the model has no sub-module {path!r}") from exc
     return out
+
+
+def outermost_matches(
+    module: nn.Module, predicate: Callable[[nn.Module], bool]
+) -> list[tuple[str, nn.Module]]:
+    """The sub-modules of ``module`` for which ``predicate`` holds, with their paths, not
+    looking inside a match (a match inside a match is part of it)."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(parent: nn.Module, path: str) -> None:
+        for name, child in parent.named_children():
+            child_path = f"{path}.{name}" if path else name
+            if predicate(child):
+                found.append((child_path, child))
+            else:
+                visit(child, child_path)
+
+    visit(module, "")
+    return found
 
 
 def _path_of(model: nn.Module, target: nn.Module) -> str:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from ._layers import outermost_matches
 from .planner import OptionSlot
 
 # More candidates than this: only single exclusions and all of them together are options.
@@ -26,18 +27,7 @@ def find_candidates(
             for name, child in layer.named_children()
             if next(child.parameters(), None) is not None
         ]
-    found: list[tuple[str, nn.Module]] = []
-
-    def visit(module: nn.Module, path: str) -> None:
-        for name, child in module.named_children():
-            child_path = f"{path}.{name}" if path else name
-            if exclude(child):
-                found.append((child_path, child))
-            else:
-                visit(child, child_path)
-
-    visit(layer, "")
-    return found
+    return outermost_matches(layer, exclude)
 
 
 def option_sets(count: int) -> list[tuple[int, ...]]:

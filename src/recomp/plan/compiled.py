@@ -89,7 +89,7 @@ class PartitionOutcome:
 
 
 @dataclass
-class _Joint:
+class _JointGraph:
     """One joint forward-backward graph as the backend's partitioner receives it."""
 
     graph: Any
@@ -109,7 +109,7 @@ class CompiledProfile:
     def __init__(
         self,
         backend: str,
-        joints: list[_Joint],
+        joints: list[_JointGraph],
         partition: Callable[..., Any],
         layers: list[tuple[str, str]],
         kept_regions: dict[str, list[str]],
@@ -321,11 +321,11 @@ def profile_compiled(
         from .apply import apply_plan
 
         apply_plan(model, compiled_plan_layers(found, kept_regions))
-    joints: list[_Joint] = []
+    joints: list[_JointGraph] = []
 
     def on_joint(joint: Any, joint_inputs: Any, kwargs: dict[str, Any], context: Any) -> None:
         mode = _compat.fake_mode_of(list(joint_inputs))
-        joints.append(_Joint(_copy_graph(joint), joint_inputs, kwargs, context, mode))
+        joints.append(_JointGraph(_copy_graph(joint), joint_inputs, kwargs, context, mode))
 
     traced, partition = _compat.partitioning_backend(backend, on_joint)
     rng = torch.get_rng_state()
