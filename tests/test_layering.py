@@ -181,7 +181,6 @@ CORE_ORDER = [
     "recomp._collectives",
     "recomp._wrapping",
     "recomp._report",
-    "recomp._modelcall",
     "recomp._testing",
     "recomp",
 ]

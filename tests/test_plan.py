@@ -3,6 +3,7 @@ the profile against recomp's counters, exact FLOPs and the allocator, and apply_
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import json
@@ -369,6 +370,100 @@ def test_profile_leaves_model_grads_buffers_and_rng_alone():
     assert [(n, type(m)) for n, m in model.named_modules()] == modules
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert torch.equal(x.grad, input_grad)  # the profile's backward ran on copies of x
+
+
+Batch = collections.namedtuple("Batch", "x scale")
+
+
+def test_profile_passes_input_containers_as_they_are_with_copied_tensors():
+    """A named tuple, an OrderedDict and a UserDict reach the model as themselves (a
+    named tuple that came back as a plain tuple has no ``.x``); the tensors the walk
+    sees are copies, so the profile's backward leaves the caller's gradients alone."""
+    from recomp.plan import profile
+
+    seen = []
+
+    class Takes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = stack(2, d=8)
+
+        def forward(self, batch, extra, more):
+            seen.append((type(batch), type(extra), type(more), list(extra)))
+            h = batch.x * batch.scale + extra["bias"] + more["shift"]
+            for layer in self.layers:
+                h = layer(h)
+            return h
+
+    x = torch.randn(4, 8, requires_grad=True)
+    bias = torch.randn(8, requires_grad=True)
+    inputs = {
+        "batch": Batch(x, torch.tensor(2.0)),
+        "extra": collections.OrderedDict([("bias", bias), ("unused", 3)]),
+        "more": collections.UserDict(shift=torch.randn(8)),
+    }
+    prof = profile(Takes(), inputs, steps=1)
+    assert [layer.path for layer in prof.layers] == ["layers.0", "layers.1"]
+    assert seen and set(map(str, seen)) == {
+        str((Batch, collections.OrderedDict, collections.UserDict, ["bias", "unused"]))
+    }
+    assert x.grad is None and bias.grad is None
+
+
+def test_fresh_inputs_copy_tensors_into_containers_of_the_same_type():
+    from recomp.plan.modelcall import fresh_inputs, map_tensors, tensors_of
+
+    x = torch.randn(2, 3, requires_grad=True)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    given = (
+        Batch(x, 2.0),
+        collections.OrderedDict([("b", mask), ("a", [x, "label"])]),
+        collections.UserDict(shift=x),
+    )
+    fresh = fresh_inputs(given)
+    batch, ordered, user = fresh
+    assert type(fresh) is tuple and type(batch) is Batch and batch.scale == 2.0
+    assert type(ordered) is collections.OrderedDict and list(ordered) == ["b", "a"]
+    assert ordered["a"][1] == "label"
+    copies = [batch.x, ordered["b"], ordered["a"][0]]
+    assert all(t is not x and t is not mask for t in copies)
+    assert torch.equal(batch.x, x) and torch.equal(ordered["b"], mask)
+    assert batch.x.requires_grad and batch.x.grad_fn is None  # a leaf of its own
+    assert not ordered["b"].requires_grad
+    # A UserDict is a leaf of the pytree walk: it passes through as it is.
+    assert user is given[2]
+    assert [t is x for t in tensors_of(given)] == [True, False, True]
+    assert map_tensors(lambda t: t.shape, Batch(x, mask)) == Batch(x.shape, mask.shape)
+
+
+def test_default_loss_takes_the_outputs_own_loss_or_the_mean_square():
+    """The one loss used when none is given (``profile`` and ``recomp bench``), for each
+    kind of output."""
+    from types import SimpleNamespace
+
+    from recomp.plan.modelcall import default_loss, loss_function
+
+    loss, out = torch.tensor(1.5), torch.tensor([[1.0, -2.0], [3.0, 0.0]])
+    mean_square = torch.tensor(14.0 / 4)
+    assert default_loss(SimpleNamespace(loss=loss, logits=out)) is loss  # a ModelOutput's .loss
+    assert default_loss({"loss": loss, "logits": out}) is loss
+    assert default_loss(collections.UserDict(loss=loss)) is loss  # any mapping
+    assert torch.equal(default_loss(out), mean_square)
+    assert torch.equal(default_loss((out, loss)), mean_square)  # the first element
+    assert torch.equal(default_loss([out]), mean_square)
+    assert torch.equal(default_loss(out.half()), mean_square)  # computed in float32
+    for no_loss in ({"logits": out}, SimpleNamespace(loss=None, logits=out)):
+        with pytest.raises(ValueError, match="without a loss, and no loss_fn was given"):
+            default_loss(no_loss)
+    with pytest.raises(ValueError, match="no loss can be taken"):
+        default_loss("text")
+
+    class OwnLoss(nn.Linear):
+        def loss(self, output):
+            return output.sum()
+
+    own = OwnLoss(2, 2)
+    assert loss_function(own) == own.loss and loss_function(nn.Linear(2, 2)) is default_loss
 
 
 # --------------------------------------------------------------------------- exact FLOPs

@@ -15,17 +15,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402
-from recomp._modelcall import (  # noqa: E402
-    call_model,
-    example_input,
-    is_hugging_face,
-    loss_function,
-    mean_square_loss,
-    model_output_loss,
-)
 from recomp.bench.config import BenchConfig  # noqa: E402
 from recomp.bench.memory import child_env  # noqa: E402
 from recomp.plan import apply_plan, load_plan  # noqa: E402
+from recomp.plan.modelcall import (  # noqa: E402
+    call_model,
+    default_loss,
+    example_input,
+    is_hugging_face,
+    loss_function,
+)
 from recomp.plan.profiler import find_candidates, find_layers  # noqa: E402
 from recomp.torch import ExcludeWrapper  # noqa: E402
 from torch_models import assert_same_grads  # noqa: E402
@@ -67,14 +66,14 @@ def test_hugging_face_models_get_token_inputs_and_their_own_loss():
     assert ids.dtype == torch.long and ids.shape == (3, 16)
     assert int(ids.min()) >= 0 and int(ids.max()) < model.config.vocab_size
     assert x["labels"] is ids
-    assert loss_function(model) is model_output_loss
+    assert loss_function(model) is default_loss
     out = call_model(model, x)
-    assert torch.equal(model_output_loss(out), out.loss)
+    assert torch.equal(default_loss(out), out.loss)
     with pytest.raises(ValueError, match="without a loss"):
-        model_output_loss(model(input_ids=ids))
+        default_loss(model(input_ids=ids))
 
     plain = torch.nn.Linear(4, 4)
-    assert not is_hugging_face(plain) and loss_function(plain) is mean_square_loss
+    assert not is_hugging_face(plain) and loss_function(plain) is default_loss
     assert example_input(plain, 2, 5, 4, torch.Generator()).shape == (2, 5, 4)
 
 
@@ -235,7 +234,7 @@ def test_profile_without_loss_fn_uses_the_model_output_loss_or_says_what_to_pass
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
     with_labels = {"input_ids": ids, "labels": ids, "use_cache": False}
     prof = profile(model, with_labels, steps=1)  # no loss_fn: the output's own loss
-    explicit = profile(model, with_labels, model_output_loss, steps=1)
+    explicit = profile(model, with_labels, lambda out: out.loss, steps=1)
     assert [layer.path for layer in prof.layers] == ["model.layers.0", "model.layers.1"]
     assert [o.replay_flops for layer in prof.layers for o in layer.options] == [
         o.replay_flops for layer in explicit.layers for o in layer.options

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._modelcall import flop_formulas
+from ..plan.modelcall import flop_formulas
 from ..torch._compat import TorchDispatchMode, cpu_attention_ops, op_flop_counter
 from .memory import malloc_in_use
 

@@ -107,7 +107,7 @@ def strategy_report(config: BenchConfig, strategy: str) -> Any:
     file), its report taken before backward; the backward then runs, as in training."""
     from recomp.torch import label_layers, saved_tensors_report
 
-    from .._modelcall import call_model
+    from ..plan.modelcall import call_model
     from .runner import build, plan_for
     from .strategies import layers_of, parse, prepare
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._modelcall import call_model, example_input, loss_function
+from ..plan.modelcall import call_model, example_input, loss_function
 from ..torch import _compat
 from .config import BenchConfig, call_factory, load_factory, row_label
 from .measure import CpuMemory, RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader

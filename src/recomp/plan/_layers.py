@@ -1,16 +1,13 @@
-"""Finding a model's checkpointable layers, and copying its inputs: what the eager and
-the compiled profiles share (``profiler``, ``compiled``)."""
+"""Finding a model's checkpointable layers: what the eager and the compiled profiles
+share (``profiler``, ``compiled``) and how ``recomp bench`` finds its layers."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
-import torch
 from torch import nn
 
 from ..torch import _compat
-from ..torch._backend import BACKEND
 
 LayerSpec = Callable[[nn.Module], bool] | Sequence[str] | None
 
@@ -54,17 +51,7 @@ def find_layers(model: nn.Module, layers: LayerSpec = None) -> list[tuple[str, n
         prefix = _path_of(model, stack)
         return [(f"{prefix}.{i}" if prefix else str(i), m) for i, m in enumerate(stack)]
     if callable(layers):
-        found: list[tuple[str, nn.Module]] = []
-
-        def visit(module: nn.Module, path: str) -> None:
-            for name, child in module.named_children():
-                child_path = f"{path}.{name}" if path else name
-                if layers(child):  # type: ignore[operator]
-                    found.append((child_path, child))
-                else:
-                    visit(child, child_path)
-
-        visit(model, "")
+        found = outermost_matches(model, layers)
         if not found:
             raise ValueError("the layers= predicate matched no sub-module of the model")
         return found
@@ -77,30 +64,27 @@ def find_layers(model: nn.Module, layers: LayerSpec = None) -> list[tuple[str, n
     return out
 
 
+def outermost_matches(
+    module: nn.Module, predicate: Callable[[nn.Module], bool]
+) -> list[tuple[str, nn.Module]]:
+    """The sub-modules of ``module`` for which ``predicate`` holds, with their paths, not
+    looking inside a match (a match inside a match is part of it)."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(parent: nn.Module, path: str) -> None:
+        for name, child in parent.named_children():
+            child_path = f"{path}.{name}" if path else name
+            if predicate(child):
+                found.append((child_path, child))
+            else:
+                visit(child, child_path)
+
+    visit(module, "")
+    return found
+
+
 def _path_of(model: nn.Module, target: nn.Module) -> str:
     for name, module in model.named_modules():
         if module is target:
             return name
     raise ValueError("model.layers is not a sub-module of the model (use an nn.ModuleList)")
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    leaves, _ = BACKEND.flatten(tree)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-
-
-def _fresh_inputs(inputs: Any) -> Any:
-    """Copies of the input tensors, so that the profile's backward leaves the user's alone."""
-
-    def fresh(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.detach().clone().requires_grad_(x.requires_grad)
-        if isinstance(x, tuple):
-            return tuple(fresh(v) for v in x)
-        if isinstance(x, list):
-            return [fresh(v) for v in x]
-        if isinstance(x, dict):
-            return {k: fresh(v) for k, v in x.items()}
-        return x
-
-    return fresh(inputs)

@@ -60,10 +60,10 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
-from .._modelcall import call_model, default_loss
 from ..torch import _compat
-from ._layers import _fresh_inputs, _tensors, find_layers
+from ._layers import find_layers
 from .budget import Budget, BudgetTooSmallError, parse_budget
+from .modelcall import call_model, default_loss, fresh_inputs, tensors_of
 from .planfile import LayerPlan, Plan, partitioner_option
 
 # The smallest budget tried: the partitioner's least memory that still saves MUST_SAVE
@@ -89,7 +89,7 @@ class PartitionOutcome:
 
 
 @dataclass
-class _Joint:
+class _JointGraph:
     """One joint forward-backward graph as the backend's partitioner receives it."""
 
     graph: Any
@@ -109,7 +109,7 @@ class CompiledProfile:
     def __init__(
         self,
         backend: str,
-        joints: list[_Joint],
+        joints: list[_JointGraph],
         partition: Callable[..., Any],
         layers: list[tuple[str, str]],
         kept_regions: dict[str, list[str]],
@@ -321,18 +321,18 @@ def profile_compiled(
         from .apply import apply_plan
 
         apply_plan(model, compiled_plan_layers(found, kept_regions))
-    joints: list[_Joint] = []
+    joints: list[_JointGraph] = []
 
     def on_joint(joint: Any, joint_inputs: Any, kwargs: dict[str, Any], context: Any) -> None:
         mode = _compat.fake_mode_of(list(joint_inputs))
-        joints.append(_Joint(_copy_graph(joint), joint_inputs, kwargs, context, mode))
+        joints.append(_JointGraph(_copy_graph(joint), joint_inputs, kwargs, context, mode))
 
     traced, partition = _compat.partitioning_backend(backend, on_joint)
     rng = torch.get_rng_state()
     try:
         with _compat.many_recompiles():
             step = torch.compile(model, backend=traced, dynamic=False)
-            given = _fresh_inputs(inputs)
+            given = fresh_inputs(inputs)
             output = call_model(step, given)
             outside = _StorageCounter(model, given)
             with torch.autograd.graph.saved_tensors_hooks(outside.pack, lambda t: t):
@@ -368,7 +368,7 @@ class _StorageCounter:
     inputs excluded, each storage once)."""
 
     def __init__(self, model: nn.Module, inputs: Any) -> None:
-        held = [*model.parameters(), *model.buffers(), *_tensors(inputs)]
+        held = [*model.parameters(), *model.buffers(), *tensors_of(inputs)]
         self._seen = {StorageWeakRef(t.untyped_storage()) for t in held}
         self.nbytes = 0
 

@@ -31,6 +31,10 @@ Storages are counted once: one kept by two adjacent layers (a layer output the n
 saves) enters the plan as a pair term; one kept outside the layers, or by layers further
 apart, is shared. Parameters, buffers and the inputs exist before the forward and are
 not activations.
+
+The parts live in their own modules: the candidates and options (``_options``), the
+record of the instrumented forward (``_recording``), the analysis of each option from
+it (``_analysis``) and the times (``_timing``); this module runs them in order.
 """
 
 from __future__ import annotations
@@ -41,679 +45,24 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import flop_counter
 
-from .._modelcall import call_model, default_loss, flop_formulas
 from ..torch import _compat
-from ..torch._collective_cache import kept_results
-from ..torch._compat import TorchDispatchMode
-from ._layers import LayerSpec, _fresh_inputs, _tensors, find_layers
-from .planfile import NO_CHECKPOINT, exclude_option
+from ..torch._backend import BACKEND
+from ._analysis import OptionAnalysis, analyse_option, split_storages
+from ._layers import LayerSpec, find_layers
+from ._options import find_candidates, layer_option_sets
+from ._recording import LayerRecord, Recorder, storage_of
+from ._timing import ModuleTimer, average_alike_layers, checkpoint_overheads, retime_ops, sync
+from .modelcall import call_model, default_loss, fresh_inputs, tensors_of
+from .planfile import exclude_option
 from .planner import LayerProfile, OptionProfile, OptionSlot, Profile, RegionProfile
-from .policy import expensive_ops, selective_context_fn
 
-# More candidates than this: only single exclusions and all of them together are options.
-MAX_COMBINED = 5
-
-
-# --------------------------------------------------------------------------- finding layers
-
-
-def find_candidates(
-    layer: nn.Module, exclude: Callable[[nn.Module], bool] | None = None
-) -> list[tuple[str, nn.Module]]:
-    """Candidate regions of a layer: the outermost sub-modules ``exclude`` accepts, or by
-    default the direct children that hold parameters."""
-    if exclude is None:
-        return [
-            (name, child)
-            for name, child in layer.named_children()
-            if next(child.parameters(), None) is not None
-        ]
-    found: list[tuple[str, nn.Module]] = []
-
-    def visit(module: nn.Module, path: str) -> None:
-        for name, child in module.named_children():
-            child_path = f"{path}.{name}" if path else name
-            if exclude(child):
-                found.append((child_path, child))
-            else:
-                visit(child, child_path)
-
-    visit(layer, "")
-    return found
-
-
-def option_sets(count: int) -> list[tuple[int, ...]]:
-    """Sets of candidate indices to offer as exclusions (all non-empty ones when few)."""
-    if count == 0:
-        return []
-    if count <= MAX_COMBINED:
-        return [
-            combo
-            for size in range(1, count + 1)
-            for combo in itertools.combinations(range(count), size)
-        ]
-    return [(i,) for i in range(count)] + [tuple(range(count))]
-
-
-def layer_option_sets(count: int) -> list[tuple[tuple[int, ...] | None, bool]]:
-    """The options of a layer with ``count`` candidates, as (excluded candidate indices,
-    selective), in the order of ``OptionSlot``: no checkpoint (``None``), full
-    checkpoint (nothing excluded, ``()``), the sets of candidate indices of
-    ``option_sets``; then the same checkpoints selective (expensive ops' outputs kept:
-    ``recomp.plan.policy``)."""
-    fixed: dict[OptionSlot, tuple[int, ...] | None] = {OptionSlot.NONE: None, OptionSlot.FULL: ()}
-    checkpoints = [(), *option_sets(count)]
-    return (
-        [(fixed[slot], False) for slot in sorted(fixed)]
-        + [(s, False) for s in checkpoints[1:]]
-        + [(s, True) for s in checkpoints]
-    )
-
-
-# --------------------------------------------------------------------------- recording
-
-
-@dataclass
-class _Save:
-    seq: int
-    key: Hashable
-    nbytes: int
-    is_parameter: bool
-    call: int | None  # index of the region call it happened in
-
-
-@dataclass
-class _Op:
-    seq: int
-    call: int | None
-    flops: int
-    seconds: float
-    expensive: bool = False  # a selective option keeps its outputs (recomp.plan.policy)
-    outputs: list[tuple[Hashable, int]] = field(default_factory=list)  # (storage, bytes)
-    # A collective whose results a checkpoint keeps: their (storage, bytes); else None.
-    collective: list[tuple[Hashable, int]] | None = None
-
-
-@dataclass
-class _RegionCall:
-    candidate: int
-    start: int
-    end: int = -1
-    inputs: list[tuple[Hashable, bool]] = field(default_factory=list)  # (storage, parameter)
-    outputs: list[tuple[Hashable, int, bool]] = field(default_factory=list)  # (.., bytes, grad)
-    parameter_keys: set[Hashable] = field(default_factory=set)
-
-
-@dataclass
-class _LayerRecord:
-    start: int = -1
-    end: int = -1
-    calls_seen: int = 0
-    input_keys: dict[Hashable, int] = field(default_factory=dict)
-    saves: list[_Save] = field(default_factory=list)
-    ops: list[_Op] = field(default_factory=list)
-    calls: list[_RegionCall] = field(default_factory=list)
-
-
-def _storage(t: torch.Tensor) -> tuple[Hashable, int] | None:
-    inner = _local_tensor(t)
-    if inner is not None:
-        return _storage(inner)
-    key = _compat.storage_key(t)
-    if key is None:
-        return None
-    return key, int(t.untyped_storage().nbytes())
-
-
-def _is_wrapper_subclass(t: type) -> bool:
-    # DTensor and the like: tensor subclasses that wrap local tensors.
-    return t is not torch.Tensor and hasattr(t, "__tensor_flatten__")
-
-
-def _local_tensor(t: torch.Tensor) -> torch.Tensor | None:
-    """The one tensor a wrapper subclass holds (a DTensor's local shard), else None.
-
-    A DTensor reports a storage of its global size that holds no memory; what this
-    process holds is its local tensor's storage, which the local ops see."""
-    if not _is_wrapper_subclass(type(t)):
-        return None
-    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
-    inner = [v for v in (getattr(t, name) for name in names) if isinstance(v, torch.Tensor)]
-    return inner[0] if len(inner) == 1 else None
-
-
-class _Recorder(TorchDispatchMode):
-    """Saved tensors and ATen ops of one forward, in one sequence, tagged by layer and
-    candidate region.
-
-    An op on a wrapper subclass (DTensor) is left to the subclass, whose ops on local
-    tensors come back here: FLOPs, times and storages are this process's, and the
-    collectives that DTensor issues are seen, with the tensors a checkpoint's collective
-    record would keep (``recomp.torch._collective_cache``)."""
-
-    def __init__(self, preexisting: set[Hashable], clock: Callable[[], float]) -> None:
-        super().__init__()
-        self.clock = clock
-        counter = flop_counter.FlopCounterMode(
-            display=False, custom_mapping=flop_formulas(_compat.cpu_attention_ops())
-        )
-        self.registry = counter.flop_registry
-        self.expensive = frozenset(expensive_ops())
-        self.preexisting = preexisting
-        self.seq = 0
-        self.layers: list[_LayerRecord] = []
-        self.outside = _LayerRecord()
-        self.layer: int | None = None
-        self.call: int | None = None
-        # Storages seen at layer and region boundaries stay alive until the analysis, so
-        # that no later storage reuses their address as key.
-        self.pinned: list[Any] = []
-
-    def current_record(self) -> _LayerRecord:
-        return self.outside if self.layer is None else self.layers[self.layer]
-
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
-
-    # -- saved tensors -------------------------------------------------------
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        found = _storage(t)
-        if found is not None:
-            key, nbytes = found
-            self.current_record().saves.append(
-                _Save(self.next_seq(), key, nbytes, isinstance(t, nn.Parameter), self.call)
-            )
-        return t
-
-    # -- ops -----------------------------------------------------------------
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if any(_is_wrapper_subclass(t) for t in types):
-            return NotImplemented
-        out, seconds = _run_timed(self, func, args, kwargs)
-        if seconds is None:  # decomposed: its parts were recorded
-            return out
-        formula = self.registry.get(func.overloadpacket)
-        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-        op = _Op(self.next_seq(), self.call, flops, seconds, func in self.expensive)
-        if op.expensive:
-            for t in _tensors(out):
-                found = _storage(t)
-                if found is not None:
-                    op.outputs.append(found)
-                    self.pinned.append(t)
-        kept = kept_results(func, args, kwargs, out)
-        if kept is not None:
-            op.collective = []
-            for t in kept:
-                found = _storage(t)
-                if found is not None:
-                    op.collective.append(found)
-                    self.pinned.append(t)
-        self.current_record().ops.append(op)
-        return out
-
-    # -- module hooks ----------------------------------------------------------
-
-    def attach(
-        self, layers: list[tuple[str, nn.Module]], candidates: list[list[tuple[str, nn.Module]]]
-    ) -> list[Any]:
-        handles = []
-        for index, (path, layer) in enumerate(layers):
-            self.layers.append(_LayerRecord())
-            # A layer's own hooks (a tensor-parallel plan's input redistributions) run
-            # outside its checkpoint, a region's inside its exclusion: the layer's
-            # boundaries lie within its hooks, a region's around them.
-            handles.append(
-                layer.register_forward_pre_hook(self.layer_enter(index, path), with_kwargs=True)
-            )
-            handles.append(
-                layer.register_forward_hook(self.layer_exit(index), always_call=True, prepend=True)
-            )
-            for c, (_, region) in enumerate(candidates[index]):
-                handles.append(
-                    region.register_forward_pre_hook(
-                        self.region_enter(index, c, region), with_kwargs=True, prepend=True
-                    )
-                )
-                handles.append(
-                    region.register_forward_hook(self.region_exit(index), always_call=True)
-                )
-        return handles
-
-    def layer_enter(self, index: int, path: str):  # type: ignore[no-untyped-def]
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            record = self.layers[index]
-            record.calls_seen += 1
-            if record.calls_seen > 1:
-                raise ValueError(
-                    f"layer {path!r} was called more than once in one forward; the planner "
-                    "plans one checkpoint per layer call. Plan the modules that are called "
-                    "once (layers=...)."
-                )
-            if self.layer is not None:
-                raise ValueError(
-                    f"layer {path!r} runs inside another planned layer; pass layers= that do "
-                    "not nest"
-                )
-            self.layer = index
-            record.start = self.next_seq()
-            for t in _tensors((args, kwargs)):
-                found = _storage(t)
-                if found is not None:
-                    record.input_keys[found[0]] = found[1]
-                    self.pinned.append(t)
-
-        return hook
-
-    def layer_exit(self, index: int):  # type: ignore[no-untyped-def]
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self.layers[index].end = self.next_seq()
-            self.layer = None
-            self.pinned.extend(_tensors(output))
-
-        return hook
-
-    def region_enter(self, index: int, candidate: int, region: nn.Module):  # type: ignore[no-untyped-def]
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if self.layer != index or self.call is not None:
-                return
-            record = self.layers[index]
-            call = _RegionCall(candidate, self.next_seq())
-            call.parameter_keys = {
-                k[0] for k in (_storage(p) for p in region.parameters()) if k is not None
-            }
-            for t in _tensors((args, kwargs)):
-                found = _storage(t)
-                if found is not None:
-                    call.inputs.append((found[0], isinstance(t, nn.Parameter)))
-                    self.pinned.append(t)
-            record.calls.append(call)
-            self.call = len(record.calls) - 1
-
-        return hook
-
-    def region_exit(self, index: int):  # type: ignore[no-untyped-def]
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self.layer != index or self.call is None:
-                return
-            call = self.layers[index].calls[self.call]
-            if call.end >= 0:
-                return
-            call.end = self.next_seq()
-            for t in _tensors(output):
-                found = _storage(t)
-                if found is not None:
-                    call.outputs.append((found[0], found[1], t.requires_grad))
-                    self.pinned.append(t)
-            self.call = None
-
-        return hook
-
-
-# --------------------------------------------------------------------------- analysis
-
-
-@dataclass
-class _OptionResult:
-    name: str
-    kept: dict[Hashable, int]  # activation storages the layer keeps
-    replay_ops: list[_Op]
-    region_saved_bytes: dict[str, int]  # per excluded candidate path, as recomp counts
-    excluded_calls: int
-    hooked_saves: int = 0  # saved tensors that go through a Python hook (checkpointed)
-    policy_ops: int = 0  # ops that pass a selective policy's dispatch modes (forward, replay)
-    collective_bytes: int = 0  # part of kept: results of collectives the replay reads
-
-
-def _analyse_option(
-    record: _LayerRecord,
-    candidates: list[tuple[str, nn.Module]],
-    excluded: tuple[int, ...] | None,
-    preexisting: set[Hashable],
-    selective: bool = False,
-    keep_collectives: bool = True,
-) -> _OptionResult:
-    """What one layer keeps and replays with ``excluded`` candidates (None: no checkpoint);
-    ``selective``: the checkpoint also keeps the outputs of the expensive ops outside
-    the excluded regions (which its policy does not see) and so does not replay them;
-    ``keep_collectives`` (a checkpoint's ``exclude_collectives``): it keeps the results of
-    the collectives outside the excluded regions that its replay reaches (those before
-    its last saved tensor: early stop drops the others), and the replay does not run them."""
-
-    def activations(keys: dict[Hashable, int]) -> dict[Hashable, int]:
-        return {k: n for k, n in keys.items() if k not in preexisting}
-
-    if excluded is None:
-        assert not selective, "a selective option is a checkpoint"
-        saved = {s.key: s.nbytes for s in record.saves if not s.is_parameter}
-        return _OptionResult(NO_CHECKPOINT, activations(saved), [], {}, 0)
-
-    chosen = set(excluded)
-    kept: dict[Hashable, int] = dict(record.input_keys)
-    checkpoint_saves = [
-        s.seq
-        for s in record.saves
-        if s.call is None or record.calls[s.call].candidate not in chosen
-    ]
-    excluded_outputs: set[Hashable] = set()
-    # Per excluded call: saved tensors kept, cached outputs, checkpoint saves before its end.
-    entries: list[tuple[_RegionCall, dict[Hashable, int], dict[Hashable, int], int]] = []
-    calls = [(i, c) for i, c in enumerate(record.calls) if c.candidate in chosen]
-    for index, call in calls:
-        deferrable = {
-            key
-            for key, is_parameter in call.inputs
-            if not is_parameter and key not in excluded_outputs and key not in record.input_keys
-        }
-        region_kept: dict[Hashable, int] = {}
-        deferred = False
-        for s in record.saves:
-            if s.call != index:
-                continue
-            if s.key in deferrable:
-                deferred = True
-            elif not s.is_parameter and s.key not in call.parameter_keys:
-                region_kept[s.key] = s.nbytes
-        outputs: dict[Hashable, int] = {}
-        for key, nbytes, _ in call.outputs:
-            excluded_outputs.add(key)
-            if key not in region_kept:
-                outputs[key] = nbytes
-        if deferred and any(grad for _, _, grad in call.outputs):
-            checkpoint_saves.append(call.end)  # the boundary saves the deferred inputs
-        saves_after = sum(1 for seq in checkpoint_saves if seq <= call.end)
-        entries.append((call, region_kept, outputs, saves_after))
-    total_saves = len(checkpoint_saves)
-    saved_bytes: dict[str, int] = {}
-    for call, region_kept, outputs, saves_after in entries:
-        path = candidates[call.candidate][0]
-        # A replay that stops before reaching past the call does not need its outputs.
-        reachable = saves_after < total_saves
-        held = {**region_kept, **(outputs if reachable else {})}
-        kept.update(held)
-        saved_bytes[path] = saved_bytes.get(path, 0) + sum(held.values())
-    last = max(checkpoint_saves, default=None)
-    excluded_call_indices = {i for i, _ in calls}
-    seen = [op for op in record.ops if op.call not in excluded_call_indices]
-    reached = [] if last is None else [op for op in seen if op.seq < last]
-    replay = reached
-    collective_bytes = 0
-    if keep_collectives:
-        for op in reached:
-            for key, nbytes in op.collective or ():
-                if key not in kept and key not in preexisting:
-                    kept[key] = nbytes
-                    collective_bytes += nbytes
-        replay = [op for op in replay if op.collective is None]
-    if selective:
-        for op in seen:
-            kept.update(op.outputs)
-        replay = [op for op in replay if not op.expensive]
-    name = exclude_option([candidates[i][0] for i in excluded], selective)
-    return _OptionResult(
-        name,
-        activations(kept),
-        replay,
-        saved_bytes,
-        len(calls),
-        len(record.saves),
-        len(seen) + len(reached) if selective else 0,
-        collective_bytes,
-    )
-
-
-def _attribute(
-    per_layer: list[list[dict[Hashable, int]]], outside: dict[Hashable, int]
-) -> tuple[list[list[int]], list[dict[tuple[int, int], int]], int, int]:
-    """Split storages into per-layer-option bytes, adjacent-pair bytes and shared bytes."""
-    keepers: dict[Hashable, set[int]] = {}
-    size: dict[Hashable, int] = {}
-    for i, options in enumerate(per_layer):
-        for kept in options:
-            for key, nbytes in kept.items():
-                keepers.setdefault(key, set()).add(i)
-                size[key] = nbytes
-    private = [[0] * len(options) for options in per_layer]
-    pairs: list[dict[tuple[int, int], int]] = [{} for _ in per_layer]
-    shared = sum(outside.values())
-    spread = 0
-    for key, layers in keepers.items():
-        if key in outside:
-            continue
-        if len(layers) == 1:
-            (i,) = layers
-            for o, kept in enumerate(per_layer[i]):
-                if key in kept:
-                    private[i][o] += size[key]
-        elif len(layers) == 2 and max(layers) - min(layers) == 1:
-            i = max(layers)
-            for a, before in enumerate(per_layer[i - 1]):
-                for b, now in enumerate(per_layer[i]):
-                    if key in before or key in now:
-                        pairs[i][(a, b)] = pairs[i].get((a, b), 0) + size[key]
-        else:
-            shared += size[key]
-            spread += size[key]
-    return private, pairs, shared, spread
-
-
-def _run_timed(mode: Any, func: Any, args: Any, kwargs: Any) -> tuple[Any, float | None]:
-    """Run ``func`` under ``mode`` (which has ``registry`` and ``clock``) and time it; as
-    FlopCounterMode does, an op without a FLOP formula first tries to decompose into ops
-    with one, which ``mode`` then sees one by one (seconds None)."""
-    if func not in mode.registry and func is not torch.ops.prim.device.default:
-        with mode:
-            out = func.decompose(*args, **kwargs)
-            if out is not NotImplemented:
-                return out, None
-    start = mode.clock()
-    out = func(*args, **kwargs)
-    return out, mode.clock() - start
-
-
-class _OpTimer(TorchDispatchMode):
-    """Times every ATen op of a forward, in order (decomposing as ``_Recorder`` does)."""
-
-    def __init__(self, registry: Any, clock: Callable[[], float]) -> None:
-        super().__init__()
-        self.registry = registry
-        self.clock = clock
-        self.seconds: list[float] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if any(_is_wrapper_subclass(t) for t in types):
-            return NotImplemented
-        out, seconds = _run_timed(self, func, args, kwargs or {})
-        if seconds is not None:
-            self.seconds.append(seconds)
-        return out
-
-
-def _per_save_seconds(clock: Callable[[], float], chain: int = 32) -> float:
-    """CPU time a checkpoint spends per saved tensor on its own bookkeeping: the Python
-    hooks that pack it in the forward, pack it again in the replay and unpack it in
-    backward. Measured on a chain of tiny multiplications (two saves each), checkpointed
-    against plain, so that the ops themselves cost next to nothing."""
-    from recomp.torch import checkpoint
-
-    weight = torch.ones(8, requires_grad=True)
-    x = torch.ones(8, requires_grad=True)
-
-    def chain_fn(t: torch.Tensor) -> torch.Tensor:
-        for _ in range(chain):
-            t = t * weight
-        return t
-
-    def forward() -> None:
-        chain_fn(x).sum()
-
-    def plain() -> None:
-        chain_fn(x).sum().backward()
-
-    def checkpointed() -> None:
-        checkpoint(chain_fn, x).sum().backward()
-
-    def per_call(fn: Callable[[], None], repeat: int = 10) -> float:
-        start = clock()
-        for _ in range(repeat):
-            fn()
-        return (clock() - start) / repeat
-
-    for fn in (forward, plain, checkpointed):
-        per_call(fn, 3)
-    samples = []
-    for _ in range(5):
-        extra = per_call(checkpointed) - per_call(plain) - per_call(forward)
-        samples.append(extra / (2 * chain))
-    return max(0.0, statistics.median(samples))
-
-
-# clock -> (per saved tensor, per op under a selective policy) seconds, on the CPU.
-_MEASURED_OVERHEADS: dict[Callable[[], float], tuple[float, float]] = {}
-
-
-def _per_policy_op_seconds(clock: Callable[[], float], chain: int = 32) -> float:
-    """CPU time a selective checkpoint's policy adds per op: each op of the layer passes
-    its caching dispatch mode in the forward and its cached mode in the replay (Python
-    calls). Measured on a chain of tiny multiplications, checkpointed with the policy
-    against without."""
-    from recomp.torch import checkpoint
-
-    weight = torch.ones(8, requires_grad=True)
-    x = torch.ones(8, requires_grad=True)
-    context_fn = selective_context_fn()
-
-    def chain_fn(t: torch.Tensor) -> torch.Tensor:
-        for _ in range(chain):
-            t = t * weight
-        return t
-
-    def plain() -> None:
-        checkpoint(chain_fn, x).sum().backward()
-
-    def selective() -> None:
-        checkpoint(chain_fn, x, context_fn=context_fn).sum().backward()
-
-    def per_call(fn: Callable[[], None], repeat: int = 10) -> float:
-        start = clock()
-        for _ in range(repeat):
-            fn()
-        return (clock() - start) / repeat
-
-    for fn in (plain, selective):
-        per_call(fn, 3)
-    samples = [(per_call(selective) - per_call(plain)) / (2 * chain) for _ in range(5)]
-    return max(0.0, statistics.median(samples))
-
-
-def _retime_ops(
-    recorder: _Recorder, forward: Callable[[], Any], repeats: int, clock: Callable[[], float]
-) -> None:
-    """Replace each op's time by the median over the instrumented forward and ``repeats``
-    more forwards (one sample per op is noisy). Kept as is if the op sequence changes."""
-    ops = sorted(
-        (op for record in [recorder.outside, *recorder.layers] for op in record.ops),
-        key=lambda op: op.seq,
-    )
-    samples: list[list[float]] = [[op.seconds] for op in ops]
-    for _ in range(repeats):
-        timer = _OpTimer(recorder.registry, clock)
-        with timer:
-            out = forward()
-        del out
-        if len(timer.seconds) != len(ops):
-            return
-        for column, seconds in zip(samples, timer.seconds):
-            column.append(seconds)
-    for op, column in zip(ops, samples):
-        op.seconds = statistics.median(column)
-
-
-def _average_alike_layers(
-    layers: list[tuple[str, nn.Module]],
-    candidates: list[list[tuple[str, nn.Module]]],
-    records: list[_LayerRecord],
-    forward_s: dict[str, float],
-) -> None:
-    """Layers that run the same ops (same type, same op sequence with the same FLOPs and
-    regions) get the mean of their times: one noisy sample per layer would otherwise make
-    the plan treat identical layers differently."""
-    groups: dict[Hashable, list[int]] = {}
-    for index, ((_, layer), record) in enumerate(zip(layers, records)):
-        ops = tuple(
-            (op.flops, -1 if op.call is None else record.calls[op.call].candidate)
-            for op in record.ops
-        )
-        names = tuple(name for name, _ in candidates[index])
-        groups.setdefault((type(layer).__name__, names, ops), []).append(index)
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        for position in range(len(records[members[0]].ops)):
-            mean = statistics.fmean(records[i].ops[position].seconds for i in members)
-            for i in members:
-                records[i].ops[position].seconds = mean
-        suffixes = ["", *(f".{name}" for name, _ in candidates[members[0]])]
-        for suffix in suffixes:
-            keys = [layers[i][0] + suffix for i in members]
-            mean = statistics.fmean(forward_s[k] for k in keys)
-            for k in keys:
-                forward_s[k] = mean
-
-
-# --------------------------------------------------------------------------- profile
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _Timer:
-    """Forward times of modules, per call, by pre/post hooks."""
-
-    def __init__(self, device: torch.device, clock: Callable[[], float]) -> None:
-        self.device = device
-        self.clock = clock
-        self.times: dict[str, list[float]] = {}
-        self._start: dict[str, float] = {}
-        self.handles: list[Any] = []
-
-    def track(self, name: str, module: nn.Module) -> None:
-        self.times[name] = []
-
-        def enter(m: nn.Module, args: Any) -> None:
-            _sync(self.device)
-            self._start[name] = self.clock()
-
-        def leave(m: nn.Module, args: Any, out: Any) -> None:
-            _sync(self.device)
-            self.times[name].append(self.clock() - self._start[name])
-
-        self.handles.append(module.register_forward_pre_hook(enter))
-        self.handles.append(module.register_forward_hook(leave))
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def _device_of(model: nn.Module, inputs: Any) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    tensors = _tensors(inputs)
-    return tensors[0].device if tensors else torch.device("cpu")
+__all__ = ["find_candidates", "find_layers", "profile"]
 
 
 def profile(
@@ -785,7 +134,7 @@ def profile(
     if clock not in clocks:
         raise ValueError(f"clock is 'wall' or 'cpu', got {clock!r}")
     loss_fn = loss_fn or default_loss
-    rng = _rng_state()
+    rng = BACKEND.get_rng_state()
     try:
         prof = _profile(
             copy.deepcopy(model),
@@ -799,20 +148,8 @@ def profile(
             exclude_collectives,
         )
     finally:
-        _set_rng_state(rng)
+        BACKEND.set_rng_state(rng)
     return prof
-
-
-def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
 
 
 def _profile(
@@ -826,23 +163,114 @@ def _profile(
     optimizer: Callable[[list[nn.Parameter]], Any] | None,
     exclude_collectives: bool = True,
 ) -> Profile:
+    """The profile of ``model`` (the caller's copy, which this trains)."""
     device = _device_of(model, inputs)
     layers = find_layers(model, layer_spec)
     candidates = [find_candidates(layer, exclude) for _, layer in layers]
-    inputs = _fresh_inputs(inputs)
+    inputs = fresh_inputs(inputs)
     model.zero_grad(set_to_none=True)
 
+    def forward() -> torch.Tensor:
+        return loss_fn(call_model(model, inputs))
+
+    # 1. Baseline step time, and forward times of layers and candidate regions.
+    baseline = _time_steps(model, forward, optimizer, layers, candidates, device, steps, clock)
+    # 2. One instrumented forward, its ops then timed again over ``steps`` forwards.
+    preexisting = _storages_before_the_forward(model, inputs)
+    recorder, loss = _record_forward(forward, layers, candidates, clock)
+    outside = _kept_outside_layers(recorder, loss, preexisting)
+    retime_ops(recorder, forward, steps, clock)
+    average_alike_layers(layers, candidates, recorder.layers, baseline.forward_s)
+    overheads = _Overheads.measure(device, clock)
+    # 3. What every option keeps and replays, each storage counted once.
+    analysed = [
+        [
+            analyse_option(
+                record, candidates[index], excluded, preexisting, selective, exclude_collectives
+            )
+            for excluded, selective in layer_option_sets(len(candidates[index]))
+        ]
+        for index, record in enumerate(recorder.layers)
+    ]
+    private, pairs, shared, spread = split_storages(
+        [[o.kept for o in options] for options in analysed], outside
+    )
+    layer_profiles = [
+        LayerProfile(
+            path=path,
+            type=type(layer).__name__,
+            forward_s=baseline.forward_s[path],
+            forward_flops=sum(op.flops for op in record.ops),
+            no_checkpoint_bytes=sum(analysed[index][OptionSlot.NONE].kept.values()),
+            checkpoint_input_bytes=sum(analysed[index][OptionSlot.FULL].kept.values()),
+            regions=_region_profiles(path, record, candidates[index], analysed[index], baseline),
+            options=_option_profiles(
+                analysed[index],
+                private[index],
+                _replay_scale(record, baseline.forward_s[path]),
+                overheads,
+            ),
+            pair_bytes=[[a, b, n] for (a, b), n in sorted(pairs[index].items()) if n],
+        )
+        for index, ((path, layer), record) in enumerate(zip(layers, recorder.layers))
+    ]
+    notes = _notes(recorder.layers, spread, exclude_collectives)
+    del loss, recorder
+    gc.collect()
+    return Profile(
+        device=str(device),
+        baseline_step_s=baseline.step_s,
+        shared_bytes=shared,
+        layers=layer_profiles,
+        spread_bytes=spread,
+        bookkeeping_bytes=overheads.bookkeeping_bytes,
+        per_save_s=overheads.per_save_s,
+        per_policy_op_s=overheads.per_policy_op_s,
+        notes=notes,
+        exclude_collectives=exclude_collectives,
+    )
+
+
+def _device_of(model: nn.Module, inputs: Any) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    tensors = tensors_of(inputs)
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- the steps
+
+
+@dataclass
+class _Baseline:
+    """The training step without checkpointing, timed."""
+
+    step_s: float  # median step time (forward, loss, backward, update)
+    forward_s: dict[str, float]  # median forward time per step, per layer and region path
+    calls_per_step: dict[str, int]  # calls per step, per layer and region path
+
+
+def _time_steps(
+    model: nn.Module,
+    forward: Callable[[], torch.Tensor],
+    optimizer: Callable[[list[nn.Parameter]], Any] | None,
+    layers: list[tuple[str, nn.Module]],
+    candidates: list[list[tuple[str, nn.Module]]],
+    device: torch.device,
+    steps: int,
+    clock: Callable[[], float],
+) -> _Baseline:
+    """A warm-up step and ``steps`` timed ones, with the layers' and candidate regions'
+    forward times (module hooks)."""
     update = optimizer([p for p in model.parameters() if p.requires_grad]) if optimizer else None
 
     def step() -> None:
-        loss = loss_fn(call_model(model, inputs))
-        loss.backward()
+        forward().backward()
         if update is not None:
             update.step()
             update.zero_grad(set_to_none=False)
 
-    # 1. Baseline step time, and forward times of layers and candidate regions.
-    timer = _Timer(device, clock)
+    timer = ModuleTimer(device, clock)
     for path, layer in layers:
         timer.track(path, layer)
     for (path, _), regions in zip(layers, candidates):
@@ -854,124 +282,147 @@ def _profile(
         for i in range(steps + 1):
             for samples in timer.times.values():
                 samples.clear()
-            _sync(device)
+            sync(device)
             start = clock()
             step()
-            _sync(device)
+            sync(device)
             if i > 0:  # the first step is a warm-up
                 step_times.append(clock() - start)
                 for k, v in timer.times.items():
                     forward_times[k].append(sum(v))
     finally:
         timer.remove()
-    forward_s = {k: statistics.median(v) if v else 0.0 for k, v in forward_times.items()}
-    calls_per_step = {k: len(v) for k, v in timer.times.items()}
+    return _Baseline(
+        step_s=statistics.median(step_times),
+        forward_s={k: statistics.median(v) if v else 0.0 for k, v in forward_times.items()},
+        calls_per_step={k: len(v) for k, v in timer.times.items()},
+    )
 
-    # 2. One instrumented forward.
-    preexisting = {
+
+def _storages_before_the_forward(model: nn.Module, inputs: Any) -> set[Hashable]:
+    """The storages of the parameters, buffers and inputs: not activations."""
+    return {
         found[0]
-        for t in itertools.chain(model.parameters(), model.buffers(), _tensors(inputs))
-        if (found := _storage(t)) is not None
+        for t in itertools.chain(model.parameters(), model.buffers(), tensors_of(inputs))
+        if (found := storage_of(t)) is not None
     }
-    recorder = _Recorder(preexisting, clock)
+
+
+def _record_forward(
+    forward: Callable[[], torch.Tensor],
+    layers: list[tuple[str, nn.Module]],
+    candidates: list[list[tuple[str, nn.Module]]],
+    clock: Callable[[], float],
+) -> tuple[Recorder, torch.Tensor]:
+    """One forward (and loss) under the recorder; its record and the loss."""
+    recorder = Recorder(clock)
     handles = recorder.attach(layers, candidates)
     try:
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), recorder:
-            loss = loss_fn(call_model(model, inputs))
+            loss = forward()
     finally:
         for handle in handles:
             handle.remove()
-    outside = {s.key: s.nbytes for s in recorder.outside.saves if not s.is_parameter}
-    for t in _tensors(loss):
-        found = _storage(t)
-        if found is not None:
-            outside[found[0]] = found[1]
-    outside = {k: n for k, n in outside.items() if k not in preexisting}
     for index, (path, _) in enumerate(layers):
         if recorder.layers[index].calls_seen == 0:
             raise ValueError(f"layer {path!r} was not called in the forward")
-    _retime_ops(recorder, lambda: loss_fn(call_model(model, inputs)), steps, clock)
+    return recorder, loss
 
-    _average_alike_layers(layers, candidates, recorder.layers, forward_s)
-    bookkeeping = int(torch.get_rng_state().nbytes) if device.type == "cpu" else 0
-    # On a GPU the hooks' CPU time overlaps with the kernels: not added there.
-    # Machine properties: measured by the first profile of a process with this clock.
-    per_save, per_policy_op = 0.0, 0.0
-    if device.type == "cpu":
-        if clock not in _MEASURED_OVERHEADS:
-            _MEASURED_OVERHEADS[clock] = (_per_save_seconds(clock), _per_policy_op_seconds(clock))
-        per_save, per_policy_op = _MEASURED_OVERHEADS[clock]
-    analysed: list[list[_OptionResult]] = []
-    for index, record in enumerate(recorder.layers):
-        sets = layer_option_sets(len(candidates[index]))
-        analysed.append(
-            [
-                _analyse_option(
-                    record, candidates[index], excluded, preexisting, selective, exclude_collectives
-                )
-                for excluded, selective in sets
-            ]
-        )
-    private, pairs, shared, spread = _attribute(
-        [[o.kept for o in options] for options in analysed], outside
-    )
 
-    layer_profiles = []
-    for index, ((path, layer), record) in enumerate(zip(layers, recorder.layers)):
-        op_seconds = sum(op.seconds for op in record.ops)
-        scale = forward_s[path] / op_seconds if op_seconds > 0 else 0.0
-        region_profiles = []
-        exclusion_alone = {o.name: o for o in analysed[index]}
-        for c, (name, region) in enumerate(candidates[index]):
-            ops = [
-                op
-                for op in record.ops
-                if op.call is not None and record.calls[op.call].candidate == c
-            ]
-            alone = exclusion_alone[exclude_option([name])]
-            region_profiles.append(
-                RegionProfile(
-                    path=name,
-                    type=type(region).__name__,
-                    calls=calls_per_step[f"{path}.{name}"],
-                    forward_s=forward_s[f"{path}.{name}"],
-                    forward_flops=sum(op.flops for op in ops),
-                    exclusion_bytes=alone.region_saved_bytes.get(name, 0),
-                )
-            )
-        options = []
-        for o, result in enumerate(analysed[index]):
-            checkpoints = 0 if o == OptionSlot.NONE else 1
-            options.append(
-                OptionProfile(
-                    name=result.name,
-                    kept_bytes=private[index][o]
-                    + bookkeeping * (checkpoints + result.excluded_calls),
-                    replay_s=scale * sum(op.seconds for op in result.replay_ops)
-                    + per_save * result.hooked_saves
-                    + per_policy_op * result.policy_ops,
-                    replay_flops=sum(op.flops for op in result.replay_ops),
-                    region_saved_bytes=result.region_saved_bytes,
-                    collective_bytes=result.collective_bytes,
-                )
-            )
-        layer_profiles.append(
-            LayerProfile(
-                path=path,
-                type=type(layer).__name__,
-                forward_s=forward_s[path],
-                forward_flops=sum(op.flops for op in record.ops),
-                no_checkpoint_bytes=sum(analysed[index][OptionSlot.NONE].kept.values()),
-                checkpoint_input_bytes=sum(analysed[index][OptionSlot.FULL].kept.values()),
-                regions=region_profiles,
-                options=options,
-                pair_bytes=[[a, b, n] for (a, b), n in sorted(pairs[index].items()) if n],
+def _kept_outside_layers(
+    recorder: Recorder, loss: torch.Tensor, preexisting: set[Hashable]
+) -> dict[Hashable, int]:
+    """Activation storages kept whatever the plan: saved outside the layers, and the loss."""
+    outside = {s.key: s.nbytes for s in recorder.outside.saves if not s.is_parameter}
+    for t in tensors_of(loss):
+        found = storage_of(t)
+        if found is not None:
+            outside[found[0]] = found[1]
+    return {k: n for k, n in outside.items() if k not in preexisting}
+
+
+@dataclass
+class _Overheads:
+    """What a checkpoint costs besides the memory it keeps and the ops it replays."""
+
+    bookkeeping_bytes: int  # per checkpoint and per excluded call: a saved CPU RNG state
+    per_save_s: float  # CPU time per saved tensor through its Python hooks
+    per_policy_op_s: float  # CPU time per op through a selective policy's dispatch modes
+
+    @staticmethod
+    def measure(device: torch.device, clock: Callable[[], float]) -> _Overheads:
+        # On a GPU the hooks' CPU time overlaps with the kernels: not added there.
+        if device.type != "cpu":
+            return _Overheads(0, 0.0, 0.0)
+        per_save, per_policy_op = checkpoint_overheads(clock)
+        return _Overheads(int(torch.get_rng_state().nbytes), per_save, per_policy_op)
+
+
+def _replay_scale(record: LayerRecord, forward_s: float) -> float:
+    """Seconds of the layer's measured forward per second of its recorded ops: the
+    replay's time is its ops' share of the forward time."""
+    op_seconds = sum(op.seconds for op in record.ops)
+    return forward_s / op_seconds if op_seconds > 0 else 0.0
+
+
+def _region_profiles(
+    path: str,
+    record: LayerRecord,
+    candidates: list[tuple[str, nn.Module]],
+    options: list[OptionAnalysis],
+    baseline: _Baseline,
+) -> list[RegionProfile]:
+    """The candidate regions of the layer at ``path``, each with what excluding it alone
+    keeps."""
+    by_name = {o.name: o for o in options}
+    profiles = []
+    for c, (name, region) in enumerate(candidates):
+        ops = [
+            op for op in record.ops if op.span is not None and record.spans[op.span].candidate == c
+        ]
+        alone = by_name[exclude_option([name])]
+        profiles.append(
+            RegionProfile(
+                path=name,
+                type=type(region).__name__,
+                calls=baseline.calls_per_step[f"{path}.{name}"],
+                forward_s=baseline.forward_s[f"{path}.{name}"],
+                forward_flops=sum(op.flops for op in ops),
+                exclusion_bytes=alone.region_saved_bytes.get(name, 0),
             )
         )
+    return profiles
+
+
+def _option_profiles(
+    options: list[OptionAnalysis], private: list[int], scale: float, overheads: _Overheads
+) -> list[OptionProfile]:
+    """The layer's options with their bytes (``private``: the layer's own share of what
+    each keeps) and replay costs (``scale``: seconds of forward per recorded op second)."""
+    profiles = []
+    for o, result in enumerate(options):
+        checkpoints = 0 if o == OptionSlot.NONE else 1
+        profiles.append(
+            OptionProfile(
+                name=result.name,
+                kept_bytes=private[o]
+                + overheads.bookkeeping_bytes * (checkpoints + result.excluded_calls),
+                replay_s=scale * sum(op.seconds for op in result.replay_ops)
+                + overheads.per_save_s * result.hooked_saves
+                + overheads.per_policy_op_s * result.policy_ops,
+                replay_flops=sum(op.flops for op in result.replay_ops),
+                region_saved_bytes=result.region_saved_bytes,
+                collective_bytes=result.collective_bytes,
+            )
+        )
+    return profiles
+
+
+def _notes(records: list[LayerRecord], spread: int, exclude_collectives: bool) -> list[str]:
+    """What the profile's reader should know: collectives in the layers, storages that
+    count as shared because layers further apart keep them."""
     notes = []
-    collectives = sum(
-        1 for record in recorder.layers for op in record.ops if op.collective is not None
-    )
+    collectives = sum(1 for record in records for op in record.ops if op.collective is not None)
     if collectives:
         notes.append(
             f"the layers' forward issued {collectives} collective(s): a checkpoint "
@@ -987,17 +438,4 @@ def _profile(
             f"{spread} bytes are kept by several non-adjacent layers (inputs every layer "
             "receives, say) and are counted as shared whatever the plan"
         )
-    del loss, recorder
-    gc.collect()
-    return Profile(
-        device=str(device),
-        baseline_step_s=statistics.median(step_times),
-        shared_bytes=shared,
-        layers=layer_profiles,
-        spread_bytes=spread,
-        bookkeeping_bytes=bookkeeping,
-        per_save_s=per_save,
-        per_policy_op_s=per_policy_op,
-        notes=notes,
-        exclude_collectives=exclude_collectives,
-    )
+    return notes

@@ -1,27 +1,32 @@
-"""How the planner's profile and ``recomp bench`` call a model, score its output and
-count its FLOPs, written once for both.
+"""How the planner's profile and ``recomp bench`` call a model, walk its inputs, score
+its output and count its FLOPs, written once for both.
 
 * the calling protocol: ``model(**x)`` for a dict, ``model(*x)`` for a tuple, else
   ``model(x)``;
+* the walk of an input or output: the torch backend's pytree (``recomp._pytree``, with
+  PyTorch's registry), so that a named tuple, an ``OrderedDict`` or a registered type is
+  rebuilt as itself (``map_tensors``, ``tensors_of``, ``fresh_inputs``);
 * the input of a model built by a factory (``example_input``): the model's own
   ``example_input(batch, seq, generator)``; token ids for a Hugging Face model; else a
   float tensor ``(batch, seq, hidden)``;
-* the loss (``loss_function``): the model's own ``loss(output)``; the loss a Hugging Face
-  model computes from ``labels`` (``output.loss``); else the mean square of the output
-  (its first element for a tuple or list);
+* the loss (``loss_function``): the model's own ``loss(output)``; else ``default_loss``,
+  the loss the output carries (a Hugging Face model computes it from ``labels``) or the
+  mean square of the output;
 * the FLOP formulas given to ``torch.utils.flop_counter.FlopCounterMode`` in addition to
   PyTorch's own table: its table has the CUDA attention kernels but not the CPU one,
   which would otherwise count zero.
-
-Importing this module imports no framework, and it sits below the framework packages:
-``flop_formulas`` imports PyTorch when called and takes the attention ops from its
-caller (``recomp.torch._compat.cpu_attention_ops()``).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import torch
+from torch.utils import flop_counter
+
+from ..torch._backend import BACKEND
 
 
 def call_model(model: Any, x: Any) -> Any:
@@ -33,11 +38,27 @@ def call_model(model: Any, x: Any) -> Any:
     return model(x)
 
 
-def mean_square_loss(out: Any) -> Any:
-    """The default loss: mean square of the output (its first element if a tuple)."""
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    return out.float().pow(2).mean()
+def tensors_of(tree: Any) -> list[torch.Tensor]:
+    """The tensors in ``tree`` (an input, an output, a module's arguments), in the order
+    of the backend's pytree walk."""
+    leaves, _ = BACKEND.flatten(tree)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """``tree`` rebuilt with ``fn(t)`` in place of each tensor ``t``. Containers come back
+    as their own type (a named tuple, an ``OrderedDict``, a dataclass, whatever PyTorch's
+    pytree registry knows); what the walk does not look into passes through as it is."""
+    leaves, spec = BACKEND.flatten(tree)
+    return BACKEND.unflatten(
+        [fn(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec
+    )
+
+
+def fresh_inputs(inputs: Any) -> Any:
+    """Copies of the input tensors (``requires_grad`` as it was), in containers of the
+    same types: the profile's backward then leaves the caller's tensors alone."""
+    return map_tensors(lambda t: t.detach().clone().requires_grad_(t.requires_grad), inputs)
 
 
 def is_hugging_face(model: Any) -> bool:
@@ -62,8 +83,6 @@ def example_input(
     * otherwise a float tensor ``(batch, seq, hidden)`` (``model.hidden`` if set), of
       ``dtype``.
     """
-    import torch
-
     own = getattr(model, "example_input", None)
     if callable(own):
         return own(batch, seq, generator)
@@ -86,51 +105,48 @@ def example_input(
     return torch.randn(batch, seq, hidden, generator=generator, dtype=dtype)
 
 
-def model_output_loss(out: Any) -> Any:
-    """The loss a Hugging Face model returns (``output.loss``) when given ``labels``."""
-    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
-    if loss is None:
-        raise ValueError(
-            f"the model returned {type(out).__name__} without a loss: a Hugging Face model "
-            "computes one when it is called with labels (a model with a head that takes them, "
-            "such as *ForCausalLM); or define loss(output) on the model"
-        )
-    return loss
-
-
 def default_loss(out: Any) -> Any:
-    """The loss of an output when none is given: a Hugging Face ``ModelOutput`` (or any
-    mapping) gives its ``loss``; anything else the mean square (``mean_square_loss``)."""
-    from collections.abc import Mapping
+    """The loss of a model's output when no loss function is given.
 
+    * an output that carries a loss (a Hugging Face ``ModelOutput``, any object with a
+      ``loss`` attribute, any mapping with a ``"loss"`` key): that loss, which a Hugging
+      Face model computes when it is called with ``labels``; an error if it is missing
+      or None;
+    * a tuple or list: the mean square of its first element;
+    * a tensor: its mean square.
+    """
     if isinstance(out, Mapping) or hasattr(out, "loss"):
         loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
         if loss is None:
             raise ValueError(
                 f"the model returned a {type(out).__name__} without a loss, and no loss_fn was "
                 "given: call the model with labels (a Hugging Face model then computes its "
-                "loss, e.g. inputs={'input_ids': ids, 'labels': ids}) or pass loss_fn= (a "
-                "function of the model's output returning a scalar tensor)"
+                "loss, e.g. inputs={'input_ids': ids, 'labels': ids} with a head that takes "
+                "them, such as *ForCausalLM), pass loss_fn= (a function of the model's output "
+                "returning a scalar tensor) or define loss(output) on the model"
             )
         return loss
-    return mean_square_loss(out)
+    if isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(
+            f"the model returned a {type(out).__name__}, of which no loss can be taken: pass "
+            "loss_fn= (a function of the model's output returning a scalar tensor) or define "
+            "loss(output) on the model"
+        )
+    return out.float().pow(2).mean()
 
 
 def loss_function(model: Any) -> Any:
     """The loss a benchmark or a plan uses for ``model``: ``model.loss(output)`` if the
-    model defines it, the model's own loss (``output.loss``) for a Hugging Face model,
-    else the mean square of the output."""
+    model defines it, else ``default_loss`` (the output's own loss, or its mean square)."""
     own = getattr(model, "loss", None)
     if callable(own):
         return own
-    if is_hugging_face(model):
-        return model_output_loss
-    return mean_square_loss
+    return default_loss
 
 
 def _cpu_sdpa_flop(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-    from torch.utils import flop_counter
-
     key, value = _as_query_heads(query, key), _as_query_heads(query, value)
     return int(flop_counter.sdpa_flop_count(query, key, value))
 
@@ -138,8 +154,6 @@ def _cpu_sdpa_flop(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) 
 def _cpu_sdpa_backward_flop(
     grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
 ) -> int:
-    from torch.utils import flop_counter
-
     key, value = _as_query_heads(query, key), _as_query_heads(query, value)
     return int(flop_counter.sdpa_backward_flop_count(grad_out, query, key, value))
 
