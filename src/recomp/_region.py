@@ -236,9 +236,9 @@ class RegionCall:
     """One call of an excluded region in one checkpoint invocation (the entry it records).
 
     Created and run by :meth:`run` in the forward; afterwards it is the cache
-    entry that each replay reads back (:meth:`replay`). Implements
-    ``_record.RecordedCall`` for the invocation. See NOTE [ How an excluded
-    region is kept out of the replay ].
+    entry that each replay reads back (:meth:`replay`), an ``_record.LogEntry`` of
+    the invocation's log of region calls. See NOTE [ How an excluded region is kept
+    out of the replay ].
     """
 
     __slots__ = (
@@ -502,7 +502,7 @@ class RegionCall:
             raise internal_error("a recorded region call has no output spec")
         return backend.unflatten(out_leaves, self.out_spec)
 
-    # -- RecordedCall ------------------------------------------------------------------
+    # -- entry of the invocation's log ---------------------------------------------------
 
     def matches(self, region: Any, fn: Any) -> bool:
         return self.region is region or self.callee == callee_identity(fn)
