@@ -468,12 +468,28 @@ def test_hf_checkpointing_detected_for_a_layer_its_forward_or_a_partial() -> Non
 
 
 def test_hf_checkpointing_in_eval_or_without_grad_is_not_an_error() -> None:
-    model = with_recomp(llama(), *MODELS["llama-attention"][1:])
+    # HF's checkpointing on top of recomp's is refused only where it would checkpoint
+    # twice: in training with gradients. Without gradients the model computes what the
+    # unwrapped model computes and nothing is checkpointed; in eval mode (where HF does
+    # not checkpoint) recomp's checkpoints alone run, and the gradients are exact.
+    reference = llama()
+    model = with_recomp(copy.deepcopy(reference), *MODELS["llama-attention"][1:])
     model.activation_checkpointing_enable()
+    ids = tokens()
     with torch.no_grad():
-        model(tokens())
+        torch.manual_seed(5)  # attention dropout is on in training mode
+        expected = reference(ids).logits
+        torch.manual_seed(5)
+        assert torch.equal(expected, model(ids).logits)
+    assert all((r.region_runs, r.region_skips) == (1, 0) for r in regions(model))
+    reference.eval()
     model.eval()
-    model(tokens())
+    expected, actual = reference(ids).logits, model(ids).logits
+    assert torch.equal(expected, actual)
+    expected.sum().backward()
+    actual.sum().backward()
+    assert_same_grads(reference, model)
+    assert all((r.region_runs, r.region_skips) == (2, 1) for r in regions(model))
 
 
 def test_trainer_with_gradient_checkpointing_raises_and_without_trains(tmp_path: Path) -> None:

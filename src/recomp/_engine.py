@@ -1,8 +1,9 @@
 """The exclusion engine, shared by every framework backend: where a checkpoint call starts.
 
 The framework APIs (``recomp.torch._api``, ``recomp.mindspore._api``) use the
-engine through this module: :func:`begin` starts one checkpoint call and builds
-the ``context_fn`` that recomp hands to the framework's own checkpoint;
+engine through this module: :func:`begin` starts one checkpoint call
+(:class:`CheckpointCall`) from the framework's parts, whose ``context_fn`` recomp
+hands to the framework's own checkpoint (NOTE [ The parts of a checkpoint call ]);
 ``ExcludedRegion`` (from ``_region``) is what each exclude wrapper holds.
 
 Where things live, bottom up (each module imports only those above it in this list;
@@ -12,37 +13,43 @@ Where things live, bottom up (each module imports only those above it in this li
 * ``_pytree``, ``_backend``  flattening and rebuilding; the questions the engine asks a
   framework, with shared defaults (``torch/_backend.py`` and ``mindspore/_backend.py``
   answer them, each framework's ``_compat.py`` holds its private API);
-* ``_hooks``     the typed interfaces of the parties that watch a region call (debug
-  report, tests, memory reports) or move what it keeps (offload);
+* ``_hooks``     the typed interfaces of the parties that take part in a checkpoint
+  call (``CallPart``), watch a region call (debug report, tests, memory reports) or
+  move what it keeps (offload);
 * ``_record``    what one checkpoint call records: ``Invocation`` and the pieces of a
   region call's record (``Snapshot``, ``CachedOutput``, ...);
 * ``_region``    ``ExcludedRegion`` and ``RegionCall``: one excluded-region call, its
   whole life, what it keeps, defers, caches and hands back to replays. Its NOTE
   blocks state the rules the engine relies on, numbered; the code cites them;
 * ``_running_stats``  BatchNorm running statistics that a replay must leave as it found them;
-* ``_engine``    (here) checkpoint calls: ``begin``, ``context_fn``, nesting.
+* ``_engine``    (here) checkpoint calls: ``begin``, the order of their parts, nesting.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import operator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ._backend import Backend
-from ._hooks import OBSERVERS
+from ._hooks import OBSERVERS, CallPart, Stage
 from ._record import Invocation, invocation_of
 from ._region import ExcludedRegion, check_flag
 from ._running_stats import RestoreStatistics, replayed_statistics
 from ._state import CallIdentity, PhaseContext, RecomputeState, get_recompute_state
 
 __all__ = [
+    "CallPart",
+    "CheckpointCall",
     "ComposedContext",
     "ExcludedRegion",
+    "ReplayRng",
+    "Stage",
+    "UserContext",
     "begin",
     "check_flag",
     "check_use_reentrant",
-    "make_context_fn",
 ]
 
 
@@ -65,9 +72,15 @@ SWITCHES = MechanismSwitches()
 
 
 class ComposedContext:
-    """Enter several contexts in order, exit in reverse; re-enterable like ``PhaseContext``."""
+    """Enter several contexts in order, exit in reverse; re-enterable like ``PhaseContext``.
 
-    def __init__(self, *contexts: Any) -> None:
+    ``call`` is the checkpoint call the contexts belong to (memory reports find the
+    invocation through it)."""
+
+    __slots__ = ("_stacks", "call", "contexts")
+
+    def __init__(self, call: CheckpointCall | None, *contexts: Any) -> None:
+        self.call = call
         self.contexts = contexts
         self._stacks: list[contextlib.ExitStack] = []
 
@@ -81,14 +94,146 @@ class ComposedContext:
         return bool(self._stacks.pop().__exit__(*exc_info))
 
 
-class _ReplayRng:
+# NOTE [ The parts of a checkpoint call ]
+#
+# recomp hands the framework's checkpoint one ``context_fn``, composed here from the
+# call's parts (``recomp._hooks.CallPart``), in the order of ``recomp._hooks.Stage``,
+# outermost first. Each stage is where it is for a reason:
+#
+#   KEPT_REPLAYS     PyTorch's kept-replay handle (``recomp.torch._kept``) takes over the
+#                    checkpoint's unpack hook: it must sit directly inside the
+#                    checkpoint's saved-tensor hooks, before anything else pushes hooks.
+#   RECOMPUTE_STATE  the recompute state (``get_recompute_state``) and the phase events:
+#                    the forward starts (the save counter is asked for here, directly
+#                    under the checkpoint's hook), a replay starts (every log rewinds),
+#                    the forward ends (every log is pruned and checked). Everything
+#                    inside sees which call and phase it is in.
+#   RESTORED_STATE   state outside the tensors that a replay must leave as it found it
+#                    or start from where the forward started: running statistics
+#                    (``_running_stats``), then the random state where the framework's
+#                    checkpoint does not restore it (``ReplayRng``).
+#   DEBUG_LOG        ``debug=True``: routes region events to the op log and reports
+#                    replay errors with it; outside the user's contexts, so that an
+#                    error they raise is reported too.
+#   USER             the user's ``context_fn`` (selective checkpointing, ...).
+#   OP_RECORDER      ``debug=True``: the op recorder, inside the user's contexts so that
+#                    it sees every op the checkpointed code calls.
+#   COLLECTIVES      the collective record (``recomp.torch._collective_cache``): its
+#                    dispatch modes come last so that they see each operator first; a
+#                    selective-checkpointing mode below them sees the forward's
+#                    collectives and none of the replay's, as for excluded regions.
+#   FIRST_FORWARD_WATCH  MindSpore: the watch of a checkpointed Cell's first forward
+#                    for collectives in recomputed code, innermost in the forward.
+#   REPLAY_ERRORS    MindSpore: explains an early stop inside an op, innermost in the
+#                    replay, where the exception arrives first.
+#
+# Adding a part is one ``CallPart`` subclass with its ``stage``, and one line where the
+# framework's checkpoint builds its list of parts.
+
+
+class CheckpointCall:
+    """One call of the framework's checkpoint: the invocation it records into and its
+    parts, and the ``context_fn`` composed from them (NOTE [ The parts of a checkpoint
+    call ]).
+
+    ``rerun``: an enclosing recomp checkpoint's replay re-runs a call whose forward
+    already ran; the invocation is that forward's, and excluded regions return their
+    cached outputs. ``nested``: the call runs inside another recomp checkpoint.
+    It hears the phase events (``_state.PhaseListener``) and hands them to the
+    invocation, then to the parts.
+    """
+
+    __slots__ = ("invocation", "nested", "parts", "rerun")
+
+    def __init__(
+        self, invocation: Invocation, parts: list[CallPart], *, rerun: bool, nested: bool
+    ) -> None:
+        self.invocation = invocation
+        self.rerun = rerun
+        self.nested = nested
+        parts.append(_RECOMPUTE_STATE)
+        parts.sort(key=_STAGE)  # stable: parts of one stage keep their order
+        self.parts = parts
+
+    def context_fn(self) -> tuple[Any, Any]:
+        forward: list[Any] = []
+        replay: list[Any] = []
+        for part in self.parts:
+            f, r = part.contexts(self)
+            if f is not None:
+                forward.append(f)
+            if r is not None:
+                replay.append(r)
+        return ComposedContext(self, *forward), ComposedContext(self, *replay)
+
+    # -- PhaseListener ---------------------------------------------------------------
+
+    def on_forward_start(self) -> None:
+        self.invocation.on_forward_start()
+
+    def on_replay_start(self) -> None:
+        self.invocation.on_replay_start()
+        for part in self.parts:
+            part.replay_started()
+
+    def on_forward_end(self, ok: bool) -> None:
+        try:
+            self.invocation.on_forward_end(ok)
+        except BaseException:
+            ok = False
+            raise
+        finally:
+            for part in self.parts:
+                part.forward_ended(ok)
+
+
+_STAGE = operator.attrgetter("stage")
+
+
+class _RecomputeStatePart(CallPart):
+    """The recompute state of each phase; its contexts tell the call when phases start
+    and end. Holds nothing: one serves every call."""
+
+    stage = Stage.RECOMPUTE_STATE
+
+    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+        invocation = call.invocation
+        identity = invocation.call
+        forward = RecomputeState(invocation, identity, is_recomputing=call.rerun)
+        replay = RecomputeState(invocation, identity, is_recomputing=True)
+        return PhaseContext(forward, call), PhaseContext(replay, call)
+
+
+_RECOMPUTE_STATE = _RecomputeStatePart()
+
+
+class UserContext(CallPart):
+    """The ``context_fn`` the user gave the checkpoint."""
+
+    stage = Stage.USER
+
+    def __init__(self, context_fn: Callable[[], tuple[Any, Any]]) -> None:
+        self.context_fn = context_fn
+
+    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+        forward, replay = self.context_fn()
+        return forward, replay
+
+
+class ReplayRng(CallPart):
     """For frameworks whose checkpoint does not restore the RNG fully: the replay starts
     from the random state the forward started from, and leaves it as it found it."""
 
+    stage = Stage.RESTORED_STATE
+
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.forward_state = backend.get_rng_state()
+        self.forward_state: Any = None
         self._saved: list[Any] = []
+
+    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+        self.forward_state = self.backend.get_rng_state()
+        return None, self
 
     def __enter__(self) -> None:
         self._saved.append(self.backend.get_rng_state())
@@ -98,68 +243,31 @@ class _ReplayRng:
         self.backend.set_rng_state(self._saved.pop())
 
 
-def make_context_fn(
-    invocation: Invocation,
-    user_context_fn: Callable[[], tuple[Any, Any]] | None,
-    *,
-    forward_replays: bool = False,
-    rng_backend: Backend | None = None,
-    statistics: RestoreStatistics | None = None,
-) -> Callable[[], tuple[Any, Any]]:
-    """The ``context_fn`` handed to the framework's checkpoint: recomp's state outermost.
-
-    ``forward_replays``: this checkpoint call re-runs, inside the replay of an
-    enclosing checkpoint, a call whose forward already ran (see ``begin``);
-    its excluded regions must then return their cached outputs.
-    ``rng_backend``: restore the RNG for the replay here (see ``_ReplayRng``).
-    ``statistics``: running statistics the replay must leave as it found them.
-    """
-
-    call = invocation.call
-
-    def context_fn() -> tuple[Any, Any]:
-        forward_state = RecomputeState(invocation, call, is_recomputing=forward_replays)
-        forward: list[Any] = [PhaseContext(forward_state)]
-        replay: list[Any] = [PhaseContext(RecomputeState(invocation, call, is_recomputing=True))]
-        if statistics is not None:
-            replay.append(statistics)
-        if rng_backend is not None:
-            replay.append(_ReplayRng(rng_backend))
-        if user_context_fn is not None:
-            user_forward, user_replay = user_context_fn()
-            forward.append(user_forward)
-            replay.append(user_replay)
-        return (
-            forward[0] if len(forward) == 1 else ComposedContext(*forward),
-            replay[0] if len(replay) == 1 else ComposedContext(*replay),
-        )
-
-    return context_fn
-
-
 def begin(
     backend: Backend,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     user_context_fn: Callable[[], tuple[Any, Any]] | None,
+    parts: Iterable[CallPart] = (),
     *,
     align_rng: bool,
     restore_rng: bool = False,
     function: Any = None,
-) -> Callable[[], tuple[Any, Any]]:
-    """Start one checkpoint call; return the ``context_fn`` for the framework's checkpoint.
+) -> CheckpointCall:
+    """Start one checkpoint call; hand ``call.context_fn`` to the framework's checkpoint.
 
     A checkpoint called inside the replay of another recomp checkpoint is a
     re-run of a call that already ran in that checkpoint's forward: it gets
     the same invocation back, so its excluded regions are not executed again.
-    If ``function`` is a module (or a module's bound method), the running
-    statistics of the BatchNorm-like modules its replay re-runs are restored
-    after each replay (see ``_running_stats``).
+    ``parts`` are the framework's parts of the call; the engine adds the recompute
+    state, the user's ``context_fn``, the running statistics of the BatchNorm-like
+    modules the replay re-runs (if ``function`` is a module or a module's bound
+    method, see ``_running_stats``) and, with ``restore_rng``, the replay's RNG.
     """
     parent = get_recompute_state()
     if parent is not None and parent.is_recomputing:
         invocation = invocation_of(parent).next_child()
-        replaying = True
+        rerun = True
     else:
         invocation = Invocation(
             CallIdentity(),
@@ -170,23 +278,21 @@ def begin(
         for leaf in _iter_tensors(backend, (args, kwargs)):
             key = backend.storage_key(leaf)
             if key is not None:
-                invocation.checkpoint_inputs.add(key, leaf)
+                invocation.add_checkpoint_input(key, leaf)
         for observer in OBSERVERS.get():
             observer.checkpoint_started(invocation, function)
         if parent is not None:
-            invocation_of(parent).children.append(invocation)
-            # The parent's replay re-runs this call in full (see above) and needs
-            # every cached output then, even those this checkpoint's own replay skips.
-            invocation.disable_pruning()
-        replaying = False
+            invocation_of(parent).add_child(invocation)
+        rerun = False
+    all_parts = list(parts)
+    if user_context_fn is not None:
+        all_parts.append(UserContext(user_context_fn))
     tensors = replayed_statistics(backend, function)
-    return make_context_fn(
-        invocation,
-        user_context_fn,
-        forward_replays=replaying,
-        rng_backend=backend if restore_rng else None,
-        statistics=RestoreStatistics(backend, tensors) if tensors else None,
-    )
+    if tensors:
+        all_parts.append(RestoreStatistics(backend, tensors))
+    if restore_rng:
+        all_parts.append(ReplayRng(backend))
+    return CheckpointCall(invocation, all_parts, rerun=rerun, nested=parent is not None)
 
 
 def _iter_tensors(backend: Backend, tree: Any) -> Iterator[Any]:

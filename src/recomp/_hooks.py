@@ -1,4 +1,12 @@
-"""The typed interfaces through which other parts of recomp watch or change a region call.
+"""The typed interfaces through which other parts of recomp take part in a checkpoint call
+or watch and change a region call.
+
+A **checkpoint call** is assembled from parts (:class:`CallPart`): each part may give a
+context for the forward and one for the replays, and hears when the forward ends and
+when a replay starts. The kept-replay handle, the debug log, the running statistics, the
+replay's random state, the user's ``context_fn``, the collective record and MindSpore's
+first-forward watch are parts; ``recomp._engine`` composes them, in the order of
+:class:`Stage` (NOTE [ The parts of a checkpoint call ] there).
 
 Two kinds of parties take part in an excluded-region call besides the engine:
 
@@ -13,23 +21,61 @@ Two kinds of parties take part in an excluded-region call besides the engine:
   implementation: host copies.
 
 Neither is allowed to change what the region computes, only to watch it or
-move its kept tensors. This module imports nothing of recomp.
+move its kept tensors. This module imports nothing of recomp at run time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import enum
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from ._engine import CheckpointCall
+    from ._region import RegionCall
 
 
-class RegionCall(Protocol):
-    """What an observer may read of a region call (``recomp._region.RegionCall``)."""
+class Stage(enum.IntEnum):
+    """Where a part's contexts sit among a checkpoint call's, outermost first. Parts of
+    one stage are entered in the order they were given. Why each stage is where it is:
+    NOTE [ The parts of a checkpoint call ] in ``recomp._engine``."""
 
-    @property
-    def region_name(self) -> str:
-        """The region's name, as in recomp's error messages."""
+    KEPT_REPLAYS = 10
+    RECOMPUTE_STATE = 20
+    RESTORED_STATE = 30
+    DEBUG_LOG = 40
+    USER = 50
+    OP_RECORDER = 60
+    COLLECTIVES = 70
+    FIRST_FORWARD_WATCH = 80
+    REPLAY_ERRORS = 90
+
+
+class CallPart:
+    """One part of a checkpoint call besides the engine; every method does nothing unless
+    overridden. A part is made for one call of the framework's checkpoint.
+
+    ``contexts`` is asked once, when the framework's checkpoint starts the call: it gives
+    the context entered around the forward and the one entered around each replay (None
+    for neither). The replay context must be re-enterable: every backward that needs the
+    call replays it (``retain_graph``).
+    """
+
+    #: Where the part's contexts are entered (see :class:`Stage`).
+    stage: ClassVar[Stage]
+
+    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+        """The forward context and the replay context of ``call`` (either may be None)."""
+        return None, None
+
+    def forward_ended(self, ok: bool) -> None:
+        """The call's forward returned (``ok``) or raised; the invocation has already
+        dropped what no replay will reach (early stop)."""
+
+    def replay_started(self) -> None:
+        """A replay of the call begins; the invocation's cursors are back at the start."""
 
 
 class RegionObserver:

@@ -1,11 +1,14 @@
 """What one recomp checkpoint call records, shared by its forward and its replays.
 
 An :class:`Invocation` is created per checkpoint call (see ``_engine.begin``)
-and carried by the recompute state of that call's forward and replays. The
-state (``_state``) only tells it, through the :class:`~recomp._state.PhaseListener`
-methods, when a replay starts and when the forward ends. Each excluded-region
-call in the forward appends one entry: a ``recomp._region.RegionCall``,
-which this module knows only through the :class:`RecordedCall` interface.
+and carried by the recompute state of that call's forward and replays; the
+engine's ``CheckpointCall`` tells it when the forward starts and ends and when a
+replay starts. What the forward records is kept in logs (:class:`EntryLog`),
+one per kind of call, which the invocation rewinds and prunes together: each
+excluded-region call appends one entry to ``regions`` (a
+``recomp._region.RegionCall``, which this module does not import at run time),
+and parts of the call keep logs of their own (the collectives of
+``recomp.torch._collective_cache``).
 Also here: the pieces a region call is made of (:class:`Snapshot`,
 :class:`CachedOutput`, :class:`MutatedInput`, :class:`StorageRegistry`).
 """
@@ -13,8 +16,8 @@ Also here: the pieces a region call is made of (:class:`Snapshot`,
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Hashable, Iterator
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ._state import RecomputeState
 from .errors import OutputNotSavedError, ReplayMismatchError, internal_error
@@ -22,6 +25,7 @@ from .errors import OutputNotSavedError, ReplayMismatchError, internal_error
 if TYPE_CHECKING:
     from ._backend import Backend
     from ._hooks import Held
+    from ._region import RegionCall
     from ._state import CallIdentity
 
 
@@ -113,27 +117,16 @@ class MutatedInput:
         self.snapshot = snapshot
 
 
-class StorageRegistry:
-    """Storages seen in a checkpoint's forward, by ``Backend.storage_key``, with the
-    tensors that own them held until the forward ends: while a key is in here its
-    memory cannot be freed and its address reused by another tensor."""
+class StorageRegistry(dict):  # type: ignore[type-arg]
+    """Storages seen in a checkpoint's forward, by ``Backend.storage_key``, each mapped
+    to a tensor that owns it, held until the forward ends: while a key is in here its
+    memory cannot be freed and its address reused by another tensor (rule 4). A dict,
+    so that the look-ups made on every region call cost no Python call."""
 
-    __slots__ = ("_held",)
-
-    def __init__(self) -> None:
-        self._held: dict[Hashable, Any] = {}
+    __slots__ = ()
 
     def add(self, key: Hashable, tensor: Any) -> None:
-        self._held.setdefault(key, tensor)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._held
-
-    def __iter__(self) -> Any:
-        return iter(self._held)
-
-    def clear(self) -> None:
-        self._held.clear()
+        self.setdefault(key, tensor)
 
 
 def callee_identity(fn: Any) -> Any:
@@ -161,30 +154,50 @@ def describe_callee(callee: Any) -> str:
     return repr(callee)
 
 
-class RecordedCall(Protocol):
-    """What an :class:`Invocation` needs of one recorded excluded-region call
-    (implemented by ``recomp._region.RegionCall``)."""
+class LogEntry(Protocol):
+    """What an :class:`EntryLog` needs of one recorded call, whatever its kind."""
 
-    #: how many tensors the checkpoint had saved when the call returned (None: unknown)
+    #: how many tensors the checkpoint had saved when the call was recorded (None: unknown)
     saves_after: int | None
 
-    def matches(self, region: Any, fn: Any) -> bool:
-        """Whether a replay's call of ``region`` running ``fn`` is this call."""
-
-    def describe(self) -> str:
-        """The region and what it called, for error messages."""
-
-    def replay(self, region: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Hand the cached outputs to the replay's call instead of running the region."""
-
-    def check_outputs_unchanged(self) -> None:
-        """Raise if a cached output was changed in place since the call returned."""
-
     def drop_cache(self) -> None:
-        """No replay will reach the code after this call: stop caching its outputs."""
+        """No replay will reach this call (early stop): stop holding what it recorded."""
 
     def release(self) -> None:
-        """The forward is over: stop holding the original outputs."""
+        """The forward is over: stop holding what only the forward needed."""
+
+
+E = TypeVar("E", bound=LogEntry)
+
+
+class EntryLog(Generic[E]):
+    """The calls of one kind that a checkpoint call's forward recorded, in call order.
+
+    Each replay reads them back from the first (rule 2 of NOTE [ How an excluded region
+    is kept out of the replay ]): the invocation rewinds every log when a replay starts
+    and prunes every log at the end of the forward (rule 8), whatever kind of call the
+    log holds (excluded-region calls, collectives)."""
+
+    __slots__ = ("__weakref__", "cursor", "entries", "kind")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.entries: list[E] = []
+        self.cursor = 0
+
+    def peek(self) -> E | None:
+        """The entry the replay reaches next, or None when all were read."""
+        cursor = self.cursor
+        return self.entries[cursor] if cursor < len(self.entries) else None
+
+    def advance(self) -> None:
+        self.cursor += 1
+
+    def __iter__(self) -> Iterator[E]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 class Invocation:
@@ -193,26 +206,26 @@ class Invocation:
     Held by the recompute state that the framework's checkpoint keeps in its
     frame (through ``context_fn``), so it lives exactly as long as the
     checkpoint's autograd graph (rule 2 of NOTE [ How an excluded region is kept
-    out of the replay ]).
+    out of the replay ]). Only its own methods change it.
     """
 
     __slots__ = (
         "__weakref__",
-        "_counter_asked",
+        "_consumed",
+        "_logs",
+        "_pruning",
+        "_save_counter",
+        "_unsaved_outputs",
         "align_rng",
         "backend",
         "call",
         "checkpoint_inputs",
         "child_cursor",
         "children",
-        "consumed",
-        "entries",
         "excluded_outputs",
-        "replay_cursor",
+        "regions",
         "replays",
         "rewind",
-        "save_counter",
-        "unsaved_outputs",
     )
 
     def __init__(
@@ -228,8 +241,9 @@ class Invocation:
         # seam that shows why it must).
         self.rewind = rewind
         # Exclusion cache: one entry per excluded-region call, in call order.
-        self.entries: list[RecordedCall] = []
-        self.replay_cursor = 0
+        self.regions: EntryLog[RegionCall] = EntryLog("excluded regions")
+        # Every log of the call, regions first; parts add theirs (``log``).
+        self._logs: list[EntryLog[Any]] = [self.regions]
         self.replays = 0  # replays started so far (one per backward that needs this call)
         # Storages of the checkpoint's own inputs and of the outputs of excluded
         # regions (forward only): region inputs that alias these are already held
@@ -238,54 +252,100 @@ class Invocation:
         self.excluded_outputs = StorageRegistry()
         # save_output=False outputs (storage -> region name) and the storages that
         # later excluded regions took as inputs: each of the former must be among the latter.
-        self.unsaved_outputs: dict[Hashable, str] = {}
-        self.consumed: set[Hashable] = set()
+        self._unsaved_outputs: dict[Hashable, str] = {}
+        self._consumed: set[Hashable] = set()
         # Recomp checkpoints called inside this one's forward, in call order. The
         # replay re-runs those calls; each reuses its invocation (see next_child).
         self.children: list[Invocation] = []
         self.child_cursor = 0
         # How many tensors the framework's checkpoint has saved so far, when its
-        # replay stops after the last of them (early stop); None if unknown or
-        # not applicable. Asked once, by the first excluded region recorded.
-        self.save_counter: Callable[[], int] | None = None
-        self._counter_asked = False
+        # replay stops after the last of them (early stop); None if unknown or not
+        # applicable. Asked once, when the forward starts (``on_forward_start``),
+        # directly under the checkpoint's own saved-tensor hook.
+        self._save_counter: Callable[[], int] | None = None
+        self._pruning = True
 
-    def saves_so_far(self) -> int | None:
-        """How many tensors the checkpoint has saved up to now, where its replay stops
-        after the last of them (see :class:`RecordedCall.saves_after`); else None."""
-        if not self._counter_asked:
-            self._counter_asked = True
-            self.save_counter = self.backend.save_counter()
-        return None if self.save_counter is None else self.save_counter()
+    # -- what the forward records --------------------------------------------------
 
-    def disable_pruning(self) -> None:
-        """Keep every cached output: an enclosing checkpoint's replay re-runs this
-        call in full, beyond where this checkpoint's own replay would stop."""
-        self._counter_asked = True
-        self.save_counter = None
+    def add_checkpoint_input(self, key: Hashable, tensor: Any) -> None:
+        """A tensor the checkpoint takes as input (held by the checkpoint anyway)."""
+        self.checkpoint_inputs.add(key, tensor)
 
-    def next_entry(self, region: Any, fn: Any, name: str) -> RecordedCall:
+    def add_child(self, child: Invocation) -> None:
+        """A recomp checkpoint called inside this one's forward. The parent's replay
+        re-runs it in full, beyond where its own replay would stop, so it keeps every
+        cached output (rule 8)."""
+        self.children.append(child)
+        child._pruning = False
+
+    def log(self, kind: str) -> EntryLog[Any]:
+        """The log of calls of ``kind`` (made on first use), rewound and pruned with
+        the others."""
+        for log in self._logs:
+            if log.kind == kind:
+                return log
+        log = EntryLog[Any](kind)
+        self._logs.append(log)
+        return log
+
+    def existing_log(self, kind: str) -> EntryLog[Any] | None:
+        """The log of calls of ``kind`` if the forward made one."""
+        return next((log for log in self._logs if log.kind == kind), None)
+
+    def record(self, log: EntryLog[E], entry: E) -> None:
+        """Append ``entry`` to ``log`` with the number of tensors saved so far (rule 8)."""
+        counter = self._save_counter
+        entry.saves_after = None if counter is None else counter()
+        log.entries.append(entry)
+
+    def record_call(self, call: RegionCall) -> None:
+        """An excluded-region call returned and everything it keeps is recorded (rule 7)."""
+        counter = self._save_counter
+        call.saves_after = None if counter is None else counter()
+        self.regions.entries.append(call)
+
+    def note_input(self, key: Hashable) -> bool:
+        """A region takes a tensor on storage ``key`` as input: whether the replay
+        recomputes it (so the region may defer it, NOTE [ Deferred inputs ]). Not the
+        checkpoint's own inputs, nor earlier regions' outputs, which now count as
+        consumed (D2)."""
+        if key in self.excluded_outputs:
+            self._consumed.add(key)
+            return False
+        return key not in self.checkpoint_inputs
+
+    def note_output(self, key: Hashable, tensor: Any, unsaved_by: str | None) -> None:
+        """A region returned ``tensor``; ``unsaved_by`` names the region if its output is
+        not cached (``save_output=False``), which a later region must then consume."""
+        self.excluded_outputs.setdefault(key, tensor)
+        if unsaved_by is not None:
+            self._unsaved_outputs[key] = unsaved_by
+
+    # -- what a replay reads -------------------------------------------------------
+
+    def next_entry(self, region: Any, fn: Any, name: str) -> RegionCall:
         """The recorded call that the replay's call of ``region`` (running ``fn``) stands
         for: entries are consumed in call order (rule 2)."""
-        cursor = self.replay_cursor
-        if cursor >= len(self.entries):
+        regions = self.regions
+        cursor = regions.cursor  # read inline: this runs for every region call of a replay
+        if cursor >= len(regions.entries):
             raise ReplayMismatchError(
                 f"The checkpoint's replay called excluded region {name!r}, but its forward "
-                f"recorded only {len(self.entries)} excluded call(s), all already replayed. The "
+                f"recorded only {len(regions)} excluded call(s), all already replayed. The "
                 "checkpointed function must call its excluded regions in the same order and "
                 "number in the forward and in the replay (no control flow that depends on "
                 "is_recomputing() or on values that change between the two)."
             )
-        entry = self.entries[cursor]
+        entry = regions.entries[cursor]
         if not entry.matches(region, fn):
             raise ReplayMismatchError(
                 f"The checkpoint's replay called excluded region {name!r} "
                 f"({describe_callee(callee_identity(fn))}) where its forward called "
-                f"{entry.describe()} (excluded call #{cursor + 1}). The checkpointed function "
-                "must call its excluded regions in the same order in the forward and in the "
-                "replay."
+                f"{entry.describe()} (excluded call #{cursor + 1}). The checkpointed "
+                "function must call its excluded regions in the same order in the forward and "
+                "in the replay."
             )
-        self.replay_cursor = cursor + 1
+        regions.cursor = cursor + 1
         return entry
 
     def next_child(self) -> Invocation:
@@ -300,41 +360,48 @@ class Invocation:
         self.child_cursor += 1
         return child
 
-    # -- PhaseListener ---------------------------------------------------------------
+    # -- phases (told by the checkpoint call, ``recomp._engine.CheckpointCall``) ---------
+
+    def on_forward_start(self) -> None:
+        """The forward begins directly under the checkpoint's saved-tensor hook: the one
+        place where the save counter is asked for."""
+        if self._pruning:
+            self._save_counter = self.backend.save_counter()
 
     def on_replay_start(self) -> None:
-        """Each replay starts from the first cached region (``retain_graph`` replays
-        again; rule 2)."""
+        """Each replay starts from the first entry of every log (rule 2)."""
         self.replays += 1
         if self.rewind:
-            self.replay_cursor = 0
+            for log in self._logs:
+                log.cursor = 0
             self.child_cursor = 0
 
     def on_forward_end(self, ok: bool) -> None:
-        """End of the checkpoint's forward: prune, check and release the cache."""
-        unsaved, consumed = self.unsaved_outputs, self.consumed
-        self.unsaved_outputs, self.consumed = {}, set()
+        """End of the checkpoint's forward: prune, check and release every log."""
+        unsaved, consumed = self._unsaved_outputs, self._consumed
+        self._unsaved_outputs, self._consumed = {}, set()
         self.checkpoint_inputs.clear()
         self.excluded_outputs.clear()
-        if not ok:
-            for entry in self.entries:
-                entry.release()
-            return
-        if self.save_counter is not None:
-            # A replay that stops at the last saved tensor never reaches the regions
-            # recorded after it: their cached outputs would only take memory (rule 8).
-            total = self.save_counter()
-            for entry in self.entries:
-                if entry.saves_after == total:
-                    entry.drop_cache()
+        counter, self._save_counter = self._save_counter, None
         try:
-            if self.entries:
+            if not ok:
+                return
+            if counter is not None:
+                # A replay that stops at the last saved tensor never reaches the calls
+                # recorded after it: what they hold would only take memory (rule 8).
+                total = counter()
+                for log in self._logs:
+                    for entry in log.entries:
+                        if entry.saves_after == total:
+                            entry.drop_cache()
+            if self.regions.entries:
                 self.backend.sync()
-            for entry in self.entries:
-                entry.check_outputs_unchanged()
+            for call in self.regions.entries:
+                call.check_outputs_unchanged()
         finally:
-            for entry in self.entries:
-                entry.release()
+            for log in self._logs:
+                for entry in log.entries:
+                    entry.release()
         for key, name in unsaved.items():
             if key not in consumed:
                 raise OutputNotSavedError(

@@ -33,8 +33,9 @@ Rules the code relies on (cited by number where it enforces them):
      hook), its cached outputs come back with the same ``requires_grad``, and
      the boundary is applied again, so the code after it saves what it saved.
   2. Entries are consumed in call order and never removed; each replay starts
-     from the first entry (``Invocation.on_replay_start``), so ``retain_graph``
-     and repeated backwards see the same cache. An entry matches a replayed call
+     from the first entry of every log (``Invocation.on_replay_start``; region
+     calls and ``recomp.torch._collective_cache``'s collectives alike), so
+     ``retain_graph`` and repeated backwards see the same cache. An entry matches a replayed call
      by what is called (``callee_identity``), not by wrapper object. The
      invocation is held by the recompute state that the checkpoint frame keeps:
      it dies with the graph.
@@ -61,10 +62,11 @@ Rules the code relies on (cited by number where it enforces them):
      context variables are reset and the hook is closed in ``finally``, and a
      placement is told to abort.
   8. With early stop, calls recorded after the checkpoint's last saved tensor
-     lose their cached outputs at the end of the forward (``drop_cache``): the
-     replay stops before, or in the boundary of, such a region. Not for
-     checkpoints nested in another recomp checkpoint, whose replay re-runs them
-     whole (``Invocation.disable_pruning``).
+     lose what they hold at the end of the forward (``drop_cache``, for every
+     log of the invocation; the save counter is asked once, when the forward
+     starts): the replay stops before, or in the boundary of, such a region.
+     Not for checkpoints nested in another recomp checkpoint, whose replay
+     re-runs them whole (``Invocation.add_child``).
 
 NOTE [ Deferred inputs ]
 
@@ -117,16 +119,24 @@ from ._state import get_recompute_state
 from .errors import (
     CachedValueMutatedError,
     ForeignCheckpointWarning,
+    IneffectiveSelectionWarning,
     NestedExclusionError,
     RecompError,
     ReplayMismatchError,
     internal_error,
 )
 
-# The excluded region whose forward is running in this context, if any.
-ACTIVE_REGION: contextvars.ContextVar[ExcludedRegion | None] = contextvars.ContextVar(
+# The excluded region whose forward is running in this context, if any. Read through
+# ``active_region()`` everywhere but here, so that the test seam
+# (``recomp._testing.process_global_state``) can put another variable in its place.
+_ACTIVE_REGION: contextvars.ContextVar[ExcludedRegion | None] = contextvars.ContextVar(
     "recomp_active_region", default=None
 )
+
+
+def active_region() -> ExcludedRegion | None:
+    """The excluded region whose forward is running here, if any."""
+    return _ACTIVE_REGION.get()
 
 
 def _no_call() -> RegionCall | None:
@@ -149,7 +159,7 @@ class ExcludedRegion:
         name: str,
         save_output: bool,
         copy_output: bool = False,
-        offloader: Placer | None = None,
+        placer: Placer | None = None,
     ) -> None:
         check_flag("save_output", save_output)
         check_flag("copy_output", copy_output)
@@ -163,12 +173,13 @@ class ExcludedRegion:
         self.save_output = save_output
         self.copy_output = copy_output
         # Where what the region keeps lives (offload: recomp.torch._offload); None: on the device.
-        self.offloader = offloader
+        self.placer = placer
         self.runs = 0
         self.skips = 0
         self.saved_bytes = 0
         self.last_call: Callable[[], RegionCall | None] = _no_call  # a weak reference
         self._warned_foreign = False
+        self._warned_bypass = False
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call ``fn`` (the wrapped module) as this region: recorded in a checkpoint's
@@ -188,6 +199,25 @@ class ExcludedRegion:
             return out
         return RegionCall.run(self, invocation_of(state), fn, args, kwargs)
 
+    def check_method_call(self, method: str) -> None:
+        """Called by an exclude wrapper's ``forward``/``construct``: warn once if that
+        method runs inside a recomp checkpoint without the wrapper's call around it (the
+        model calls ``self.attn.forward(x)``), where the exclusion does not take effect."""
+        if _ACTIVE_REGION.get() is self or get_recompute_state() is None:
+            return
+        if self._warned_bypass or not self.backend.grad_enabled():
+            return
+        self._warned_bypass = True
+        warnings.warn(
+            f"Excluded module {self.name!r} was called as .{method}(...) inside a recomp "
+            f"checkpoint. That bypasses the module call that recomp's exclusion wraps: this "
+            f"call is not an excluded region (region_runs does not count it) and the replay "
+            f"recomputes it like the code around it. Call the module itself (self.attn(x), "
+            f"not self.attn.{method}(x)).",
+            IneffectiveSelectionWarning,
+            stacklevel=4,
+        )
+
     def _warn_foreign_replay(self) -> None:
         self._warned_foreign = True
         backend = self.backend
@@ -206,9 +236,9 @@ class RegionCall:
     """One call of an excluded region in one checkpoint invocation (the entry it records).
 
     Created and run by :meth:`run` in the forward; afterwards it is the cache
-    entry that each replay reads back (:meth:`replay`). Implements
-    ``_record.RecordedCall`` for the invocation. See NOTE [ How an excluded
-    region is kept out of the replay ].
+    entry that each replay reads back (:meth:`replay`), an ``_record.LogEntry`` of
+    the invocation's log of region calls. See NOTE [ How an excluded region is kept
+    out of the replay ].
     """
 
     __slots__ = (
@@ -271,7 +301,7 @@ class RegionCall:
         kwargs: dict[str, Any],
     ) -> Any:
         """Run the region in the forward of invocation ``inv`` and record the call."""
-        outer = ACTIVE_REGION.get()
+        outer = _ACTIVE_REGION.get()
         if outer is not None:
             raise NestedExclusionError(
                 f"Excluded region {region.name!r} was called inside excluded region "
@@ -283,10 +313,10 @@ class RegionCall:
         leaves, in_spec = backend.flatten((args, kwargs))
         call = cls(region, callee_identity(fn), in_spec)
         observers = OBSERVERS.get()
-        placer = region.offloader
+        placer = region.placer
         placement = placer.open_group(region.name) if placer is not None else None
         hook = _SaveHook(call, inv, fn, leaves, placement, observers)
-        token = ACTIVE_REGION.set(region)
+        token = _ACTIVE_REGION.set(region)
         ok = False
         try:
             for observer in observers:
@@ -303,7 +333,7 @@ class RegionCall:
                 snapshot.read_versions(backend)
             ok = True
         finally:
-            ACTIVE_REGION.reset(token)
+            _ACTIVE_REGION.reset(token)
             if not ok and placement is not None:
                 placement.abort()  # rule 7
             for observer in observers:
@@ -320,7 +350,7 @@ class RegionCall:
             raise
         if placement is not None:
             placement.close()
-        inv.entries.append(call)  # rule 7: only once everything is recorded
+        inv.record_call(call)  # rule 7: only once everything is recorded
         region.last_call = weakref.ref(call)
         call._publish_saved_bytes()
         return out
@@ -365,10 +395,8 @@ class RegionCall:
                     nbytes = backend.storage_nbytes(value)
             key = backend.storage_key(leaf)
             if key is not None:
-                inv.excluded_outputs.add(key, leaf)
-                if not region.save_output:
-                    inv.unsaved_outputs[key] = region.name
-                elif not region.copy_output and key not in kept:
+                inv.note_output(key, leaf, None if region.save_output else region.name)
+                if region.save_output and not region.copy_output and key not in kept:
                     nbytes = kept[key] = backend.storage_nbytes(leaf)
             if cached is not None:
                 for observer in observers:
@@ -397,7 +425,6 @@ class RegionCall:
                 if cached is not None and not region.copy_output:
                     cached.retarget(alias, backend)
         self.slots = [weakref.ref(slot) for slot in slots.values()]
-        self.saves_after = inv.saves_so_far()
         return backend.unflatten(out_leaves, out_spec)
 
     def _check_not_opaque(self, leaf: Any, spec: TreeSpec, pos: int) -> None:
@@ -475,7 +502,7 @@ class RegionCall:
             raise internal_error("a recorded region call has no output spec")
         return backend.unflatten(out_leaves, self.out_spec)
 
-    # -- RecordedCall ------------------------------------------------------------------
+    # -- entry of the invocation's log ---------------------------------------------------
 
     def matches(self, region: Any, fn: Any) -> bool:
         return self.region is region or self.callee == callee_identity(fn)
@@ -744,11 +771,7 @@ class _SaveHook:
                 continue
             self.entry_versions[i] = backend.version(leaf)
             key = backend.storage_key(leaf)
-            if key is None:
-                continue
-            if key in inv.excluded_outputs:  # NOTE [ Deferred inputs ], D2
-                inv.consumed.add(key)
-            elif key not in inv.checkpoint_inputs:
+            if key is not None and inv.note_input(key):  # NOTE [ Deferred inputs ], D2
                 self.deferrable.setdefault(key, i)
 
     def pack(self, t: Any) -> Any:

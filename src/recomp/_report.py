@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._backend import Backend
-from ._hooks import RegionCall, RegionObserver, observing
+from ._hooks import RegionObserver, observing
 from ._record import invocation_of
-from ._region import ExcludedRegion
+from ._region import ExcludedRegion, RegionCall
 from ._state import get_recompute_state
 from ._wrapping import REGION, walk_named
 

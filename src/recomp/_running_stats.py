@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ._backend import Backend
+from ._hooks import CallPart, Stage
 from ._region import ExcludedRegion
 from .errors import RunningStatisticsWarning
 
@@ -56,14 +57,20 @@ def replayed_statistics(backend: Backend, function: Any) -> list[Any]:
     return tensors
 
 
-class RestoreStatistics:
-    """Replay context: the running statistics as they were when the replay started,
-    written back when it ends (re-entrant, like the other replay contexts)."""
+class RestoreStatistics(CallPart):
+    """A checkpoint call's part whose replay context saves the running statistics when
+    the replay starts and writes them back when it ends (re-entrant, like the other
+    replay contexts)."""
+
+    stage = Stage.RESTORED_STATE
 
     def __init__(self, backend: Backend, tensors: list[Any]) -> None:
         self.backend = backend
         self.tensors = tensors
         self._saved: list[list[Any]] = []
+
+    def contexts(self, call: Any) -> tuple[Any, Any]:
+        return None, self
 
     def __enter__(self) -> None:
         self._saved.append([self.backend.copy(t) for t in self.tensors])

@@ -2,8 +2,9 @@
 
 This module is a leaf: it imports nothing else of recomp. What one checkpoint
 call records (the exclusion cache and its bookkeeping) belongs to the engine
-(``recomp._record``); the state only carries it, as an opaque ``record`` that
-implements :class:`PhaseListener`, and tells it when a phase starts or ends.
+(``recomp._record``); the state only carries it, as an opaque ``record``.
+:class:`PhaseContext` installs a state for one phase and tells a
+:class:`PhaseListener` (the engine's checkpoint call) when a phase starts or ends.
 
 The state lives in a :mod:`contextvars` variable: threads and asyncio tasks
 each see their own, and nested checkpoints restore the outer state on exit.
@@ -24,10 +25,14 @@ _call_ids = itertools.count(1)
 
 
 class PhaseListener(Protocol):
-    """What a checkpoint call's record hears from :class:`PhaseContext`."""
+    """What a checkpoint call hears from :class:`PhaseContext`."""
+
+    def on_forward_start(self) -> None:
+        """The call's forward begins (not a re-run inside an enclosing replay)."""
 
     def on_replay_start(self) -> None:
-        """A replay of the call's forward begins (once per backward)."""
+        """A replay of the call's forward begins (once per backward), or an enclosing
+        checkpoint's replay re-runs the call."""
 
     def on_forward_end(self, ok: bool) -> None:
         """The call's forward returned (``ok``) or raised."""
@@ -55,7 +60,7 @@ class RecomputeState:
 
     __slots__ = ("call", "is_recomputing", "record")
 
-    def __init__(self, record: PhaseListener, call: CallIdentity, is_recomputing: bool) -> None:
+    def __init__(self, record: object, call: CallIdentity, is_recomputing: bool) -> None:
         self.record = record
         self.call = call
         self.is_recomputing = is_recomputing
@@ -101,20 +106,23 @@ class PhaseContext:
     """Installs the recompute state for one phase of a checkpoint call.
 
     Re-enterable: the framework enters the same replay context once per
-    backward (``retain_graph``); each entry tells the record a replay starts.
+    backward (``retain_graph``); each entry tells the listener a replay starts.
     """
 
-    def __init__(self, state: RecomputeState) -> None:
+    def __init__(self, state: RecomputeState, listener: PhaseListener) -> None:
         self.state = state
+        self.listener = listener
         self._tokens: list[contextvars.Token[RecomputeState | None]] = []
 
     def __enter__(self) -> RecomputeState:
         if self.state.is_recomputing:
-            self.state.record.on_replay_start()
+            self.listener.on_replay_start()
+        else:
+            self.listener.on_forward_start()
         self._tokens.append(CURRENT.set(self.state))
         return self.state
 
     def __exit__(self, *exc_info: object) -> None:
         CURRENT.reset(self._tokens.pop())
         if not self.state.is_recomputing:
-            self.state.record.on_forward_end(ok=exc_info[0] is None)
+            self.listener.on_forward_end(ok=exc_info[0] is None)

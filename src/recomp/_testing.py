@@ -15,9 +15,9 @@ from typing import Any
 
 from . import _region, _state
 from ._engine import SWITCHES
-from ._hooks import RegionCall, RegionObserver, observing
+from ._hooks import RegionObserver, observing
 from ._record import Invocation, invocation_of
-from ._region import RegionCall as RecordedRegionCall
+from ._region import RegionCall
 from ._state import RecomputeState
 
 
@@ -125,17 +125,17 @@ class _ProcessGlobal:
 @contextlib.contextmanager
 def process_global_state() -> Iterator[None]:
     """Replace recomp's per-context variables by process-wide ones."""
-    saved = _region.ACTIVE_REGION, _state.CURRENT
-    _region.ACTIVE_REGION = _ProcessGlobal(None)  # type: ignore[assignment]
+    saved = _region._ACTIVE_REGION, _state.CURRENT
+    _region._ACTIVE_REGION = _ProcessGlobal(None)  # type: ignore[assignment]
     _state.CURRENT = _ProcessGlobal(None)  # type: ignore[assignment]
     try:
         yield
     finally:
-        _region.ACTIVE_REGION, _state.CURRENT = saved
+        _region._ACTIVE_REGION, _state.CURRENT = saved
 
 
 def uses_context_variables() -> bool:
-    variables = (_region.ACTIVE_REGION, _state.CURRENT)
+    variables = (_region._ACTIVE_REGION, _state.CURRENT)
     return all(type(v).__name__ == "ContextVar" for v in variables)
 
 
@@ -144,9 +144,9 @@ def record_of(state: RecomputeState) -> Invocation:
     return invocation_of(state)
 
 
-def region_calls(record: Invocation) -> list[RecordedRegionCall]:
+def region_calls(record: Invocation) -> list[RegionCall]:
     """The region calls the record holds, in call order."""
-    return [entry for entry in record.entries if isinstance(entry, RecordedRegionCall)]
+    return [entry for entry in record.regions if isinstance(entry, RegionCall)]
 
 
 def cached_values(record: Invocation) -> list[Any]:
@@ -157,5 +157,5 @@ def cached_values(record: Invocation) -> list[Any]:
 
 def active_region_name() -> str | None:
     """The excluded region whose forward runs in this context, if any."""
-    region = _region.ACTIVE_REGION.get()
+    region = _region.active_region()
     return None if region is None else region.name

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._engine import ExcludedRegion
-from ._region import ACTIVE_REGION
-from ._state import get_recompute_state
 from .errors import IneffectiveSelectionWarning, WrapperNotReachedWarning
 
 # Instance attributes recomp sets on a wrapped module (all removed by unwrap).
@@ -200,7 +198,7 @@ def same_region(
     name: str | None,
     save_output: Any,
     copy_output: Any,
-    offloader: Any,
+    placer: Any,
 ) -> bool:
     """Whether ``module`` is already an excluded region with these options, so that
     ``checkpoint_exclude_wrapper`` called on it again (inline, in the checkpointed
@@ -211,7 +209,7 @@ def same_region(
     return (
         region.save_output is save_output
         and region.copy_output is copy_output
-        and region.offloader is offloader
+        and region.placer is placer
         and (name is None or name == region.name)
     )
 
@@ -506,30 +504,6 @@ def _warn_selection(message: str) -> None:
     # Called from apply_activation_checkpointing: the user's call is 3 frames up.
     warnings.warn(
         f"apply_activation_checkpointing: {message}", IneffectiveSelectionWarning, stacklevel=4
-    )
-
-
-# Regions already warned about being called through their method (once each).
-_warned_bypass: weakref.WeakSet[ExcludedRegion] = weakref.WeakSet()
-
-
-def check_method_call(region: ExcludedRegion, method: str) -> None:
-    """Called by an exclude wrapper's ``forward``/``construct``: warn once if that method
-    runs inside a recomp checkpoint without the wrapper's call around it (the model
-    calls ``self.attn.forward(x)``), where the exclusion does not take effect."""
-    if ACTIVE_REGION.get() is region or get_recompute_state() is None:
-        return
-    if region in _warned_bypass or not region.backend.grad_enabled():
-        return
-    _warned_bypass.add(region)
-    warnings.warn(
-        f"Excluded module {region.name!r} was called as .{method}(...) inside a recomp "
-        f"checkpoint. That bypasses the module call that recomp's exclusion wraps: this call "
-        f"is not an excluded region (region_runs does not count it) and the replay "
-        f"recomputes it like the code around it. Call the module itself (self.attn(x), not "
-        f"self.attn.{method}(x)).",
-        IneffectiveSelectionWarning,
-        stacklevel=4,
     )
 
 

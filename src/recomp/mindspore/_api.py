@@ -21,7 +21,7 @@ from ._communicating import (
     watch_first_forward,
 )
 from ._dropout import ReplayableDropout, is_unreplayable_dropout, make_dropout_replayable
-from ._early_stop import explain_stop_inside_an_op
+from ._early_stop import EXPLAIN_EARLY_STOP
 from ._graph_mode import pynative_only
 
 
@@ -54,21 +54,25 @@ def checkpoint(
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
     check_pynative("checkpoint")
+    parts: list[_engine.CallPart] = []
     if exclude_collectives:
         cell = BACKEND.module_of(function)
         exclude_communicating_cells(cell, "checkpoint", once=True)
-        context_fn = watch_first_forward(function if cell is None else cell, context_fn)
+        watch = watch_first_forward(function if cell is None else cell)
+        if watch is not None:
+            parts.append(watch)
     if kwargs.setdefault("early_stop", False):
-        context_fn = explain_stop_inside_an_op(context_fn)
+        parts.append(EXPLAIN_EARLY_STOP)
     if BACKEND.grad_enabled():
         adapt_cache_kwargs(function, kwargs, ExcludeWrapper)
     make_dropout_replayable(function, _MODEL_OPS, "checkpoint", once=True)
     restore_rng = bool(kwargs.pop("save_rng_state", True))
-    context = _engine.begin(
+    call = _engine.begin(
         BACKEND,
         args,
         kwargs,
         context_fn,
+        parts,
         align_rng=restore_rng,
         restore_rng=restore_rng,
         function=function,
@@ -77,7 +81,7 @@ def checkpoint(
         function,
         *args,
         use_reentrant=False,
-        context_fn=context,
+        context_fn=call.context_fn,
         save_rng_state=False,
         **kwargs,
     )
@@ -181,7 +185,7 @@ class ExcludeWrapper(RegionCounters, _NamesKept, _wrapping.WrapperMixin, nn.Cell
     @pynative_only("checkpoint_exclude_wrapper")
     def construct(self, *args: Any, **kwargs: Any) -> Any:
         check_pynative("checkpoint_exclude_wrapper")  # GRAPH_MODE, jit compile this directly
-        _wrapping.check_method_call(self._recomp_region, "construct")
+        self._recomp_region.check_method_call("construct")
         return super().construct(*args, **kwargs)
 
     def extend_repr(self) -> str:

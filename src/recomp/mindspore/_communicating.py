@@ -26,7 +26,6 @@ excludes the innermost sub-cells that issue a collective themselves:
 
 from __future__ import annotations
 
-import contextlib
 import dis
 import inspect
 import types
@@ -37,8 +36,8 @@ from typing import Any
 
 from mindspore import nn
 
-from .._engine import ComposedContext
-from .._region import ACTIVE_REGION
+from .._engine import CallPart, CheckpointCall, Stage
+from .._region import active_region
 from .._state import get_recompute_state
 from .._wrapping import FirstLooks
 from ..errors import CollectiveReplayedWarning
@@ -293,7 +292,7 @@ class _WatchFirstForward:
         state = get_recompute_state()
         if target is None or target in _warned or state is None or state.is_recomputing:
             return
-        if ACTIVE_REGION.get() is not None:
+        if active_region() is not None:
             return  # inside an excluded region: runs once
         _warned.first(target)
         running = BACKEND.running_module(inspect.currentframe())
@@ -331,23 +330,26 @@ class _WatchFirstForward:
         )
 
 
-def watch_first_forward(
-    cell: Any, context_fn: Callable[[], tuple[Any, Any]] | None
-) -> Callable[[], tuple[Any, Any]] | None:
-    """``context_fn`` whose forward context also watches this first call of ``cell`` (a
-    Cell, or a function checkpointed on its own); ``context_fn`` itself for every later
-    call, and for a callable that cannot be referred to weakly."""
+class FirstForwardWatch(CallPart):
+    """The part of a checkpoint call that watches its first forward (of a Cell, or of a
+    function checkpointed on its own) for collectives in recomputed code."""
+
+    stage = Stage.FIRST_FORWARD_WATCH
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+        return _WatchFirstForward(self.target), None
+
+
+def watch_first_forward(cell: Any) -> FirstForwardWatch | None:
+    """The watch for this first call of ``cell`` (a Cell, or a function checkpointed on
+    its own); None for every later call, and for a callable that cannot be referred to
+    weakly."""
     try:
         if cell is None or not _watched.first(cell):
-            return context_fn
+            return None
     except TypeError:  # no weak reference to it (a builtin)
-        return context_fn
-
-    def composed() -> tuple[Any, Any]:
-        watch = _WatchFirstForward(cell)
-        if context_fn is None:
-            return watch, contextlib.nullcontext()
-        forward, replay = context_fn()
-        return ComposedContext(forward, watch), replay
-
-    return composed
+        return None
+    return FirstForwardWatch(cell)

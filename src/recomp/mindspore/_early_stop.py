@@ -16,12 +16,10 @@ there, and this can go.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from .._engine import ComposedContext
+from .._engine import CallPart, CheckpointCall, Stage
 from ..errors import RecompError
 from ._compat import stop_recomputation_error
 
@@ -36,7 +34,15 @@ def _op_stopped_in(tb: TracebackType | None) -> str | None:
     return None
 
 
-class _ExplainStopInsideAnOp:
+class ExplainEarlyStop(CallPart):
+    """The part of a checkpoint call with ``early_stop=True`` whose replay context turns
+    an early stop inside an op into a ``RecompError`` naming the op and the fix."""
+
+    stage = Stage.REPLAY_ERRORS
+
+    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+        return None, self
+
     def __enter__(self) -> None:
         return None
 
@@ -54,15 +60,5 @@ class _ExplainStopInsideAnOp:
             ) from exc
 
 
-def explain_stop_inside_an_op(
-    context_fn: Callable[[], tuple[Any, Any]] | None,
-) -> Callable[[], tuple[Any, Any]]:
-    """``context_fn`` whose replay context also explains an early stop inside an op."""
-
-    def composed() -> tuple[Any, Any]:
-        if context_fn is None:
-            return contextlib.nullcontext(), _ExplainStopInsideAnOp()
-        forward, replay = context_fn()
-        return forward, ComposedContext(replay, _ExplainStopInsideAnOp())
-
-    return composed
+#: Holds nothing of a call (its replay context is re-entrant): one serves every call.
+EXPLAIN_EARLY_STOP = ExplainEarlyStop()

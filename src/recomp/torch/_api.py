@@ -11,7 +11,6 @@ from torch import nn
 
 from .. import _engine, _wrapping
 from .._running_stats import warn_unhandled
-from .._state import get_recompute_state
 from .._wrapping import (
     CHECKPOINT_KWARGS,
     REGION,
@@ -61,27 +60,27 @@ def checkpoint(
         # Dynamo makes of every collective) unless told to: nothing to add here.
         return _compile.checkpoint(function, args, kwargs, context_fn)
     adapt_hf_layer_call(function, kwargs)
-    context_fn, kwargs, torch_debug_off = debug_options(context_fn, kwargs)
+    parts, kwargs, torch_debug_off = debug_options(kwargs)
+    if _engine.SWITCHES.kept_replays:
+        parts.append(_kept.KEPT_REPLAYS)
     if exclude_collectives and collectives_may_run():
-        context_fn = keep_collective_results(context_fn, function)
-    top_level = get_recompute_state() is None
-    context = _engine.begin(
+        parts.append(keep_collective_results(function))
+    call = _engine.begin(
         BACKEND,
         args,
         kwargs,
         context_fn,
+        parts,
         align_rng=kwargs.get("preserve_rng_state", True),
         function=function,
     )
-    if _engine.SWITCHES.kept_replays:
-        context = _kept.with_handle(context, collectable=top_level)
     with torch_debug_off:
         try:
             return torch.utils.checkpoint.checkpoint(
                 function,
                 *args,
                 use_reentrant=False,
-                context_fn=context,
+                context_fn=call.context_fn,
                 **kwargs,
             )
         except BaseException as exc:
@@ -147,12 +146,12 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not _compile.is_compiling():
-            _wrapping.check_method_call(self._recomp_region, "forward")
+            self._recomp_region.check_method_call("forward")
         return super().forward(*args, **kwargs)
 
     def extra_repr(self) -> str:
         own = f"region={self.region.name!r}, save_output={self.save_output}"
-        if self.region.offloader is not None:
+        if self.region.placer is not None:
             own += ", offload=True"
         return ", ".join(part for part in (super().extra_repr(), own) if part)
 
@@ -225,11 +224,11 @@ def checkpoint_exclude_wrapper(
     instead of True sets the size threshold and collects its own counters.
     """
     check_callable(module, "checkpoint_exclude_wrapper", "module")
-    offloader = resolve(offload)
-    if _wrapping.same_region(module, ExcludeWrapper, name, save_output, copy_output, offloader):
+    placer = resolve(offload)
+    if _wrapping.same_region(module, ExcludeWrapper, name, save_output, copy_output, placer):
         return module  # wrapped inline again (in the checkpointed function): the same region
     region = _engine.ExcludedRegion(
-        BACKEND, name or default_name(module), save_output, copy_output, offloader
+        BACKEND, name or default_name(module), save_output, copy_output, placer
     )
     if not isinstance(module, nn.Module):
         module = PlainFunction(module)

@@ -26,8 +26,14 @@ back: the replay then runs that collective (``CollectiveReplayedWarning``,
 once per operator). With early stop, results recorded after the checkpoint's
 last saved tensor are dropped at the end of the forward: no replay reaches them.
 
-Collectives inside an excluded region are not recorded (the replay skips the
-region), nor those that FSDP (or DeepSpeed ZeRO) issues to gather parameters.
+The record is a part of the checkpoint call (``CollectiveRecord``, NOTE [ The
+parts of a checkpoint call ] in ``recomp._engine``) and its entries a log of the
+call's invocation, which rewinds it for each replay and, with early stop, drops
+at the end of the forward what no replay reaches, as it does for excluded
+regions. A collective is recorded by the innermost recomp checkpoint running when
+it is issued; a nested checkpoint that an enclosing replay re-runs reads its own
+record. Collectives inside an excluded region are not recorded (the replay skips
+the region), nor those that FSDP (or DeepSpeed ZeRO) issues to gather parameters.
 The mode lets tensor subclasses such as DTensor handle an operation first, so
 the collectives they issue on their local tensors come back through it. It is
 entered only while a process group is initialised (without one, no collective
@@ -37,18 +43,18 @@ recorded forward issued no collective runs its next calls without it.
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .. import _region
-from .._engine import ComposedContext
+from .._engine import CallPart, CheckpointCall, Stage
+from .._record import EntryLog, Invocation
+from .._region import active_region
+from .._state import get_recompute_state
 from ..errors import CollectiveReplayedWarning, ReplayMismatchError
 from . import _compat
 from ._backend import BACKEND
@@ -62,10 +68,6 @@ _NO_OUTPUT_KINDS = frozenset({"send", "barrier"})
 # Namespaces whose operators write into their first argument (the classic API).
 _WRITES_FIRST_ARGUMENT = frozenset({"c10d"})
 
-# The forward record of the innermost recomp checkpoint recording here, if any.
-_RECORDING: contextvars.ContextVar[CollectiveRecord | None] = contextvars.ContextVar(
-    "recomp_collective_record", default=None
-)
 _warned: set[str] = set()
 
 
@@ -75,41 +77,15 @@ def collectives_may_run() -> bool:
     return _DETACH is not None and dist.is_available() and dist.is_initialized()
 
 
-def keep_collective_results(
-    context_fn: Callable[[], tuple[Any, Any]] | None, function: Any
-) -> Callable[[], tuple[Any, Any]] | None:
-    """``context_fn`` with the collective record added on top of its contexts.
-
-    The record's modes are entered last, so they see each operator first: a
-    selective-checkpointing mode below them (``context_fn``) sees the forward's
-    collectives and none of the replay's, the same as for excluded regions.
-
-    A dispatch mode costs a Python call per operator. So a checkpointed
-    ``function`` (a module, for a wrapped module) whose last recorded forward
-    issued no collective outside excluded regions runs its next
-    ``RECHECK_EVERY - 1`` calls without the record: ``context_fn`` comes back
-    unchanged. Then it is recorded again, in case it communicates by then.
-    """
-    key = _quiet_key(function)
-    if key is not None:
-        skips = _QUIET.get(key, 0)
-        if skips:
-            _QUIET[key] = skips - 1
-            return context_fn
-
-    def composed() -> tuple[Any, Any]:
-        record = CollectiveRecord(key)
-        forward, replay = _ForwardContext(record), _ReplayContext(record)
-        if context_fn is None:
-            return forward, replay
-        user_forward, user_replay = context_fn()
-        return ComposedContext(user_forward, forward), ComposedContext(user_replay, replay)
-
-    return composed
+def keep_collective_results(function: Any) -> CollectiveRecord:
+    """The part of a checkpoint call of ``function`` that keeps the results of the
+    collectives its recomputed code issues (see the module docstring)."""
+    return CollectiveRecord(_quiet_key(function))
 
 
 class _Entry:
-    """One collective call of the forward, and what the replay needs to stand in for it."""
+    """One collective call of the forward, and what the replay needs to stand in for it
+    (an entry of the invocation's collective log, ``recomp._record.EntryLog``)."""
 
     __slots__ = (
         "op",
@@ -146,10 +122,14 @@ class _Entry:
     def _new(self) -> list[torch.Tensor]:
         return [value for kind, value in self.out_sources if kind == "new"]
 
-    def drop(self) -> None:
-        """No replay will reach this call: stop holding its result."""
+    def drop_cache(self) -> None:
+        """No replay will reach this call, or its result cannot be handed back: stop
+        holding it; a replay that reaches it communicates."""
         self.written, self.out_sources, self.versions = [], [], []
         self.rerun = True
+
+    def release(self) -> None:
+        """Nothing is held for the forward alone."""
 
 
 #: A checkpointed function whose recorded forward issued no collective is recorded again
@@ -174,19 +154,68 @@ def _quiet_key(function: Any) -> Any:
     return key
 
 
-class CollectiveRecord:
-    """The collectives of one checkpoint call's forward, in call order, read by each replay."""
+#: The kind of the invocation's log that holds the collectives of its forward.
+LOG_KIND = "collectives"
+
+
+class CollectiveRecord(CallPart):
+    """The part of a checkpoint call that keeps its collectives' results: the forward
+    records them in the invocation's log, in call order; each replay reads them back.
+
+    A call that an enclosing recomp checkpoint's replay re-runs reads the log its
+    forward recorded (in its forward too). A collective belongs to the innermost recomp
+    checkpoint running when it is issued, as an excluded region's call does: an
+    enclosing checkpoint neither records it nor hands it back.
+    """
+
+    stage = Stage.COLLECTIVES
 
     def __init__(self, key: Any = None) -> None:
         self.key = key  # the checkpointed function, for _QUIET
-        self.entries: list[_Entry] = []
-        self.cursor = 0
-        self.save_counter: Callable[[], int] | None = None
-        self.region: Any = None  # the excluded region active when the forward started
+        self.log: EntryLog[_Entry] | None = None
+
+    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+        invocation = call.invocation
+        if call.rerun:
+            log = invocation.existing_log(LOG_KIND)
+            if log is None:  # its forward recorded none (quiet, or no process group then)
+                return None, None
+            return _ReplayContext(log, invocation), _ReplayContext(log, invocation)
+        key = self.key
+        if key is not None:
+            skips = _QUIET.get(key, 0)
+            if skips:
+                _QUIET[key] = skips - 1
+                return None, None
+        self.log = log = invocation.log(LOG_KIND)
+        return _ForwardContext(log, invocation), _ReplayContext(log, invocation)
+
+    def forward_ended(self, ok: bool) -> None:
+        log = self.log
+        if log is None:
+            return
+        if not ok:  # no backward will come: hold nothing
+            for entry in log:
+                entry.drop_cache()
+            return
+        if self.key is not None:
+            if len(log):
+                _QUIET.pop(self.key, None)
+            else:
+                _QUIET[self.key] = RECHECK_EVERY - 1
+        if any(not entry.rerun for entry in log):
+            KEEPING_RECORDS.add(self)
 
     def kept_tensors(self) -> list[torch.Tensor]:
         """Aliases of the results held for the replay (``collectives.kept_collective_bytes``)."""
-        return [t for entry in self.entries for t in entry.written + entry._new()]
+        log = self.log
+        return [] if log is None else [t for entry in log for t in entry.written + entry._new()]
+
+
+def _owns(invocation: Invocation) -> bool:
+    """Whether the innermost recomp checkpoint running here is ``invocation``'s."""
+    state = get_recompute_state()
+    return state is not None and state.record is invocation
 
 
 def _written_leaves(func: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
@@ -301,9 +330,11 @@ _COMPLETED_WORK = _compat.completed_work_factory()
 class _RecordMode(TorchDispatchMode):
     """The forward's mode: runs each collective and records what it produced."""
 
-    def __init__(self, record: CollectiveRecord) -> None:
+    def __init__(self, log: EntryLog[_Entry], invocation: Invocation, region: Any) -> None:
         super().__init__()
-        self.record = record
+        self.log = log
+        self.invocation = invocation
+        self.region = region  # the excluded region active when the forward started
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -311,11 +342,10 @@ class _RecordMode(TorchDispatchMode):
             return NotImplemented
         out = func(*args, **kwargs)
         kind = _kept_kind(func)
-        if kind is not None and _region.ACTIVE_REGION.get() is self.record.region:
+        if kind is not None and active_region() is self.region and _owns(self.invocation):
             with _compat.no_dispatch_modes():
-                self.record.entries.append(_record_call(func, kind, args, kwargs, out))
-            if self.record.save_counter is not None:
-                self.record.entries[-1].saves_after = self.record.save_counter()
+                entry = _record_call(func, kind, args, kwargs, out)
+            self.invocation.record(self.log, entry)
         return out
 
 
@@ -346,16 +376,17 @@ def _record_call(
 class _ReplayMode(TorchDispatchMode):
     """The replay's mode: hands back each recorded result instead of communicating."""
 
-    def __init__(self, record: CollectiveRecord) -> None:
+    def __init__(self, log: EntryLog[_Entry], invocation: Invocation) -> None:
         super().__init__()
-        self.record = record
+        self.log = log
+        self.invocation = invocation
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         if _is_wrapper_subclass(types):
             return NotImplemented
         kind = _kept_kind(func)
-        if kind is None:
+        if kind is None or not _owns(self.invocation):
             return func(*args, **kwargs)
         # Excluded regions are skipped in the replay: every collective seen here was recorded.
         entry = self.next_entry(func)
@@ -369,7 +400,7 @@ class _ReplayMode(TorchDispatchMode):
             )
         if entry.rerun or entry.changed():
             _warn_rerun(func, entry)
-            entry.drop()
+            entry.drop_cache()
             return func(*args, **kwargs)
         leaves_out = []
         # Bookkeeping, not model ops: modes below (counters, selective checkpointing) see
@@ -389,23 +420,23 @@ class _ReplayMode(TorchDispatchMode):
         return BACKEND.unflatten(leaves_out, entry.out_spec)
 
     def next_entry(self, func: Any) -> _Entry:
-        record = self.record
-        if record.cursor >= len(record.entries):
+        log = self.log
+        entry = log.peek()
+        if entry is None:
             raise ReplayMismatchError(
                 f"The checkpoint's replay called collective {func}, but its forward issued only "
-                f"{len(record.entries)} collective(s) outside excluded regions, all already "
-                "replayed. The checkpointed function must issue the same collectives in the "
-                "forward and the replay (or pass exclude_collectives=False to the checkpoint)."
+                f"{len(log)} collective(s) outside excluded regions, all already replayed. The "
+                "checkpointed function must issue the same collectives in the forward and the "
+                "replay (or pass exclude_collectives=False to the checkpoint)."
             )
-        entry = record.entries[record.cursor]
         if entry.op is not func:
             raise ReplayMismatchError(
                 f"The checkpoint's replay called collective {func} where its forward called "
-                f"{entry.op} (collective #{record.cursor + 1} outside excluded regions). The "
+                f"{entry.op} (collective #{log.cursor + 1} outside excluded regions). The "
                 "checkpointed function must issue the same collectives in the same order in "
                 "the forward and the replay (or pass exclude_collectives=False to the checkpoint)."
             )
-        record.cursor += 1
+        log.advance()
         return entry
 
 
@@ -432,62 +463,32 @@ def _warn_rerun(func: Any, entry: _Entry) -> None:
 class _ForwardContext:
     """Entered with the checkpoint's forward: records its collectives."""
 
-    def __init__(self, record: CollectiveRecord) -> None:
-        self.record = record
-        self._entered: list[tuple[_RecordMode, contextvars.Token[CollectiveRecord | None]]] = []
+    def __init__(self, log: EntryLog[_Entry], invocation: Invocation) -> None:
+        self.log = log
+        self.invocation = invocation
+        self._modes: list[_RecordMode] = []
 
     def __enter__(self) -> None:
-        record = self.record
-        record.entries.clear()
-        record.region = _region.ACTIVE_REGION.get()
-        outer = _RECORDING.get()
-        if outer is None:
-            # The checkpoint's own saved-tensors hook is on top here (PyTorch enters it
-            # before the forward context), so this counts this checkpoint's saves.
-            record.save_counter = BACKEND.save_counter()
-        else:
-            # Nested checkpoints: the outer replay re-runs the inner one whole, so
-            # neither may drop what its own replay would not reach.
-            outer.save_counter = None
-            record.save_counter = None
-        mode = _RecordMode(record)
+        mode = _RecordMode(self.log, self.invocation, active_region())
         mode.__enter__()
-        self._entered.append((mode, _RECORDING.set(record)))
+        self._modes.append(mode)
 
-    def __exit__(self, exc_type: Any, *exc_info: Any) -> None:
-        mode, token = self._entered.pop()
-        _RECORDING.reset(token)
-        mode.__exit__(exc_type, *exc_info)
-        record = self.record
-        if exc_type is not None:
-            record.entries.clear()
-            return
-        if record.key is not None:
-            if record.entries:
-                _QUIET.pop(record.key, None)
-            else:
-                _QUIET[record.key] = RECHECK_EVERY - 1
-        if record.save_counter is not None:
-            total = record.save_counter()
-            for entry in record.entries:
-                if entry.saves_after == total:
-                    entry.drop()
-        record.save_counter = None
-        if any(not entry.rerun for entry in record.entries):
-            KEEPING_RECORDS.add(record)
+    def __exit__(self, *exc_info: Any) -> None:
+        self._modes.pop().__exit__(*exc_info)
 
 
 class _ReplayContext:
-    """Entered with each replay: hands back the forward's results, from the first one."""
+    """Entered with each replay: hands back the forward's results (the invocation rewinds
+    the log when the replay starts)."""
 
-    def __init__(self, record: CollectiveRecord) -> None:
-        self.record = record
+    def __init__(self, log: EntryLog[_Entry], invocation: Invocation) -> None:
+        self.log = log
+        self.invocation = invocation
         self._modes: list[_ReplayMode | None] = []
 
     def __enter__(self) -> None:
-        self.record.cursor = 0
         # Nothing to hand back: no mode, no cost per operator.
-        mode = _ReplayMode(self.record) if self.record.entries else None
+        mode = _ReplayMode(self.log, self.invocation) if len(self.log) else None
         if mode is not None:
             mode.__enter__()
         self._modes.append(mode)

@@ -8,8 +8,10 @@ when the checkpoint finds that the replay saved different tensors (or recomp
 finds that it called regions differently), the error carries both op lists
 and the first place where they differ.
 
-The recorder is entered innermost (after a user ``context_fn`` such as
-selective checkpointing), so it sees every op the checkpointed code calls.
+The log is two parts of the checkpoint call (NOTE [ The parts of a checkpoint
+call ] in ``recomp._engine``): the phase logs outside a user ``context_fn`` such
+as selective checkpointing, the op recorder inside it, so that it sees every op
+the checkpointed code calls.
 """
 
 from __future__ import annotations
@@ -17,19 +19,19 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from .._hooks import RegionCall, RegionObserver, observing
+from .._engine import CallPart, CheckpointCall, Stage
+from .._hooks import RegionObserver, observing
+from .._region import RegionCall
 from ..errors import RecompError
 from . import _compat
 
 __all__ = ["debug_options"]
-
-ContextFn = Callable[[], tuple[Any, Any]]
 
 _RECOMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -38,28 +40,29 @@ _MAX_LISTED = 400  # ops listed per phase; the rest are counted
 
 
 def debug_options(
-    context_fn: ContextFn | None, kwargs: dict[str, Any]
-) -> tuple[ContextFn | None, dict[str, Any], contextlib.AbstractContextManager[Any]]:
-    """Take ``debug`` out of the checkpoint options and, if debugging is on, add the op log.
+    kwargs: dict[str, Any],
+) -> tuple[list[CallPart], dict[str, Any], contextlib.AbstractContextManager[Any]]:
+    """Take ``debug`` out of the checkpoint options and, if debugging is on, make the op log.
 
-    Returns the ``context_fn`` to compose with recomp's, the remaining options,
-    and a context to call PyTorch's checkpoint in. Debugging is on as PyTorch
-    decides it: ``torch.utils.checkpoint.set_checkpoint_debug_enabled`` wins over
-    ``debug=``. While that global switch is on, PyTorch's checkpoint would refuse
-    recomp's ``context_fn``, so it is turned off around the call and back on
-    inside the checkpointed function, where nested checkpoints should see it.
+    Returns the parts of the checkpoint call that keep the log (none when debugging is
+    off), the remaining options, and a context to call PyTorch's checkpoint in.
+    Debugging is on as PyTorch decides it:
+    ``torch.utils.checkpoint.set_checkpoint_debug_enabled`` wins over ``debug=``. While
+    that global switch is on, PyTorch's checkpoint would refuse recomp's ``context_fn``,
+    so it is turned off around the call and back on inside the checkpointed function,
+    where nested checkpoints should see it.
     """
     debug = kwargs.pop("debug", False)
     forced = _compat.checkpoint_debug_switch()
     if not (forced if forced is not None else debug):
-        return context_fn, kwargs, contextlib.nullcontext()
-    log = _DebugLog(context_fn, restore_switch=forced)
+        return [], kwargs, contextlib.nullcontext()
+    log = _DebugLog(restore_switch=forced)
     hide = (
         torch_checkpoint.set_checkpoint_debug_enabled(None)
         if forced is not None
         else contextlib.nullcontext()
     )
-    return log.context_fn, kwargs, hide
+    return [log, _OpRecording(log)], kwargs, hide
 
 
 # --------------------------------------------------------------------------- the op log
@@ -127,13 +130,13 @@ class _OpRecorder(_compat.TorchDispatchMode):  # type: ignore[misc]
         return out
 
 
-class _Phase:
-    """The debug context of one phase: region listener, user context, op recorder."""
+class _LogPhase:
+    """The debug log's context for one phase: a new op log, which region events reach;
+    in the forward, replay errors are reported with the logs."""
 
-    def __init__(self, owner: _DebugLog, phase: str, user_context: Any) -> None:
+    def __init__(self, owner: _DebugLog, phase: str) -> None:
         self.owner = owner
         self.phase = phase
-        self.user_context = user_context
         self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> None:
@@ -149,29 +152,44 @@ class _Phase:
             else:
                 self.owner.replay = log  # each replay (retain_graph) starts a new log
             stack.enter_context(observing(log))
-            stack.enter_context(self.user_context)
-            stack.enter_context(_OpRecorder(log))
             self._stacks.append(stack.pop_all())
 
     def __exit__(self, *exc_info: Any) -> bool:
         return bool(self._stacks.pop().__exit__(*exc_info))
 
 
-class _DebugLog:
-    """Everything one debug checkpoint call records, and the error it raises."""
+class _RecordPhase:
+    """The op recorder's context for one phase: records into that phase's current log."""
 
-    def __init__(self, user_context_fn: ContextFn | None, restore_switch: bool | None) -> None:
-        self.user_context_fn = user_context_fn
+    def __init__(self, owner: _DebugLog, phase: str) -> None:
+        self.owner = owner
+        self.phase = phase
+        self._recorders: list[_OpRecorder] = []
+
+    def __enter__(self) -> None:
+        log = self.owner.forward if self.phase == "forward" else self.owner.replay
+        recorder = _OpRecorder(log or _PhaseLog(self.phase, self.owner))
+        recorder.__enter__()
+        self._recorders.append(recorder)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._recorders.pop().__exit__(*exc_info)
+
+
+class _DebugLog(CallPart):
+    """Everything one debug checkpoint call records, and the error it raises. As a part
+    of the call it installs the phase logs outside the user's contexts; its
+    :class:`_OpRecording` records ops inside them."""
+
+    stage = Stage.DEBUG_LOG
+
+    def __init__(self, restore_switch: bool | None) -> None:
         self.restore_switch = restore_switch
         self.forward: _PhaseLog | None = None
         self.replay: _PhaseLog | None = None
 
-    def context_fn(self) -> tuple[_Phase, _Phase]:
-        if self.user_context_fn is not None:
-            user_forward, user_replay = self.user_context_fn()
-        else:
-            user_forward, user_replay = contextlib.nullcontext(), contextlib.nullcontext()
-        return _Phase(self, "forward", user_forward), _Phase(self, "replay", user_replay)
+    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+        return _LogPhase(self, "forward"), _LogPhase(self, "replay")
 
     @contextlib.contextmanager
     def report_errors(self) -> Iterator[None]:
@@ -211,6 +229,19 @@ class _DebugLog:
                 "Extra or missing 'detach' ops are the checkpoint's own and are left out too.",
             ]
         )
+
+
+class _OpRecording(CallPart):
+    """The op recorder of a debug checkpoint call, inside the user's contexts so that it
+    sees every op the checkpointed code calls."""
+
+    stage = Stage.OP_RECORDER
+
+    def __init__(self, log: _DebugLog) -> None:
+        self.log = log
+
+    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+        return _RecordPhase(self.log, "forward"), _RecordPhase(self.log, "replay")
 
 
 def _first_difference(forward: _PhaseLog, replay: _PhaseLog) -> str:

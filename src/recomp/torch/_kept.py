@@ -49,11 +49,12 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointError
 
-from .._engine import ComposedContext
+from .._engine import CallPart, CheckpointCall, Stage
 from ..errors import RecompError
 from . import _compat
 
 __all__ = [
+    "KEPT_REPLAYS",
     "RecomputeHandle",
     "clear_recompute_session",
     "recompute_handle",
@@ -256,20 +257,21 @@ class _Capture:
         self._stacks.pop().close()
 
 
-def with_handle(
-    context_fn: Callable[[], tuple[Any, Any]], *, collectable: bool
-) -> Callable[[], tuple[Any, Any]]:
-    """``context_fn`` with a new :class:`RecomputeHandle`'s contexts entered first, so
-    that they sit directly inside PyTorch's checkpoint and replay hooks."""
-    def composed() -> tuple[Any, Any]:
-        handle = RecomputeHandle(collectable)
-        forward, replay = context_fn()
-        return (
-            ComposedContext(handle.forward_context(), forward),
-            ComposedContext(handle.replay_context(), replay),
-        )
+class KeptReplays(CallPart):
+    """The part of a checkpoint call that gives it a :class:`RecomputeHandle`, whose
+    contexts sit directly inside PyTorch's checkpoint and replay hooks. A checkpoint
+    nested in another recomp checkpoint is not collected for sessions: the enclosing
+    one's replay runs it."""
 
-    return composed
+    stage = Stage.KEPT_REPLAYS
+
+    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+        handle = RecomputeHandle(collectable=not call.nested)
+        return handle.forward_context(), handle.replay_context()
+
+
+#: Holds nothing of a call: one serves every checkpoint call.
+KEPT_REPLAYS = KeptReplays()
 
 
 def _stand_in(t: Any, cache: dict[Any, Any]) -> Any:

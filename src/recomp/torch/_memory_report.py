@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._engine import ComposedContext
 from .._record import Invocation
 from .._region import ExcludedRegion, RegionCall, saved_by_region
 from .._report import (
@@ -52,7 +53,6 @@ from .._report import (
     ReportRow,
     SavedTensorsReport,
 )
-from .._state import PhaseContext
 from . import _compat
 from ._backend import BACKEND
 from ._offload import OffloadHandle
@@ -321,7 +321,7 @@ class _GraphWalk:
 
     def invocation(self, invocation: Invocation, frame: Any) -> None:
         self.invocation_frames[id(invocation)] = frame
-        for call in invocation.entries:
+        for call in invocation.regions:
             if not isinstance(call, RegionCall):
                 continue
             self.call_frames[id(call)] = frame
@@ -361,7 +361,7 @@ class _GraphWalk:
             _, context = _compat.checkpoint_function(frame)
             invocation = _invocation_of(context)
             if invocation is not None:
-                for call in invocation.entries:
+                for call in invocation.regions:
                     self.call_frames[id(call)] = frame
         layer_names = self._layer_names()
         # Every candidate with its layer and its place in forward order; a storage held
@@ -465,15 +465,8 @@ class _GraphWalk:
 
 def _invocation_of(context: Any) -> Invocation | None:
     """recomp's record of a checkpoint call, from the replay context it gave PyTorch."""
-    stack = [context]  # a ComposedContext (possibly of others), or one
-    while stack:
-        ctx = stack.pop()
-        if isinstance(ctx, PhaseContext) and isinstance(ctx.state.record, Invocation):
-            return ctx.state.record
-        inner = getattr(ctx, "contexts", None)
-        if isinstance(inner, (list, tuple)):
-            stack.extend(reversed(inner))
-    return None
+    call = context.call if isinstance(context, ComposedContext) else None
+    return None if call is None else call.invocation
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:

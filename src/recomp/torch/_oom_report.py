@@ -30,7 +30,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from .._region import ACTIVE_REGION
+from .._region import active_region
 from .._state import get_recompute_state
 from . import _compat
 from ._memory_report import SavedTensorsReport, saved_tensors_report
@@ -96,7 +96,7 @@ class OomReport:
     def running_description(self) -> str:
         """The excluded region, checkpoint phase and module running on this thread."""
         parts = []
-        region = ACTIVE_REGION.get()
+        region = active_region()
         if region is not None:
             parts.append(f"excluded region {region.name!r} (its forward)")
         state = get_recompute_state()
