@@ -225,3 +225,29 @@ def test_the_core_imports_only_what_comes_before_it():
             elif layer_of(target) != "core":
                 wrong.append((name, target))  # the core imports no framework package
     assert not wrong, wrong
+
+
+# Context variables the test seam (``recomp._testing.process_global_state``) replaces by
+# assigning the module attribute: a module that imported one by name would keep the old
+# one, so everything but its owner and the seam reads it through its accessor.
+SWAPPED_VARIABLES = {
+    "ACTIVE_REGION": ("recomp._region", "active_region()"),
+    "CURRENT": ("recomp._state", "get_recompute_state()"),
+}
+
+
+def test_swapped_context_variables_are_read_through_their_accessors():
+    wrong = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                used = [a.name for a in node.names if a.name in SWAPPED_VARIABLES]
+            elif isinstance(node, ast.Attribute) and node.attr in SWAPPED_VARIABLES:
+                used = [node.attr]
+            else:
+                continue
+            for variable in used:
+                owner, accessor = SWAPPED_VARIABLES[variable]
+                if name not in (owner, "recomp._testing"):
+                    wrong.append(f"{name}:{node.lineno} reads {variable}; use {accessor}")
+    assert not wrong, wrong

@@ -301,7 +301,7 @@ def test_apply_activation_checkpointing_offload_fn():
     )
     wrappers = [m for m in off_layers.modules() if isinstance(m, rt.ExcludeWrapper)]
     chosen = {
-        kind.__name__: w.region.offloader
+        kind.__name__: w.region.placer
         for w in wrappers
         for kind in (Region, nn.LayerNorm)
         if isinstance(w, kind)

@@ -12,7 +12,7 @@ Where things live, bottom up (each module imports only those above it in this li
 * ``errors``, ``_state``  recomp's errors; the public recompute state and its context variable;
 * ``_pytree``, ``_backend``  flattening and rebuilding; the questions the engine asks a
   framework, with shared defaults (``torch/_backend.py`` and ``mindspore/_backend.py``
-  answer them, each framework's ``_compat.py`` holds its private API);
+  answer them, ``torch/_compat/`` and ``mindspore/_compat.py`` hold their private API);
 * ``_hooks``     the typed interfaces of the parties that take part in a checkpoint
   call (``CallPart``), watch a region call (debug report, tests, memory reports) or
   move what it keeps (offload);
@@ -30,10 +30,10 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from ._backend import Backend
-from ._hooks import OBSERVERS, CallPart, Stage
+from ._hooks import OBSERVERS, CallPart, CheckpointCallView, Stage
 from ._record import Invocation, invocation_of
 from ._region import ExcludedRegion, check_flag
 from ._running_stats import RestoreStatistics, replayed_statistics
@@ -196,12 +196,13 @@ class _RecomputeStatePart(CallPart):
 
     stage = Stage.RECOMPUTE_STATE
 
-    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+    def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
+        listener = cast(CheckpointCall, call)  # the engine's own part: always given one
         invocation = call.invocation
         identity = invocation.call
         forward = RecomputeState(invocation, identity, is_recomputing=call.rerun)
         replay = RecomputeState(invocation, identity, is_recomputing=True)
-        return PhaseContext(forward, call), PhaseContext(replay, call)
+        return PhaseContext(forward, listener), PhaseContext(replay, listener)
 
 
 _RECOMPUTE_STATE = _RecomputeStatePart()
@@ -215,7 +216,7 @@ class UserContext(CallPart):
     def __init__(self, context_fn: Callable[[], tuple[Any, Any]]) -> None:
         self.context_fn = context_fn
 
-    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+    def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         forward, replay = self.context_fn()
         return forward, replay
 
@@ -231,7 +232,7 @@ class ReplayRng(CallPart):
         self.forward_state: Any = None
         self._saved: list[Any] = []
 
-    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+    def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         self.forward_state = self.backend.get_rng_state()
         return None, self
 

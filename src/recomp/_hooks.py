@@ -21,7 +21,7 @@ Two kinds of parties take part in an excluded-region call besides the engine:
   implementation: host copies.
 
 Neither is allowed to change what the region computes, only to watch it or
-move its kept tensors. This module imports nothing of recomp at run time.
+move its kept tensors. This module imports nothing of recomp.
 """
 
 from __future__ import annotations
@@ -30,11 +30,31 @@ import contextlib
 import contextvars
 import enum
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
-if TYPE_CHECKING:
-    from ._engine import CheckpointCall
-    from ._region import RegionCall
+
+class RegionCallView(Protocol):
+    """What an observer may read of a region call (``recomp._region.RegionCall``)."""
+
+    @property
+    def region_name(self) -> str:
+        """The region's name, as in recomp's error messages."""
+
+    @property
+    def region(self) -> Any:
+        """The ``recomp._region.ExcludedRegion`` the call belongs to."""
+
+
+class CheckpointCallView(Protocol):
+    """What a part may read of the checkpoint call it belongs to
+    (``recomp._engine.CheckpointCall``)."""
+
+    #: the call's ``recomp._record.Invocation``
+    invocation: Any
+    #: an enclosing recomp checkpoint's replay re-runs a call whose forward already ran
+    rerun: bool
+    #: the call runs inside another recomp checkpoint
+    nested: bool
 
 
 class Stage(enum.IntEnum):
@@ -66,7 +86,7 @@ class CallPart:
     #: Where the part's contexts are entered (see :class:`Stage`).
     stage: ClassVar[Stage]
 
-    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+    def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         """The forward context and the replay context of ``call`` (either may be None)."""
         return None, None
 
@@ -86,33 +106,33 @@ class RegionObserver:
         """A checkpoint call's forward begins (not its replay): ``invocation`` is its
         record (``recomp._record.Invocation``), ``function`` what it checkpoints."""
 
-    def region_started(self, call: RegionCall) -> None:
+    def region_started(self, call: RegionCallView) -> None:
         """The region's forward is about to run."""
 
-    def region_finished(self, call: RegionCall, ok: bool) -> None:
+    def region_finished(self, call: RegionCallView, ok: bool) -> None:
         """The region's forward returned (``ok``) or raised."""
 
-    def region_skipped(self, call: RegionCall) -> None:
+    def region_skipped(self, call: RegionCallView) -> None:
         """A replay reached the region and gets the cached outputs instead of running it."""
 
-    def region_outputs_returned(self, call: RegionCall) -> None:
+    def region_outputs_returned(self, call: RegionCallView) -> None:
         """The skipped region's cached outputs were handed to the replay (the ops between
         this and ``region_skipped`` are recomp's own: views, the boundary)."""
 
-    def tensor_kept(self, call: RegionCall, original: Any, kept: Any) -> None:
+    def tensor_kept(self, call: RegionCallView, original: Any, kept: Any) -> None:
         """An activation the region's autograd saved is kept for backward (``kept`` is
         the alias recomp holds, or None when a placement took it elsewhere).
         Parameters are not reported."""
 
-    def tensor_deferred(self, call: RegionCall, original: Any, is_view: bool) -> None:
+    def tensor_deferred(self, call: RegionCallView, original: Any, is_view: bool) -> None:
         """A saved tensor is (a view of) a region input that the replay rebuilds, so
         the region keeps only a handle to it (see NOTE [ Deferred inputs ])."""
 
-    def output_cached(self, call: RegionCall, output: Any, nbytes: int) -> None:
+    def output_cached(self, call: RegionCallView, output: Any, nbytes: int) -> None:
         """A tensor output is cached for the replay; ``nbytes`` is what it adds beyond
         the storages the region already keeps (0 when shared)."""
 
-    def boundary_applied(self, call: RegionCall, saved: list[Any], outputs: list[Any]) -> None:
+    def boundary_applied(self, call: RegionCallView, saved: list[Any], outputs: list[Any]) -> None:
         """The forward put the region's outputs through the boundary (see NOTE
         [ Deferred inputs ]), saving ``saved`` under the checkpoint's hook."""
 

@@ -6,7 +6,7 @@ engine's ``CheckpointCall`` tells it when the forward starts and ends and when a
 replay starts. What the forward records is kept in logs (:class:`EntryLog`),
 one per kind of call, which the invocation rewinds and prunes together: each
 excluded-region call appends one entry to ``regions`` (a
-``recomp._region.RegionCall``, which this module does not import at run time),
+``recomp._region.RegionCall``, known here as a :class:`RegionEntry`),
 and parts of the call keep logs of their own (the collectives of
 ``recomp.torch._collective_cache``).
 Also here: the pieces a region call is made of (:class:`Snapshot`,
@@ -25,7 +25,6 @@ from .errors import OutputNotSavedError, ReplayMismatchError, internal_error
 if TYPE_CHECKING:
     from ._backend import Backend
     from ._hooks import Held
-    from ._region import RegionCall
     from ._state import CallIdentity
 
 
@@ -200,6 +199,23 @@ class EntryLog(Generic[E]):
         return len(self.entries)
 
 
+class RegionEntry(LogEntry, Protocol):
+    """What an :class:`Invocation` needs of one recorded excluded-region call, an entry
+    of its ``regions`` log (``recomp._region.RegionCall``)."""
+
+    def matches(self, region: Any, fn: Any) -> bool:
+        """Whether a replay's call of ``region`` running ``fn`` is this call."""
+
+    def describe(self) -> str:
+        """The region and what it called, for error messages."""
+
+    def replay(self, region: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Hand the cached outputs to the replay's call instead of running the region."""
+
+    def check_outputs_unchanged(self) -> None:
+        """Raise if a cached output was changed in place since the call returned."""
+
+
 class Invocation:
     """Everything one checkpoint call shares between its forward and its replays.
 
@@ -241,7 +257,7 @@ class Invocation:
         # seam that shows why it must).
         self.rewind = rewind
         # Exclusion cache: one entry per excluded-region call, in call order.
-        self.regions: EntryLog[RegionCall] = EntryLog("excluded regions")
+        self.regions: EntryLog[RegionEntry] = EntryLog("excluded regions")
         # Every log of the call, regions first; parts add theirs (``log``).
         self._logs: list[EntryLog[Any]] = [self.regions]
         self.replays = 0  # replays started so far (one per backward that needs this call)
@@ -298,7 +314,7 @@ class Invocation:
         entry.saves_after = None if counter is None else counter()
         log.entries.append(entry)
 
-    def record_call(self, call: RegionCall) -> None:
+    def record_call(self, call: RegionEntry) -> None:
         """An excluded-region call returned and everything it keeps is recorded (rule 7)."""
         counter = self._save_counter
         call.saves_after = None if counter is None else counter()
@@ -323,7 +339,7 @@ class Invocation:
 
     # -- what a replay reads -------------------------------------------------------
 
-    def next_entry(self, region: Any, fn: Any, name: str) -> RegionCall:
+    def next_entry(self, region: Any, fn: Any, name: str) -> RegionEntry:
         """The recorded call that the replay's call of ``region`` (running ``fn``) stands
         for: entries are consumed in call order (rule 2)."""
         regions = self.regions

@@ -129,14 +129,14 @@ from .errors import (
 # The excluded region whose forward is running in this context, if any. Read through
 # ``active_region()`` everywhere but here, so that the test seam
 # (``recomp._testing.process_global_state``) can put another variable in its place.
-_ACTIVE_REGION: contextvars.ContextVar[ExcludedRegion | None] = contextvars.ContextVar(
+ACTIVE_REGION: contextvars.ContextVar[ExcludedRegion | None] = contextvars.ContextVar(
     "recomp_active_region", default=None
 )
 
 
 def active_region() -> ExcludedRegion | None:
     """The excluded region whose forward is running here, if any."""
-    return _ACTIVE_REGION.get()
+    return ACTIVE_REGION.get()
 
 
 def _no_call() -> RegionCall | None:
@@ -203,7 +203,7 @@ class ExcludedRegion:
         """Called by an exclude wrapper's ``forward``/``construct``: warn once if that
         method runs inside a recomp checkpoint without the wrapper's call around it (the
         model calls ``self.attn.forward(x)``), where the exclusion does not take effect."""
-        if _ACTIVE_REGION.get() is self or get_recompute_state() is None:
+        if ACTIVE_REGION.get() is self or get_recompute_state() is None:
             return
         if self._warned_bypass or not self.backend.grad_enabled():
             return
@@ -301,7 +301,7 @@ class RegionCall:
         kwargs: dict[str, Any],
     ) -> Any:
         """Run the region in the forward of invocation ``inv`` and record the call."""
-        outer = _ACTIVE_REGION.get()
+        outer = ACTIVE_REGION.get()
         if outer is not None:
             raise NestedExclusionError(
                 f"Excluded region {region.name!r} was called inside excluded region "
@@ -316,7 +316,7 @@ class RegionCall:
         placer = region.placer
         placement = placer.open_group(region.name) if placer is not None else None
         hook = _SaveHook(call, inv, fn, leaves, placement, observers)
-        token = _ACTIVE_REGION.set(region)
+        token = ACTIVE_REGION.set(region)
         ok = False
         try:
             for observer in observers:
@@ -333,7 +333,7 @@ class RegionCall:
                 snapshot.read_versions(backend)
             ok = True
         finally:
-            _ACTIVE_REGION.reset(token)
+            ACTIVE_REGION.reset(token)
             if not ok and placement is not None:
                 placement.abort()  # rule 7
             for observer in observers:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._backend import Backend
-from ._hooks import RegionObserver, observing
+from ._hooks import RegionCallView, RegionObserver, observing
 from ._record import invocation_of
-from ._region import ExcludedRegion, RegionCall
+from ._region import ExcludedRegion
 from ._state import get_recompute_state
 from ._wrapping import REGION, walk_named
 
@@ -251,21 +251,21 @@ class SavedTensorsRecorder(RegionObserver):
         for key in invocation.checkpoint_inputs:
             self.input_layers.setdefault(key, layer)
 
-    def region_started(self, call: RegionCall) -> None:
+    def region_started(self, call: RegionCallView) -> None:
         state = get_recompute_state()
         if state is None or state.is_recomputing:
-            owner = getattr(call, "region", None)
+            owner = call.region
             self.calls[id(call)] = self._layer_of(self.region_paths.get(id(owner)))
             return
         self.calls[id(call)] = self.layers.get(id(invocation_of(state)))
 
-    def tensor_kept(self, call: RegionCall, original: Any, kept: Any) -> None:
+    def tensor_kept(self, call: RegionCallView, original: Any, kept: Any) -> None:
         self._add(self.seen, original, KEPT, self.calls.get(id(call)), call, self._running())
 
-    def output_cached(self, call: RegionCall, output: Any, nbytes: int) -> None:
+    def output_cached(self, call: RegionCallView, output: Any, nbytes: int) -> None:
         self._add(self.seen, output, CACHED, self.calls.get(id(call)), call, "output")
 
-    def tensor_deferred(self, call: RegionCall, original: Any, is_view: bool) -> None:
+    def tensor_deferred(self, call: RegionCallView, original: Any, is_view: bool) -> None:
         self._add(
             self.deferred,
             original,
@@ -304,7 +304,7 @@ class SavedTensorsRecorder(RegionObserver):
         t: Any,
         kind: str,
         layer: str | None,
-        call: RegionCall | None,
+        call: RegionCallView | None,
         op: str,
         is_view: bool = False,
     ) -> None:
@@ -317,7 +317,7 @@ class SavedTensorsRecorder(RegionObserver):
         nbytes = int(t.nbytes) if is_view else self.backend.storage_nbytes(t)
         region = None
         if call is not None:
-            owner = getattr(call, "region", None)
+            owner = call.region
             region = self.region_paths.get(id(owner), call.region_name)
         into.append((key, ReportRow(layer, region, op, kind, nbytes, shape, _dtype(t), "-")))
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import _region, _state
 from ._engine import SWITCHES
-from ._hooks import RegionObserver, observing
+from ._hooks import RegionCallView, RegionObserver, observing
 from ._record import Invocation, invocation_of
 from ._region import RegionCall
 from ._state import RecomputeState
@@ -32,15 +32,15 @@ class _CallbackObserver(RegionObserver):
         self.deferred = deferred
         self.boundary = boundary
 
-    def tensor_kept(self, call: RegionCall, original: Any, kept: Any) -> None:
+    def tensor_kept(self, call: RegionCallView, original: Any, kept: Any) -> None:
         if self.kept is not None:
             self.kept(original, kept)
 
-    def tensor_deferred(self, call: RegionCall, original: Any, is_view: bool) -> None:
+    def tensor_deferred(self, call: RegionCallView, original: Any, is_view: bool) -> None:
         if self.deferred is not None:
             self.deferred(is_view)
 
-    def boundary_applied(self, call: RegionCall, saved: list[Any], outputs: list[Any]) -> None:
+    def boundary_applied(self, call: RegionCallView, saved: list[Any], outputs: list[Any]) -> None:
         if self.boundary is not None:
             self.boundary(saved, outputs)
 
@@ -125,17 +125,17 @@ class _ProcessGlobal:
 @contextlib.contextmanager
 def process_global_state() -> Iterator[None]:
     """Replace recomp's per-context variables by process-wide ones."""
-    saved = _region._ACTIVE_REGION, _state.CURRENT
-    _region._ACTIVE_REGION = _ProcessGlobal(None)  # type: ignore[assignment]
+    saved = _region.ACTIVE_REGION, _state.CURRENT
+    _region.ACTIVE_REGION = _ProcessGlobal(None)  # type: ignore[assignment]
     _state.CURRENT = _ProcessGlobal(None)  # type: ignore[assignment]
     try:
         yield
     finally:
-        _region._ACTIVE_REGION, _state.CURRENT = saved
+        _region.ACTIVE_REGION, _state.CURRENT = saved
 
 
 def uses_context_variables() -> bool:
-    variables = (_region._ACTIVE_REGION, _state.CURRENT)
+    variables = (_region.ACTIVE_REGION, _state.CURRENT)
     return all(type(v).__name__ == "ContextVar" for v in variables)
 
 

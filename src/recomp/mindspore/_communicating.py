@@ -36,7 +36,7 @@ from typing import Any
 
 from mindspore import nn
 
-from .._engine import CallPart, CheckpointCall, Stage
+from .._hooks import CallPart, CheckpointCallView, Stage
 from .._region import active_region
 from .._state import get_recompute_state
 from .._wrapping import FirstLooks
@@ -339,7 +339,7 @@ class FirstForwardWatch(CallPart):
     def __init__(self, target: Any) -> None:
         self.target = target
 
-    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+    def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         return _WatchFirstForward(self.target), None
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
-from .._engine import CallPart, CheckpointCall, Stage
+from .._hooks import CallPart, CheckpointCallView, Stage
 from ..errors import RecompError
 from ._compat import stop_recomputation_error
 
@@ -40,7 +40,7 @@ class ExplainEarlyStop(CallPart):
 
     stage = Stage.REPLAY_ERRORS
 
-    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+    def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         return None, self
 
     def __enter__(self) -> None:

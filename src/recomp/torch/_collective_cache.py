@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._engine import CallPart, CheckpointCall, Stage
+from .._hooks import CallPart, CheckpointCallView, Stage
 from .._record import EntryLog, Invocation
 from .._region import active_region
 from .._state import get_recompute_state
@@ -174,7 +174,7 @@ class CollectiveRecord(CallPart):
         self.key = key  # the checkpointed function, for _QUIET
         self.log: EntryLog[_Entry] | None = None
 
-    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+    def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         invocation = call.invocation
         if call.rerun:
             log = invocation.existing_log(LOG_KIND)

@@ -25,9 +25,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from .._engine import CallPart, CheckpointCall, Stage
-from .._hooks import RegionObserver, observing
-from .._region import RegionCall
+from .._hooks import CallPart, CheckpointCallView, RegionCallView, RegionObserver, Stage, observing
 from ..errors import RecompError
 from . import _compat
 
@@ -88,20 +86,20 @@ class _PhaseLog(RegionObserver):
         call = f"{qualified}({_describe_call(args, kwargs)}) -> {_describe(out)}"
         self.lines.append(f"{len(self.ops):5d}  {indent}{call}    {_caller()}")
 
-    def region_started(self, call: RegionCall) -> None:
+    def region_started(self, call: RegionCallView) -> None:
         self.region = name = call.region_name
         self.lines.append(f"       >> excluded region {name!r} runs (kept, not replayed)")
 
-    def region_finished(self, call: RegionCall, ok: bool) -> None:
+    def region_finished(self, call: RegionCallView, ok: bool) -> None:
         self.region = None
         self.lines.append(f"       << end of excluded region {call.region_name!r}")
 
-    def region_skipped(self, call: RegionCall) -> None:
+    def region_skipped(self, call: RegionCallView) -> None:
         name = call.region_name
         self.lines.append(f"       -- excluded region {name!r} skipped: cached output returned")
         self.region = name  # recomp's own ops handing the outputs back are not the user's
 
-    def region_outputs_returned(self, call: RegionCall) -> None:
+    def region_outputs_returned(self, call: RegionCallView) -> None:
         self.region = None
 
     def explain(self, message: str) -> str:
@@ -188,7 +186,7 @@ class _DebugLog(CallPart):
         self.forward: _PhaseLog | None = None
         self.replay: _PhaseLog | None = None
 
-    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+    def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         return _LogPhase(self, "forward"), _LogPhase(self, "replay")
 
     @contextlib.contextmanager
@@ -240,7 +238,7 @@ class _OpRecording(CallPart):
     def __init__(self, log: _DebugLog) -> None:
         self.log = log
 
-    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+    def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         return _RecordPhase(self.log, "forward"), _RecordPhase(self.log, "replay")
 
 

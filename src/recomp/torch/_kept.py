@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointError
 
-from .._engine import CallPart, CheckpointCall, Stage
+from .._hooks import CallPart, CheckpointCallView, Stage
 from ..errors import RecompError
 from . import _compat
 
@@ -265,7 +265,7 @@ class KeptReplays(CallPart):
 
     stage = Stage.KEPT_REPLAYS
 
-    def contexts(self, call: CheckpointCall) -> tuple[Any, Any]:
+    def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         handle = RecomputeHandle(collectable=not call.nested)
         return handle.forward_context(), handle.replay_context()
 
