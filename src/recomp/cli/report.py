@@ -11,10 +11,7 @@ in this process: no child process, no warm-up.
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import sys
-import warnings
 from typing import Any
 
 from .config import (
@@ -24,6 +21,8 @@ from .config import (
     add_config_arguments,
     config_from_args,
 )
+from .plots import write_report_png
+from .saved_tensors import REFERENCES, reporter
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,205 +70,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    config = report_config(args)
+    if config is None:
+        return 2
+    report_of, model = reporter(args.framework, config)
+    try:
+        report = report_of(config, args.strategy)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"recomp report: {exc}", file=sys.stderr)
+        return 2
+    print_report(args, report, model)
+    if args.png:
+        references = {s: report_of(config, s) for s in REFERENCES}
+        write_picture(args.png, report, args.strategy, references)
+    return 0
+
+
+def report_config(args: argparse.Namespace) -> BenchConfig | None:
+    """The configuration the options describe; None (after saying why) if they do not fit."""
     config = config_from_args(args)
     config.model = args.model
-    report_of, model = _reporter(args.framework, config)
     if args.framework == "mindspore" and config.model != DEFAULT_MODEL:
         print(
             "recomp report: --framework mindspore runs the MindSpore decoder of recomp bench; "
             "--model takes PyTorch factories only",
             file=sys.stderr,
         )
-        return 2
-    try:
-        report = report_of(config, args.strategy)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"recomp report: {exc}", file=sys.stderr)
-        return 2
+        return None
+    return config
+
+
+def print_report(args: argparse.Namespace, report: Any, model: str) -> None:
     print(f"strategy {args.strategy}, model {model}")
     if args.summary:
         print(report.summary())
     else:
         print(report.format(largest_first=args.max_rows is not None, max_rows=args.max_rows))
-    if args.png:
-        references = {s: report_of(config, s) for s in ("none", "full")}
-        if not write_png(args.png, report, args.strategy, references):
-            print("no picture: matplotlib is not installed (pip install recomp[bench])")
-            return 0
-        print(f"wrote {args.png}")
-    return 0
 
 
-def strategy_report(config: BenchConfig, strategy: str) -> Any:
-    """One forward of ``config``'s model under ``strategy`` (a benchmark strategy or a plan
-    file), its report taken before backward; the backward then runs, as in training."""
-    from recomp.torch import label_layers, saved_tensors_report
-
-    from .._modelcall import call_model
-    from .runner import build, plan_for
-    from .strategies import layers_of, parse, prepare
-
-    model, x, loss_fn = build(config)
-    if strategy.endswith(".json"):
-        from recomp.plan import load_plan
-
-        if not os.path.exists(strategy):
-            raise FileNotFoundError(f"plan file {strategy!r} not found")
-        prepared = prepare(f"plan@{os.path.basename(strategy)}", model, load_plan(strategy))
-    elif parse(strategy)[0] == "plan":  # plan@BUDGET: profiled and planned here
-        prepared = prepare(strategy, model, plan_for(config, strategy, model, x, loss_fn))
+def write_picture(path: str, report: Any, strategy: str, references: dict[str, Any]) -> None:
+    if write_report_png(path, report, strategy, references):
+        print(f"wrote {path}")
     else:
-        prepared = prepare(strategy, model)
-    model = prepared.model
-    model.train()
-    # Layers without a checkpoint are named through hooks; checkpointed ones by their checkpoint.
-    with warnings.catch_warnings(), label_layers(model, [path for path, _ in layers_of(model)]):
-        # label_layers' hook only names layers; what selective checkpoints keep is found
-        # without it, so PyTorch's notice about such hooks around them does not apply.
-        warnings.filterwarnings(
-            "ignore", message="A saved_tensors_hooks context", category=FutureWarning
-        )
-        loss = loss_fn(call_model(model, x))
-    report = saved_tensors_report(loss, model=model, inputs=x)
-    loss.backward()
-    return report
-
-
-def _reporter(framework: str, config: BenchConfig) -> tuple[Any, str]:
-    """The report function of ``framework`` and the name of the model it reports on."""
-    if framework == "torch":
-        return strategy_report, config.model
-    return mindspore_strategy_report, "MindSpore decoder of recomp bench"
-
-
-def mindspore_strategy_report(config: BenchConfig, strategy: str) -> Any:
-    """One training step of the MindSpore decoder under ``strategy`` (after a warm-up
-    step), recorded by ``recomp.mindspore.record_saved_tensors``."""
-    from recomp.mindspore import record_saved_tensors
-
-    from .ms_runner import Trainer, setup
-
-    setup(config)
-    trainer = Trainer(config, strategy)
-    trainer.step()
-    layers = [f"layers.{i}" for i in range(len(trainer.model.layers))]
-    with record_saved_tensors(trainer.model, inputs=trainer.x, layers=layers) as record:
-        trainer.step()
-    return record.report
-
-
-def write_strategy_reports(
-    directory: str, config: BenchConfig, strategies: list[str], framework: str = "torch"
-) -> list[str]:
-    """For ``recomp bench --report``: ``report-<strategy>.txt`` and ``.png`` per strategy in
-    ``directory`` (``report-mindspore-<strategy>`` for MindSpore); returns the paths
-    written (no pictures without matplotlib)."""
-    os.makedirs(directory, exist_ok=True)
-    report_of, model = _reporter(framework, config)
-    prefix = "report-" if framework == "torch" else "report-mindspore-"
-    references = {s: report_of(config, s) for s in ("none", "full")}
-    written = []
-    for strategy in strategies:
-        report = references[strategy] if strategy in references else report_of(config, strategy)
-        stem = os.path.join(directory, prefix + re.sub(r"[^A-Za-z0-9_.-]+", "_", strategy))
-        with open(stem + ".txt", "w") as f:
-            f.write(f"strategy {strategy}, model {model}\n{report.format()}\n")
-        written.append(stem + ".txt")
-        if write_png(stem + ".png", report, strategy, references):
-            written.append(stem + ".png")
-    return written
-
-
-#: Colours of the kinds in the picture (the report's kinds, in billing order).
-_COLOURS = {
-    "kept by region": "#1f77b4",
-    "offloaded (host)": "#9edae5",
-    "cached output": "#ff7f0e",
-    "kept by selective checkpoint": "#9467bd",
-    "checkpoint input": "#2ca02c",
-    "replayed, awaiting backward": "#bcbd22",
-    "saved outside checkpoints": "#7f7f7f",
-    "saved by a compiled graph": "#17becf",
-    "other saved-tensor hook": "#8c564b",
-    "random state (host)": "#e377c2",
-}
-
-
-def write_png(path: str, report: Any, strategy: str, references: dict[str, Any]) -> bool:
-    """Per layer, a stacked bar of bytes by kind, with what the layer holds under the
-    ``references`` (reports of no and full checkpointing) as marks; beside it, the whole
-    model's bar with their totals as reference lines. False without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    mib = float(1 << 20)
-    layers: list[str] = []
-    for row in report.rows:
-        name = row.layer or "outside layers"
-        if name not in layers:
-            layers.append(name)
-    if "outside layers" in layers:  # embeddings, head and loss: last
-        layers.remove("outside layers")
-        layers.append("outside layers")
-    kinds = [k for k in _COLOURS if any(r.kind == k for r in report.rows)]
-    figure, (ax, total_ax) = plt.subplots(
-        1,
-        2,
-        figsize=(max(6.0, 0.6 * len(layers) + 4), 4.5),
-        width_ratios=[max(3, len(layers)), 1.4],
-    )
-    bottoms = [0.0] * len(layers)
-    total_bottom = 0.0
-    for kind in kinds:
-        heights = [
-            sum(
-                r.bytes
-                for r in report.rows
-                if (r.layer or "outside layers") == name and r.kind == kind
-            )
-            / mib
-            for name in layers
-        ]
-        ax.bar(range(len(layers)), heights, bottom=bottoms, color=_COLOURS[kind], label=kind)
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
-        total = sum(heights)
-        total_ax.bar([0], [total], bottom=[total_bottom], color=_COLOURS[kind])
-        total_bottom += total
-    ax.set_xticks(range(len(layers)))
-    ax.set_xticklabels(layers, rotation=45, ha="right", fontsize=8)
-    ax.set_ylabel("held for backward (MiB)")
-    ax.set_title(f"per layer, strategy {strategy}")
-    styles = {"none": ("no checkpoint", "#d62728"), "full": ("full checkpoint", "#2ca02c")}
-    for name, reference in references.items():
-        label, colour = styles.get(name, (name, "black"))
-        per_layer = reference.by_layer()
-        heights = [per_layer.get(None if n == "outside layers" else n, 0) / mib for n in layers]
-        ax.hlines(
-            heights,
-            [i - 0.45 for i in range(len(layers))],
-            [i + 0.45 for i in range(len(layers))],
-            colors=colour,
-            linestyles="--",
-            label=label,
-        )
-        nbytes = reference.total_bytes
-        total_ax.axhline(
-            nbytes / mib, color=colour, linestyle="--", label=f"{label}: {nbytes / mib:.1f}"
-        )
-    ax.legend(fontsize=7)
-    total_ax.set_xticks([0])
-    total_ax.set_xticklabels([f"{strategy}\n{report.total_bytes / mib:.1f} MiB"], fontsize=8)
-    total_ax.set_title("whole model")
-    top = max([total_bottom, *(r.total_bytes / mib for r in references.values())])
-    total_ax.set_ylim(0, top * 1.15)
-    total_ax.legend(fontsize=7, loc="upper right")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+        print("no picture: matplotlib is not installed (pip install recomp[bench])")

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._modelcall import flop_formulas
-from ..torch._compat import TorchDispatchMode, cpu_attention_ops, op_flop_counter
-from .memory import malloc_in_use
+from ..._modelcall import flop_formulas
+from ...torch._compat import TorchDispatchMode, cpu_attention_ops, op_flop_counter
+from ..memory import malloc_in_use
 
 # --------------------------------------------------------------------------- memory
 
