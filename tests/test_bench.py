@@ -4,12 +4,16 @@ that JSON by ``benchmarks/targets.py``: tests/test_benchmark_targets.py.)"""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -205,6 +209,63 @@ def test_user_model_factory_gets_only_declared_options():
         load_factory("recomp.cli.torch.models")
 
 
+Pair = collections.namedtuple("Pair", "x options")
+
+
+class PairLayer(torch.nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.attn = torch.nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x):
+        return self.attn(x)
+
+
+class PairInput(torch.nn.Module):
+    """Takes its input as a named tuple holding a tensor and an OrderedDict of tensors."""
+
+    def __init__(self, layers: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.layers = torch.nn.ModuleList(PairLayer(hidden) for _ in range(layers))
+
+    def example_input(self, batch, seq, generator):
+        x = torch.randn(batch, seq, self.hidden, generator=generator)
+        scale = torch.full((self.hidden,), 0.5)
+        return Pair(x, collections.OrderedDict(scale=scale))
+
+    def forward(self, x, options):
+        for layer in self.layers:
+            x = layer(x) * options["scale"]
+        return x
+
+
+def pair_input(layers: int = 2, hidden: int = 32) -> PairInput:
+    return PairInput(layers, hidden)
+
+
+def test_model_input_keeps_its_containers():
+    """A named tuple and an OrderedDict in a model's input reach the model as they were
+    made, on the configured device (walked with recomp's pytree)."""
+    from recomp.cli.torch.runner import build, measure_strategy, to_device
+
+    made = Pair(torch.ones(2), collections.OrderedDict(scale=torch.zeros(3), n=4))
+    moved = to_device(made, torch.device("meta"))
+    assert type(moved) is Pair and type(moved.options) is collections.OrderedDict
+    assert moved.x.device.type == "meta" and moved.options["scale"].device.type == "meta"
+    assert list(moved.options) == ["scale", "n"] and moved.options["n"] == 4
+
+    cfg = BenchConfig(layers=2, hidden=8, seq=4, batch=2, model=f"{__name__}:pair_input")
+    _, x, _ = build(cfg)
+    assert type(x) is Pair and type(x.options) is collections.OrderedDict
+    for strategy in ("full", "exclude-attn"):
+        row = measure_strategy(cfg, strategy)
+        assert row.error is None and row.max_grad_diff == 0.0, strategy
+        # Each layer's matmul: (batch * seq) x hidden x hidden.
+        assert row.forward_flops == 2 * _mm(2 * 4, 8, 8), strategy
+    assert row.region_runs == {"layers.0.attn": 1, "layers.1.attn": 1}
+
+
 # --------------------------------------------------------------------------- memory
 
 
@@ -276,17 +337,28 @@ FIELDS = {
 }
 
 
+SIZE = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "1"]
+
+
+def _fresh_tmpdir(tmp_path) -> dict[str, str]:
+    """The environment of a command whose temporary directory starts empty."""
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    return {**_env(), "TMPDIR": str(tmpdir)}
+
+
 def _bench(tmp_path, *args: str) -> dict:
+    """A short run; its temporary directory is empty again when it has ended."""
     out = tmp_path / "bench.json"
     png = tmp_path / "bench.png"
-    size = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "1"]
+    env = _fresh_tmpdir(tmp_path)
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "recomp",
             "bench",
-            *size,
+            *SIZE,
             "--steps",
             "2",
             "--no-overhead",
@@ -300,10 +372,11 @@ def _bench(tmp_path, *args: str) -> dict:
         ],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=env,
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert os.listdir(env["TMPDIR"]) == [], "recomp bench left temporary files"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads(out.read_text())
     # Measurements only: the command judges nothing against the project's targets.
@@ -358,7 +431,8 @@ def test_json_schema_mindspore(tmp_path):
 
 def test_import_recomp_and_cli_stay_framework_free():
     code = (
-        "import sys, recomp, recomp.__main__, recomp.cli.bench;"
+        "import sys, recomp, recomp.__main__, recomp.cli.bench, recomp.cli.plan, "
+        "recomp.cli.report, recomp.cli.worker, recomp.cli.jobs, recomp.cli.saved_tensors;"
         "print(sorted(m for m in ('torch', 'mindspore') if m in sys.modules))"
     )
     proc = subprocess.run(
@@ -366,6 +440,102 @@ def test_import_recomp_and_cli_stay_framework_free():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- clean-up
+
+# A model whose forward, in the measuring child, leaves a directory in the child's
+# temporary directory, says that it started (its pid, in STARTED_FILE), then crashes
+# (CHILD_CRASH set) or hangs.
+STUCK_MODEL = """
+import os, tempfile, time
+from torch import nn
+
+class Stuck(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(hidden, hidden)])
+
+    def forward(self, x):
+        tempfile.mkdtemp(prefix="left-by-the-child-")
+        with open(os.environ["STARTED_FILE"], "w") as f:
+            f.write(str(os.getpid()))
+        if os.environ.get("CHILD_CRASH"):
+            os._exit(3)
+        time.sleep(300)
+        return self.layers[0](x)
+
+def build(hidden=32):
+    return Stuck(hidden)
+"""
+
+
+def _stuck_bench(tmp_path, crash: bool) -> tuple[subprocess.Popen, dict[str, str]]:
+    (tmp_path / "stuck_model.py").write_text(STUCK_MODEL)
+    env = _fresh_tmpdir(tmp_path)
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
+    env["STARTED_FILE"] = str(tmp_path / "started")
+    if crash:
+        env["CHILD_CRASH"] = "1"
+    command = [sys.executable, "-m", "recomp", "bench", *SIZE, "--model", "stuck_model:build"]
+    options = ["--strategies", "none", "--steps", "1", "--no-overhead", "--quiet", "--jobs", "1"]
+    proc = subprocess.Popen(
+        command + options, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    return proc, env
+
+
+def _gone(pid: int, timeout: float = 15.0) -> bool:
+    """Whether process ``pid`` has ended (a zombie counts as ended) within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def test_a_failing_child_leaves_no_temporary_files(tmp_path):
+    proc, env = _stuck_bench(tmp_path, crash=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    # Both children (measurement and timing) crashed: every row failed.
+    assert proc.returncode == 1, out[-2000:] + err[-3000:]
+    assert "none: exit code 3" in out
+    assert (tmp_path / "started").exists()
+    assert os.listdir(env["TMPDIR"]) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_ctrl_c_stops_the_children_and_leaves_no_temporary_files(tmp_path):
+    proc, env = _stuck_bench(tmp_path, crash=False)
+    started = tmp_path / "started"
+    child = None
+    try:
+        deadline = time.monotonic() + 180
+        while not (started.exists() and started.read_text()):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the child never started its forward"
+            time.sleep(0.2)
+        child = int(started.read_text())
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        if child is not None and not _gone(child, 0):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+    assert proc.returncode == 130, out[-2000:] + err[-3000:]
+    assert "recomp bench: interrupted" in err
+    assert _gone(child), "the measuring child outlived the command"
+    assert os.listdir(env["TMPDIR"]) == []
 
 
 # --------------------------------------------------------------------------- report
