@@ -182,3 +182,11 @@ def test_script_writes_the_verdict_table(capsys):
     assert lines[:2] == ["| target | verdict | measured |", "|---|---|---|"]
     assert any(line.startswith("| 1 replay FLOPs") and "| met |" in line for line in lines)
     assert any(line.startswith("| 3b wrapper overhead") for line in lines)
+
+
+def test_readme_quotes_the_scripts_verdicts(capsys):
+    """The verdict table in benchmarks/README.md is what the script writes for bench.json."""
+    targets_script.main([os.path.join(BENCHMARKS, "bench.json"), "--markdown"])
+    table = capsys.readouterr().out.strip()
+    with open(os.path.join(BENCHMARKS, "README.md")) as f:
+        assert table in f.read()
