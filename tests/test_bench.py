@@ -385,7 +385,10 @@ def _bench(tmp_path, *args: str) -> dict:
 
 
 def test_json_schema_torch(tmp_path):
-    report = _bench(tmp_path, "--strategies", "none,full,exclude-attn")
+    reports = tmp_path / "reports"
+    report = _bench(tmp_path, "--strategies", "none,full,exclude-attn", "--report", str(reports))
+    # --report runs in this process: its files are there, and no others (see _bench).
+    assert (reports / "report-exclude-attn.txt").read_text().startswith("strategy exclude-attn")
     results = report["results"]
     assert [r["strategy"] for r in results] == ["none", "full", "exclude-attn"]
     for r in results:
@@ -535,6 +538,21 @@ def test_ctrl_c_stops_the_children_and_leaves_no_temporary_files(tmp_path):
     assert proc.returncode == 130, out[-2000:] + err[-3000:]
     assert "recomp bench: interrupted" in err
     assert _gone(child), "the measuring child outlived the command"
+    assert os.listdir(env["TMPDIR"]) == []
+
+
+def test_report_leaves_no_temporary_files(tmp_path):
+    env = _fresh_tmpdir(tmp_path)
+    png = tmp_path / "report.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "recomp", "report", *SIZE, "--summary", "--png", str(png)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "total held for backward" in proc.stdout and png.exists()
     assert os.listdir(env["TMPDIR"]) == []
 
 

@@ -22,7 +22,7 @@ from .config import (
     config_from_args,
 )
 from .plots import write_report_png
-from .saved_tensors import REFERENCES, reporter
+from .saved_tensors import REFERENCES, reporter, temporary_compile_cache
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     config = report_config(args)
     if config is None:
         return 2
+    with temporary_compile_cache():
+        return run_report(args, config)
+
+
+def run_report(args: argparse.Namespace, config: BenchConfig) -> int:
+    """Report, print and draw; 2 if the strategy or model cannot be reported."""
     report_of, model = reporter(args.framework, config)
     try:
         report = report_of(config, args.strategy)

@@ -4,9 +4,11 @@ imports here; the runners import theirs when called)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .config import BenchConfig
@@ -30,6 +32,23 @@ def reporter(framework: str, config: BenchConfig) -> tuple[Callable[[BenchConfig
     return report_mindspore, MINDSPORE_MODEL
 
 
+@contextlib.contextmanager
+def temporary_compile_cache() -> Iterator[None]:
+    """PyTorch makes its compile cache directory (``torchinductor_USER`` in the temporary
+    directory) when ``torch._dynamo`` is first imported, which checkpointing does. A
+    report compiles nothing: unless ``TORCHINDUCTOR_CACHE_DIR`` names one, the cache of
+    this process goes into a temporary directory removed when the report is done."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="recomp-report-") as scratch:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "torchinductor")
+        try:
+            yield
+        finally:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+
+
 def write_strategy_reports(
     directory: str, config: BenchConfig, strategies: list[str], framework: str = "torch"
 ) -> list[str]:
@@ -39,14 +58,16 @@ def write_strategy_reports(
     os.makedirs(directory, exist_ok=True)
     report_of, model = reporter(framework, config)
     prefix = "report-" if framework == "torch" else "report-mindspore-"
-    references = {s: report_of(config, s) for s in REFERENCES}
     written = []
-    for strategy in strategies:
-        report = references[strategy] if strategy in references else report_of(config, strategy)
-        stem = os.path.join(directory, prefix + re.sub(r"[^A-Za-z0-9_.-]+", "_", strategy))
-        with open(stem + ".txt", "w") as f:
-            f.write(f"strategy {strategy}, model {model}\n{report.format()}\n")
-        written.append(stem + ".txt")
-        if write_report_png(stem + ".png", report, strategy, references):
-            written.append(stem + ".png")
+    with temporary_compile_cache():
+        references = {s: report_of(config, s) for s in REFERENCES}
+        for strategy in strategies:
+            known = references.get(strategy)
+            report = known if known is not None else report_of(config, strategy)
+            stem = os.path.join(directory, prefix + re.sub(r"[^A-Za-z0-9_.-]+", "_", strategy))
+            with open(stem + ".txt", "w") as f:
+                f.write(f"strategy {strategy}, model {model}\n{report.format()}\n")
+            written.append(stem + ".txt")
+            if write_report_png(stem + ".png", report, strategy, references):
+                written.append(stem + ".png")
     return written
