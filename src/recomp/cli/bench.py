@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = plan_runs(args, base, notes)
     measured = run_benchmark(args, base, runs, notes)
     print_measured(measured)
-    write_outputs(args, argv, runs, measured)
+    write_outputs(args, argv, measured)
     return exit_code(measured)
 
 
@@ -166,8 +166,10 @@ class Run:
 
 @dataclass
 class Measured:
-    """What a benchmark run measured: rows, scenario rows, the wrapper overhead, notes."""
+    """What a benchmark run measured: rows, scenario rows, the wrapper overhead, notes,
+    and the runs as measured (plans in their configuration)."""
 
+    runs: list[Run]
     results: list[Result]
     scenario: list[Result]
     overhead: WrapperOverhead | None
@@ -244,7 +246,7 @@ def run_benchmark(
     started = time.monotonic()
     progress = Progress(1, enabled=not args.quiet)
     try:
-        runs, plans = make_plans(runs, progress, notes)
+        runs, plans = plan_in_child(runs, progress, notes)
         measure_jobs = measurement_jobs(runs)
         scenario = scenario_jobs(args, base, notes)
         time_jobs = timing_jobs(runs, overhead=not args.no_overhead)
@@ -257,6 +259,7 @@ def run_benchmark(
     results = collect(measure_jobs, time_jobs)
     attach_predictions(results, plans)
     return Measured(
+        runs=runs,
         results=results,
         scenario=[r for job in scenario for r in _rows(job)],
         overhead=_overhead(time_jobs),
@@ -265,7 +268,7 @@ def run_benchmark(
     )
 
 
-def make_plans(
+def plan_in_child(
     runs: list[Run], progress: Progress, notes: list[str]
 ) -> tuple[list[Run], dict[str, dict[str, Any]]]:
     """Make the plans of the ``plan@B`` strategies once, in a child process, so that every
@@ -413,9 +416,7 @@ def print_measured(measured: Measured) -> None:
     print(f"\n{len(measured.results)} strategies in {measured.elapsed_s:.0f} s")
 
 
-def write_outputs(
-    args: argparse.Namespace, argv: list[str] | None, runs: list[Run], measured: Measured
-) -> None:
+def write_outputs(args: argparse.Namespace, argv: list[str] | None, measured: Measured) -> None:
     """``--json``, ``--plot`` and ``--report DIR``."""
     if args.json:
         report = Report(
@@ -434,7 +435,7 @@ def write_outputs(
     if args.report:
         from .saved_tensors import write_strategy_reports
 
-        for run in runs:
+        for run in measured.runs:
             if not run.config.compile:
                 for path in write_strategy_reports(
                     args.report, run.config, run.strategies, run.framework

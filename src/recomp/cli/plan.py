@@ -111,26 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress(3 if args.no_measure else 3 + 2 + args.steps + 2, not args.quiet)
     try:
         planned = profile_and_plan(config, strategy, progress)
+        write_files(args, planned)
+        rows = None if args.no_measure else measure_plan(config, planned, args.steps, progress)
     except PlanningFailed as exc:
         progress.close()
         print(f"recomp plan: {exc}", file=sys.stderr)
         return exc.exit_code
-    write_files(args, planned)
-    rows = None if args.no_measure else measure_plan(config, planned, args.steps, progress)
-    progress.close()
+    finally:
+        progress.close()
     show_plan(args, planned)
-    if rows is None:
-        return 0
-    if isinstance(rows, str):
-        print(f"recomp plan: running the plan failed: {rows}")
-        return 1
-    plan_row, none_row = rows
-    print()
-    if planned.plan.compiled:
-        print(compiled_comparison(plan_row, none_row))
-    else:
-        print(comparison(plan_row, none_row))
-    return 0
+    return show_measurement(planned, rows)
 
 
 class PlanningFailed(Exception):
@@ -209,6 +199,22 @@ def show_plan(args: argparse.Namespace, planned: Planned) -> None:
     print(plan_table(planned.plan))
     if args.json:
         print(f"wrote {args.json}")
+
+
+def show_measurement(planned: Planned, rows: tuple[Result, Result] | str | None) -> int:
+    """Measured beside predicted (nothing with ``--no-measure``); 1 if the plan failed."""
+    if rows is None:
+        return 0
+    if isinstance(rows, str):
+        print(f"recomp plan: running the plan failed: {rows}")
+        return 1
+    plan_row, none_row = rows
+    print()
+    if planned.plan.compiled:
+        print(compiled_comparison(plan_row, none_row))
+    else:
+        print(comparison(plan_row, none_row))
+    return 0
 
 
 def measure_plan(
