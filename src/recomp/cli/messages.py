@@ -71,9 +71,7 @@ def _get(data: dict[str, Any], name: str, kind: type | tuple[type, ...], what: s
         raise MessageError(f"{what}: missing field {name!r}")
     value = data[name]
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(value, bool) and bool not in kinds:
-        raise MessageError(f"{what}: field {name!r} must be {_names(kinds)}, got {_shown(value)}")
-    if not isinstance(value, kinds):
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise MessageError(f"{what}: field {name!r} must be {_names(kinds)}, got {_shown(value)}")
     return value
 
