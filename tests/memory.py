@@ -12,8 +12,8 @@ import subprocess
 import sys
 import textwrap
 
-from recomp.bench.memory import child_env
-from recomp.bench.memory import malloc_in_use as heap_bytes
+from recomp.cli.memory import child_env
+from recomp.cli.memory import malloc_in_use as heap_bytes
 
 __all__ = ["heap_bytes", "run_measured"]
 

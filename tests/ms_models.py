@@ -96,7 +96,7 @@ def held_for_backward(
     import tempfile
     import time
 
-    from recomp.bench.ms_runner import _allocated_at, _profiled, _read_record
+    from recomp.cli.mindspore.runner import _allocated_at, _profiled, _read_record
 
     marks: list[int] = []
 

@@ -1,9 +1,10 @@
 """The import graph of ``src/recomp``: layers that only import downwards, and no circle.
 
 From the bottom: the framework-free core (``recomp/*.py``), the framework packages
-(``recomp.torch``, ``recomp.mindspore``), the planner (``recomp.plan``), the benchmark
-(``recomp.bench``) and the command line (``recomp.__main__``). Imports inside functions
-count too: a lazy import still ties the importer to what it imports."""
+(``recomp.torch``, ``recomp.mindspore``), the planner (``recomp.plan``), the commands
+(``recomp.cli``: bench, plan, report) and their entry point (``recomp.__main__``).
+Imports inside functions count too: a lazy import still ties the importer to what it
+imports. (``recomp.cli.torch`` and ``recomp.cli.mindspore`` belong to the ``cli`` layer.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
 PACKAGE = SRC / "recomp"
 
 # Rank of each layer; a module may import its own layer's modules and lower layers only.
-RANKS = {"core": 0, "torch": 1, "mindspore": 1, "plan": 2, "bench": 3, "main": 4}
+RANKS = {"core": 0, "torch": 1, "mindspore": 1, "plan": 2, "cli": 3, "main": 4}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -84,12 +85,12 @@ def _graph() -> dict[str, set[str]]:
     return {name: imports_of(path, known) for name, path in modules.items()}
 
 
-def test_plan_does_not_import_bench():
+def test_plan_does_not_import_the_command_line():
     modules = _modules()
     plan = {n: p for n, p in modules.items() if layer_of(n) == "plan"}
     assert "recomp.plan.profiler" in plan and "recomp.plan.planner" in plan
     offending = {
-        name: sorted(t for t in imports_of(path, set(modules)) if layer_of(t) == "bench")
+        name: sorted(t for t in imports_of(path, set(modules)) if layer_of(t) == "cli")
         for name, path in plan.items()
     }
     assert not {k: v for k, v in offending.items() if v}
@@ -147,9 +148,9 @@ def test_no_import_circle():
 
 
 def test_the_checks_see_a_bad_import(tmp_path):
-    """The walker finds an import of the benchmark hidden in a function of the planner."""
+    """The walker finds an import of the command line hidden in a function of the planner."""
     bad = PACKAGE / "plan" / "profiler.py"
-    code = bad.read_text() + "\n\ndef _late():\n    from ..bench import runner\n"
+    code = bad.read_text() + "\n\ndef _late():\n    from ..cli.torch import runner\n"
     fake = tmp_path / "src" / "recomp" / "plan" / "profiler.py"
     fake.parent.mkdir(parents=True)
     fake.write_text(code)
@@ -157,10 +158,11 @@ def test_the_checks_see_a_bad_import(tmp_path):
     saved = SRC
     SRC = tmp_path / "src"
     try:
-        found = imports_of(fake, {"recomp.bench.runner"})
+        found = imports_of(fake, {"recomp.cli.torch.runner"})
     finally:
         SRC = saved
-    assert "recomp.bench.runner" in found
+    assert "recomp.cli.torch.runner" in found
+    assert layer_of("recomp.cli.torch.runner") == "cli"
 
 
 # The framework-free core, bottom up, as docs/mechanism.md ("Where things live") lists

@@ -27,7 +27,7 @@ from recomp._report import (
     RNG,
     SELECTIVE,
 )
-from recomp.bench.models import Projection, RMSNorm, norm_matmul_silu
+from recomp.cli.torch.models import Projection, RMSNorm, norm_matmul_silu
 from recomp.torch import _compat
 
 needs_saved_values = pytest.mark.skipif(
@@ -54,8 +54,8 @@ def _checkpointed(model: nn.Module, exclude: tuple[type, ...] | None) -> nn.Modu
 MEASURE = """
 import gc, sys
 sys.path.insert(0, {tests!r})
-from recomp.bench.config import BenchConfig
-from recomp.bench.runner import Trainer
+from recomp.cli.config import BenchConfig
+from recomp.cli.torch.runner import Trainer
 import recomp.torch as rt
 result = {{}}
 for model, strategy, hidden, seq in {cases!r}:
@@ -81,7 +81,7 @@ for model, strategy, hidden, seq in {cases!r}:
     del loss, trainer
 """
 
-DECODER = "recomp.bench.models:llama"
+DECODER = "recomp.cli.torch.models:llama"
 HF_LLAMA = "hf_models:tiny_llama"
 
 
@@ -608,7 +608,7 @@ def test_report_command_prints_the_table_and_draws(tmp_path, capsys):
     assert "unknown strategy" in capsys.readouterr().err
     assert main(["report", "--model", "no_such_module_here:build"]) == 2
     assert "cannot import 'no_such_module_here'" in capsys.readouterr().err
-    assert main(["report", "--model", "recomp.bench.models:no_such_factory"]) == 2
+    assert main(["report", "--model", "recomp.cli.torch.models:no_such_factory"]) == 2
     assert "has no 'no_such_factory'" in capsys.readouterr().err
     assert main([*args[:7], "--strategy", "none", "--summary"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -619,8 +619,8 @@ def test_report_command_prints_the_table_and_draws(tmp_path, capsys):
 @needs_saved_values
 def test_bench_report_writes_each_strategy(tmp_path):
     pytest.importorskip("matplotlib")
-    from recomp.bench.config import BenchConfig
-    from recomp.bench.memory_cli import write_strategy_reports
+    from recomp.cli.config import BenchConfig
+    from recomp.cli.saved_tensors import write_strategy_reports
 
     config = BenchConfig(layers=1, hidden=32, heads=2, seq=16, batch=1)
     written = write_strategy_reports(str(tmp_path), config, ["full", "plan@50%"])

@@ -8,7 +8,7 @@ import torch
 
 import recomp.torch as rt
 from recomp._report import COMPILED, OUTSIDE
-from recomp.bench.models import norm_matmul_silu
+from recomp.cli.torch.models import norm_matmul_silu
 from recomp.torch import _compat
 
 pytestmark = pytest.mark.skipif(

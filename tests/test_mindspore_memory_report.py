@@ -100,8 +100,8 @@ def test_the_benchmark_decoder_with_excluded_attention():
     here: on this model its reading at the end of the forward, less the start of the
     step, was 1.8 to 2.8 activations below what the report lists, varying between runs
     of the same step; on the residual stack above they agree within 0.5%.)"""
-    from recomp.bench.config import BenchConfig
-    from recomp.bench.ms_runner import build
+    from recomp.cli.config import BenchConfig
+    from recomp.cli.mindspore.runner import build
 
     config = BenchConfig(layers=3, hidden=128, heads=2, seq=128, batch=2)
     model, x = build(config)
@@ -276,7 +276,7 @@ def test_bad_layers_raise_before_anything_is_recorded():
 
 
 def test_the_report_command_on_mindspore(tmp_path, capsys):
-    from recomp.bench.memory_cli import main
+    from recomp.cli.report import main
 
     png = tmp_path / "report.png"
     args = ["--framework", "mindspore", "--layers", "2", "--hidden", "32", "--seq", "16"]
@@ -290,8 +290,8 @@ def test_the_report_command_on_mindspore(tmp_path, capsys):
 
 
 def test_bench_report_writer_on_mindspore(tmp_path):
-    from recomp.bench.config import BenchConfig
-    from recomp.bench.memory_cli import write_strategy_reports
+    from recomp.cli.config import BenchConfig
+    from recomp.cli.saved_tensors import write_strategy_reports
 
     config = BenchConfig(layers=2, hidden=32, heads=2, seq=16, batch=2)
     written = write_strategy_reports(str(tmp_path), config, ["exclude-attn"], "mindspore")

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from memory import run_measured  # noqa: E402
-from recomp.bench.models import Attention, llama  # noqa: E402
+from recomp.cli.torch.models import Attention, llama  # noqa: E402
 from recomp.plan import (  # noqa: E402
     BudgetTooSmallError,
     PlanFormatError,
@@ -198,13 +198,13 @@ def test_predicted_bytes_are_the_allocators(backend, budgets):
     and 8 KiB (the compiled function's autograd node, the loss's, the allocator's
     rounding; 7 to 18 KiB of 0.03 to 1.1 MiB here)."""
     code = f"""
-from recomp.bench.config import BenchConfig
-from recomp.bench.runner import make_plans, measure_strategy
+from recomp.cli.config import BenchConfig
+from recomp.cli.torch.runner import make_plans, measure_strategy
 cfg = BenchConfig(layers=2, hidden=64, heads=2, seq=64, batch=2, compile={backend!r})
 names = {[f"plan@{b}" for b in budgets]!r}
 made = make_plans(cfg, names)
-cfg.extra["plans"] = made["plans"]
-result = {{"made": made, "measured": {{s: measure_strategy(cfg, s).to_dict() for s in names}}}}
+cfg.extra["plans"] = made.plans
+result = {{"made": made.to_dict(), "measured": {{s: measure_strategy(cfg, s).to_dict() for s in names}}}}
 """
     got = run_measured(code, timeout=600)
     for name, measured in got["measured"].items():
@@ -220,7 +220,7 @@ def test_cli_plans_for_a_compiled_model(tmp_path):
     import subprocess
     import sys
 
-    from recomp.bench.memory import child_env
+    from recomp.cli.memory import child_env
 
     env = child_env(1)
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")

@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402
-from recomp.bench.config import BenchConfig  # noqa: E402
-from recomp.bench.memory import child_env  # noqa: E402
+from recomp.cli.config import BenchConfig  # noqa: E402
+from recomp.cli.memory import child_env  # noqa: E402
 from recomp.plan import apply_plan, load_plan  # noqa: E402
 from recomp.plan.modelcall import (  # noqa: E402
     call_model,
@@ -202,13 +202,13 @@ def test_cli_measures_a_hugging_face_plan_within_two_percent_of_its_prediction()
 def test_bench_strategies_run_on_a_hugging_face_model():
     """The benchmark's strategies on the model's own layers: same gradients as no
     checkpointing, excluded regions run once."""
-    from recomp.bench.runner import make_plans, measure_strategy
+    from recomp.cli.torch.runner import make_plans, measure_strategy
 
     cfg = BenchConfig(
         layers=2, hidden=32, heads=2, seq=16, batch=2, steps=1, model="hf_models:tiny_llama"
     )
     made = make_plans(cfg, ["plan@50%"])
-    cfg.extra["plans"] = made["plans"]
+    cfg.extra["plans"] = made.plans
     strategies = ["full", "sac", "exclude-attn", "every@2", "plan@50%"]
     try:
         import torch_remat  # noqa: F401

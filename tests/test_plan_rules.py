@@ -24,8 +24,8 @@ from torch import nn  # noqa: E402
 
 import random_programs as rp  # noqa: E402
 from recomp import _testing  # noqa: E402
-from recomp.bench.measure import SplitFlopCounter  # noqa: E402
-from recomp.bench.models import llama, norm_matmul_silu  # noqa: E402
+from recomp.cli.torch.measure import SplitFlopCounter  # noqa: E402
+from recomp.cli.torch.models import llama, norm_matmul_silu  # noqa: E402
 from recomp.plan import OptionSlot, apply_plan, make_plan, profile  # noqa: E402
 from recomp.plan.planfile import FULL_CHECKPOINT, NO_CHECKPOINT  # noqa: E402
 from recomp.torch import ExcludeWrapper  # noqa: E402

@@ -508,12 +508,10 @@ def test_random_programs_gradients_equal_with_and_without_offload(program):
 
 
 def test_bench_strategy_reports_host_bytes(monkeypatch):
-    from dataclasses import replace
-
-    from recomp.bench.config import BenchConfig
-    from recomp.bench.report import evaluate_targets, table
-    from recomp.bench.runner import measure_strategy
-    from recomp.bench.strategies import parse
+    from recomp.cli.config import BenchConfig
+    from recomp.cli.tables import table
+    from recomp.cli.torch.runner import measure_strategy
+    from recomp.cli.torch.strategies import parse
 
     assert parse("exclude-attn-offload") == ("exclude-offload", "attn")
     assert parse("exclude-mlp") == ("exclude", "mlp")
@@ -535,16 +533,7 @@ def test_bench_strategy_reports_host_bytes(monkeypatch):
     assert forced.region_runs == {"layers.0.attn": 1, "layers.1.attn": 1}
     forced.step_time_s = 1.0
     assert "host MiB/step" in table([forced])
-    target = evaluate_targets([forced])[-1]
-    assert target.id == "4" and target.details["host_bytes_per_step"] == kept
-    assert target.verdict == "n/a"  # judged on a GPU only
-    full = replace(forced, strategy="full", peak_bytes=forced.peak_bytes * 0.9)
-    excl = replace(forced, strategy="exclude-attn", step_time_s=0.99)
-    cuda = replace(forced, device="cuda:0", offload=replace(forced.offload, copy_s=0.02))
-    target = evaluate_targets([full, excl, cuda])[-1]
-    assert target.details["peak_vs_full"] == pytest.approx(1 / 0.9)
-    assert target.verdict == "MISSED"  # peak 1.11 x full, step not below full
-    assert target.details["copy_hidden_share"] == pytest.approx(0.5)  # 10 ms added of 20 ms
+    # How the offload target judges such a row: tests/test_benchmark_targets.py.
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -6,6 +6,7 @@ Sub-commands are imported lazily, so ``import recomp`` stays free of framework i
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 USAGE = """usage: recomp <command> [options]
 
@@ -19,26 +20,39 @@ commands:
 """
 
 
+def command_main(command: str) -> Callable[[list[str]], int] | None:
+    """The ``main`` of ``command`` (imported now), or None for an unknown command."""
+    if command == "bench":
+        from recomp.cli.bench import main as bench_main
+
+        return bench_main
+    if command == "plan":
+        from recomp.cli.plan import main as plan_main
+
+        return plan_main
+    if command == "report":
+        from recomp.cli.report import main as report_main
+
+        return report_main
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0
     command, rest = args[0], args[1:]
-    if command == "bench":
-        from recomp.bench.cli import main as bench_main
-
-        return bench_main(rest)
-    if command == "plan":
-        from recomp.bench.plan_cli import main as plan_main
-
-        return plan_main(rest)
-    if command == "report":
-        from recomp.bench.memory_cli import main as report_main
-
-        return report_main(rest)
-    print(f"recomp: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
-    return 2
+    run = command_main(command)
+    if run is None:
+        print(f"recomp: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
+        return 2
+    try:
+        return run(rest)
+    except KeyboardInterrupt:
+        # The command has stopped its child processes and removed its files on the way.
+        print(f"recomp {command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from _dist_common import seeded
 from sequence_parallel_cases import build
 from torch.distributed.device_mesh import init_device_mesh
 
-from recomp.bench.memory import malloc_in_use
+from recomp.cli.memory import malloc_in_use
 from recomp.plan import apply_plan, make_plan, profile
 from recomp.torch.collectives import count_collectives
 

@@ -5,15 +5,18 @@ rank outlives it) and asserts what the table claims: the default checkpoints rep
 no collective and keep exactly the all-gathered and reduce-scattered tensors their
 replay reaches (from the shapes), those with ``exclude_collectives=False`` keep
 nothing, replay the collectives and need less activation memory, by the kept bytes;
-the gradients equal those of the parallelised model without checkpoints.
+the gradients equal those of the parallelised model without checkpoints; the run
+leaves its temporary directory as empty as it found it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
+from dist_harness import child_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -25,14 +28,17 @@ FLOAT32 = 4
 @pytest.fixture(scope="module")
 def report(command_runner, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-tp") / "tp.json"
+    tmpdir = tmp_path_factory.mktemp("bench-tp-tmpdir")
     cmd = [
         sys.executable, "-m", "recomp", "bench", "--tp", str(TP),
         "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--heads", str(HEADS),
         "--seq", str(SEQ), "--batch", str(BATCH), "--json", str(out), "--quiet",
     ]  # fmt: skip
-    rc, output = command_runner(cmd, name="bench-tp", timeout=240)
+    env = child_env(TMPDIR=str(tmpdir))
+    rc, output = command_runner(cmd, name="bench-tp", timeout=240, env=env)
     assert rc == 0, output[-3000:]
     assert "kept for collectives MiB" in output
+    assert os.listdir(tmpdir) == [], "recomp bench --tp left temporary files"
     return {row["strategy"]: row for row in json.loads(out.read_text())["rows"]}
 
 

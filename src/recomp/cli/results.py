@@ -2,8 +2,9 @@
 
 A :class:`Result` is one row: one strategy of one framework measured in one child
 process, with the step times of the interleaved timing run and, for ``plan@B`` rows, a
-:class:`PlanCheck` of the plan's predictions. A :class:`Target` is one verdict, with an
-``id`` unique in a report. A :class:`Report` is the JSON file.
+:class:`PlanCheck` of the plan's predictions. :class:`WrapperOverhead` is the cost of an
+exclude wrapper on a tiny op. A :class:`Report` is the JSON file: measurements only; how
+they compare with the project's own targets is judged by ``benchmarks/targets.py``.
 
 The JSON keeps the flat layout of the first files (``results[i]["replay_flops"]``):
 
@@ -12,22 +13,26 @@ The JSON keeps the flat layout of the first files (``results[i]["replay_flops"]`
 * version 2: every row of a measurement carries every key, ``null`` where the quantity
   was not measured (FLOPs of compiled or MindSpore runs, step times of the scenario),
   except ``plan`` and ``timing_error``, present when set; error rows still carry only
-  ``framework``, ``strategy`` and ``error``; each target has a unique ``id``.
+  ``framework``, ``strategy`` and ``error``; each target has a unique ``id``;
+* version 3: as version 2, without ``targets``: the command reports what it measured
+  and judges nothing.
 
-``load_report`` reads both.
+``load_report`` reads all three (the verdicts of versions 1 and 2 are not read: they
+follow from the rows, see ``benchmarks/targets.py``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .config import BenchConfig
-from .runner_stats import summarize_times
+from .timing import summarize_times
 
-REPORT_VERSION = 2
+REPORT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 class ReportFormatError(ValueError):
@@ -161,38 +166,34 @@ class Result:
         return cls(**values)
 
 
-VERDICTS = {None: "n/a", True: "met", False: "MISSED"}
+def find_result(results: list[Result], framework: str, strategy: str) -> Result | None:
+    """The row of ``strategy`` under the row label ``framework`` that did not fail."""
+    for r in results:
+        if r.framework == framework and r.strategy == strategy and r.error is None:
+            return r
+    return None
 
 
 @dataclass
-class Target:
-    """One target: ``id`` (unique in a report: ``"3a"``, ``"5 torch+inductor"``,
-    ``"6b plan@50%"``), what it asks (``text``), the measured figures (``details``) and
-    whether it was met (``ok``; ``None``: not judged, say because a strategy was not run)."""
+class WrapperOverhead:
+    """Cost of ``checkpoint_exclude_wrapper`` on a tiny op, in microseconds per call
+    (``recomp.cli.torch.overhead``): inside a checkpointed step and outside any
+    checkpoint, wall and CPU time, and the op itself."""
 
-    id: str
-    text: str
-    ok: bool | None = None
-    details: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def verdict(self) -> str:
-        return VERDICTS[self.ok]
+    op: str
+    calls_per_checkpoint: int
+    outside_us: float
+    in_checkpoint_us: float
+    outside_cpu_us: float
+    in_checkpoint_cpu_us: float
+    plain_op_us: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "target": self.text,
-            **self.details,
-            "ok": self.ok,
-            "verdict": self.verdict,
-        }
+        return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Target:
-        details = {k: v for k, v in data.items() if k not in ("id", "target", "ok", "verdict")}
-        # Version 1 had no ids, and its labels were not unique: the whole text is the id.
-        return cls(str(data.get("id") or data["target"]), data["target"], data.get("ok"), details)
+    def from_dict(cls, data: dict[str, Any]) -> WrapperOverhead:
+        return cls(**_known(cls, data))
 
 
 @dataclass
@@ -204,8 +205,7 @@ class Report:
     elapsed_s: float
     results: list[Result]
     scenario: list[Result]
-    overhead: dict[str, Any] | None
-    targets: list[Target]
+    overhead: WrapperOverhead | None
     notes: list[str]
     version: int = REPORT_VERSION
 
@@ -217,27 +217,27 @@ class Report:
             "elapsed_s": self.elapsed_s,
             "results": [r.to_dict() for r in self.results],
             "scenario": [r.to_dict() for r in self.scenario],
-            "overhead": self.overhead,
-            "targets": [t.to_dict() for t in self.targets],
+            "overhead": None if self.overhead is None else self.overhead.to_dict(),
             "notes": self.notes,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Report:
         version = data.get("version", 1)
-        if version not in (1, REPORT_VERSION):
+        if version not in READABLE_VERSIONS:
+            readable = ", ".join(str(v) for v in READABLE_VERSIONS)
             raise ReportFormatError(
                 f"benchmark report version {version!r} is not supported: this recomp reads "
-                f"versions 1 and {REPORT_VERSION}"
+                f"versions {readable}"
             )
+        overhead = data.get("overhead")
         return cls(
             command=data.get("command", ""),
             environment=dict(data.get("environment") or {}),
             elapsed_s=float(data.get("elapsed_s") or 0.0),
             results=[Result.from_dict(r) for r in data["results"]],
             scenario=[Result.from_dict(r) for r in data.get("scenario") or []],
-            overhead=data.get("overhead"),
-            targets=[Target.from_dict(t) for t in data.get("targets") or []],
+            overhead=None if overhead is None else WrapperOverhead.from_dict(overhead),
             notes=list(data.get("notes") or []),
             version=REPORT_VERSION,
         )

@@ -1,5 +1,6 @@
-"""Benchmark configuration and model loading, shared by the parent and child processes,
-and the command-line options that make a configuration (``recomp bench``, ``recomp plan``)."""
+"""The configuration of a measurement and model loading, shared by the parent and child
+processes, and the command-line options that make a configuration (``recomp bench``,
+``recomp plan``, ``recomp report``)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-DEFAULT_MODEL = "recomp.bench.models:llama"
+DEFAULT_MODEL = "recomp.cli.torch.models:llama"
 
 # What `--help` of `recomp bench` and `recomp plan` says a model factory must provide; the
-# code is recomp._modelcall (input, loss) and recomp.plan.profiler.find_layers (layers).
+# code is recomp.plan.modelcall (input, loss) and recomp.plan.profiler.find_layers (layers).
 MODEL_PROTOCOL = (
     "Model factories (--model MODULE:FACTORY): FACTORY takes those of the keyword arguments "
     "layers, hidden, heads, seq, batch that it declares and returns a torch nn.Module, for "

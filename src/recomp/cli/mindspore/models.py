@@ -12,7 +12,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from .config import intermediate_size
+from ..config import intermediate_size
 
 
 class RMSNorm(nn.Cell):

@@ -5,9 +5,9 @@
 is a batch of hidden states, the loss the mean square of the output: the
 benchmark measures the layer stack, not an embedding or a vocabulary head.
 
-``norm_matmul_silu``: the deferred-input scenario (memory target 2). Each layer is
-``silu(norm(x) @ W)`` with the matmul as its own sub-module, so that a strategy can
-exclude it (``exclude-proj``).
+``norm_matmul_silu``: the deferred-input scenario (target 2b in ``benchmarks/targets.py``).
+Each layer is ``silu(norm(x) @ W)`` with the matmul as its own sub-module, so that a
+strategy can exclude it (``exclude-proj``).
 
 A user model (``--model module:factory``) follows the same protocol:
 
@@ -24,7 +24,7 @@ A user model (``--model module:factory``) follows the same protocol:
 * ``model.loss(output)`` returns the loss, if defined; a Hugging Face model's is its own
   (``output.loss``); otherwise the mean of the squared output.
 
-(``recomp._modelcall.example_input`` and ``loss_function``; ``config.MODEL_PROTOCOL`` is
+(``recomp.plan.modelcall.example_input`` and ``loss_function``; ``config.MODEL_PROTOCOL`` is
 the same in the commands' ``--help``.)
 """
 
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import intermediate_size
+from ..config import intermediate_size
 
 
 class RMSNorm(nn.Module):
@@ -115,7 +115,7 @@ class Decoder(nn.Module):
 
 
 def llama(layers: int = 4, hidden: int = 256, heads: int = 4) -> Decoder:
-    """The built-in model (``--model recomp.bench.models:llama``, the default)."""
+    """The built-in model (``--model recomp.cli.torch.models:llama``, the default)."""
     return Decoder(layers, hidden, heads)
 
 
@@ -159,7 +159,7 @@ def norm_matmul_silu(layers: int = 4, hidden: int = 256) -> NormMatmulSiluStack:
 
 def hf_llama(layers: int = 4, hidden: int = 256, heads: int = 4) -> nn.Module:
     """A Hugging Face ``LlamaForCausalLM`` built from a config (``--model
-    recomp.bench.models:hf_llama``; needs transformers): vocabulary 1000, MLP width the
+    recomp.cli.torch.models:hf_llama``; needs transformers): vocabulary 1000, MLP width the
     built-in model's, half as many key-value heads as heads, no weights downloaded."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

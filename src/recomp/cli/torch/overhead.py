@@ -1,4 +1,4 @@
-"""Cost of ``checkpoint_exclude_wrapper`` itself, on a tiny op (target: at most 30 us per call).
+"""Cost of ``checkpoint_exclude_wrapper`` itself, on a tiny op.
 
 Two figures, each the median over repeated trials:
 
@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ..results import WrapperOverhead
 
 
 class Tiny(nn.Module):
@@ -49,7 +51,7 @@ def _median_time(fn: Callable[[], Any], repeats: int, inner: int) -> tuple[float
     return statistics.median(wall), statistics.median(cpu)
 
 
-def measure_overhead(calls: int = 20, repeats: int = 15, inner: int = 20) -> dict[str, Any]:
+def measure_overhead(calls: int = 20, repeats: int = 15, inner: int = 20) -> WrapperOverhead:
     from recomp.torch import checkpoint, checkpoint_exclude_wrapper
 
     torch.set_num_threads(1)
@@ -83,12 +85,12 @@ def measure_overhead(calls: int = 20, repeats: int = 15, inner: int = 20) -> dic
     if skips == 0:
         raise RuntimeError("the overhead benchmark's checkpoint never replayed its regions")
     op_wall, _ = _median_time(lambda: plain(x), repeats, inner)
-    return {
-        "op": "x * 1.5 on a 16-element tensor",
-        "calls_per_checkpoint": calls,
-        "outside_us": statistics.median(w for w, _ in outside) * 1e6,
-        "in_checkpoint_us": statistics.median(w for w, _ in inside) * 1e6,
-        "outside_cpu_us": statistics.median(c for _, c in outside) * 1e6,
-        "in_checkpoint_cpu_us": statistics.median(c for _, c in inside) * 1e6,
-        "plain_op_us": op_wall / calls * 1e6,
-    }
+    return WrapperOverhead(
+        op="x * 1.5 on a 16-element tensor",
+        calls_per_checkpoint=calls,
+        outside_us=statistics.median(w for w, _ in outside) * 1e6,
+        in_checkpoint_us=statistics.median(w for w, _ in inside) * 1e6,
+        outside_cpu_us=statistics.median(c for _, c in outside) * 1e6,
+        in_checkpoint_cpu_us=statistics.median(c for _, c in inside) * 1e6,
+        plain_op_us=op_wall / calls * 1e6,
+    )

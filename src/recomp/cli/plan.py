@@ -1,10 +1,10 @@
 """``recomp plan``: profile a model, print the fastest plan that fits the budget, then run
 it and print the measured activation memory and step time beside the predicted ones.
 
-The command lives with the benchmark because it is one: the profile and the
-measurements of the plan run in child processes (``recomp.bench.worker``), as the
-benchmark's do, since allocator readings need a process of their own. The planner itself,
-``recomp.plan``, is a library below it and imports nothing of ``recomp.bench``.
+The profile and the measurements of the plan run in child processes
+(``recomp.cli.worker``), as ``recomp bench``'s do, since allocator readings need a
+process of their own. The planner itself, ``recomp.plan``, is a library below the
+command line and imports nothing of it.
 """
 
 from __future__ import annotations
@@ -13,12 +13,20 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..plan.budget import TORCH_BUDGET_NOTE, parse_budget
-from .config import DEFAULT_MODEL, MODEL_PROTOCOL, add_config_arguments, config_from_args
-from .report import paired_ratio
+from .config import (
+    DEFAULT_MODEL,
+    MODEL_PROTOCOL,
+    BenchConfig,
+    add_config_arguments,
+    config_from_args,
+)
+from .jobs import Job, Progress, run_jobs
+from .messages import MeasureResult, PlanResult, Task, TimingResult
+from .predictions import attach_predictions, paired_ratio
 from .results import Result, write_json
 
 
@@ -97,100 +105,142 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..plan.planfile import load_plan, save_plan
-    from ..plan.planner import Profile, plan_table, profile_table
-    from .jobs import Job, Progress, run_jobs
-    from .report import attach_predictions
-
     parser = build_parser()
     args = parser.parse_args(argv)
+    config, strategy = plan_config(parser, args)
+    progress = Progress(3 if args.no_measure else 3 + 2 + args.steps + 2, not args.quiet)
+    try:
+        planned = profile_and_plan(config, strategy, progress)
+        write_files(args, planned)
+        rows = None if args.no_measure else measure_plan(config, planned, args.steps, progress)
+    except PlanningFailed as exc:
+        progress.close()
+        print(f"recomp plan: {exc}", file=sys.stderr)
+        return exc.exit_code
+    finally:
+        progress.close()
+    show_plan(args, planned)
+    return show_measurement(planned, rows)
+
+
+class PlanningFailed(Exception):
+    """No plan: the profile failed (exit code 1) or no plan meets the budget (2)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class Planned:
+    """The plan of strategy ``plan@BUDGET`` and the plan task that made it."""
+
+    strategy: str
+    made: PlanResult
+    plan: Any  # recomp.plan.Plan
+
+    @property
+    def plan_dict(self) -> dict[str, Any]:
+        return self.made.plans[self.strategy]
+
+
+def plan_config(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[BenchConfig, str]:
+    """The configuration to profile and the strategy ``plan@BUDGET`` (the parser exits
+    on a budget it cannot read or on options that do not go together)."""
     try:
         budget = parse_budget(args.budget)
     except ValueError as exc:
         parser.error(str(exc))
     if args.keep and not args.compile:
         parser.error("--keep is for compiled plans (--compile); an eager plan chooses exclusions")
-    strategy = f"plan@{budget.text}"
     extra: dict[str, Any] = {} if args.clock == "auto" else {"plan_clock": args.clock}
     if args.keep:
         extra["keep"] = [r.strip() for r in args.keep.split(",") if r.strip()]
     config = config_from_args(args, **extra)
     if args.compile:
         config = replace(config, compile=args.compile)
-    progress = Progress(3 if args.no_measure else 3 + 2 + args.steps + 2, not args.quiet)
-    offset = [0.0]
-    planning = Job(
-        "profile and plan",
-        {
-            "kind": "plan",
-            "framework": "torch",
-            "config": config.to_dict(),
-            "strategies": [strategy],
-        },
-        3,
-    )
-    run_jobs([planning], 1, progress, offset)
-    if planning.result is None:
-        progress.close()
-        print(f"recomp plan: profiling failed: {planning.error}", file=sys.stderr)
-        return 1
-    made = planning.result["plans"][strategy]
-    if "error" in made:
-        progress.close()
-        print(f"recomp plan: {made['error'].split(': ', 1)[-1]}", file=sys.stderr)
-        return 2
-    plan = load_plan(made)
+    return config, f"plan@{budget.text}"
+
+
+def profile_and_plan(config: BenchConfig, strategy: str, progress: Progress) -> Planned:
+    """Profile the model and make its plan in a child process."""
+    from ..plan.planfile import load_plan
+
+    job = Job("profile and plan", Task("plan", "torch", config, (strategy,)), 3)
+    run_jobs([job], 1, progress)
+    made = job.outcome(PlanResult)
+    if made is None:
+        raise PlanningFailed(f"profiling failed: {job.error}", 1)
+    if strategy in made.errors:
+        raise PlanningFailed(made.errors[strategy].split(": ", 1)[-1], 2)
+    return Planned(strategy, made, load_plan(made.plans[strategy]))
+
+
+def write_files(args: argparse.Namespace, planned: Planned) -> None:
+    from ..plan.planfile import save_plan
+
     if args.json:
-        save_plan(plan, args.json)
+        save_plan(planned.plan, args.json)
     if args.profile_json:
-        write_json(args.profile_json, planning.result["profile"])
-    profile_data = planning.result["profile"]
-    profile_text = (
-        json.dumps(profile_data, indent=1)
-        if profile_data.get("compiled")
-        else profile_table(Profile.from_dict(profile_data))
-    )
+        write_json(args.profile_json, planned.made.profile)
 
-    def show_plan() -> None:
-        progress.close()
-        if args.show_profile:
-            print(profile_text + "\n")
-        print(plan_table(plan))
-        if args.json:
-            print(f"wrote {args.json}")
 
-    if args.no_measure:
-        show_plan()
+def show_plan(args: argparse.Namespace, planned: Planned) -> None:
+    from ..plan.planner import Profile, plan_table, profile_table
+
+    if args.show_profile:
+        profile = planned.made.profile
+        if profile.get("compiled"):
+            print(json.dumps(profile, indent=1) + "\n")
+        else:
+            print(profile_table(Profile.from_dict(profile)) + "\n")
+    print(plan_table(planned.plan))
+    if args.json:
+        print(f"wrote {args.json}")
+
+
+def show_measurement(planned: Planned, rows: tuple[Result, Result] | str | None) -> int:
+    """Measured beside predicted (nothing with ``--no-measure``); 1 if the plan failed."""
+    if rows is None:
         return 0
-
-    config.extra = {**config.extra, "plans": {strategy: made}}
-    task = {"framework": "torch", "config": config.to_dict()}
-    measuring = Job("measure the plan", {**task, "kind": "measure", "strategies": [strategy]}, 2)
-    timing = Job(
-        "time the plan and none",
-        {**task, "kind": "time", "strategies": ["none", strategy]},
-        args.steps + 2,
-    )
-    run_jobs([measuring], 1, progress, offset)
-    run_jobs([timing], 1, progress, offset)
-    show_plan()
-    if measuring.result is None or timing.result is None:
-        print(f"recomp plan: running the plan failed: {measuring.error or timing.error}")
+    if isinstance(rows, str):
+        print(f"recomp plan: running the plan failed: {rows}")
         return 1
-    row = Result.from_dict(measuring.result["results"][0])
-    if row.error is not None:
-        print(f"recomp plan: running the plan failed: {row.error}")
-        return 1
-    rows = [row, Result(row.framework, "none")]
-    for r in rows:
-        r.set_step_times(
-            timing.result["times"]["wall"][r.strategy], timing.result["times"]["cpu"][r.strategy]
-        )
-    key = f"{row.framework} {strategy}" if plan.compiled else strategy
-    attach_predictions(rows, {key: {**made, "clock": planning.result["clock"]}})
+    plan_row, none_row = rows
     print()
-    print(compiled_comparison(row, rows[1]) if plan.compiled else comparison(row, rows[1]))
+    if planned.plan.compiled:
+        print(compiled_comparison(plan_row, none_row))
+    else:
+        print(comparison(plan_row, none_row))
     return 0
+
+
+def measure_plan(
+    config: BenchConfig, planned: Planned, steps: int, progress: Progress
+) -> tuple[Result, Result] | str:
+    """The plan's row and no checkpointing's, timed interleaved, with the plan's
+    predictions attached; or why they could not be measured."""
+    strategy = planned.strategy
+    config = replace(config, extra={**config.extra, "plans": {strategy: planned.plan_dict}})
+    measuring = Job("measure the plan", Task("measure", "torch", config, (strategy,)), 2)
+    timed_task = Task("time", "torch", config, ("none", strategy))
+    timing = Job("time the plan and none", timed_task, steps + 2)
+    run_jobs([measuring], 1, progress)
+    run_jobs([timing], 1, progress)
+    measured, timed = measuring.outcome(MeasureResult), timing.outcome(TimingResult)
+    if measured is None or timed is None:
+        return str(measuring.error or timing.error)
+    row = measured.results[0]
+    if row.error is not None:
+        return row.error
+    none = Result(row.framework, "none")
+    for r in (row, none):
+        r.set_step_times(timed.times.wall[r.strategy], timed.times.cpu[r.strategy])
+    key = f"{row.framework} {strategy}" if planned.plan.compiled else strategy
+    attach_predictions([row, none], {key: {**planned.plan_dict, "clock": planned.made.clock}})
+    return row, none
 
 
 def compiled_comparison(row: Result, none: Result) -> str:

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plan.modelcall import flop_formulas
-from ..torch._compat import TorchDispatchMode, cpu_attention_ops, op_flop_counter
-from .memory import malloc_in_use
+from ...plan.modelcall import flop_formulas
+from ...torch._compat import TorchDispatchMode, cpu_attention_ops, op_flop_counter
+from ..memory import malloc_in_use
 
 # --------------------------------------------------------------------------- memory
 
@@ -154,7 +154,7 @@ class RegionTracker:
 # --------------------------------------------------------------------------- FLOPs
 
 
-# PyTorch's table lacks the CPU attention kernels (see ``recomp._modelcall``).
+# PyTorch's table lacks the CPU attention kernels (see ``recomp.plan.modelcall``).
 CPU_ATTENTION_FORMULAS = flop_formulas(cpu_attention_ops())
 
 BUCKETS = ("forward", "excluded", "layers", "replay", "replay_recomp", "backward", "other")

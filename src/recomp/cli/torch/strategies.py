@@ -19,7 +19,8 @@ the decoder layers of a Hugging Face model: ``layers_of``).
                           (CUDA; a no-op on CPU unless ``RECOMP_OFFLOAD_HOST_COPY=1``)
 ``keep-R``                reference design without deferred inputs: like ``exclude-R``,
                           but the region keeps every tensor it saves, its inputs
-                          included (written here, 40 lines, for target 2)
+                          included (written here, 40 lines, for the
+                          deferred-input scenario)
 ``every@k``               layer-frequency policy (torchtitan's): ``torch.utils.checkpoint``
                           around every k-th layer (layers k-1, 2k-1, ...), none elsewhere
 ``plan@B``                ``recomp.plan``: the fastest plan whose predicted activation

@@ -1,4 +1,5 @@
-"""MindSpore (PyNative) measurements: the counterpart of ``runner`` for strategies
+"""MindSpore (PyNative) measurements: the counterpart of ``recomp.cli.torch.runner`` for
+strategies
 ``none``, ``full`` (``mindspore.recompute``, non-reentrant, per layer) and ``exclude-R``
 (recomp.mindspore).
 
@@ -27,12 +28,12 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
-from .config import BenchConfig, call_factory, load_factory
-from .results import Result
-from .runner_stats import count_delta, region_counts, saved_bytes, time_interleaved
+from ..config import BenchConfig, call_factory, load_factory
+from ..counters import count_delta, region_counts, saved_bytes
+from ..results import Result
+from ..timing import StepTimes, time_interleaved
 
-MS_STRATEGIES = ("none", "full", "exclude-attn")
-MS_DEFAULT_MODEL = "recomp.bench.ms_models:llama"
+DEFAULT_MODEL = "recomp.cli.mindspore.models:llama"
 
 ALIASES = {"attn": ("attn", "self_attn", "attention"), "mlp": ("mlp", "feed_forward", "ffn")}
 
@@ -47,7 +48,9 @@ def setup(config: BenchConfig) -> None:
 
 def build(config: BenchConfig) -> tuple[nn.Cell, Tensor]:
     ms.set_seed(config.seed)
-    spec = config.model if config.model.startswith("recomp.bench.ms_") else MS_DEFAULT_MODEL
+    # The PyTorch model of the configuration has no MindSpore counterpart: the built-in
+    # decoder, unless a MindSpore factory is named (extra["ms_model"]).
+    spec = config.model if config.model.startswith("recomp.cli.mindspore.") else DEFAULT_MODEL
     if config.extra.get("ms_model"):
         spec = config.extra["ms_model"]
     model = call_factory(load_factory(spec), config)
@@ -219,7 +222,7 @@ def measure_strategy(config: BenchConfig, strategy: str) -> Result:
     runs_before, skips_before = region_counts(trainer.prepared.exclude_wrappers)
     counter = _CallCounter(trainer.prepared.regions)
     ms.runtime.launch_blocking()
-    with tempfile.TemporaryDirectory(prefix="recomp-bench-ms-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="recomp-mindspore-profile-") as tmp:
         with _profiled(tmp):
             # A tensor made and dropped before the step puts a reading into the record.
             (Tensor(np.ones(16, np.float32)) * 2).asnumpy()
@@ -260,7 +263,21 @@ def time_strategies(
     config: BenchConfig,
     strategies: list[str],
     progress: Callable[[int, int], None] | None = None,
-) -> dict[str, dict[str, list[float]]]:
+) -> StepTimes:
     setup(config)
     trainers = {s: Trainer(config, s) for s in strategies}
     return time_interleaved(trainers, config.steps, config.warmup, progress)
+
+
+def report_strategy(config: BenchConfig, strategy: str) -> Any:
+    """One training step of the MindSpore decoder under ``strategy`` (after a warm-up
+    step), recorded by ``recomp.mindspore.record_saved_tensors``."""
+    from recomp.mindspore import record_saved_tensors
+
+    setup(config)
+    trainer = Trainer(config, strategy)
+    trainer.step()
+    layers = [f"layers.{i}" for i in range(len(trainer.model.layers))]
+    with record_saved_tensors(trainer.model, inputs=trainer.x, layers=layers) as record:
+        trainer.step()
+    return record.report

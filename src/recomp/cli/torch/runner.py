@@ -1,8 +1,10 @@
-"""PyTorch measurements of one strategy, and interleaved step timing of several.
+"""PyTorch measurements of one strategy, interleaved step timing of several, the plans of
+``plan@B`` strategies, and the saved-tensor report of one forward (``recomp report``).
 
-``measure_strategy`` and ``time_strategies`` run inside a child process (see ``worker``):
-memory readings need a process of their own, started with ``MALLOC_ARENA_MAX=1``.
-They are plain functions so that tests can call them in-process too.
+``measure_strategy``, ``time_strategies`` and ``make_plans`` run inside a child process
+(see ``recomp.cli.worker``): memory readings need a process of their own, started with
+``MALLOC_ARENA_MAX=1``. They are plain functions so that tests can call them in-process
+too.
 
 With ``config.compile`` set, the model (not the loss or the optimizer) runs under
 ``torch.compile`` with that backend, and the first (warm-up) step compiles it. FLOPs and
@@ -13,6 +15,8 @@ compiled graph; nor is the CPU peak (sampled around each ATen op in eager mode).
 from __future__ import annotations
 
 import gc
+import os
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -20,12 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plan.modelcall import call_model, example_input, loss_function
-from ..torch import _compat
-from .config import BenchConfig, call_factory, load_factory, row_label
+from ...plan.modelcall import call_model, example_input, loss_function
+from ...torch import _compat
+from ...torch._backend import BACKEND
+from ..config import BenchConfig, call_factory, load_factory, row_label
+from ..counters import count_delta, region_counts, saved_bytes
+from ..messages import PlanResult
+from ..results import Offload, Result
+from ..timing import StepTimes, time_interleaved
 from .measure import CpuMemory, RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader
-from .results import Offload, Result
-from .runner_stats import count_delta, region_counts, saved_bytes, time_interleaved
 from .strategies import Prepared, layers_of, parse, prepare, torch_memory_budget
 
 
@@ -39,18 +46,17 @@ def build(config: BenchConfig) -> tuple[nn.Module, Any, Callable[[Any], torch.Te
         raise ValueError(f"{config.model} returned {type(model).__name__}, not an nn.Module")
     model = model.to(device=device, dtype=dtype)
     generator = torch.Generator().manual_seed(config.seed + 1)
-    x = _to(example_input(model, config.batch, config.seq, config.hidden, generator, dtype), device)
-    return model, x, loss_function(model)
+    x = example_input(model, config.batch, config.seq, config.hidden, generator, dtype)
+    return model, to_device(x, device), loss_function(model)
 
 
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
-    return x
+def to_device(x: Any, device: torch.device) -> Any:
+    """``x`` with every tensor in it moved to ``device``, its containers rebuilt as they
+    were (named tuples, ``OrderedDict``, dataclasses, types in PyTorch's pytree registry
+    such as a Hugging Face ``ModelOutput``): recomp's own walk of arguments."""
+    leaves, spec = BACKEND.flatten(x)
+    moved = [v.to(device) if isinstance(v, torch.Tensor) else v for v in leaves]
+    return BACKEND.unflatten(moved, spec)
 
 
 class Trainer:
@@ -158,20 +164,21 @@ def _profile(
     return profile(model, x, loss_fn, clock=plan_clock(config), optimizer=sgd)
 
 
-def make_plans(config: BenchConfig, strategies: list[str]) -> dict[str, Any]:
-    """Profile the model once and make the plan of each ``plan@B`` strategy."""
+def make_plans(config: BenchConfig, strategies: list[str]) -> PlanResult:
+    """Profile the model once and make the plan of each ``plan@B`` strategy (a budget no
+    plan meets gives an error instead)."""
     from recomp.plan import make_plan
 
     torch.set_num_threads(max(1, config.threads))
     model, x, loss_fn = build(config)
     prof = _profile(config, model, x, loss_fn)
-    plans: dict[str, Any] = {}
+    made = PlanResult(plans={}, profile=prof.to_dict(), clock=plan_clock(config))
     for strategy in strategies:
         try:
-            plans[strategy] = make_plan(prof, parse(strategy)[1] or "").to_dict()
+            made.plans[strategy] = make_plan(prof, parse(strategy)[1] or "").to_dict()
         except ValueError as exc:
-            plans[strategy] = {"error": f"{type(exc).__name__}: {exc}"}
-    return {"plans": plans, "profile": prof.to_dict(), "clock": plan_clock(config)}
+            made.errors[strategy] = f"{type(exc).__name__}: {exc}"
+    return made
 
 
 def reference_grads(config: BenchConfig) -> list[torch.Tensor | None]:
@@ -300,10 +307,40 @@ def time_strategies(
     config: BenchConfig,
     strategies: list[str],
     progress: Callable[[int, int], None] | None = None,
-) -> dict[str, dict[str, list[float]]]:
+) -> StepTimes:
     """Step times of all ``strategies`` in one process, interleaved: round ``r`` times one
     step of each strategy in turn, so that drifts of the machine hit them alike."""
     torch.set_num_threads(max(1, config.threads))
     # Same seed, same weights: every trainer starts from the same model.
     trainers = {s: Trainer(config, s) for s in strategies}
     return time_interleaved(trainers, config.steps, config.warmup, progress)
+
+
+def report_strategy(config: BenchConfig, strategy: str) -> Any:
+    """One forward of ``config``'s model under ``strategy`` (a benchmark strategy or a plan
+    file), its report taken before backward; the backward then runs, as in training."""
+    from recomp.plan import load_plan
+    from recomp.torch import label_layers, saved_tensors_report
+
+    model, x, loss_fn = build(config)
+    if strategy.endswith(".json"):
+        if not os.path.exists(strategy):
+            raise FileNotFoundError(f"plan file {strategy!r} not found")
+        prepared = prepare(f"plan@{os.path.basename(strategy)}", model, load_plan(strategy))
+    elif parse(strategy)[0] == "plan":  # plan@BUDGET: profiled and planned here
+        prepared = prepare(strategy, model, plan_for(config, strategy, model, x, loss_fn))
+    else:
+        prepared = prepare(strategy, model)
+    model = prepared.model
+    model.train()
+    # Layers without a checkpoint are named through hooks; checkpointed ones by their checkpoint.
+    with warnings.catch_warnings(), label_layers(model, [path for path, _ in layers_of(model)]):
+        # label_layers' hook only names layers; what selective checkpoints keep is found
+        # without it, so PyTorch's notice about such hooks around them does not apply.
+        warnings.filterwarnings(
+            "ignore", message="A saved_tensors_hooks context", category=FutureWarning
+        )
+        loss = loss_fn(call_model(model, x))
+    report = saved_tensors_report(loss, model=model, inputs=x)
+    loss.backward()
+    return report

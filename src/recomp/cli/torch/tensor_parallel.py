@@ -23,8 +23,9 @@ Strategies (recomp's checkpoints, per layer):
 ``exclude-attn:no-keep``    ``exclude-attn`` with ``exclude_collectives=False``
 ==========================  ======================================================
 
-The parent (``run``) starts the ranks as ``python -m recomp.bench.tensor_parallel``,
-bounded in time; every rank it started is gone when it returns.
+The parent (``run``) starts the ranks as ``python -m recomp.cli.torch.tensor_parallel``,
+bounded in time; every rank it started, and every file of the run, is gone when it
+returns or raises.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ import tempfile
 import time
 from typing import Any
 
-from .config import DEFAULT_MODEL, BenchConfig
-from .memory import child_env, malloc_in_use
+from ..config import DEFAULT_MODEL, BenchConfig
+from ..jobs import child_environment
+from ..memory import malloc_in_use
 
 TP_STRATEGIES = ("none", "full", "full:no-keep", "exclude-attn", "exclude-attn:no-keep")
 NO_KEEP = ":no-keep"
@@ -204,7 +206,7 @@ def measure_rank(config: BenchConfig, strategies: list[str], mesh: Any) -> list[
 
 
 def rank_main(config_path: str, out_dir: str) -> int:
-    """One rank: ``python -m recomp.bench.tensor_parallel CONFIG.json OUT_DIR`` with RANK,
+    """One rank: ``python -m recomp.cli.torch.tensor_parallel CONFIG.json OUT_DIR`` with RANK,
     WORLD_SIZE and RECOMP_BENCH_INIT (a ``file://`` rendezvous) in the environment."""
     import torch
     import torch.distributed as dist
@@ -242,27 +244,48 @@ def run(
 ) -> list[dict[str, Any]]:
     """Start ``tp`` ranks, wait at most ``timeout`` seconds, return rank 0's rows.
 
-    Raises ``RuntimeError`` with the tail of a failed rank's output; on failure or
-    timeout every rank still running is killed first."""
+    Raises ``RuntimeError`` with the tail of a failed rank's output; on failure, timeout
+    or an exception here (Ctrl-C) every rank still running is killed first, and the
+    run's directory (task, logs, rendezvous, the ranks' temporary files) is removed."""
     check_config(config, tp, strategies)
-    work = tempfile.mkdtemp(prefix="recomp-bench-tp-")
-    task_path = os.path.join(work, "task.json")
-    with open(task_path, "w") as f:
-        json.dump(
-            {"config": config.to_dict(), "strategies": strategies, "timeout": int(timeout)}, f
-        )
-    env = child_env(config.threads)
-    env["RECOMP_BENCH_INIT"] = f"file://{os.path.join(work, 'rendezvous')}"
-    env["WORLD_SIZE"] = str(tp)
-    logs = [os.path.join(work, f"rank{r}.log") for r in range(tp)]
+    with tempfile.TemporaryDirectory(prefix="recomp-tp-") as work:
+        task_path = os.path.join(work, "task.json")
+        with open(task_path, "w") as f:
+            json.dump(
+                {"config": config.to_dict(), "strategies": strategies, "timeout": int(timeout)}, f
+            )
+        scratch = os.path.join(work, "tmp")
+        os.mkdir(scratch)
+        env = child_environment(config.threads, scratch)
+        env["RECOMP_BENCH_INIT"] = f"file://{os.path.join(work, 'rendezvous')}"
+        env["WORLD_SIZE"] = str(tp)
+        logs = [os.path.join(work, f"rank{r}.log") for r in range(tp)]
+        codes, failure = _run_ranks(task_path, work, env, logs, timeout)
+        if failure is None and any(c != 0 for c in codes):
+            failure = f"exit codes {codes}"
+        if failure is not None:
+            bad = next((r for r, c in enumerate(codes) if c != 0), 0)
+            with open(logs[bad], errors="replace") as f:
+                tail = f.read()[-3000:]
+            raise RuntimeError(f"recomp bench --tp {tp}: {failure}; rank {bad} wrote:\n{tail}")
+        with open(os.path.join(work, "rank0.json")) as f:
+            rows: list[dict[str, Any]] = json.load(f)
+    return rows
+
+
+def _run_ranks(
+    task_path: str, work: str, env: dict[str, str], logs: list[str], timeout: float
+) -> tuple[list[int | None], str | None]:
+    """Run one process per log until all have ended; their exit codes, and what went
+    wrong if they were stopped (every rank is gone when this returns or raises)."""
     procs: list[subprocess.Popen[bytes]] = []
     failure = None
     try:
-        for rank in range(tp):
-            with open(logs[rank], "wb") as log:
+        for rank, log_path in enumerate(logs):
+            with open(log_path, "wb") as log:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "recomp.bench.tensor_parallel", task_path, work],
+                        [sys.executable, "-m", "recomp.cli.torch.tensor_parallel", task_path, work],
                         env={**env, "RANK": str(rank)},
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -286,17 +309,7 @@ def run(
             if p.poll() is None:
                 p.kill()
             p.wait()
-    codes = [p.returncode for p in procs]
-    if failure is None and any(c != 0 for c in codes):
-        failure = f"exit codes {codes}"
-    if failure is not None:
-        bad = next((r for r, c in enumerate(codes) if c != 0), 0)
-        with open(logs[bad], errors="replace") as f:
-            tail = f.read()[-3000:]
-        raise RuntimeError(f"recomp bench --tp {tp}: {failure}; rank {bad} wrote:\n{tail}")
-    with open(os.path.join(work, "rank0.json")) as f:
-        rows: list[dict[str, Any]] = json.load(f)
-    return rows
+    return [p.returncode for p in procs], failure
 
 
 MiB = float(1 << 20)

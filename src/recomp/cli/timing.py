@@ -1,12 +1,13 @@
-"""What the PyTorch and MindSpore runners share (no framework imports): the interleaved
-timing loop, step-time statistics and the region counters of exclude wrappers."""
+"""Step timing that the PyTorch and MindSpore runners share (no framework imports): the
+interleaved timing loop and step-time statistics."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 
 class Stepper(Protocol):
@@ -19,12 +20,20 @@ class Stepper(Protocol):
         """Wait until the device has finished the work queued so far."""
 
 
+@dataclass
+class StepTimes:
+    """Step times of a timing run in seconds, by strategy: wall time and process CPU time."""
+
+    wall: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+
+
 def time_interleaved(
     steppers: Mapping[str, Stepper],
     steps: int,
     warmup: int,
     progress: Callable[[int, int], None] | None = None,
-) -> dict[str, dict[str, list[float]]]:
+) -> StepTimes:
     """Wall and process CPU time of ``steps`` steps of every stepper, interleaved: round
     ``r`` times one step of each in turn (in reverse order every other round, so that no
     strategy always follows the same one), so that drifts of the machine hit them alike.
@@ -47,7 +56,7 @@ def time_interleaved(
             cpu[s].append(time.process_time() - c0)
         if progress is not None:
             progress(r + 1, steps)
-    return {"wall": wall, "cpu": cpu}
+    return StepTimes(wall, cpu)
 
 
 def summarize_times(times: list[float]) -> tuple[float, float]:
@@ -59,24 +68,3 @@ def summarize_times(times: list[float]) -> tuple[float, float]:
         return statistics.median(times), max(times) - min(times)
     q = statistics.quantiles(times, n=4)
     return statistics.median(times), q[2] - q[0]
-
-
-def region_counts(exclude_wrappers: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
-    """``region_runs`` and ``region_skips`` of each excluded region, by name."""
-    runs = {n: int(w.region_runs) for n, w in exclude_wrappers.items()}
-    skips = {n: int(w.region_skips) for n, w in exclude_wrappers.items()}
-    return runs, skips
-
-
-def count_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    """Per-name difference of two counter snapshots."""
-    return {k: after[k] - before.get(k, 0) for k in after}
-
-
-def saved_bytes(wrappers: dict[str, Any]) -> dict[str, int]:
-    """Bytes each excluded region keeps (recomp's ``region_saved_bytes``), where available."""
-    return {
-        name: int(w.region_saved_bytes)
-        for name, w in wrappers.items()
-        if hasattr(w, "region_saved_bytes")
-    }
