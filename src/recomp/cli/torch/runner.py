@@ -24,9 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...plan.modelcall import call_model, example_input, loss_function
+from ...plan.modelcall import call_model, example_input, loss_function, map_tensors
 from ...torch import _compat
-from ...torch._backend import BACKEND
 from ..config import BenchConfig, call_factory, load_factory, row_label
 from ..counters import count_delta, region_counts, saved_bytes
 from ..messages import PlanResult
@@ -52,11 +51,8 @@ def build(config: BenchConfig) -> tuple[nn.Module, Any, Callable[[Any], torch.Te
 
 def to_device(x: Any, device: torch.device) -> Any:
     """``x`` with every tensor in it moved to ``device``, its containers rebuilt as they
-    were (named tuples, ``OrderedDict``, dataclasses, types in PyTorch's pytree registry
-    such as a Hugging Face ``ModelOutput``): recomp's own walk of arguments."""
-    leaves, spec = BACKEND.flatten(x)
-    moved = [v.to(device) if isinstance(v, torch.Tensor) else v for v in leaves]
-    return BACKEND.unflatten(moved, spec)
+    were (``recomp.plan.modelcall.map_tensors``)."""
+    return map_tensors(lambda t: t.to(device), x)
 
 
 class Trainer:
