@@ -12,7 +12,7 @@ unique in a report (``"3a"``, ``"5 torch+inductor"``, ``"6b plan@50%"``), the me
 figures it was judged on, and a verdict: met, MISSED, or n/a where a strategy it needs
 was not run. The exact relations among them (replay FLOPs of ``exclude-attn`` equal to
 ``full``'s minus the excluded FLOPs; one activation per layer less than ``keep-R`` in the
-deferred-input scenario) are also asserted, exactly, by ``tests/test_bench.py``.
+deferred-input scenario) are also asserted, exactly, by ``tests/cli/test_bench.py``.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-# Tests import the helper modules next to them (models, memory readers).
-sys.path.insert(0, os.path.dirname(__file__))
+# Tests import the helper modules in tests/support (models, memory readers, paths).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 
 def pytest_configure(config):  # type: ignore[no-untyped-def]
@@ -52,7 +52,7 @@ def seeded():
 
 @pytest.fixture(params=["torch", "mindspore"])
 def fw(request):
-    """The framework adapter (``tests/frameworks.py``) of a test written once for both."""
+    """The framework adapter (``tests/support/frameworks.py``) of a test written once for both."""
     pytest.importorskip(request.param)
     import frameworks
 

@@ -1,6 +1,6 @@
 """Tests of ``recomp bench``'s measuring code: FLOP accounting, the memory reader, strategy
 set-up, the JSON it writes. Tiny configurations only. (The project's targets, judged from
-that JSON by ``benchmarks/targets.py``: tests/test_benchmark_targets.py.)"""
+that JSON by ``benchmarks/targets.py``: tests/cli/test_benchmark_targets.py.)"""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+import paths
+
 torch = pytest.importorskip("torch")
 
 from recomp.cli.config import BenchConfig  # noqa: E402
@@ -25,7 +27,7 @@ from recomp.cli.results import Result, load_report  # noqa: E402
 from recomp.cli.tables import table  # noqa: E402
 from recomp.cli.timing import summarize_times  # noqa: E402
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+SRC = str(paths.SRC)
 
 TINY = BenchConfig(layers=2, hidden=32, heads=2, seq=16, batch=2, steps=2)
 B, S, H, L = TINY.batch, TINY.seq, TINY.hidden, TINY.layers

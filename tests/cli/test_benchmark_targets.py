@@ -12,9 +12,10 @@ from dataclasses import replace
 
 import pytest
 
+import paths
 from recomp.cli.results import Offload, PlanCheck, Result, WrapperOverhead, load_report
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(paths.ROOT)
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 
 
@@ -85,7 +86,7 @@ def test_target_ids_are_unique_with_offload_compiled_and_plan_rows():
 
 def test_offload_target_is_judged_on_a_gpu_only():
     """Rows as ``measure_strategy`` gives them for exclude-attn-offload (see
-    tests/test_torch_offload.py): on the CPU host bytes are shown, nothing is judged."""
+    tests/torch/test_offload.py): on the CPU host bytes are shown, nothing is judged."""
     kept = 8192
     moved = Offload(host_bytes=kept, restored_bytes=kept, prefetched_bytes=0, copy_s=0.0)
     forced = _result("exclude-attn-offload", offload=moved, device="cpu", peak_bytes=1000)
@@ -102,7 +103,7 @@ def test_offload_target_is_judged_on_a_gpu_only():
 
 
 def test_compiled_target_of_each_backend():
-    """Compiled rows (``torch+aot_eager``, as tests/test_torch_compile.py measures them:
+    """Compiled rows (``torch+aot_eager``, as tests/torch/test_compile.py measures them:
     no FLOPs) get target 5 of their backend, judged on activation memory and step time."""
     rows = [
         Result("torch+aot_eager", "sac", activation_bytes=1000, step_time_s=1.0),
@@ -119,7 +120,7 @@ def test_compiled_target_of_each_backend():
 def plan_rows():
     """The rows of none, full, every@2 and plan@50% on a tiny model (measured in this
     process), with their plan, step times and activation bytes set as
-    tests/test_plan.py::test_bench_plan_predictions_and_summary sets them."""
+    tests/plan/test_plan.py::test_bench_plan_predictions_and_summary sets them."""
     pytest.importorskip("torch")
     from recomp.cli.config import BenchConfig
     from recomp.cli.predictions import attach_predictions

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import paths
 from recomp.cli.config import BenchConfig
 from recomp.cli.messages import (
     MeasureResult,
@@ -25,7 +26,7 @@ from recomp.cli.messages import (
 from recomp.cli.results import Result, WrapperOverhead
 from recomp.cli.timing import StepTimes
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+SRC = str(paths.SRC)
 CONFIG = BenchConfig(layers=1, hidden=32, heads=2, seq=16, batch=1, extra={"ms_model": "m:f"})
 
 

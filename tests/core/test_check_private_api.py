@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+import paths
+
+ROOT = paths.ROOT
 
 
 def test_no_private_api_outside_the_compat_modules():

@@ -11,7 +11,9 @@ from __future__ import annotations
 import ast
 import pathlib
 
-SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
+import paths
+
+SRC = paths.SRC
 PACKAGE = SRC / "recomp"
 
 # Rank of each layer; a module may import its own layer's modules and lower layers only.

@@ -1,7 +1,7 @@
 """Excluded regions inside recomp checkpoints, the behaviour both frameworks share:
 run counts, gradients, errors, and what a failure leaves behind.
 
-Each test runs once per framework (the ``fw`` fixture, ``tests/frameworks.py``).
+Each test runs once per framework (the ``fw`` fixture, ``tests/support/frameworks.py``).
 Every gradient comparison is exact against the same model without checkpoints:
 on CPU, with the same op order, the results are bitwise identical, so any replay
 or caching mistake shows. Behaviour that differs between the frameworks is

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import pytest
+
+# The tests and their rank processes import the case modules and the harness next to
+# this file (pytest's importlib mode puts no test directory on sys.path).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 from dist_harness import launch_ranks, run_command
 
 

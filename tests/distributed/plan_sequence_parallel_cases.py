@@ -15,12 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _dist_common import seeded
-from sequence_parallel_cases import build
 from torch.distributed.device_mesh import init_device_mesh
 
 from recomp.cli.memory import malloc_in_use
 from recomp.plan import apply_plan, make_plan, profile
 from recomp.torch.collectives import count_collectives
+from sequence_parallel_cases import build
 
 # Large enough that the activations dwarf the autograd graph's and DTensor's own objects.
 SIZES = {"layers": 2, "hidden": 128, "heads": 4, "ffn": 256}

@@ -16,6 +16,7 @@ import os
 import sys
 
 import pytest
+
 from dist_harness import child_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]

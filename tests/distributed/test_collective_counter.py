@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from dist_harness import child_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]

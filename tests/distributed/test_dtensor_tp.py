@@ -10,6 +10,7 @@ from the parallelized model without recomp.
 from __future__ import annotations
 
 import pytest
+
 from report_checks import (
     VARIANTS,
     assert_all_checks_pass,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from dist_harness import EXAMPLES, TORCHRUN, run_torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]

@@ -7,6 +7,7 @@ import os
 import time
 
 import pytest
+
 from dist_harness import TORCHRUN, launch_ranks, run_torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from dist_harness import EXAMPLES, child_env, free_port
 from report_checks import (
     VARIANTS,

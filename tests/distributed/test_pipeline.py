@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+
 from pipeline_cases import CONTROLS, MICRO, SCHEDULES, SPLIT_BACKWARD
 
 

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 FLOAT32 = 4
 WORLD_SIZE = 2
-# As tests/test_plan.py: the autograd graph's own objects are not modelled (more of them
+# As tests/plan/test_plan.py: the autograd graph's own objects are not modelled (more of them
 # here: DTensor wraps every tensor an op saves), 1% of the prediction plus this per layer.
 GRAPH_BYTES_PER_LAYER = 48 * 1024
 

@@ -11,6 +11,7 @@ tensor-parallel model by a single bit.
 from __future__ import annotations
 
 import pytest
+
 from report_checks import (
     VARIANTS,
     assert_all_checks_pass,

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import pathlib
 import re
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+import paths
+
+README = paths.README
 
 
 def examples() -> dict[str, str]:

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import paths
+
 transformers = pytest.importorskip("transformers")
 
 from transformers import (  # noqa: E402
@@ -35,7 +37,7 @@ import recomp  # noqa: E402
 from recomp.torch import ExcludeWrapper, apply_activation_checkpointing  # noqa: E402
 from recomp.torch import unwrap as rt_unwrap  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = paths.ROOT
 SEQ = 8
 SMALL = dict(
     hidden_size=64,
@@ -283,7 +285,7 @@ def test_debug_report_lists_ops_with_regions_run_and_skipped() -> None:
     assert "excluded region 'proj' runs" in forward and "skipped" not in forward
     assert "excluded region 'proj' skipped: cached output returned" in replay
     assert "aten.tanh.default(float32[4, 8]) -> float32[4, 8]" in forward
-    assert "test_hf.py" in forward  # each op names the line of user code that ran it
+    assert "integrations/test_hf_transformers.py" in forward  # each op names the line of user code that ran it
     assert "First difference: forward op" in replay
     assert "is aten.sin.default, replay op" in replay and "is aten.slice.Tensor" in replay
 

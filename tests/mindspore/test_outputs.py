@@ -1,6 +1,6 @@
 """What real code passes to and returns from excluded regions (MindSpore PyNative).
 
-The same guarantees as tests/test_torch_outputs.py: containers come back as
+The same guarantees as tests/torch/test_outputs.py: containers come back as
 their own type (mindnlp's ``ModelOutput`` is an ``OrderedDict`` subclass), a
 region that changes its input in place and a region whose output later code
 changes in place (``copy_output``) give the unwrapped model's gradients.
@@ -32,7 +32,7 @@ class ModelOutput(OrderedDict):
             raise AttributeError(key) from None
 
 
-# the containers both frameworks have are tested in test_regions.py
+# the containers both frameworks have are tested in core/test_regions.py
 CONTAINERS = {
     "ModelOutput": (lambda a, b: ModelOutput(h=a, s=b), lambda o: o.h * o.s),
 }

@@ -19,6 +19,8 @@ import warnings
 import numpy as np
 import pytest
 
+import paths
+
 ms = pytest.importorskip("mindspore")  # the PyTorch-only environments skip this file
 
 import recomp  # noqa: E402
@@ -166,7 +168,7 @@ def test_dropout_rebound_before_recomp_is_imported_is_not_reported(tmp_path):
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(paths.SUPPORT), *sys.path])}
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
     )

@@ -198,7 +198,7 @@ def test_random_program_gradients_match_unwrapped(program):
 @pytest.fixture
 def recover_mindspore():
     """After an exception escapes an ms.grad forward, MindSpore 2.10 needs its PyNative
-    executor's resources cleared (see tests/test_mindspore.py)."""
+    executor's resources cleared (see tests/mindspore/test_exclude.py)."""
     yield
     from mindspore.graph.api import _pynative_executor
 

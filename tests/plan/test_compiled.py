@@ -15,6 +15,8 @@ import json
 
 import pytest
 
+import paths
+
 torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
@@ -223,7 +225,7 @@ def test_cli_plans_for_a_compiled_model(tmp_path):
     from recomp.cli.memory import child_env
 
     env = child_env(1)
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    src = str(paths.SRC)
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     tiny = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2"]
 

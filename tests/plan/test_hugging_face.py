@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+import paths
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
@@ -29,14 +31,14 @@ from recomp.plan.profiler import find_candidates, find_layers  # noqa: E402
 from recomp.torch import ExcludeWrapper  # noqa: E402
 from torch_models import assert_same_grads  # noqa: E402
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(TESTS), "src")
+SUPPORT = str(paths.SUPPORT)
+SRC = str(paths.SRC)
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2"]
 
 
 def _recomp(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = child_env(1)
-    env["PYTHONPATH"] = os.pathsep.join([SRC, TESTS, *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([SRC, SUPPORT, *filter(None, [env.get("PYTHONPATH")])])
     return subprocess.run(
         [sys.executable, "-m", "recomp", *args],
         capture_output=True,

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+import paths
 from recomp.plan import (
     BudgetTooSmallError,
     LayerOptions,
@@ -38,7 +39,7 @@ from recomp.cli.config import BenchConfig, intermediate_size  # noqa: E402
 from recomp.cli.memory import child_env  # noqa: E402
 from torch_models import Block, assert_same_grads, grads_of, stack  # noqa: E402
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+SRC = str(paths.SRC)
 MiB = 1 << 20
 
 
@@ -731,7 +732,7 @@ def test_bench_plan_predictions_and_summary(bench_rows):
     assert "plan@50%" in plan_summary(rows)
     text = comparison(rows[3], rows[0])
     assert "activation memory (MiB)" in text and "replay (GFLOP)" in text
-    # How the plan targets judge these rows: tests/test_benchmark_targets.py.
+    # How the plan targets judge these rows: tests/cli/test_benchmark_targets.py.
 
 
 def test_import_recomp_plan_stays_framework_free():
@@ -798,7 +799,7 @@ def test_plan_on_an_hf_llama_called_with_keywords():
 def test_an_eager_plan_applies_through_a_compiled_wrapper(small):
     """An eager plan (a profile of the module itself) applied to ``torch.compile(model)``
     wraps the original module, which the compiled wrapper calls. (A profile of the
-    compiled wrapper is a compiled one: tests/test_plan_compiled.py.)"""
+    compiled wrapper is a compiled one: tests/plan/test_compiled.py.)"""
     from recomp.plan import apply_plan, make_plan, profile
     from recomp.torch import CheckpointWrapper
 

@@ -1,5 +1,5 @@
 """One small adapter per framework, for the tests of behaviour that is the same on
-both (``tests/test_regions.py``): the ``fw`` fixture in ``conftest.py`` hands one out.
+both (``tests/core/test_regions.py``): the ``fw`` fixture in ``conftest.py`` hands one out.
 
 Each adapter builds layers and inputs, runs a gradient step and compares gradients
 the way that framework's own tests do: exactly (``np.array_equal``), since on CPU

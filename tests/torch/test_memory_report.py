@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+import paths
 import recomp.torch as rt
 from memory import run_measured
 from recomp._report import (
@@ -91,12 +92,11 @@ def test_total_is_the_activation_memory_the_allocator_sees():
     decoder) and attention-excluded checkpointing: within 2% of the heap the forward left in use, as the benchmark measures
     it (the rest is autograd's nodes and Python objects). Per-region sums are
     region_saved_bytes, except what two regions share; nothing is left after backward."""
-    import os
 
     pytest.importorskip("transformers")
     cases = [(DECODER, s, 256, 512) for s in ("none", "full", "sac", "exclude-attn")]
     cases += [(HF_LLAMA, s, 256, 256) for s in ("none", "exclude-attn")]
-    figures = run_measured(MEASURE.format(tests=os.path.dirname(__file__), cases=cases))
+    figures = run_measured(MEASURE.format(tests=str(paths.SUPPORT), cases=cases))
     for case, f in figures.items():
         assert abs(f["total"] / f["measured"] - 1) < 0.02, (case, f)
         assert f["after_backward"] == 0, case

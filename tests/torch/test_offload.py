@@ -23,8 +23,8 @@ from memory import run_measured
 from recomp import _testing
 from recomp.errors import CachedValueMutatedError
 from recomp.torch import _offload
-from test_properties_torch import OPS, RegionModule, _region_params
 from torch_models import assert_same_grads, grads_of
+from torch_programs import OPS, RegionModule, region_params
 
 D = 16
 
@@ -396,7 +396,7 @@ def test_bad_arguments():
 
 def test_no_leak_over_1000_steps():
     """Heap and Python objects flat over 1,000 training steps (a child process with one
-    malloc arena, see tests/memory.py)."""
+    malloc arena, see tests/support/memory.py)."""
     result = run_measured(
         """
         import gc, torch, recomp.torch as rt
@@ -472,7 +472,7 @@ def _run_program(program, offloader):
     params = {n: nn.Parameter(torch.tensor(v)) for n, v in ps.items()}
 
     def region(r, fn):
-        target = RegionModule(fn, _region_params(r, params)) if r.as_module else fn
+        target = RegionModule(fn, region_params(r, params)) if r.as_module else fn
         return rt.checkpoint_exclude_wrapper(
             target, save_output=r.save_output, name=r.name, offload=offloader or False
         )
@@ -533,7 +533,7 @@ def test_bench_strategy_reports_host_bytes(monkeypatch):
     assert forced.region_runs == {"layers.0.attn": 1, "layers.1.attn": 1}
     forced.step_time_s = 1.0
     assert "host MiB/step" in table([forced])
-    # How the offload target judges such a row: tests/test_benchmark_targets.py.
+    # How the offload target judges such a row: tests/cli/test_benchmark_targets.py.
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -47,7 +47,7 @@ def _model_output(a, b):
 
 
 # name -> (build the region's output from two tensors, read it back into one tensor); the
-# containers both frameworks have are tested in test_regions.py
+# containers both frameworks have are tested in core/test_regions.py
 CONTAINERS = {
     "ModelOutput": (_model_output, lambda o: o.last_hidden_state * o.hidden_states[0]),
     "defaultdict": (

@@ -4,7 +4,7 @@ Each entry says why it is needed, the versions it was checked on, what happens
 if MindSpore changes it, and what public API would retire it. Nothing private
 is imported at module load: each entry looks its object up when first used and
 fails with a ``RecompError`` that names the missing piece, so a rename upstream
-breaks only the feature that needs it. ``tests/test_compat_mindspore.py`` has one test per
+breaks only the feature that needs it. ``tests/mindspore/test_compat.py`` has one test per
 entry that fails when MindSpore changes underneath.
 
 Checked on MindSpore 2.10.0 (PyNative, CPU).

@@ -1,6 +1,6 @@
 """``recomp.torch._compat.compile``: what a recomp checkpoint needs under ``torch.compile``.
 Each test fails when PyTorch changes what recomp relies on. The compiled plans' use of
-the partitioner is checked against real compiled runs in ``tests/test_plan_compiled.py``."""
+the partitioner is checked against real compiled runs in ``tests/plan/test_compiled.py``."""
 
 from __future__ import annotations
 

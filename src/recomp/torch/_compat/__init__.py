@@ -12,7 +12,7 @@ versions apart, an entry says which versions take which path and how it detects 
 (by feature, not by version number).
 
 The package is split by the kind of consumer; everything is re-exported here, and recomp
-uses it as ``_compat.name``. Each module has a test file ``tests/test_compat_<module>.py``
+uses it as ``_compat.name``. Each module has a test file ``tests/torch/compat/test_<module>.py``
 with one test per entry that fails when PyTorch changes underneath.
 
 ``engine``

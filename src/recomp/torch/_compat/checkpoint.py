@@ -5,7 +5,7 @@ what it leaves open when its function raises.
 Consumers: ``torch/_backend.py`` (the save counter), ``torch/_kept.py`` (the top hooks,
 their holders and marks), ``torch/_debug.py`` (the debug switch, the top hooks),
 ``torch/_api.py`` and ``torch/_hf.py`` (closing a failed checkpoint).
-Tested by ``tests/test_compat_checkpoint.py``.
+Tested by ``tests/torch/compat/test_checkpoint.py``.
 """
 
 from __future__ import annotations

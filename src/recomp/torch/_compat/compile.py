@@ -4,7 +4,7 @@ compiled plans (the partitioner asked at a memory budget).
 Consumers: ``torch/_compile.py`` (the bypassing wrapper, the warning given at trace
 time), the planner (``plan/compiled.py``, ``plan/apply.py``, ``plan/profiler.py``) and
 the benchmark runner (the memory budget and a backend of its own per compile).
-Tested by ``tests/test_compat_compile.py``.
+Tested by ``tests/torch/compat/test_compile.py``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def dynamo_bypassing_wrapper() -> Callable[..., Any] | None:
     If it changes: None; a compiled recomp checkpoint then recomputes its excluded
     regions, as a compiled PyTorch checkpoint does, and warns once
     (``ForeignCheckpointWarning``); eager mode is unaffected.
-    ``tests/test_compat_compile.py`` checks that the op exists and that its mark reaches the
+    ``tests/torch/compat/test_compile.py`` checks that the op exists and that its mark reaches the
     partitioner.
     Retired by: a public way to tag the nodes of a traced region.
     """
@@ -125,7 +125,7 @@ def partitioning_backend(backend: str, on_joint: Callable[..., None]) -> tuple[A
     partitions with ``min_cut_rematerialization_partition`` and no decompositions.
     Generating code is not needed, so the forward and backward compilers are no-ops
     (``make_boxed_compiler``). Checked on 2.9.1 and 2.14.1.
-    If it changes: an ImportError or a changed graph; ``tests/test_plan_compiled.py`` checks
+    If it changes: an ImportError or a changed graph; ``tests/plan/test_compiled.py`` checks
     that the predicted bytes match a real compiled run.
     Retired by: a public API to query the partitioner's choice at a budget.
     """

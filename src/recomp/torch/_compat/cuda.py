@@ -2,7 +2,7 @@
 
 Consumers: ``torch/_backend.py`` (labelling an excluded region's allocations) and
 ``torch/_oom_report.py`` (the report on an out-of-memory error).
-Tested by ``tests/test_compat_cuda.py`` (on a CPU only what holds without CUDA).
+Tested by ``tests/torch/compat/test_cuda.py`` (on a CPU only what holds without CUDA).
 """
 
 from __future__ import annotations

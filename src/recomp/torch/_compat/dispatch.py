@@ -6,7 +6,7 @@ Consumers: ``torch/_offload.py``, ``torch/_kept.py`` and ``torch/_collective_cac
 arguments), ``torch/_backend.py`` (hiding selective checkpointing's modes),
 ``torch/collectives.py`` and ``torch/_debug.py`` (``TorchDispatchMode``, operator names),
 the planner (``ops_named``, ``cpu_attention_ops``) and the benchmark (``op_flop_counter``).
-Tested by ``tests/test_compat_dispatch.py``.
+Tested by ``tests/torch/compat/test_dispatch.py``.
 """
 
 from __future__ import annotations

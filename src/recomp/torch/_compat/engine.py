@@ -4,7 +4,7 @@ lives in, how often it was changed in place, and what the autograd engine is run
 Consumers: ``torch/_backend.py`` (the questions the framework-free engine asks),
 ``torch/_offload.py``, ``torch/_kept.py``, ``torch/_collective_cache.py``,
 ``torch/collectives.py``, ``torch/_memory_report.py`` and the planner's profiler.
-Tested by ``tests/test_compat_engine.py``.
+Tested by ``tests/torch/compat/test_engine.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 works with most closely: it is fenced here too.
 
 Consumers: ``torch/_hf.py`` (which layers keep their KV cache) and the planner's layer
-finder (``plan/_layers.py``). Tested by ``tests/test_compat_hf.py``.
+finder (``plan/_layers.py``). Tested by ``tests/torch/compat/test_hf.py``.
 """
 
 from __future__ import annotations

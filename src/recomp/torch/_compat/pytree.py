@@ -1,7 +1,7 @@
 """PyTorch's pytree registry, read by recomp's own walker of region outputs.
 
 Consumer: ``torch/_backend.py`` (the registry it hands the framework-free walker).
-Tested by ``tests/test_compat_pytree.py``.
+Tested by ``tests/torch/compat/test_pytree.py``.
 """
 
 from __future__ import annotations

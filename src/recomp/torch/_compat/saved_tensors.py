@@ -2,7 +2,7 @@
 unpacking it, and which checkpoint call a placeholder belongs to (its inputs, arguments,
 random states, replayed tensors, selective-checkpoint cache).
 
-Consumer: ``torch/_memory_report.py``. Tested by ``tests/test_compat_saved_tensors.py``.
+Consumer: ``torch/_memory_report.py``. Tested by ``tests/torch/compat/test_saved_tensors.py``.
 The reading needs ``SavedTensor.data``, which 2.14 has and 2.9 does not
 (``saved_values_readable``: without it the report raises, naming the PyTorch it needs).
 """
