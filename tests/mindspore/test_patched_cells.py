@@ -156,7 +156,7 @@ def test_dropout_rebound_before_recomp_is_imported_is_not_reported(tmp_path):
             import warnings
             import mindspore as ms
             from mindspore import nn, ops
-            from test_mindspore_patched_cells import Layer, RandLikeDropout
+            from test_patched_cells import Layer, RandLikeDropout
             nn.Dropout = RandLikeDropout
             import recomp, recomp.mindspore as rm
             layer = Layer()
@@ -168,7 +168,8 @@ def test_dropout_rebound_before_recomp_is_imported_is_not_reported(tmp_path):
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(paths.SUPPORT), *sys.path])}
+    here = os.path.dirname(os.path.abspath(__file__))  # this module, imported by name there
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, str(paths.SUPPORT), *sys.path])}
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
     )

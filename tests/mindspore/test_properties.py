@@ -1,6 +1,6 @@
 """Property test: random programs give the same gradients with recomp as without it (MindSpore).
 
-The same random programs as ``test_properties_torch`` (see ``random_programs``),
+The same random programs as ``tests/torch/test_properties.py`` (see ``random_programs``),
 interpreted with MindSpore ops in PyNative mode on CPU, with ``mindspore.grad``.
 The same comparisons: bitwise equal to the plain run, or, where recomp added its
 boundary node, bitwise equal to the plain run with an identity node in its place

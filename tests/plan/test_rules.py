@@ -206,7 +206,7 @@ class ProgramModel(nn.Module):
 
     def __init__(self, program: Any) -> None:
         super().__init__()
-        from test_properties_torch import OPS
+        from torch_programs import OPS
 
         self.ops, self.program = OPS, program
         _, params = rp.initial_values(program)
