@@ -18,6 +18,11 @@ def pytest_configure(config):  # type: ignore[no-untyped-def]
     config.addinivalue_line(
         "markers", "inductor: compiles with torch.compile's inductor backend (builds C++, slow)"
     )
+    config.addinivalue_line(
+        "markers",
+        "system: a whole command, several processes, a compiler backend or a long soak; "
+        "run by `make test-system` (and CI), not by `make test`",
+    )
 
 
 @pytest.fixture
