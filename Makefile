@@ -22,7 +22,7 @@ TITAN_STAMP := $(TITAN_VENV)/.installed-$(shell cat pyproject.toml $(TITAN_REQUI
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: demo test test-torch-range test-torchtitan lint typecheck unit clean
+.PHONY: demo test test-system test-all dev-env torch-range-env test-torch-range test-torchtitan lint typecheck unit clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,20 +43,36 @@ $(TITAN_STAMP): pyproject.toml $(TITAN_REQUIREMENTS)
 demo: $(STAMP)
 	$(PY) -m recomp bench --framework all --json out/bench.json --plot out/bench.png
 
-## Everything CI checks: lint, types, and the whole test suite.
+## What to run before every commit: lint, types, and the tests except the system-level ones.
 test: lint typecheck unit
 
+## The system-level tests (marked `system`): whole commands, several processes, compiler
+## backends, long soaks. CI runs them after `make test`.
+test-system: $(STAMP)
+	RECOMP_TEST_REQUIRE=torch,mindspore $(PY) -m pytest -q $(PYTEST_PARALLEL) -m system
+
+## Everything CI checks, in the dev set.
+test-all: test test-system
+
 lint: $(STAMP)
-	$(PY) -m ruff check src tests examples tools
+	$(PY) -m ruff check src tests examples tools benchmarks
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
 unit: $(STAMP)
-	RECOMP_TEST_REQUIRE=torch,mindspore $(PY) -m pytest -q $(PYTEST_PARALLEL)
+	RECOMP_TEST_REQUIRE=torch,mindspore $(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not system"
 
-## The PyTorch tests on the oldest supported PyTorch (2.9.1), in their own environment.
-## The MindSpore tests skip there (MindSpore 2.10 needs numpy<2; the dev set runs them).
+## The development environment alone (what every target above sets up first).
+dev-env: $(STAMP)
+
+## The oldest supported PyTorch's environment (about 7 GB downloaded: .ci/run builds it
+## while the dev set's tests run).
+torch-range-env: $(RANGE_STAMP)
+
+## The PyTorch tests on the oldest supported PyTorch (2.9.1), in their own environment,
+## system-level ones included. The MindSpore tests skip there (MindSpore 2.10 needs
+## numpy<2; the dev set runs them).
 test-torch-range: $(RANGE_STAMP)
 	RECOMP_TEST_REQUIRE=torch $(RANGE_PY) -m pytest -q $(PYTEST_PARALLEL)
 

@@ -25,6 +25,13 @@ def pytest_configure(config):  # type: ignore[no-untyped-def]
     )
 
 
+def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
+    # Inductor builds C++ for every graph: what it compiles is a system-level test too.
+    for item in items:
+        if item.get_closest_marker("inductor") is not None:
+            item.add_marker(pytest.mark.system)
+
+
 @pytest.fixture
 def recover_mindspore():
     """MindSpore 2.10 bug, independent of recomp: after any exception escapes an

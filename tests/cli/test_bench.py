@@ -386,6 +386,7 @@ def _bench(tmp_path, *args: str) -> dict:
     return report
 
 
+@pytest.mark.system  # the whole recomp bench command
 def test_json_schema_torch(tmp_path):
     reports = tmp_path / "reports"
     report = _bench(tmp_path, "--strategies", "none,full,exclude-attn", "--report", str(reports))
@@ -419,6 +420,7 @@ def _mindspore_ready() -> bool:
     return True
 
 
+@pytest.mark.system  # the whole recomp bench command
 @pytest.mark.skipif(not _mindspore_ready(), reason="recomp.mindspore not importable")
 def test_json_schema_mindspore(tmp_path):
     report = _bench(tmp_path, "--framework", "mindspore")
@@ -505,6 +507,7 @@ def _gone(pid: int, timeout: float = 15.0) -> bool:
         time.sleep(0.1)
 
 
+@pytest.mark.system  # recomp bench with its child processes
 def test_a_failing_child_leaves_no_temporary_files(tmp_path):
     proc, env = _stuck_bench(tmp_path, crash=True)
     try:
@@ -518,6 +521,7 @@ def test_a_failing_child_leaves_no_temporary_files(tmp_path):
     assert os.listdir(env["TMPDIR"]) == []
 
 
+@pytest.mark.system  # recomp bench with its child processes
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_ctrl_c_stops_the_children_and_leaves_no_temporary_files(tmp_path):
     proc, env = _stuck_bench(tmp_path, crash=False)
@@ -543,6 +547,7 @@ def test_ctrl_c_stops_the_children_and_leaves_no_temporary_files(tmp_path):
     assert os.listdir(env["TMPDIR"]) == []
 
 
+@pytest.mark.system  # the whole recomp report command
 def test_report_leaves_no_temporary_files(tmp_path):
     env = _fresh_tmpdir(tmp_path)
     png = tmp_path / "report.png"

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.distributed, pytest.mark.system, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")

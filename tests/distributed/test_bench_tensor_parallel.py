@@ -19,7 +19,7 @@ import pytest
 
 from dist_harness import child_env
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.system, pytest.mark.timeout(300)]
 
 LAYERS, HIDDEN, HEADS, SEQ, BATCH = 2, 128, 4, 128, 2
 TP = 2

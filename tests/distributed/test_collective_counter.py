@@ -13,7 +13,7 @@ import pytest
 
 from dist_harness import child_env
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.distributed, pytest.mark.system, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 
 from dist_harness import EXAMPLES, TORCHRUN, run_torchrun
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.distributed, pytest.mark.system, pytest.mark.timeout(240)]
 
 
 @pytest.mark.parametrize("name", ["tp", "moe", "fsdp2", "dtensor_tp"])

@@ -10,7 +10,7 @@ import pytest
 
 from dist_harness import TORCHRUN, launch_ranks, run_torchrun
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.distributed, pytest.mark.system, pytest.mark.timeout(120)]
 
 
 def _alive(pid: int) -> bool:

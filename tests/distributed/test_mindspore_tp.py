@@ -29,7 +29,7 @@ from report_checks import (
 
 pytest.importorskip("mindspore")
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.system, pytest.mark.timeout(300)]
 
 BIN = Path(sys.executable).parent
 MSRUN = shutil.which("msrun", path=str(BIN)) or shutil.which("msrun")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.distributed, pytest.mark.system, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ def _stage_setup_sends_int64() -> bool:
 
 pytestmark = [
     pytest.mark.distributed,
+    pytest.mark.system,
     pytest.mark.timeout(400),
     pytest.mark.skipif(
         _stage_setup_sends_int64(),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.distributed, pytest.mark.system, pytest.mark.timeout(240)]
 
 FLOAT32 = 4
 WORLD_SIZE = 2

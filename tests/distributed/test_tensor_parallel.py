@@ -20,7 +20,7 @@ from report_checks import (
     assert_replay_all_reduces_without_exclusion,
 )
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.distributed, pytest.mark.system, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")

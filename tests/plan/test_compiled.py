@@ -194,6 +194,7 @@ def test_the_loss_outside_the_model_is_counted():
         pytest.param("inductor", ["40%"], marks=pytest.mark.inductor),
     ],
 )
+@pytest.mark.system  # compiles and measures in child processes
 def test_predicted_bytes_are_the_allocators(backend, budgets):
     """The plan run compiled by the benchmark in a child process (one malloc arena):
     the activation memory read from the allocator is the prediction, plus at most 2 %
@@ -217,6 +218,7 @@ result = {{"made": made.to_dict(), "measured": {{s: measure_strategy(cfg, s).to_
         assert measured["max_grad_diff"] <= 1e-5
 
 
+@pytest.mark.system  # the whole recomp plan command
 def test_cli_plans_for_a_compiled_model(tmp_path):
     import os
     import subprocess
@@ -261,6 +263,7 @@ def test_cli_plans_for_a_compiled_model(tmp_path):
     assert refused.returncode == 2 and "--keep is for compiled plans" in refused.stderr
 
 
+@pytest.mark.system  # compiles an HF model at several budgets
 def test_a_hugging_face_model_called_with_keywords():
     """HF causal LMs are called with keyword arguments (Dynamo then names the modules from
     ``L['args'][0]``): the layers are found, their bytes attributed, the loss is the

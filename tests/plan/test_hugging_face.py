@@ -123,6 +123,7 @@ def test_help_states_the_model_protocol():
 # --------------------------------------------------------------------------- recomp plan
 
 
+@pytest.mark.system  # the whole recomp plan command
 @pytest.mark.parametrize("factory", ["tiny_llama", "tiny_qwen3"])
 def test_cli_plans_a_hugging_face_factory_and_the_plan_applies_to_a_fresh_model(tmp_path, factory):
     path = tmp_path / "plan.json"
@@ -164,6 +165,7 @@ def test_cli_plans_a_hugging_face_factory_and_the_plan_applies_to_a_fresh_model(
         assert wrapper.region_runs == 1, name
 
 
+@pytest.mark.system  # the whole recomp plan command
 def test_cli_measures_a_hugging_face_plan_within_two_percent_of_its_prediction():
     """The measured path: profile, plan, then the plan run in a child process with one
     malloc arena. At hidden 256 and sequence 256 the autograd graph's own nodes (not
@@ -201,6 +203,7 @@ def test_cli_measures_a_hugging_face_plan_within_two_percent_of_its_prediction()
 # --------------------------------------------------------------------------- recomp bench
 
 
+@pytest.mark.system  # the whole recomp bench command
 def test_bench_strategies_run_on_a_hugging_face_model():
     """The benchmark's strategies on the model's own layers: same gradients as no
     checkpointing, excluded regions run once."""

@@ -657,6 +657,7 @@ def _recomp(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.system  # the whole recomp plan command
 def test_cli_plan_writes_the_plan_and_refuses_a_budget_below_the_minimum(tmp_path):
     path = tmp_path / "plan.json"
     args = ("--no-measure", "--show-profile", "--json", str(path), "--quiet")

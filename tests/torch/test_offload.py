@@ -394,6 +394,7 @@ def test_bad_arguments():
     assert "offload=True" in repr(rt.checkpoint_exclude_wrapper(nn.Linear(2, 2), offload=True))
 
 
+@pytest.mark.system  # a soak of 1000 steps
 def test_no_leak_over_1000_steps():
     """Heap and Python objects flat over 1,000 training steps (a child process with one
     malloc arena, see tests/support/memory.py)."""

@@ -1,6 +1,7 @@
-"""``recomp plan``: the fastest checkpointing plan that fits a memory budget.
+"""The planner: the fastest checkpointing plan that fits a memory budget.
 
-Profile a model on its own inputs, choose per layer no checkpoint, full checkpoint or a
+A library, which the ``recomp plan`` command (``recomp.cli.plan``) is built on. Profile
+a model on its own inputs, choose per layer no checkpoint, full checkpoint or a
 checkpoint with some regions excluded, so that the predicted step time is least while
 the predicted activation memory fits the budget, and apply the choice::
 
