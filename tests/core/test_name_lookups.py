@@ -1,39 +1,46 @@
-"""MindSpore: a wrapped Cell reports the class name it had (``cls_name``, ``__class__.__name__``),
-as tools that look layer classes up by name expect; recomp still knows it is wrapped."""
+"""A wrapped layer reports the class name it had, on both frameworks (the ``fw`` fixture,
+``tests/support/frameworks.py``), as tools that look layer classes up by name expect
+(accelerate's FSDP wrap policies, HF's ``_no_split_modules``, MindSpore's ``cls_name``);
+recomp still knows it is wrapped. Those tools themselves are tested in
+``tests/integrations/test_name_lookups.py``.
+"""
 
 from __future__ import annotations
 
-import copy
-
-import pytest
-
-ms = pytest.importorskip("mindspore")
-mindcv_resnet = pytest.importorskip("mindcv.models.resnet")
-
-import recomp.mindspore as rm  # noqa: E402
-from recomp._wrapping import recomp_wrapper_of  # noqa: E402
+from recomp._wrapping import recomp_wrapper_of
 
 
-def test_wrapped_cells_report_the_original_names():
-    model = mindcv_resnet.ResNet(mindcv_resnet.BasicBlock, [1, 1, 1, 1], num_classes=3)
-    rm.apply_activation_checkpointing(
+def test_wrapped_classes_report_the_original_names(fw):
+    model = fw.stack(2)
+    blocks = fw.blocks(model)
+    block_class, attn_class = type(blocks[0]), type(blocks[0].attn)
+    attentions = [block.attn for block in blocks]
+    fw.api.apply_activation_checkpointing(
         model,
-        checkpoint_fn=lambda c: isinstance(c, mindcv_resnet.BasicBlock),
-        exclude_fn=lambda c: isinstance(c, ms.nn.Conv2d),
+        checkpoint_fn=lambda m: isinstance(m, block_class),
+        exclude_fn=lambda m: any(m is attn for attn in attentions),
     )
-    block = model.layer1[0]
-    assert recomp_wrapper_of(block) is rm.CheckpointWrapper
-    assert recomp_wrapper_of(block.conv1) is rm.ExcludeWrapper
-    for cell, base in ((block, mindcv_resnet.BasicBlock), (block.conv1, ms.nn.Conv2d)):
-        assert type(cell) is not base
-        assert type(cell).__name__ == cell.cls_name == base.__name__
-        assert type(cell).__qualname__ == base.__qualname__
-    names = {type(c).__name__ for _, c in model.cells_and_names()}
-    assert "BasicBlock" in names
+    block = fw.blocks(model)[0]
+    assert recomp_wrapper_of(block) is fw.api.CheckpointWrapper
+    assert recomp_wrapper_of(block.attn) is fw.api.ExcludeWrapper
+    for layer, base in ((block, block_class), (block.attn, attn_class)):
+        assert type(layer) is not base
+        assert type(layer).__name__ == fw.class_name(layer) == base.__name__
+        assert type(layer).__qualname__ == base.__qualname__
+        assert type(layer).__module__ == base.__module__
+    names = {type(layer).__name__ for _, layer in fw.named_layers(model)}
+    assert block_class.__name__ in names
     assert not any(n.startswith(("Checkpointed", "Excluded")) for n in names)
+    # The repr still shows the wrappers.
     text = repr(block)
-    assert text.startswith("CheckpointedBasicBlock(") and "(conv1): ExcludedConv2d(" in text
-    clone = copy.deepcopy(block)
-    assert recomp_wrapper_of(clone) is rm.CheckpointWrapper and clone.cls_name == "BasicBlock"
-    rm.unwrap(model)
-    assert type(model.layer1[0]) is mindcv_resnet.BasicBlock
+    assert text.startswith(f"Checkpointed{block_class.__name__}(")
+    assert f"(attn): Excluded{attn_class.__name__}(" in text
+    # Copies (and, on PyTorch, pickles) stay wrapped and keep the names.
+    for clone in fw.copies(model):
+        copied = fw.blocks(clone)[1]
+        assert recomp_wrapper_of(copied) is fw.api.CheckpointWrapper
+        assert recomp_wrapper_of(copied.attn) is fw.api.ExcludeWrapper
+        assert type(copied).__name__ == fw.class_name(copied) == block_class.__name__
+    fw.api.unwrap(model)
+    assert type(fw.blocks(model)[0]) is block_class
+    assert type(fw.blocks(model)[0].attn) is attn_class

@@ -102,6 +102,7 @@ class Torch:
 
     method = "forward"  # the method a layer call runs
     running_mean = "running_mean"  # the name recomp's statistics warning lists first
+    rng_state_option = "preserve_rng_state"  # the checkpoint option that restores the RNG
 
     def layer_class(self, name: str, body: Callable[..., Any]) -> type:
         """A new layer class called ``name``: its constructor takes the sub-layers as
@@ -271,6 +272,7 @@ class MindSpore:
 
     method = "construct"
     running_mean = "moving_mean"
+    rng_state_option = "save_rng_state"
 
     def layer_class(self, name: str, body: Callable[..., Any]) -> type:
         nn = self.nn
