@@ -421,12 +421,14 @@ def assert_region_changing_its_input_matches(
 ) -> None:
     """A recomputed dense layer, then an excluded ``activation()`` that changes its
     input in place, then code that reads the activation and (``reads_input_after``)
-    that input: the gradients of the unwrapped model, the region run once and skipped once."""
+    that input, saving it for backward (``sin``): the gradients of the unwrapped model,
+    the region run once and skipped once. The replay, which skips the region, must
+    hand that code the changed input, as the forward did."""
 
     def body(layer: Any, x: Any) -> Any:
         h = layer.lin(x)
         y = layer.out(layer.act(h))
-        return y + h * 3 if reads_input_after else y
+        return y + fw.ops.sin(h) * 3 if reads_input_after else y
 
     changes_input = fw.layer_class("ChangesInput", body)
     ref, model = fw.twins(
