@@ -406,7 +406,7 @@ def assert_region_output_type(
 # -- for tests/core/test_outputs.py
 
 
-class ZooOutput(OrderedDict):  # type: ignore[type-arg]
+class ZooOutput(OrderedDict):
     """An ``OrderedDict`` whose keys read as attributes, as model zoos return."""
 
     def __getattr__(self, key: str) -> Any:
