@@ -302,8 +302,8 @@ class Hidden:
     scale: int = 3
 
 
-# name -> (build the region's output from two tensors, read it back into one tensor); each
-# framework's own containers are in its outputs test file
+# name -> (build the region's output from two tensors, read it back into one tensor); a model
+# zoo's output and defaultdict are in test_outputs.py, PyTorch's own in tests/torch/test_outputs.py
 CONTAINERS = {
     "OrderedDict": (lambda a, b: OrderedDict(x=a, y=b), lambda o: o["x"] * next(iter(o.values()))),
     "namedtuple": (lambda a, b: Pair(a, b), lambda o: o.a * o.b),

@@ -3,13 +3,11 @@
 accelerate's FSDP wrap policies (FSDP1 ``set_auto_wrap_policy``, FSDP2
 ``fsdp2_prepare_auto_wrap_policy``), HF's ``_no_split_modules`` and DeepSpeed's
 leaf-module lists match ``module.__class__.__name__``; the class a wrapped module
-reports must be named as the one it had, while recomp still knows it is wrapped.
+reports must be named as the one it had, while recomp still knows it is wrapped
+(tested on both frameworks in ``tests/core/test_name_lookups.py``).
 """
 
 from __future__ import annotations
-
-import copy
-import pickle
 
 import pytest
 
@@ -23,7 +21,6 @@ from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy  # noqa: 
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 
 import recomp.torch as rt  # noqa: E402
-from recomp._wrapping import recomp_wrapper_of  # noqa: E402
 
 
 def qwen3():
@@ -48,31 +45,6 @@ def wrapped_qwen3():
         exclude_fn=lambda m: isinstance(m, modeling_qwen3.Qwen3Attention),
     )
     return model
-
-
-def test_wrapped_classes_report_the_original_names():
-    model = wrapped_qwen3()
-    layer = model.model.layers[0]
-    assert recomp_wrapper_of(layer) is rt.CheckpointWrapper
-    assert recomp_wrapper_of(layer.self_attn) is rt.ExcludeWrapper
-    for module, base in (
-        (layer, modeling_qwen3.Qwen3DecoderLayer),
-        (layer.self_attn, modeling_qwen3.Qwen3Attention),
-    ):
-        assert type(module) is not base
-        assert type(module).__name__ == base.__name__
-        assert type(module).__qualname__ == base.__qualname__
-        assert type(module).__module__ == base.__module__
-    # The repr still shows the wrappers.
-    text = repr(layer)
-    assert text.startswith("CheckpointedQwen3DecoderLayer(")
-    assert "(self_attn): ExcludedQwen3Attention(" in text
-    # Copies and pickles stay wrapped and keep the names.
-    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        assert recomp_wrapper_of(clone.model.layers[1]) is rt.CheckpointWrapper
-        assert type(clone.model.layers[1]).__name__ == "Qwen3DecoderLayer"
-    rt.unwrap(model)
-    assert type(model.model.layers[0]) is modeling_qwen3.Qwen3DecoderLayer
 
 
 def test_accelerate_fsdp2_policy_finds_the_wrapped_layers():

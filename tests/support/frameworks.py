@@ -9,6 +9,8 @@ the recomputed code runs the same kernels on the same values.
 from __future__ import annotations
 
 import copy
+import pickle
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +97,109 @@ class Torch:
         found = [t.grad for t in leaves] + [p.grad for p in params]
         return value.detach().numpy(), [None if g is None else g.numpy() for g in found]
 
+    # -- built layers, training, statistics and names (tests/core: test_outputs.py,
+    # test_running_stats.py, test_selections.py, test_name_lookups.py)
+
+    method = "forward"  # the method a layer call runs
+    running_mean = "running_mean"  # the name recomp's statistics warning lists first
+    rng_state_option = "preserve_rng_state"  # the checkpoint option that restores the RNG
+
+    def layer_class(self, name: str, body: Callable[..., Any]) -> type:
+        """A new layer class called ``name``: its constructor takes the sub-layers as
+        keyword arguments, its forward is ``body(self, *args)``."""
+        nn = self.nn
+
+        def __init__(layer: Any, **children: Any) -> None:
+            nn.Module.__init__(layer)
+            for key, child in children.items():
+                setattr(layer, key, child)
+
+        def forward(layer: Any, *args: Any) -> Any:
+            return body(layer, *args)
+
+        return type(name, (nn.Module,), {"__init__": __init__, "forward": forward})
+
+    def layer_list(self, layers: list[Any]) -> Any:
+        return self.nn.ModuleList(layers)
+
+    def twins(self, build: Callable[[], Any]) -> tuple[Any, Any]:
+        """(reference, model): two layers from ``build`` with the same parameter values."""
+        ref = build()
+        return ref, copy.deepcopy(ref)
+
+    def batch_norm(self, n: int) -> Any:
+        return self.nn.BatchNorm1d(n)
+
+    def ema_batch_norm(self, n: int) -> Any:
+        """A BatchNorm-like layer of (batch, n) inputs that keeps its running mean under a
+        name of its own (``mean_ema``), where recomp does not look for statistics."""
+        torch, nn = self.torch, self.nn
+
+        class EmaBatchNorm(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.register_buffer("mean_ema", torch.zeros(n))
+
+            def forward(self, x: Any) -> Any:
+                if self.training:
+                    with torch.no_grad():
+                        self.mean_ema.mul_(0.9).add_(0.1 * x.mean(0))
+                return x - x.mean(0, keepdim=True)
+
+        return EmaBatchNorm()
+
+    def in_place(self, op: str, t: Any, *args: Any) -> Any:
+        """``t`` with ``op`` (exp, add, relu) applied to it in place: the tensor method
+        ``op_``."""
+        return getattr(t, op + "_")(*args)
+
+    def train(self, layer: Any) -> Any:
+        """``layer`` in training mode (PyTorch's default)."""
+        return layer.train()
+
+    def statistics(self, layer: Any) -> dict[str, Any]:
+        """The buffers of ``layer`` and below (running statistics and their counters)."""
+        return {name: b.detach().numpy().copy() for name, b in layer.named_buffers()}
+
+    def fit(self, model: Any, batches: list[Any], lr: float = 0.01) -> list[list[Any]]:
+        """One SGD step of ``square_sum(model(x))`` per batch; each step's parameter
+        gradients (numpy)."""
+        params = self.parameters(model)
+        opt = self.torch.optim.SGD(params, lr=lr)
+        history = []
+        for x in batches:
+            opt.zero_grad(set_to_none=True)
+            square_sum(model(x)).backward()
+            history.append([p.grad.numpy().copy() for p in params])
+            opt.step()
+        return history
+
+    def named_layers(self, model: Any) -> list[tuple[str, Any]]:
+        return list(model.named_modules())
+
+    def class_name(self, layer: Any) -> str:
+        """The class name that tools looking layers up by name read (accelerate's wrap
+        policies, ``_no_split_modules``): ``__class__.__name__``."""
+        return str(layer.__class__.__name__)
+
+    def copies(self, model: Any) -> list[Any]:
+        """Copies of ``model`` as users make them: ``copy.deepcopy`` and a pickle round trip."""
+        return [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
+
+    def model_output(self, **fields: Any) -> Any:
+        """A model zoo's output container: transformers' ``BaseModelOutput``."""
+        import pytest
+
+        outputs = pytest.importorskip("transformers.modeling_outputs")
+        return outputs.BaseModelOutput(**fields)
+
+    def stack(self, n: int) -> Any:
+        """A stack of ``n`` blocks (``Block``: norm, attn, mlp) from ``torch_models``,
+        whose classes pickle."""
+        from torch_models import stack
+
+        return stack(n)
+
 
 class MindSpore:
     name = "mindspore"
@@ -162,6 +267,100 @@ class MindSpore:
             g_inputs = (g_inputs,)
         return value.asnumpy(), [g.asnumpy() for g in (*g_inputs, *g_params)]
 
+    # -- built layers, training, statistics and names (tests/core: test_outputs.py,
+    # test_running_stats.py, test_selections.py, test_name_lookups.py)
+
+    method = "construct"
+    running_mean = "moving_mean"
+    rng_state_option = "save_rng_state"
+
+    def layer_class(self, name: str, body: Callable[..., Any]) -> type:
+        nn = self.nn
+
+        def __init__(layer: Any, **children: Any) -> None:
+            nn.Cell.__init__(layer)
+            for key, child in children.items():
+                setattr(layer, key, child)
+
+        def construct(layer: Any, *args: Any) -> Any:
+            return body(layer, *args)
+
+        return type(name, (nn.Cell,), {"__init__": __init__, "construct": construct})
+
+    def layer_list(self, layers: list[Any]) -> Any:
+        return self.nn.CellList(layers)
+
+    def twins(self, build: Callable[[], Any]) -> tuple[Any, Any]:
+        from ms_models import copy_params
+
+        ref, model = build(), build()
+        copy_params(ref, model)
+        return ref, model
+
+    def batch_norm(self, n: int) -> Any:
+        return self.nn.BatchNorm1d(n)
+
+    def ema_batch_norm(self, n: int) -> Any:
+        ms, nn, ops = self.ms, self.nn, self.ops
+
+        class EmaBatchNorm(nn.Cell):
+            def __init__(self) -> None:
+                super().__init__()
+                self.mean_ema = ms.Parameter(ops.zeros(n), requires_grad=False)
+
+            def construct(self, x: Any) -> Any:
+                if self.training:
+                    ops.assign(self.mean_ema, self.mean_ema * 0.9 + 0.1 * x.mean(0))
+                return x - x.mean(0, keep_dims=True)
+
+        return EmaBatchNorm()
+
+    def in_place(self, op: str, t: Any, *args: Any) -> Any:
+        """``t`` with ``op`` applied to it in place, written with ``copy_``: on CPU,
+        MindSpore 2.10's ``exp_``/``add_`` return a new tensor."""
+        t.copy_(getattr(self.ops, op)(t, *args))
+        return t
+
+    def train(self, layer: Any) -> Any:
+        """``layer`` in training mode (a Cell starts in inference mode)."""
+        return layer.set_train()
+
+    def statistics(self, layer: Any) -> dict[str, Any]:
+        """The parameters of ``layer`` and below that take no gradient (running statistics)."""
+        return {p.name: p.asnumpy().copy() for p in layer.get_parameters() if not p.requires_grad}
+
+    def fit(self, model: Any, batches: list[Any], lr: float = 0.01) -> list[list[Any]]:
+        params = self.parameters(model)
+        opt = self.nn.SGD(params, learning_rate=lr)
+        step = self.ms.grad(lambda x: square_sum(model(x)), None, params)
+        history = []
+        for x in batches:
+            grads = step(x)
+            history.append([g.asnumpy() for g in grads])
+            opt(grads)
+        return history
+
+    def named_layers(self, model: Any) -> list[tuple[str, Any]]:
+        return list(model.cells_and_names())
+
+    def class_name(self, layer: Any) -> str:
+        """``Cell.cls_name``, the name MindSpore's own tools read."""
+        return str(layer.cls_name)
+
+    def copies(self, model: Any) -> list[Any]:
+        """``copy.deepcopy`` (a Cell does not pickle: its primitives do not)."""
+        return [copy.deepcopy(model)]
+
+    def model_output(self, **fields: Any) -> Any:
+        """A model zoo's output container: an ``OrderedDict`` subclass, as mindnlp's
+        ``ModelOutput``."""
+        return ZooOutput(**fields)
+
+    def stack(self, n: int) -> Any:
+        from ms_models import Stack
+
+        return Stack(n)
+
 
 ADAPTERS = {"torch": Torch, "mindspore": MindSpore}
 
@@ -202,3 +401,43 @@ def assert_region_output_type(
     assert seen == [expected_type, expected_type]  # the forward and the replay
     assert_same(expected, got)
     assert (region.region_runs, region.region_skips) == (1, 1)
+
+
+# -- for tests/core/test_outputs.py
+
+
+class ZooOutput(OrderedDict):
+    """An ``OrderedDict`` whose keys read as attributes, as model zoos return."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+
+def assert_region_changing_its_input_matches(
+    fw: Any, activation: Callable[[], Any], reads_input_after: bool
+) -> None:
+    """A recomputed dense layer, then an excluded ``activation()`` that changes its
+    input in place, then code that reads the activation and (``reads_input_after``)
+    that input, saving it for backward (``sin``): the gradients of the unwrapped model,
+    the region run once and skipped once. The replay, which skips the region, must
+    hand that code the changed input, as the forward did."""
+
+    def body(layer: Any, x: Any) -> Any:
+        h = layer.lin(x)
+        y = layer.out(layer.act(h))
+        return y + fw.ops.sin(h) * 3 if reads_input_after else y
+
+    changes_input = fw.layer_class("ChangesInput", body)
+    ref, model = fw.twins(
+        lambda: changes_input(lin=fw.dense(4, 4), act=activation(), out=fw.dense(4, 4))
+    )
+    model.act = fw.api.checkpoint_exclude_wrapper(model.act)
+    model = fw.api.checkpoint_wrapper(model)
+    x = fw.tensor(3, 4)
+    _, expected = fw.grads(ref, x)
+    _, got = fw.grads(model, x)
+    assert_same(expected, got)
+    assert (model.act.region_runs, model.act.region_skips) == (1, 1)

@@ -1,17 +1,18 @@
 """What real code passes to and returns from excluded regions (PyTorch).
 
-Every container type comes back as itself in the forward and in the replay;
-tensors recomp cannot see are refused; a region that changes its input in
-place, a region whose output later code changes in place (``copy_output``),
-and a region wrapper created anew on every call all give the gradients of the
-unwrapped model.
+PyTorch's own containers come back as themselves in the forward and in the
+replay; tensors recomp cannot see are refused; PyTorch's in-place activations,
+torchvision's ResNet with its BatchNorms excluded (``copy_output``) and a region
+wrapper created anew on every call all give the gradients of the unwrapped
+model. What holds on both frameworks (a model zoo's output, an input changed in
+place, ``copy_output``) is tested in ``tests/core/test_outputs.py``.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections import OrderedDict, defaultdict, namedtuple
+from collections import OrderedDict, namedtuple
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from torch import nn
 import frameworks
 import recomp
 import recomp.torch as rt
-from frameworks import assert_region_output_type
+from frameworks import assert_region_changing_its_input_matches, assert_region_output_type
 
 Pair = namedtuple("Pair", "a b")
 
@@ -40,20 +41,9 @@ class Opaque:
         self.hidden = hidden
 
 
-def _model_output(a, b):
-    from transformers.modeling_outputs import BaseModelOutput
-
-    return BaseModelOutput(last_hidden_state=a, hidden_states=(b,))
-
-
 # name -> (build the region's output from two tensors, read it back into one tensor); the
-# containers both frameworks have are tested in core/test_regions.py
+# containers both frameworks have are tested in core/test_regions.py and core/test_outputs.py
 CONTAINERS = {
-    "ModelOutput": (_model_output, lambda o: o.last_hidden_state * o.hidden_states[0]),
-    "defaultdict": (
-        lambda a, b: defaultdict(list, x=a, y=b),
-        lambda o: o["x"] * o["y"] + len(o["missing"]),
-    ),
     "topk": (lambda a, b: (a * b).topk(2, dim=-1), lambda o: o.values * 2 + o[0]),
     "max": (lambda a, b: (a * b).max(dim=-1), lambda o: o.values * o.indices),
 }
@@ -61,8 +51,6 @@ CONTAINERS = {
 
 @pytest.mark.parametrize("kind", list(CONTAINERS))
 def test_region_output_comes_back_as_the_same_type(kind):
-    if kind == "ModelOutput":
-        pytest.importorskip("transformers")
     build, read = CONTAINERS[kind]
     torch.manual_seed(0)
     assert_region_output_type(frameworks.Torch(), build, read, kind)
@@ -110,55 +98,20 @@ def test_tensors_hidden_in_an_unknown_object_are_refused_in_the_forward():
 # --------------------------------------------------------------------------- in-place changes
 
 
-class Exp(nn.Module):
-    def forward(self, h):
-        return h.exp_()
-
-
-class ChangesInput(nn.Module):
-    """A recomputed linear, an excluded activation that may change its input in
-    place, then code that reads both the activation and (optionally) the input."""
-
-    def __init__(self, activation: nn.Module, reads_input_after: bool) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.act = activation
-        self.out = nn.Linear(4, 4)
-        self.reads_input_after = reads_input_after
-
-    def forward(self, x):
-        h = self.lin(x)
-        y = self.act(h)
-        return self.out(y) + (h * 3 if self.reads_input_after else 0)
-
-
-def _grads(model, x):
-    model.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_()
-    (model(x) ** 2).sum().backward()
-    return [x.grad] + [p.grad for p in model.parameters()]
-
-
 @pytest.mark.parametrize(
     ("activation", "reads_input_after"),
     [
         (lambda: nn.ELU(inplace=True), False),
         (lambda: nn.ReLU(inplace=True), True),
         (lambda: nn.SiLU(inplace=True), True),
-        (Exp, True),
     ],
-    ids=["ELU(inplace)", "ReLU(inplace)", "SiLU(inplace)", "exp_"],
+    ids=["ELU(inplace)", "ReLU(inplace)", "SiLU(inplace)"],
 )
-def test_region_that_changes_its_recomputed_input_in_place(activation, reads_input_after):
+def test_in_place_activation_that_changes_its_recomputed_input(activation, reads_input_after):
+    """PyTorch's activations with ``inplace=True``; an excluded ``exp_`` (on both
+    frameworks) is in core/test_outputs.py."""
     torch.manual_seed(0)
-    ref = ChangesInput(activation(), reads_input_after)
-    model = copy.deepcopy(ref)
-    model.act = rt.checkpoint_exclude_wrapper(model.act)
-    model = rt.checkpoint_wrapper(model)
-    x = torch.randn(3, 4)
-    for expected, got in zip(_grads(ref, x), _grads(model, x)):
-        assert torch.equal(expected, got)
-    assert (model.act.region_runs, model.act.region_skips) == (1, 1)
+    assert_region_changing_its_input_matches(frameworks.Torch(), activation, reads_input_after)
 
 
 def test_region_that_changes_an_input_it_saved_is_an_error():
@@ -174,52 +127,6 @@ def test_region_that_changes_an_input_it_saved_is_an_error():
     with pytest.raises(recomp.CachedValueMutatedError, match=r"'sq'.*args\[0\].*in place"):
         rt.checkpoint(lambda t: region(torch.sin(t)).sum(), x)
     assert recomp.get_recompute_state() is None
-
-
-class ResNetTail(nn.Module):
-    """BatchNorm, then the residual add and ReLU done in place by code after it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.bn = nn.BatchNorm1d(4)
-        self.relu = nn.ReLU(inplace=True)
-
-    def forward(self, x):
-        out = self.bn(self.lin(x))
-        out += x
-        return self.relu(out)
-
-
-def test_output_changed_in_place_after_the_region_names_copy_output():
-    model = ResNetTail()
-    model.bn = rt.checkpoint_exclude_wrapper(model.bn)
-    model = rt.checkpoint_wrapper(model)
-    with pytest.raises(recomp.CachedValueMutatedError, match="copy_output=True"):
-        _grads(model, torch.randn(5, 4))
-
-
-def test_copy_output_gives_the_unwrapped_gradients_and_statistics():
-    torch.manual_seed(0)
-    ref = ResNetTail()
-    model = copy.deepcopy(ref)
-    model.bn = rt.checkpoint_exclude_wrapper(model.bn, copy_output=True)
-    model = rt.checkpoint_wrapper(model)
-    x = torch.randn(5, 4)
-    for _ in range(2):
-        for expected, got in zip(_grads(ref, x), _grads(model, x)):
-            assert torch.equal(expected, got)
-    # BatchNorm ran once per step: its running statistics are the unwrapped model's.
-    assert torch.equal(ref.bn.running_mean, model.bn.running_mean)
-    assert torch.equal(ref.bn.running_var, model.bn.running_var)
-    assert int(model.bn.num_batches_tracked) == 2
-
-
-def test_a_replayed_batchnorm_updates_its_statistics_once():
-    model = ResNetTail()
-    model = rt.checkpoint_wrapper(model)
-    _grads(model, torch.randn(5, 4))
-    assert int(model.bn.num_batches_tracked) == 1  # the replay's update is undone
 
 
 @pytest.mark.parametrize("bad", [1, None, "yes"])
