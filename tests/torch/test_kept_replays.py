@@ -268,3 +268,38 @@ def test_nested_checkpoints_with_kept_replays():
     assert block.attn.region_runs == 1
     grads = [x.grad, *(p.grad for p in block.parameters())]
     assert all(torch.equal(a, b) for a, b in zip(reference, grads, strict=True))
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("nested", ["grad", "backward"])
+def test_a_backward_run_from_a_hook_over_the_same_checkpoint(early_stop, nested):
+    # A hook of the checkpoint's last node runs another backward over the same graph (a
+    # nested graph task) while the outer pass is still reading what its replay kept.
+    # Each pass reads its own replay's tensors, as with PyTorch's checkpoint.
+    def run(checkpoint):
+        a = torch.tensor([0.3, 1.1], requires_grad=True)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+            out = checkpoint(lambda x: x.sin().exp().sin(), a)
+        inner = []
+
+        def hook(*_unused):
+            if inner:  # the nested pass runs this node and its hook again
+                return
+            inner.append(None)
+            with torch.enable_grad():
+                if nested == "grad":
+                    inner[0] = torch.autograd.grad(out.sum(), a, retain_graph=True)[0]
+                else:
+                    out.sum().backward(retain_graph=True)
+
+        out.grad_fn.register_hook(hook)
+        out.sum().backward(retain_graph=True)
+        return a.grad, inner[0]
+
+    def torch_checkpoint(fn, x):
+        return torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False)
+
+    expected, got = run(torch_checkpoint), run(rt.checkpoint)
+    assert torch.equal(expected[0], got[0])
+    if nested == "grad":
+        assert torch.equal(expected[1], got[1])

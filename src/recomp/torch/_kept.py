@@ -85,7 +85,13 @@ class RecomputeHandle:
         self._collectable = collectable
         self._holders: Callable[[], list[Any]] | None = None
         self._checkpoint_unpack: Callable[[Any], Any] | None = None
-        self._kept: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+        # Holder -> the backward pass (graph task) whose replay kept it -> the tensor. Each
+        # pass reads what its own replay kept first: a backward run from a hook inside
+        # another pass (a nested graph task) replays and reads its own, and leaves the
+        # outer pass's tensors where the outer pass will read them.
+        self._kept: weakref.WeakKeyDictionary[Any, dict[int, torch.Tensor]] = (
+            weakref.WeakKeyDictionary()
+        )
         # Holder -> the backward pass that read and dropped its tensor: a replay later in
         # that same pass does not keep it again (no node of the pass reads it twice).
         self._consumed: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -111,36 +117,51 @@ class RecomputeHandle:
     # ----------------------------------------------------------------- unpack
 
     def unpack(self, holder: Any) -> Any:
+        current = _compat.graph_task_id()
         with self._lock:
-            value = self._kept.get(holder)
-        if value is None:
+            found = self._find(holder, current)
+        if found is None:
             unpack = self._checkpoint_unpack
             if unpack is None:  # not reached: the hook is installed only with it
                 raise RecompError("recomp: a kept-replay unpack ran without its checkpoint")
             unpack(holder)  # replays in this pass; _Capture keeps every tensor
             with self._lock:
-                value = self._kept.get(holder)
-            if value is None:
+                found = self._find(holder, current)
+            if found is None:
                 raise CheckpointError(
                     "torch.utils.checkpoint: Unpack is being triggered for a tensor that was "
                     "already unpacked once in this backward pass. If you are calling "
                     "ctx.saved_tensors in backward, make sure to do so only once."
                 )
+        keeper, value = found
         session = self.session
         retain = session is not None and session.retain_on_unpack
         if not retain and _compat.node_finishes_in_this_pass():
-            current = _compat.graph_task_id()
             with self._lock:
-                self._kept.pop(holder, None)
+                by_pass = self._kept.get(holder)
+                if by_pass is not None:
+                    by_pass.pop(keeper, None)
+                    if not by_pass:
+                        del self._kept[holder]
                 if current != -1:
                     self._consumed[holder] = current
         return value
+
+    def _find(self, holder: Any, current: int) -> tuple[int, torch.Tensor] | None:
+        """What a replay kept for ``holder``: this pass's own first, else another pass's
+        (an earlier pass of a zero-bubble schedule); with the pass that kept it."""
+        by_pass = self._kept.get(holder)
+        if not by_pass:
+            return None
+        if current in by_pass:
+            return current, by_pass[current]
+        return next(iter(by_pass.items()))
 
     def keep(self, holder: Any, value: torch.Tensor) -> None:
         current = _compat.graph_task_id()
         with self._lock:
             if current == -1 or self._consumed.get(holder) != current:
-                self._kept[holder] = value
+                self._kept.setdefault(holder, {})[current] = value
 
     def replay_now(self) -> None:
         """Run the replay outside backward; its tensors are kept until read."""
@@ -169,14 +190,16 @@ class RecomputeHandle:
         return self._checkpoint_unpack
 
     def kept_value(self, holder: Any) -> torch.Tensor | None:
-        """What the handle keeps for ``holder`` now (for reports)."""
+        """What the handle keeps for ``holder`` now (for reports): one of the tensors the
+        passes that replayed it keep."""
         with self._lock:
-            return self._kept.get(holder)
+            by_pass = self._kept.get(holder)
+            return next(iter(by_pass.values())) if by_pass else None
 
     def kept_count(self) -> int:
         """How many recomputed tensors the handle keeps now (for tests and reports)."""
         with self._lock:
-            return len(self._kept)
+            return sum(len(by_pass) for by_pass in self._kept.values())
 
 
 class _UnpackThroughHandle:
