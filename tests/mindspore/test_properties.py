@@ -2,40 +2,29 @@
 
 The same random programs as ``tests/torch/test_properties.py`` (see ``random_programs``),
 interpreted with MindSpore ops in PyNative mode on CPU, with ``mindspore.grad``.
-The same comparisons: bitwise equal to the plain run, or, where recomp added its
-boundary node, bitwise equal to the plain run with an identity node in its place
-and within 1e-5 of the plain run; each region runs exactly as often as the
-forward calls it. Two MindSpore 2.10 bugs that have nothing to do with recomp are
-worked around (and pinned by strict xfail canaries at the end of the file).
-``RECOMP_PROPERTY_EXAMPLES=N`` runs a longer search.
+What is compared, and how many programs each search checks, is in
+``program_properties``; this file supplies MindSpore's way of running a program.
+A program that asks for two backwards runs two gradient computations (PyNative has
+no ``retain_graph``: each runs its own forward). Two MindSpore 2.10 bugs that have
+nothing to do with recomp are worked around (and pinned by strict xfail canaries at
+the end of the file).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 
 import numpy as np
 import pytest
 
 ms = pytest.importorskip("mindspore")  # the PyTorch-only environments skip this file
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import given  # noqa: E402
 from mindspore.common._grad_function import _Function  # noqa: E402
 
+import program_properties as pp  # noqa: E402
 import random_programs as rp  # noqa: E402
 import recomp.mindspore as rm  # noqa: E402
 from ms_models import nn, ops  # sets CPU and PyNative mode  # noqa: E402
-
-CI = bool(os.environ.get("CI"))
-SETTINGS = settings(
-    # RECOMP_PROPERTY_EXAMPLES: a longer local search.
-    max_examples=int(os.environ.get("RECOMP_PROPERTY_EXAMPLES", 80 if CI else 300)),
-    deadline=None,
-    derandomize=CI,
-    database=None if CI else settings.default.database,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 _layer_norm = ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1)
 
@@ -120,15 +109,9 @@ def _identity(saved, outputs):
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def _plain_checkpoint(fn, *args, early_stop):
-    return fn(*args)
-
-
-def run(program: rp.Program, mode: str, mirror: rp.BoundaryMirror, steps: int):
-    """``steps`` gradient computations. ``mode``: "recomp" (checkpoints and exclusions;
-    records the boundaries in ``mirror``), "plain" (no recomp at all) or "mirrored"
-    (plain, with ``mirror``'s identity nodes). Return ([{name: grad as numpy}] per step,
-    region body executions, the last step's region callables)."""
+def run(program: rp.Program, mode: str, mirror: rp.BoundaryMirror) -> pp.Outcome:
+    """One gradient computation, or two (``mode``: see ``program_properties.runtime``)."""
+    steps = 2 if program.backward_twice else 1
     program = dataclasses.replace(
         program, body=rp.map_checkpoints(program.body, _no_early_stop_at_layernorm)
     )
@@ -136,24 +119,15 @@ def run(program: rp.Program, mode: str, mirror: rp.BoundaryMirror, steps: int):
     inputs = [ms.Tensor(x) for x in xs]
     params = {n: ms.Parameter(ms.Tensor(v), name=n) for n, v in ps.items()}
 
-    if mode == "recomp":
+    def exclude(r, fn):
+        target = RegionCell(fn) if r.as_module else fn
+        return rm.checkpoint_exclude_wrapper(target, save_output=r.save_output, name=r.name)
 
-        def region(r, fn):
-            fn = mirror.recording(fn)
-            target = RegionCell(fn) if r.as_module else fn
-            return rm.checkpoint_exclude_wrapper(target, save_output=r.save_output, name=r.name)
-
-        runtime = rp.Runtime(OPS, rm.checkpoint, region)
-        spying = mirror.spying()
-    else:
-        region = (lambda r, fn: mirror.mirrored(fn)) if mode == "mirrored" else (lambda r, fn: fn)
-        runtime = rp.Runtime(OPS, _plain_checkpoint, region)
-        spying = contextlib.nullcontext()
-
+    runtime, running = pp.runtime(mode, mirror, OPS, rm.checkpoint, exclude)
     state = {}
 
     def forward(*xs):
-        loss, state["executions"], state["callables"] = rp.run_program(
+        loss, state["executions"], state["regions"] = rp.run_program(
             program, runtime, list(xs), params
         )
         return loss
@@ -162,47 +136,29 @@ def run(program: rp.Program, mode: str, mirror: rp.BoundaryMirror, steps: int):
     names = [f"input{k}" for k in range(len(inputs))] + list(params)
     results = []
     executions = [0] * len(program.regions)
-    with spying:
+    with running:
         for _ in range(steps):
             g_inputs, g_params = grad_fn(*inputs)
             if not isinstance(g_inputs, (tuple, list)):
                 g_inputs = (g_inputs,)
             results.append({n: g.asnumpy() for n, g in zip(names, (*g_inputs, *g_params))})
             executions = [a + b for a, b in zip(executions, state["executions"])]
-    return results, executions, state["callables"]
+    # Each step builds its own wrappers: the last step's count only their own calls.
+    return pp.Outcome(results, executions, state["regions"], forwards=steps)
 
 
-@SETTINGS
+@pp.search(system=False)
 @given(program=rp.programs())
 def test_random_program_gradients_match_unwrapped(program):
-    steps = 2 if program.backward_twice else 1
-    mirror = rp.BoundaryMirror(_identity)
-    actual, executions, wrappers = run(program, "recomp", mirror, steps)
-    expected, plain_executions, _ = run(program, "plain", mirror, steps)
-    # Bitwise equal, unless recomp put a boundary into the graph: then bitwise equal to
-    # the reference with identity nodes in its place, and close to the plain one.
-    for want, got in zip(expected, actual):
-        rp.assert_same_gradients(want, got, exact=not mirror.boundaries)
-    if mirror.boundaries:
-        mirrored, _, _ = run(program, "mirrored", mirror, steps)
-        for want, got in zip(mirrored, actual):
-            rp.assert_same_gradients(want, got, exact=True)
-    calls = [c * steps for c in program.calls_per_region()]
-    assert plain_executions == calls
-    # Each region body ran once per call in the forward, never in a replay.
-    assert executions == calls
-    # Each step builds its own wrappers: the last step's count its own calls.
-    assert [w.region_runs for w in wrappers] == program.calls_per_region()
+    pp.check_gradients_match_unwrapped(program, run, _identity)
 
 
-@pytest.fixture
-def recover_mindspore():
-    """After an exception escapes an ms.grad forward, MindSpore 2.10 needs its PyNative
-    executor's resources cleared (see tests/mindspore/test_exclude.py)."""
-    yield
-    from mindspore.graph.api import _pynative_executor
-
-    _pynative_executor.clear_res()
+@pytest.mark.system
+@pytest.mark.timeout(3600)
+@pp.search(system=True)
+@given(program=rp.programs())
+def test_random_program_gradients_match_unwrapped_longer_search(program):
+    pp.check_gradients_match_unwrapped(program, run, _identity)
 
 
 @pytest.mark.xfail(strict=True, raises=RuntimeError, reason="MindSpore 2.10 bug, without recomp")

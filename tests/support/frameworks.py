@@ -9,6 +9,7 @@ the recomputed code runs the same kernels on the same values.
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 from collections import OrderedDict
 from collections.abc import Callable
@@ -200,6 +201,85 @@ class Torch:
 
         return stack(n)
 
+    # ---- guarantees (tests/core/test_guarantees.py) ------------------------------
+    # Checkpoints of PyTorch itself that know nothing of excluded regions (the first:
+    # a function that takes any callable, non-reentrant).
+    foreign_checkpoints = ("checkpoint", "checkpoint_reentrant")
+
+    def block_pair(self) -> tuple[Any, Any]:
+        """Two pre-norm blocks (``attn``, ``mlp``) with the same parameter values."""
+        from torch_models import Block
+
+        ref = Block()
+        return ref, copy.deepcopy(ref)
+
+    def normless_stack(self, n: int) -> tuple[Any, Any]:
+        """``attention_excluded_stack`` without the blocks' LayerNorm (a gradient nested
+        in another fails at LayerNorm on MindSpore 2.10, whatever recomp does)."""
+        from torch_models import exclude_attention, stack, twin
+
+        ref = stack(n)
+        for blk in ref:
+            blk.norm = self.nn.Identity()
+        return ref, exclude_attention(twin(ref))
+
+    def from_numpy(self, array: Any) -> Any:
+        return self.torch.from_numpy(array)
+
+    def parameter(self, array: Any, name: str) -> Any:
+        """A trainable parameter holding ``array`` (``name``: MindSpore wants one)."""
+        return self.nn.Parameter(self.torch.from_numpy(array))
+
+    def float32(self, t: Any) -> Any:
+        return t.float()
+
+    def input_leaf(self, t: Any) -> Any:
+        """``t`` as an input whose gradient a backward would compute (MindSpore needs no mark)."""
+        return t.detach().requires_grad_()
+
+    def seed(self, value: int) -> None:
+        """Seed the random ops (here: the default generator)."""
+        self.torch.manual_seed(value)
+
+    def random_state(self) -> Any:
+        """Where the random ops' stream stands, as a value that compares with ``==``."""
+        return self.torch.get_rng_state().numpy().tobytes()
+
+    def dropout(self, x: Any, p: float) -> Any:
+        return self.torch.nn.functional.dropout(x, p, training=True)
+
+    def write_in_place(self, t: Any, value: Any) -> None:
+        """Overwrite ``t``'s storage: an in-place op that bumps its version counter."""
+        t.copy_(value)
+
+    def mixed_precision(self, f: Callable[..., Any]) -> Callable[..., Any]:
+        """``f`` with its forward under CPU autocast to bfloat16."""
+
+        def run(*args: Any) -> Any:
+            with self.torch.autocast("cpu", dtype=self.torch.bfloat16):
+                return f(*args)
+
+        return run
+
+    def foreign_checkpoint(self, style: str, layer: Any) -> Callable[..., Any]:
+        """``layer`` recomputed by ``torch.utils.checkpoint`` (a ``foreign_checkpoints`` style)."""
+        from torch.utils.checkpoint import checkpoint
+
+        reentrant = style == "checkpoint_reentrant"
+        return lambda *args: checkpoint(layer, *args, use_reentrant=reentrant)
+
+    def second_order_grads(self, f: Callable[[Any], Any], x: Any, params: list[Any]) -> list[Any]:
+        """Gradients, with respect to ``x`` then ``params``, of the squared sum of the
+        gradient of ``f(x)`` (a scalar) with respect to ``x``, as numpy arrays."""
+        leaf = x.detach().clone().requires_grad_()
+        (first,) = self.torch.autograd.grad(f(leaf), leaf, create_graph=True)
+        found = self.torch.autograd.grad((first**2).sum(), [leaf, *params])
+        return [g.numpy() for g in found]
+
+    def flush(self) -> None:
+        """Collect garbage, so that what nothing refers to any more is gone."""
+        gc.collect()
+
 
 class MindSpore:
     name = "mindspore"
@@ -360,6 +440,84 @@ class MindSpore:
         from ms_models import Stack
 
         return Stack(n)
+
+    # ---- guarantees (tests/core/test_guarantees.py) ------------------------------
+    # What MindSpore itself offers to recompute a layer: ``mindspore.recompute`` in
+    # both modes (reentrant is its default), and ``Cell.recompute()``, which marks
+    # the cell so that it is recomputed whenever it is called (a Cell only).
+    foreign_checkpoints = ("recompute", "recompute_reentrant", "cell_recompute")
+
+    def block_pair(self) -> tuple[Any, Any]:
+        from ms_models import Block, copy_params
+
+        ref, model = Block(), Block()
+        copy_params(ref, model)
+        return ref, model
+
+    def normless_stack(self, n: int) -> tuple[Any, Any]:
+        from ms_models import exclude_attention, twin_stack
+
+        ref, model = twin_stack(n)
+        for stack in (ref, model):
+            for layer in stack.layers:
+                layer.norm = self.nn.Identity()
+        return ref, exclude_attention(model)
+
+    def from_numpy(self, array: Any) -> Any:
+        return self.ms.Tensor(array)
+
+    def parameter(self, array: Any, name: str) -> Any:
+        return self.ms.Parameter(self.ms.Tensor(array), name=name)
+
+    def float32(self, t: Any) -> Any:
+        return t.astype(self.ms.float32)
+
+    def input_leaf(self, t: Any) -> Any:
+        return t
+
+    def seed(self, value: int) -> None:
+        """The global seed, from which CPU random ops draw their kernel seeds."""
+        self.ms.set_seed(value)
+
+    def random_state(self) -> Any:
+        import sys
+
+        return dict(sys.modules["mindspore.common.seed"]._KERNEL_SEED)
+
+    def dropout(self, x: Any, p: float) -> Any:
+        return self.ops.dropout(x, p=p)
+
+    def write_in_place(self, t: Any, value: Any) -> None:
+        # On CPU only copy_ writes in place and bumps the version (add_, mul_ and
+        # the rest return a new tensor).
+        t.copy_(value)
+
+    def mixed_precision(self, f: Callable[..., Any]) -> Callable[..., Any]:
+        """``f`` under ``auto_mixed_precision`` ("auto", float16)."""
+        from mindspore.train.amp import auto_mixed_precision
+
+        return auto_mixed_precision(lambda *args: f(*args), "auto", self.ms.float16)
+
+    def foreign_checkpoint(self, style: str, layer: Any) -> Callable[..., Any]:
+        if style == "cell_recompute":
+            layer.recompute(use_reentrant=False)
+            return layer
+        if style == "recompute_reentrant":
+            return lambda *args: self.ms.recompute(layer, *args)  # reentrant by default
+        return lambda *args: self.ms.recompute(layer, *args, use_reentrant=False)
+
+    def second_order_grads(self, f: Callable[[Any], Any], x: Any, params: list[Any]) -> list[Any]:
+        inner = self.ms.grad(f)
+        g_x, g_params = self.ms.grad(lambda t: (inner(t) ** 2).sum(), 0, params)(x)
+        return [g.asnumpy() for g in (g_x, *g_params)]
+
+    def flush(self) -> None:
+        """Let MindSpore finish its queued work (it frees graphs asynchronously), then
+        collect garbage."""
+        from mindspore.graph.api import _pynative_executor
+
+        _pynative_executor.sync()
+        gc.collect()
 
 
 ADAPTERS = {"torch": Torch, "mindspore": MindSpore}
