@@ -70,11 +70,12 @@ dev-env: $(STAMP)
 ## while the dev set's tests run).
 torch-range-env: $(RANGE_STAMP)
 
-## The PyTorch tests on the oldest supported PyTorch (2.9.1), in their own environment,
-## system-level ones included. The MindSpore tests skip there (MindSpore 2.10 needs
-## numpy<2; the dev set runs them).
+## The PyTorch tests on the oldest supported PyTorch (2.9.1), in their own environment:
+## those `make test` runs (RANGE_MARKERS= runs the system-level ones too). The MindSpore
+## tests skip there (MindSpore 2.10 needs numpy<2; the dev set runs them).
+RANGE_MARKERS ?= not system
 test-torch-range: $(RANGE_STAMP)
-	RECOMP_TEST_REQUIRE=torch $(RANGE_PY) -m pytest -q $(PYTEST_PARALLEL)
+	RECOMP_TEST_REQUIRE=torch $(RANGE_PY) -m pytest -q $(PYTEST_PARALLEL) $(if $(RANGE_MARKERS),-m "$(RANGE_MARKERS)")
 
 ## The torchtitan recipe (examples/torchtitan) on torchtitan's llama3 debug model, in its
 ## own environment (torchtitan wants numpy 2). Optional: `make test` does not need it.

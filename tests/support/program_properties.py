@@ -35,15 +35,16 @@ DEFAULT_EXAMPLES = 150
 SYSTEM_EXAMPLES = 1000
 
 
-def search(*, system: bool) -> settings:
-    """Hypothesis settings of the default search (``system=False``) or the longer one."""
+def search(*, system: bool, system_examples: int = SYSTEM_EXAMPLES) -> settings:
+    """Hypothesis settings of the default search (``system=False``) or the longer one,
+    of ``system_examples`` programs (a framework whose programs run slowly asks fewer)."""
     common: dict[str, Any] = {
         "deadline": None,
         "database": None,
         "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
     }
     if system:
-        count = int(os.environ.get("RECOMP_PROPERTY_EXAMPLES", SYSTEM_EXAMPLES))
+        count = int(os.environ.get("RECOMP_PROPERTY_EXAMPLES", system_examples))
         return settings(max_examples=count, derandomize=False, print_blob=True, **common)
     return settings(max_examples=DEFAULT_EXAMPLES, derandomize=True, **common)
 
