@@ -803,8 +803,15 @@ class _SaveHook:
                 for observer in self.observers:
                     observer.tensor_deferred(self.call, t, view is not IDENTITY)
                 return _Deferred(slot, view)
+        if backend.is_parameter(t):
+            # The parameter object itself, as autograd saves a leaf, not an alias of the
+            # memory it has now: a framework that releases a parameter's data after the
+            # forward and gathers it again for backward (ZeRO-3, FSDP1) frees it here too.
+            snapshot = Snapshot(t, t)
+            self.snapshots.append(snapshot)
+            return _Kept(region, snapshot, self.call_ref)
         alias = backend.keep_saved(t)
-        if backend.is_parameter(t) or key in self.parameter_keys():
+        if key in self.parameter_keys():
             snapshot = Snapshot(t, alias)
         else:
             self.kept[key] = backend.storage_nbytes(t)
