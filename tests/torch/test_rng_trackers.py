@@ -202,3 +202,25 @@ def test_preserve_rng_state_false_leaves_trackers_alone():
         after_forward = tracker_state(tracker).clone()
         out.sum().backward()
     assert not torch.equal(after_forward, tracker_state(tracker)), "the replay drew again"
+
+
+GLOBAL_TRACKER = DictTracker(seed=5)  # as Megatron's: a global, not copied with the model
+
+
+class GlobalTrackerBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return tracked_dropout(GLOBAL_TRACKER, self.lin(x), 0.5)
+
+
+def test_profiling_leaves_trackers_as_it_found_them():
+    from recomp.plan import profile
+
+    model = nn.Sequential(GlobalTrackerBlock(), GlobalTrackerBlock())
+    before = tracker_state(GLOBAL_TRACKER).clone()
+    with recomp.register_rng_tracker(GLOBAL_TRACKER):
+        profile(model, torch.randn(4, 8), layers=lambda m: isinstance(m, GlobalTrackerBlock))
+    assert torch.equal(tracker_state(GLOBAL_TRACKER), before)
