@@ -2,9 +2,16 @@
 
 This package imports no framework. The framework APIs are ``recomp.torch``
 and ``recomp.mindspore``; what is here is shared by both: the recompute state
-that code inside a checkpoint can read, and the errors recomp raises.
+that code inside a checkpoint can read, the registry of RNG trackers whose states
+checkpoints save and restore, and the errors recomp raises.
 """
 
+from ._rng_trackers import (
+    RngTracker,
+    RngTrackerRegistration,
+    register_rng_tracker,
+    unregister_rng_tracker,
+)
 from ._state import RecomputeState, get_recompute_state, is_recomputing
 from .errors import (
     CachedValueMutatedError,
@@ -36,10 +43,14 @@ __all__ = [
     "RecompInternalError",
     "RecomputeState",
     "ReplayMismatchError",
+    "RngTracker",
+    "RngTrackerRegistration",
     "RunningStatisticsWarning",
     "UnreplayableDropoutWarning",
     "WrapperNotReachedWarning",
     "__version__",
     "get_recompute_state",
     "is_recomputing",
+    "register_rng_tracker",
+    "unregister_rng_tracker",
 ]

@@ -16,6 +16,8 @@ Where things live, bottom up (each module imports only those above it in this li
 * ``_hooks``     the typed interfaces of the parties that take part in a checkpoint
   call (``CallPart``), watch a region call (debug report, tests, memory reports) or
   move what it keeps (offload);
+* ``_rng_trackers``  RNG states kept outside the framework's generators (Megatron-Core's
+  and DeepSpeed's trackers, the user's), saved and restored with the checkpoint's RNG;
 * ``_record``    what one checkpoint call records: ``Invocation`` and the pieces of a
   region call's record (``Snapshot``, ``CachedOutput``, ...);
 * ``_region``    ``ExcludedRegion`` and ``RegionCall``: one excluded-region call, its
@@ -36,6 +38,7 @@ from ._backend import Backend
 from ._hooks import OBSERVERS, CallPart, CheckpointCallView, Stage
 from ._record import Invocation, invocation_of
 from ._region import ExcludedRegion, check_flag
+from ._rng_trackers import replay_trackers_part
 from ._running_stats import RestoreStatistics, replayed_statistics
 from ._state import CallIdentity, PhaseContext, RecomputeState, get_recompute_state
 
@@ -111,7 +114,8 @@ class ComposedContext:
 #   RESTORED_STATE   state outside the tensors that a replay must leave as it found it
 #                    or start from where the forward started: running statistics
 #                    (``_running_stats``), then the random state where the framework's
-#                    checkpoint does not restore it (``ReplayRng``).
+#                    checkpoint does not restore it (``ReplayRng``), then the states of
+#                    RNG trackers kept outside the framework (``_rng_trackers``).
 #   DEBUG_LOG        ``debug=True``: routes region events to the op log and reports
 #                    replay errors with it; outside the user's contexts, so that an
 #                    error they raise is reported too.
@@ -263,7 +267,8 @@ def begin(
     ``parts`` are the framework's parts of the call; the engine adds the recompute
     state, the user's ``context_fn``, the running statistics of the BatchNorm-like
     modules the replay re-runs (if ``function`` is a module or a module's bound
-    method, see ``_running_stats``) and, with ``restore_rng``, the replay's RNG.
+    method, see ``_running_stats``), with ``restore_rng`` the replay's RNG, and with
+    ``align_rng`` the states of the RNG trackers (``_rng_trackers``).
     """
     parent = get_recompute_state()
     if parent is not None and parent.is_recomputing:
@@ -293,6 +298,10 @@ def begin(
         all_parts.append(RestoreStatistics(backend, tensors))
     if restore_rng:
         all_parts.append(ReplayRng(backend))
+    if align_rng:
+        trackers = replay_trackers_part()  # RNG trackers: restored by recomp everywhere
+        if trackers is not None:
+            all_parts.append(trackers)
     return CheckpointCall(invocation, all_parts, rerun=rerun, nested=parent is not None)
 
 

@@ -115,6 +115,7 @@ from ._record import (
     describe_callee,
     invocation_of,
 )
+from ._rng_trackers import TrackerStates, capture_tracker_states
 from ._state import get_recompute_state
 from .errors import (
     CachedValueMutatedError,
@@ -257,6 +258,7 @@ class RegionCall:
         "rng_state",
         "saves_after",
         "slots",
+        "tracker_states",
         "unreachable",
     )
 
@@ -276,6 +278,7 @@ class RegionCall:
         # Weak: a slot lives as long as some saved handle of the region needs it.
         self.slots: list[weakref.ref[InputSlot]] = []
         self.rng_state: Any = None
+        self.tracker_states: TrackerStates | None = None  # RNG trackers when it returned
         # Tensors the checkpoint had saved when this call returned (None: unknown).
         self.saves_after: int | None = None
         self.unreachable = False
@@ -371,6 +374,7 @@ class RegionCall:
         backend = region.backend
         if inv.align_rng:
             self.rng_state = backend.get_rng_state()
+            self.tracker_states = capture_tracker_states()
         out_leaves, out_spec = backend.flatten(out)
         self.out_spec = out_spec
         differentiable: list[int] = []  # positions in out_leaves
@@ -473,6 +477,8 @@ class RegionCall:
             backend.copy_into(leaves[mutated.index], mutated.snapshot.value)
         if self.rng_state is not None:
             backend.set_rng_state(self.rng_state)
+        if self.tracker_states is not None:  # the region's draws from trackers, skipped too
+            self.tracker_states.restore()
 
         region.skips += 1
         # Out of sight of selective checkpointing's op cache, as the forward call was.
@@ -797,8 +803,15 @@ class _SaveHook:
                 for observer in self.observers:
                     observer.tensor_deferred(self.call, t, view is not IDENTITY)
                 return _Deferred(slot, view)
+        if backend.is_parameter(t):
+            # The parameter object itself, as autograd saves a leaf, not an alias of the
+            # memory it has now: a framework that releases a parameter's data after the
+            # forward and gathers it again for backward (ZeRO-3, FSDP1) frees it here too.
+            snapshot = Snapshot(t, t)
+            self.snapshots.append(snapshot)
+            return _Kept(region, snapshot, self.call_ref)
         alias = backend.keep_saved(t)
-        if backend.is_parameter(t) or key in self.parameter_keys():
+        if key in self.parameter_keys():
             snapshot = Snapshot(t, alias)
         else:
             self.kept[key] = backend.storage_nbytes(t)

@@ -177,6 +177,7 @@ CORE_ORDER = [
     "recomp._pytree",
     "recomp._backend",
     "recomp._hooks",
+    "recomp._rng_trackers",
     "recomp._record",
     "recomp._region",
     "recomp._running_stats",

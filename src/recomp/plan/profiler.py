@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._rng_trackers import capture_tracker_states
 from ..torch import _compat
 from ..torch._backend import BACKEND
 from ._analysis import OptionAnalysis, analyse_option, split_storages
@@ -135,6 +136,7 @@ def profile(
         raise ValueError(f"clock is 'wall' or 'cpu', got {clock!r}")
     loss_fn = loss_fn or default_loss
     rng = BACKEND.get_rng_state()
+    trackers = capture_tracker_states()  # Megatron's tracker is global: not in the copy
     try:
         prof = _profile(
             copy.deepcopy(model),
@@ -149,6 +151,8 @@ def profile(
         )
     finally:
         BACKEND.set_rng_state(rng)
+        if trackers is not None:
+            trackers.restore()
     return prof
 
 
