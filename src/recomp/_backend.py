@@ -21,13 +21,15 @@ IDENTITY = None  # a view spec meaning "the input itself"
 
 class StateChange(NamedTuple):
     """A place of a module's state a replay must see as the forward did: the module holds
-    ``live`` under ``name`` now, the forward saw ``seen`` (another tensor, or a copy of
-    the value from before the forward)."""
+    ``live`` under ``name`` now, the forward saw ``seen``: another tensor, or, where
+    ``updated``, a copy of the value from before the forward's update, which a replay
+    would update again (so every replay needs it as it is)."""
 
     module: Any
     name: str
     live: Any
     seen: Any
+    updated: bool
 
 
 class Backend:

@@ -205,7 +205,10 @@ class ModuleState(CallPart):
             if written:
                 updated.add(slot.path)
                 if slot.before is None:
+                    # Too late for the value the forward read; a copy of the updated
+                    # one still keeps the replay's update away from the module.
                     uncopied.append(slot.path)
+                    slot.before = backend.copy(slot.tensor)
             else:
                 slot.before = None  # the value the forward read is the tensor itself
             slot.changed = rebound or written
@@ -215,8 +218,9 @@ class ModuleState(CallPart):
                 f"A forward of {type(self.root).__name__} updated {', '.join(uncopied)} in "
                 "place, which its earlier forwards in this mode did not (or which is a "
                 "parameter without gradients): recomp kept no copy from before the update, "
-                "so this call's replay reads the updated value and the gradients of this "
-                "step may differ from the unwrapped model's. Later calls keep a copy. To be "
+                "so this call's replay reads the updated value (the update still happens "
+                "once) and the gradients of this step may differ from the unwrapped "
+                "model's. Later calls keep a copy. To be "
                 "exact from the first step, keep such state in a buffer that the module's "
                 "first forward already updates, or exclude the module from the replay "
                 "(exclude_fn, or checkpoint_exclude_wrapper).",
@@ -244,9 +248,10 @@ class ModuleState(CallPart):
         changes: list[StateChange] = []
         for slot in self.slots:
             live = backend.module_tensor(slot.module, slot.name)
-            if slot.changed or live is not slot.tensor:
-                seen = slot.before if slot.before is not None else slot.tensor
-                changes.append(StateChange(slot.module, slot.name, live, seen))
+            if slot.before is not None:
+                changes.append(StateChange(slot.module, slot.name, live, slot.before, True))
+            elif slot.changed or live is not slot.tensor:
+                changes.append(StateChange(slot.module, slot.name, live, slot.tensor, False))
         context = backend.state_for_replay(changes) if changes else None
         if context is not None:
             context.__enter__()

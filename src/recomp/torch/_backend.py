@@ -121,8 +121,9 @@ class TorchBackend(Backend):
         self, changes: list[StateChange]
     ) -> contextlib.AbstractContextManager[None]:
         # The module's slots hold the forward's tensors during the replay (as
-        # functional_call swaps them): what the replay writes in place goes to the copies,
-        # and what it saves for backward is never written again by recomp.
+        # functional_call swaps them), a fresh copy of an updated value for each replay:
+        # what the replay writes in place goes to that copy, and what it saves for
+        # backward is never written again by recomp.
         return _swapped_state(changes)
 
     def module_of(self, fn: Any) -> Any | None:
@@ -225,7 +226,8 @@ BACKEND = TorchBackend()
 @contextlib.contextmanager
 def _swapped_state(changes: list[StateChange]) -> Iterator[None]:
     for change in changes:
-        _compat.swap_module_tensor(change.module, change.name, change.seen)
+        seen = change.seen.detach().clone() if change.updated else change.seen
+        _compat.swap_module_tensor(change.module, change.name, seen)
     try:
         yield
     finally:
