@@ -10,6 +10,7 @@ advice live here too, so the engine's messages stay framework-free.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, NamedTuple
 
@@ -193,8 +194,7 @@ class Backend:
         tensors = [t for t in found if self.is_tensor(t)]
         if tensors:
             return tensors if self.is_training(module) else []
-        looks_like_batchnorm = any("batchnorm" in c.__name__.lower() for c in type(module).__mro__)
-        if not looks_like_batchnorm or getattr(module, "track_running_stats", True) is False:
+        if not _looks_like_batchnorm(type(module)) or getattr(module, "track_running_stats", True) is False:
             return None
         if not self.is_training(module):
             return []
@@ -294,6 +294,11 @@ class Backend:
 
     def set_rng_state(self, state: Any) -> None:
         raise NotImplementedError
+
+
+@functools.cache
+def _looks_like_batchnorm(cls: type) -> bool:
+    return any("batchnorm" in c.__name__.lower() for c in cls.__mro__)
 
 
 def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:

@@ -87,7 +87,17 @@ def _replayed_modules(backend: Backend, root: Any, path: str) -> Iterator[tuple[
 class _Slot:
     """One parameter or buffer of a replayed module, as the checkpoint call found it."""
 
-    __slots__ = ("before", "changed", "kind", "module", "name", "path", "tensor", "version")
+    __slots__ = (
+        "before",
+        "changed",
+        "kind",
+        "module",
+        "name",
+        "path",
+        "tensor",
+        "version",
+        "watched",
+    )
 
     def __init__(self, path: str, module: Any, name: str, tensor: Any, kind: str) -> None:
         self.path = path
@@ -97,13 +107,10 @@ class _Slot:
         # "parameter", "frozen" (no gradient), "buffer", or "statistics": running
         # statistics the forward updates without a trace (see the NOTE)
         self.kind = kind
+        self.watched = kind != "parameter"  # what a forward may update
         self.version: int | None = None
         self.before: Any = None  # a copy of the value from before the forward
         self.changed = False  # the forward updated it (in place or by rebinding)
-
-    @property
-    def watched(self) -> bool:
-        return self.kind != "parameter"
 
 
 #: Per root module and mode (training or not), the paths of the watched tensors some
