@@ -194,7 +194,8 @@ class Backend:
         tensors = [t for t in found if self.is_tensor(t)]
         if tensors:
             return tensors if self.is_training(module) else []
-        if not _looks_like_batchnorm(type(module)) or getattr(module, "track_running_stats", True) is False:
+        tracked = getattr(module, "track_running_stats", True) is not False
+        if not tracked or not _looks_like_batchnorm(type(module)):
             return None
         if not self.is_training(module):
             return []
