@@ -195,7 +195,7 @@ class Backend:
         if tensors:
             return tensors if self.is_training(module) else []
         tracked = getattr(module, "track_running_stats", True) is not False
-        if not tracked or not _looks_like_batchnorm(type(module)):
+        if not tracked or not _looks_like_batchnorm(module.__class__):
             return None
         if not self.is_training(module):
             return []
