@@ -10,13 +10,27 @@ advice live here too, so the engine's messages stay framework-free.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable
-from typing import Any
+import functools
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, NamedTuple
 
 from . import _pytree
 
 NOT_A_VIEW = object()
 IDENTITY = None  # a view spec meaning "the input itself"
+
+
+class StateChange(NamedTuple):
+    """A place of a module's state a replay must see as the forward did: the module holds
+    ``live`` under ``name`` now, the forward saw ``seen``: another tensor, or, where
+    ``updated``, a copy of the value from before the forward's update, which a replay
+    would update again (so every replay needs it as it is)."""
+
+    module: Any
+    name: str
+    live: Any
+    seen: Any
+    updated: bool
 
 
 class Backend:
@@ -144,6 +158,33 @@ class Backend:
     def is_training(self, module: Any) -> bool:
         raise NotImplementedError
 
+    # -- state outside the autograd graph (``recomp._module_state``) ----------------
+
+    #: Whether version counters show every in-place write to a module's state (buffers,
+    #: parameters without gradients). Where they do not, the first forward of a module
+    #: copies all of it and compares (NOTE [ Which state a checkpoint call copies ]).
+    state_versions_track_writes = False
+
+    def module_state(self, module: Any) -> list[tuple[str, Any, str]]:
+        """The tensors ``module`` itself holds (not its children's), as ``(name, tensor,
+        kind)``; ``kind`` is ``"parameter"`` (trains), ``"frozen"`` (a parameter without
+        gradients) or ``"buffer"``."""
+        raise NotImplementedError
+
+    def same_values(self, a: Any, b: Any) -> bool:
+        """Whether two tensors of one shape and type hold equal values."""
+        raise NotImplementedError
+
+    def module_tensor(self, module: Any, name: str) -> Any:
+        """The tensor ``module`` holds under ``name`` now (None if none)."""
+        return getattr(module, name, None)
+
+    def state_for_replay(self, changes: list[StateChange]) -> Any:
+        """A context in which each ``change.module`` holds ``change.seen``'s value under
+        its name, and after which it holds ``change.live`` as it was. This default
+        copies values in and back out (the module keeps its tensor objects)."""
+        return _copied_state(self, changes)
+
     def running_statistics(self, module: Any) -> list[Any] | str | None:
         """For ``module`` alone (not its children): the running-statistics tensors its
         forward updates now (empty in eval mode or without tracked statistics); a reason,
@@ -153,8 +194,8 @@ class Backend:
         tensors = [t for t in found if self.is_tensor(t)]
         if tensors:
             return tensors if self.is_training(module) else []
-        looks_like_batchnorm = any("batchnorm" in c.__name__.lower() for c in type(module).__mro__)
-        if not looks_like_batchnorm or getattr(module, "track_running_stats", True) is False:
+        tracked = getattr(module, "track_running_stats", True) is not False
+        if not tracked or not _looks_like_batchnorm(module.__class__):
             return None
         if not self.is_training(module):
             return []
@@ -256,8 +297,25 @@ class Backend:
         raise NotImplementedError
 
 
+@functools.cache
+def _looks_like_batchnorm(cls: type) -> bool:
+    return any("batchnorm" in c.__name__.lower() for c in cls.__mro__)
+
+
 def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """Number of elements from the first to one past the last element a view addresses."""
     if any(size == 0 for size in shape):
         return 0
     return 1 + sum((size - 1) * st for size, st in zip(shape, stride))
+
+
+@contextlib.contextmanager
+def _copied_state(backend: Backend, changes: list[StateChange]) -> Iterator[None]:
+    kept = [(change.live, backend.copy(change.live)) for change in changes]
+    for change in changes:
+        backend.copy_into(change.live, change.seen)
+    try:
+        yield
+    finally:
+        for live, value in kept:
+            backend.copy_into(live, value)

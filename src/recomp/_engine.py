@@ -23,7 +23,9 @@ Where things live, bottom up (each module imports only those above it in this li
 * ``_region``    ``ExcludedRegion`` and ``RegionCall``: one excluded-region call, its
   whole life, what it keeps, defers, caches and hands back to replays. Its NOTE
   blocks state the rules the engine relies on, numbered; the code cites them;
-* ``_running_stats``  BatchNorm running statistics that a replay must leave as it found them;
+* ``_module_state``  the state of the replayed modules outside the autograd graph
+  (parameters swapped by ``functional_call``, buffers updated in place): what each
+  replay must see as the forward did, and whose updates happen once;
 * ``_engine``    (here) checkpoint calls: ``begin``, the order of their parts, nesting.
 """
 
@@ -36,10 +38,10 @@ from typing import Any, cast
 
 from ._backend import Backend
 from ._hooks import OBSERVERS, CallPart, CheckpointCallView, Stage
+from ._module_state import ModuleState
 from ._record import Invocation, invocation_of
 from ._region import ExcludedRegion, check_flag
 from ._rng_trackers import replay_trackers_part
-from ._running_stats import RestoreStatistics, replayed_statistics
 from ._state import CallIdentity, PhaseContext, RecomputeState, get_recompute_state
 
 __all__ = [
@@ -112,10 +114,11 @@ class ComposedContext:
 #                    the forward ends (every log is pruned and checked). Everything
 #                    inside sees which call and phase it is in.
 #   RESTORED_STATE   state outside the tensors that a replay must leave as it found it
-#                    or start from where the forward started: running statistics
-#                    (``_running_stats``), then the random state where the framework's
-#                    checkpoint does not restore it (``ReplayRng``), then the states of
-#                    RNG trackers kept outside the framework (``_rng_trackers``).
+#                    or start from where the forward started: the replayed modules'
+#                    parameters and buffers (``_module_state``), then the random
+#                    state where the framework's checkpoint does not restore it
+#                    (``ReplayRng``), then the states of RNG trackers kept outside
+#                    the framework (``_rng_trackers``).
 #   DEBUG_LOG        ``debug=True``: routes region events to the op log and reports
 #                    replay errors with it; outside the user's contexts, so that an
 #                    error they raise is reported too.
@@ -265,10 +268,10 @@ def begin(
     re-run of a call that already ran in that checkpoint's forward: it gets
     the same invocation back, so its excluded regions are not executed again.
     ``parts`` are the framework's parts of the call; the engine adds the recompute
-    state, the user's ``context_fn``, the running statistics of the BatchNorm-like
-    modules the replay re-runs (if ``function`` is a module or a module's bound
-    method, see ``_running_stats``), with ``restore_rng`` the replay's RNG, and with
-    ``align_rng`` the states of the RNG trackers (``_rng_trackers``).
+    state, the user's ``context_fn``, the state of the modules the replay re-runs (if
+    ``function`` is a module or a module's bound method, see ``_module_state``),
+    with ``restore_rng`` the replay's RNG, and with ``align_rng`` the states of the RNG
+    trackers (``_rng_trackers``).
     """
     parent = get_recompute_state()
     if parent is not None and parent.is_recomputing:
@@ -293,9 +296,9 @@ def begin(
     all_parts = list(parts)
     if user_context_fn is not None:
         all_parts.append(UserContext(user_context_fn))
-    tensors = replayed_statistics(backend, function)
-    if tensors:
-        all_parts.append(RestoreStatistics(backend, tensors))
+    module_state = ModuleState.of(backend, function)
+    if module_state is not None:
+        all_parts.append(module_state)
     if restore_rng:
         all_parts.append(ReplayRng(backend))
     if align_rng:

@@ -89,5 +89,11 @@ class RunningStatisticsWarning(UserWarning):
     cannot find, so a replay would update them a second time."""
 
 
+class ReplayStateWarning(UserWarning):
+    """A checkpointed forward updated module state in place that recomp kept no copy of
+    (see NOTE [ Which state a checkpoint call copies ] in ``recomp._module_state``), so
+    that call's replay read the updated value."""
+
+
 class UnreplayableDropoutWarning(UserWarning):
     """Recomputed code holds a dropout whose random state the framework cannot restore."""

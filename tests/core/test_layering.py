@@ -180,7 +180,7 @@ CORE_ORDER = [
     "recomp._rng_trackers",
     "recomp._record",
     "recomp._region",
-    "recomp._running_stats",
+    "recomp._module_state",
     "recomp._engine",
     "recomp._kv_cache",
     "recomp._collectives",

@@ -9,7 +9,7 @@ import mindspore
 from mindspore import nn
 
 from .. import _engine, _wrapping
-from .._running_stats import warn_unhandled
+from .._module_state import warn_unhandled
 from .._wrapping import CHECKPOINT_KWARGS, REGION, RegionCounters, check_callable, default_name
 from . import _compat
 from ._backend import BACKEND, check_pynative

@@ -88,6 +88,17 @@ class MindSporeBackend(Backend):
     def is_training(self, module: Any) -> bool:
         return bool(module.training)
 
+    def module_state(self, module: Any) -> list[tuple[str, Any, str]]:
+        # A Cell keeps its state in Parameters; those without gradients are its buffers
+        # (BatchNorm's moving statistics included).
+        return [
+            (n, p, "parameter" if p.requires_grad else "frozen")
+            for n, p in _compat.cell_parameters(module)
+        ]
+
+    def same_values(self, a: Any, b: Any) -> bool:
+        return bool((a == b).all())
+
     def parameters_of(self, fn: Any) -> list[Any]:
         owner = getattr(fn, "__self__", fn)  # a Cell, or a Cell's bound construct
         return list(owner.get_parameters()) if isinstance(owner, mindspore.nn.Cell) else []

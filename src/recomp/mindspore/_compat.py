@@ -267,3 +267,18 @@ def no_mixed_precision() -> Any:
     from mindspore._c_expression import MixedPrecisionType
 
     return MixedPrecisionType.NOTSET
+
+
+def cell_parameters(cell: Any) -> list[tuple[str, Any]]:
+    """``(name, Parameter)`` for each parameter ``cell`` itself holds, by attribute name.
+
+    Why: a checkpoint of a Cell notes them at every call (``recomp._module_state``);
+    ``parameters_and_names(expand=False)`` walks a generator and names parameters by
+    their global name, where the Cell keeps them in one dict under attribute names.
+    If it changes: the public walk, with the attribute name after the last dot.
+    Retired by: a public view of a Cell's own parameters by attribute name.
+    """
+    params = vars(cell).get("_params")
+    if isinstance(params, dict):
+        return [(n, p) for n, p in params.items() if p is not None]
+    return [(n.rsplit(".", 1)[-1], p) for n, p in cell.parameters_and_names(expand=False)]

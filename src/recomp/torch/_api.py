@@ -10,7 +10,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .. import _engine, _wrapping
-from .._running_stats import warn_unhandled
+from .._module_state import warn_unhandled
 from .._wrapping import (
     CHECKPOINT_KWARGS,
     REGION,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .. import _pytree
-from .._backend import Backend
+from .._backend import Backend, StateChange
 from ..errors import OutputNotSavedError
 from . import _compat
 
@@ -106,6 +106,25 @@ class TorchBackend(Backend):
         return _compat.version(t)
 
     running_stat_names = ("running_mean", "running_var", "num_batches_tracked")
+    state_versions_track_writes = True
+
+    def module_state(self, module: Any) -> list[tuple[str, Any, str]]:
+        return _compat.module_tensors(module)
+
+    def same_values(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a, b)
+
+    def module_tensor(self, module: Any, name: str) -> Any:
+        return _compat.module_tensor(module, name)
+
+    def state_for_replay(
+        self, changes: list[StateChange]
+    ) -> contextlib.AbstractContextManager[None]:
+        # The module's slots hold the forward's tensors during the replay (as
+        # functional_call swaps them), a fresh copy of an updated value for each replay:
+        # what the replay writes in place goes to that copy, and what it saves for
+        # backward is never written again by recomp.
+        return _swapped_state(changes)
 
     def module_of(self, fn: Any) -> Any | None:
         owner = getattr(fn, "__self__", fn)
@@ -202,3 +221,15 @@ def _labelled(name: str, inner: contextlib.AbstractContextManager[None]) -> Iter
 
 
 BACKEND = TorchBackend()
+
+
+@contextlib.contextmanager
+def _swapped_state(changes: list[StateChange]) -> Iterator[None]:
+    for change in changes:
+        seen = change.seen.detach().clone() if change.updated else change.seen
+        _compat.swap_module_tensor(change.module, change.name, seen)
+    try:
+        yield
+    finally:
+        for change in reversed(changes):
+            _compat.swap_module_tensor(change.module, change.name, change.live)

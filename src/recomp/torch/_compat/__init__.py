@@ -17,7 +17,8 @@ with one test per entry that fails when PyTorch changes underneath.
 
 ``engine``
     Storage identity, version counters, autograd engine queries (in a backward, which
-    one, whether the running node finishes in this pass): for the engine's torch
+    one, whether the running node finishes in this pass), a module's own parameter and
+    buffer slots: for the engine's torch
     backend, the offloader, kept replays and collective caches.
 ``checkpoint``
     PyTorch's non-reentrant checkpoint from the inside: its hooks on the saved-tensors
@@ -83,7 +84,16 @@ from .dispatch import (
     ops_named,
     version_sharing_detach,
 )
-from .engine import graph_task_id, in_backward, node_finishes_in_this_pass, storage_key, version
+from .engine import (
+    graph_task_id,
+    in_backward,
+    module_tensor,
+    module_tensors,
+    node_finishes_in_this_pass,
+    storage_key,
+    swap_module_tensor,
+    version,
+)
 from .hf import hf_layer_keeps_cache, hf_no_split_modules
 from .pytree import pytree_generation, pytree_node
 from .saved_tensors import (
@@ -132,6 +142,8 @@ __all__ = [
     "mark_as_checkpoint_hook",
     "memory_history_enabled",
     "memory_label",
+    "module_tensor",
+    "module_tensors",
     "no_dispatch_modes",
     "node_finishes_in_this_pass",
     "op_arguments",
@@ -150,6 +162,7 @@ __all__ = [
     "selective_checkpoint_storage",
     "separate_backend",
     "storage_key",
+    "swap_module_tensor",
     "top_checkpoint_hooks",
     "version",
     "version_sharing_detach",

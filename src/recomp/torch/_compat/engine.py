@@ -110,3 +110,70 @@ def node_finishes_in_this_pass() -> bool:
         except RuntimeError:  # a leaf captured by autograd.grad: its gradient is computed
             continue
     return True
+
+
+# --------------------------------------------------------------------------- module state
+
+
+def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, str]]:
+    """``(name, tensor, kind)`` for each parameter and buffer ``module`` itself holds;
+    ``kind``: ``"parameter"``, ``"frozen"`` (needs no gradient) or ``"buffer"``.
+
+    Why: a checkpoint of a module notes them at every call (``recomp._module_state``):
+    reading the module's two dictionaries costs two look-ups, where
+    ``named_parameters(recurse=False)`` and ``named_buffers(recurse=False)`` build a
+    generator and a set of seen tensors each.
+    If it changes: the public iterators, which give the same pairs.
+    Retired by: a cheap public view of a module's own parameters and buffers.
+    """
+    params = getattr(module, "_parameters", None)
+    buffers = getattr(module, "_buffers", None)
+    if not isinstance(params, dict) or not isinstance(buffers, dict):
+        params = dict(module.named_parameters(recurse=False))
+        buffers = dict(module.named_buffers(recurse=False))
+    found = [
+        (n, p, "parameter" if p.requires_grad else "frozen")
+        for n, p in params.items()
+        if p is not None
+    ]
+    if buffers:
+        found += [(n, b, "buffer") for n, b in buffers.items() if b is not None]
+    return found
+
+
+def module_tensor(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """The parameter or buffer ``module`` holds under ``name`` now (None if none).
+
+    Why and if it changes: as :func:`module_tensors` (the public fallback is ``getattr``,
+    which finds the same tensor through ``nn.Module.__getattr__``).
+    """
+    params = getattr(module, "_parameters", None)
+    if isinstance(params, dict) and name in params:
+        return params[name]
+    buffers = getattr(module, "_buffers", None)
+    if isinstance(buffers, dict) and name in buffers:
+        return buffers[name]
+    return getattr(module, name, None)
+
+
+def swap_module_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make ``module`` hold ``tensor`` under ``name`` in place of its parameter or buffer,
+    whatever ``tensor`` is (a plain tensor where a parameter was).
+
+    Why: a checkpoint's replay must use the tensors its forward used, also where the
+    forward ran under ``torch.func.functional_call`` (fast weights) or a buffer was
+    rebound; ``nn.Module.__setattr__`` refuses a plain tensor in a parameter's place, so
+    this writes the slot as ``functional_call`` itself does.
+    If it changes: ``setattr``, which works for buffers and for parameters replaced by
+    parameters; a plain tensor in a parameter's place then raises ``TypeError``.
+    Retired by: a public context that swaps a module's tensors (``functional_call``'s own).
+    """
+    params = getattr(module, "_parameters", None)
+    if isinstance(params, dict) and name in params:
+        params[name] = tensor
+        return
+    buffers = getattr(module, "_buffers", None)
+    if isinstance(buffers, dict) and name in buffers:
+        buffers[name] = tensor
+        return
+    setattr(module, name, tensor)

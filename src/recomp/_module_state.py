@@ -1,0 +1,306 @@
+"""State a replay must see as the forward saw it, and whose forward updates happen once.
+
+A checkpoint's replay runs the checkpointed module's forward again, during backward.
+Whatever that forward reads outside the tensors autograd connects it to is read again
+then, and whatever it writes is written again:
+
+* **parameters** the forward used that are not the module's own at replay time
+  (``torch.func.functional_call`` with fast weights, ``stack_module_state``: the
+  swap ends when the call returns, before backward);
+* **buffers and parameters without gradients** that the forward updates in place or
+  rebinds (BatchNorm's running statistics, a custom running mean, a spectral norm's
+  ``_u``/``_v``, a quantiser's ranges, MindSpore cells that ``ops.assign`` their own
+  statistics): replayed as they are, they would be read after the forward's update
+  and updated a second time.
+
+:class:`ModuleState` is the part of a checkpoint call that handles both, for the
+modules the replay re-runs (``root`` and the modules below it, excluded regions
+aside: the replay does not run those). When the call starts it notes, for each
+parameter and buffer, the tensor the module holds, and for the state a forward may
+update (buffers, parameters without gradients: "watched") a copy of the value where
+one is needed (below). When the forward ends it finds what the forward changed. Each
+replay then runs with the module holding, at every changed place, what the forward
+saw: the forward's tensor where the module holds another one now, the copy of the
+value from before the forward where the forward updated it. After the replay the
+module holds again what it held before, so the forward's updates stay, once, and the
+replay's are dropped (they went to the copies).
+
+NOTE [ Which state a checkpoint call copies ]
+Copying every watched tensor at every call would double the state of a model with
+frozen weights (PEFT) for the whole step. So a checkpoint call copies what forwards
+of the same module in the same mode (training or eval) have been seen to update, and
+on the first call of a module in a mode:
+
+* where version counters show every in-place write (``Backend.state_versions_track_
+  writes``, PyTorch): its buffers; a frozen parameter is watched by its version only.
+  A watched tensor the forward updated without a copy (a frozen parameter, or a
+  buffer first updated by a later call) warns once per module
+  (:class:`~recomp.errors.ReplayStateWarning`: that call's replay read the updated
+  value) and is copied from the next call on;
+* where they do not (MindSpore: kernels and ``ops.assign`` leave them alone): every
+  watched tensor, compared with its copy when the forward ends to learn which ones
+  the forward updates. A first update after that call is not seen (documented).
+
+Running statistics that kernels update without a trace in the version counter
+(PyTorch's and MindSpore's BatchNorm: ``Backend.running_statistics`` names them) are
+copied at every call in training mode and count as updated.
+
+Copies of what the forward did not update are dropped when the forward ends, so the
+first call costs one module's watched state for the length of its forward; the copies
+that stay are the size of what the forward updates (statistics, not activations) and
+live until the checkpoint's graph is freed.
+
+How a replay is made to see the forward's state is the framework's answer
+(``Backend.state_for_replay``): PyTorch swaps tensors into the module's parameter and
+buffer slots, as ``functional_call`` does (a tensor the replay saves for backward is
+then never written again by recomp); the default copies values in and back out.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from ._backend import Backend, StateChange
+from ._hooks import CallPart, CheckpointCallView, Stage
+from ._region import ExcludedRegion
+from .errors import ReplayStateWarning, RunningStatisticsWarning
+
+
+def _replayed_modules(backend: Backend, root: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """``root`` and the modules below it that a replay of ``root`` runs (each once)."""
+    seen: set[int] = set()
+    stack = [(path, root)]
+    while stack:
+        where, module = stack.pop()
+        if id(module) in seen or isinstance(vars(module).get("_recomp_region"), ExcludedRegion):
+            continue
+        seen.add(id(module))
+        yield where, module
+        children = list(backend.named_children(module))
+        for name, child in reversed(children):
+            stack.append((f"{where}.{name}" if where else name, child))
+
+
+class _Slot:
+    """One parameter or buffer of a replayed module, as the checkpoint call found it."""
+
+    __slots__ = (
+        "before",
+        "changed",
+        "kind",
+        "module",
+        "name",
+        "path",
+        "tensor",
+        "version",
+        "watched",
+    )
+
+    def __init__(self, path: str, module: Any, name: str, tensor: Any, kind: str) -> None:
+        self.path = path
+        self.module = module
+        self.name = name
+        self.tensor = tensor  # what the module held when the forward started
+        # "parameter", "frozen" (no gradient), "buffer", or "statistics": running
+        # statistics the forward updates without a trace (see the NOTE)
+        self.kind = kind
+        self.watched = kind != "parameter"  # what a forward may update
+        self.version: int | None = None
+        self.before: Any = None  # a copy of the value from before the forward
+        self.changed = False  # the forward updated it (in place or by rebinding)
+
+
+def _rebound(backend: Backend, live: Any, slot: _Slot) -> bool:
+    """Whether the module holds another tensor than the forward saw at ``slot``, one that
+    recomp must swap back for the replay. One parameter object in place of another is a
+    framework's own swap (FSDP's sharded and unsharded parameters), which it undoes
+    itself before the module runs again: left to it."""
+    if live is slot.tensor:
+        return False
+    return not (backend.is_parameter(live) and backend.is_parameter(slot.tensor))
+
+
+#: Per root module and mode (training or not), the paths of the watched tensors some
+#: forward updated (NOTE [ Which state a checkpoint call copies ]).
+_UPDATED: weakref.WeakKeyDictionary[Any, dict[bool, set[str]]] = weakref.WeakKeyDictionary()
+#: Root modules whose uncopied update was reported (once each).
+_REPORTED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class ModuleState(CallPart):
+    """The part of a checkpoint call of a module that makes each replay see the state the
+    forward saw and keeps the forward's updates once (see the module docstring)."""
+
+    stage = Stage.RESTORED_STATE
+
+    def __init__(self, backend: Backend, root: Any, slots: list[_Slot]) -> None:
+        self.backend = backend
+        self.root = root
+        self.slots = slots
+        self._learning = False
+        self._replays: list[Any] = []
+
+    @classmethod
+    def of(cls, backend: Backend, function: Any) -> ModuleState | None:
+        """The part for a checkpoint call of ``function``, if it is a module (or a bound
+        method of one) that holds any tensor; None otherwise."""
+        root = backend.module_of(function)
+        if root is None:
+            return None
+        slots = []
+        for path, module in _replayed_modules(backend, root, ""):
+            statistics = backend.running_statistics(module)
+            updating = {id(t) for t in statistics} if isinstance(statistics, list) else ()
+            for name, tensor, kind in backend.module_state(module):
+                if id(tensor) in updating:
+                    kind = "statistics"
+                slots.append(_Slot(f"{path}.{name}" if path else name, module, name, tensor, kind))
+        return cls(backend, root, slots) if slots else None
+
+    def _updated(self) -> set[str] | None:
+        """What forwards of the root in its current mode have been seen to update (None
+        before the first)."""
+        modes = _UPDATED.get(self.root)
+        return None if modes is None else modes.get(self.backend.is_training(self.root))
+
+    def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
+        backend = self.backend
+        watched = [slot for slot in self.slots if slot.watched]
+        copies: dict[int, Any] = {}  # one copy per tensor, also where modules share it
+
+        def keep(slot: _Slot) -> None:
+            key = id(slot.tensor)
+            if key not in copies:
+                copies[key] = backend.copy(slot.tensor)
+            slot.before = copies[key]
+
+        for slot in watched:
+            if slot.kind == "statistics":
+                keep(slot)
+                slot.changed = True
+        watched = [slot for slot in watched if slot.kind != "statistics"]
+        updated = self._updated()
+        if not backend.state_versions_track_writes:
+            self._learning = updated is None
+            for slot in watched:
+                if updated is None or slot.path in updated:
+                    keep(slot)
+                    slot.changed = True
+            return None, self
+        if backend.versions_need_sync and watched:
+            backend.sync()
+        for slot in watched:
+            slot.version = backend.version(slot.tensor)
+            first = updated is None and slot.kind == "buffer"
+            if first or (updated is not None and slot.path in updated):
+                keep(slot)
+        return None, self
+
+    def forward_ended(self, ok: bool) -> None:
+        if not ok:
+            return
+        if self.backend.state_versions_track_writes:
+            self._find_writes()
+        elif self._learning:
+            self._learn_writes()
+
+    def _find_writes(self) -> None:
+        backend = self.backend
+        if backend.versions_need_sync:
+            backend.sync()
+        modes = _UPDATED.setdefault(self.root, {})
+        updated = modes.setdefault(backend.is_training(self.root), set())
+        uncopied: list[str] = []
+        for slot in self.slots:
+            if slot.kind == "statistics":
+                continue  # copied and counted as updated at the start
+            rebound = _rebound(backend, backend.module_tensor(slot.module, slot.name), slot)
+            written = slot.watched and backend.version(slot.tensor) != slot.version
+            if written:
+                updated.add(slot.path)
+                if slot.before is None:
+                    # Too late for the value the forward read; a copy of the updated
+                    # one still keeps the replay's update away from the module.
+                    uncopied.append(slot.path)
+                    slot.before = backend.copy(slot.tensor)
+            else:
+                slot.before = None  # the value the forward read is the tensor itself
+            slot.changed = rebound or written
+        if uncopied and self.root not in _REPORTED:
+            _REPORTED.add(self.root)
+            warnings.warn(
+                f"A forward of {type(self.root).__name__} updated {', '.join(uncopied)} in "
+                "place, which its earlier forwards in this mode did not (or which is a "
+                "parameter without gradients): recomp kept no copy from before the update, "
+                "so this call's replay reads the updated value (the update still happens "
+                "once) and the gradients of this step may differ from the unwrapped "
+                "model's. Later calls keep a copy. To be "
+                "exact from the first step, keep such state in a buffer that the module's "
+                "first forward already updates, or exclude the module from the replay "
+                "(exclude_fn, or checkpoint_exclude_wrapper).",
+                ReplayStateWarning,
+                stacklevel=2,
+            )
+
+    def _learn_writes(self) -> None:
+        backend = self.backend
+        updated: set[str] = set()
+        for slot in self.slots:
+            if not slot.watched or slot.kind == "statistics":
+                continue
+            if backend.same_values(slot.tensor, slot.before):
+                slot.before = None
+                slot.changed = False
+            else:
+                updated.add(slot.path)
+        _UPDATED.setdefault(self.root, {})[backend.is_training(self.root)] = updated
+
+    # -- the replay context: re-entrant (one entry per replay) ------------------------
+
+    def __enter__(self) -> None:
+        backend = self.backend
+        changes: list[StateChange] = []
+        for slot in self.slots:
+            live = backend.module_tensor(slot.module, slot.name)
+            if slot.before is not None:
+                changes.append(StateChange(slot.module, slot.name, live, slot.before, True))
+            elif slot.changed or _rebound(backend, live, slot):
+                changes.append(StateChange(slot.module, slot.name, live, slot.tensor, False))
+        context = backend.state_for_replay(changes) if changes else None
+        if context is not None:
+            context.__enter__()
+        self._replays.append(context)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        context = self._replays.pop()
+        if context is not None:
+            context.__exit__(*exc_info)
+
+
+# Modules already reported by warn_unhandled (once each).
+_reported: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def warn_unhandled(backend: Backend, root: Any, api: str) -> None:
+    """Warn once per module about BatchNorm-like modules in ``root``'s replay whose
+    running statistics are no tensor recomp can see (they would be updated twice)."""
+    unhandled = []
+    for path, module in _replayed_modules(backend, root, ""):
+        reason = backend.running_statistics(module)
+        if isinstance(reason, str) and module not in _reported:
+            _reported.add(module)
+            unhandled.append(f"{path or type(root).__name__} ({type(module).__name__}: {reason})")
+    if unhandled:
+        warnings.warn(
+            f"{backend.package}.{api}: the replay of {type(root).__name__} re-runs "
+            f"BatchNorm-like modules whose running statistics recomp cannot restore: "
+            f"{'; '.join(unhandled)}. Their statistics would be updated twice per step. "
+            f"Exclude them (exclude_fn, or checkpoint_exclude_wrapper; with copy_output=True "
+            f"if the code after them changes their output in place), or keep their statistics "
+            f"in buffers (parameters without gradients on MindSpore).",
+            RunningStatisticsWarning,
+            stacklevel=4,
+        )

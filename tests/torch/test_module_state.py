@@ -1,0 +1,274 @@
+"""State a checkpointed module keeps outside the autograd graph: its replay sees what the
+forward saw and the forward's updates happen once (``recomp._module_state``).
+
+Every test trains the same model with and without recomp and compares gradients and
+state bit for bit; each fails where the replay reads the module's state as it is at
+backward time (as ``torch.utils.checkpoint`` does): fast weights swapped in by
+``functional_call``, buffers updated in place or rebound, a parametrization's own
+buffers. The first update the library could not see coming is a warning, asserted.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import recomp  # noqa: E402
+import recomp.torch as rt  # noqa: E402
+
+EARLY_STOP = pytest.mark.parametrize("early_stop", [True, False], ids=["early_stop", "full"])
+
+
+def batch(step: int, rows: int = 5, width: int = 6) -> torch.Tensor:
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(step))
+
+
+def train(model, steps, *, wrapped=(), backwards=1, before_step=None, lr=0.1, **options):
+    """SGD steps on fixed batches, with ``wrapped`` submodule paths checkpoint-wrapped
+    (``""``: the model itself); each step's gradients, and the buffers at the end."""
+    model = copy.deepcopy(model)
+    run = model
+    for path in wrapped:
+        if path:
+            parent, _, name = path.rpartition(".")
+            owner = model.get_submodule(parent)
+            setattr(owner, name, rt.checkpoint_wrapper(owner.get_submodule(name), **options))
+        else:
+            run = rt.checkpoint_wrapper(model, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    grads = []
+    for step in range(steps):
+        if before_step is not None:
+            before_step(model, step)
+        opt.zero_grad(set_to_none=True)
+        loss = run(batch(step)).pow(2).sum()
+        for i in range(backwards):
+            loss.backward(retain_graph=i + 1 < backwards)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    train.last_model = model  # type: ignore[attr-defined]
+    return grads, {n: b.clone() for n, b in model.named_buffers()}
+
+
+def assert_same_training(model, steps=3, backwards=1, **kwargs):
+    want_grads, want_buffers = train(model, steps, backwards=backwards)
+    got_grads, got_buffers = train(model, steps, backwards=backwards, **kwargs)
+    for step, (want, got) in enumerate(zip(want_grads, got_grads)):
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert torch.equal(a, b), f"step {step}, gradient {i}: {(a - b).abs().max()}"
+    assert want_buffers.keys() == got_buffers.keys()
+    for name, value in want_buffers.items():
+        assert torch.equal(value, got_buffers[name]), f"{name}: {value} vs {got_buffers[name]}"
+
+
+class RunningMean(nn.Module):
+    """Keeps a running mean of its input in a buffer, updated in place, and reads the
+    updated value in the same forward (as HF I-BERT's QuantAct does with its ranges)."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("mean", torch.zeros(width))
+
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.lin(x)
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * y.mean(0))
+        return torch.tanh(y - self.mean) * y
+
+
+class Counted(nn.Module):
+    """Rebinds a counter buffer each forward (``self.seen = self.seen + 1``) and scales
+    by it, as a quantiser or a warm-up schedule kept in a buffer does."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.seen = self.seen + 1
+        return torch.sin(y / self.seen) * y
+
+
+@EARLY_STOP
+def test_a_buffer_updated_in_place_and_read_is_replayed_as_the_forward_read_it(early_stop):
+    torch.manual_seed(0)
+    assert_same_training(RunningMean(), wrapped=[""], early_stop=early_stop)
+
+
+def test_the_update_happens_once_with_backwards_that_retain_the_graph():
+    torch.manual_seed(0)
+    assert_same_training(RunningMean(), wrapped=[""], backwards=2)
+
+
+def test_buffers_rebound_by_the_forward_are_replayed_as_the_forward_saw_them():
+    torch.manual_seed(0)
+    assert_same_training(Counted(), wrapped=[""])
+
+
+def test_a_nested_checkpoint_restores_the_state_of_its_own_modules():
+    torch.manual_seed(0)
+    model = nn.Sequential(RunningMean(), nn.Sequential(nn.Linear(6, 6), RunningMean()))
+    assert_same_training(model, wrapped=["1.1", ""])
+
+
+@EARLY_STOP
+def test_spectral_norm_updates_its_vectors_once_and_replays_with_the_forwards(early_stop):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.utils.parametrizations.spectral_norm(nn.Linear(6, 6)), nn.Tanh(), nn.Linear(6, 6)
+    )
+    assert_same_training(model, wrapped=[""], early_stop=early_stop)
+
+
+def test_an_excluded_module_with_state_runs_once_and_the_rest_is_restored():
+    torch.manual_seed(0)
+    model = nn.Sequential(RunningMean(), nn.Tanh(), RunningMean())
+    want_grads, want_buffers = train(model, 3)
+    excluded = copy.deepcopy(model)
+    excluded[0] = rt.checkpoint_exclude_wrapper(excluded[0])
+    got_grads, got_buffers = train(excluded, 3, wrapped=[""])
+    ran = train.last_model  # type: ignore[attr-defined]
+    assert (ran[0].calls, ran[2].calls) == (3, 6)  # the excluded one is not replayed
+    for want, got in zip(want_grads, got_grads):
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+    for name, value in want_buffers.items():
+        assert torch.equal(value, got_buffers[name]), name
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def fast_weights_gradients(model: nn.Module, inner_steps: int = 2) -> list[torch.Tensor]:
+    """MAML: adapt the weights by ``inner_steps`` gradient steps through
+    ``functional_call`` (keeping the graph), then the meta-gradient of the adapted loss."""
+    params = dict(model.named_parameters())
+    x, y = batch(0), batch(1)
+    fast = params
+    for _ in range(inner_steps):
+        loss = (torch.func.functional_call(model, fast, (x,)) - y).pow(2).sum()
+        grads = torch.autograd.grad(loss, list(fast.values()), create_graph=True)
+        fast = {k: w - 0.1 * g for (k, w), g in zip(fast.items(), grads)}
+    outer = (torch.func.functional_call(model, fast, (x,)) - y).pow(2).sum()
+    return list(torch.autograd.grad(outer, list(params.values())))
+
+
+@EARLY_STOP
+def test_fast_weights_from_functional_call_are_the_weights_the_replay_uses(early_stop):
+    torch.manual_seed(0)
+    model = TwoLayers()
+    want = fast_weights_gradients(model)
+    wrapped = copy.deepcopy(model)
+    wrapped.a = rt.checkpoint_wrapper(wrapped.a, early_stop=early_stop)
+    wrapped.b = rt.checkpoint_wrapper(wrapped.b, early_stop=early_stop)
+    got = fast_weights_gradients(wrapped)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), f"gradient {i}: {(a - b).abs().max()}"
+    # the module holds its own parameters again after every replay
+    assert all(isinstance(p, nn.Parameter) for p in wrapped.parameters())
+    assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in model.named_parameters()]
+
+
+class LateUpdate(nn.Module):
+    """Updates its buffer only once ``updating`` is set (from the second step on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.register_buffer("scale", torch.ones(6))
+        self.updating = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.updating:
+            with torch.no_grad():
+                self.scale.add_(y.mean(0))
+        return torch.sin(y * self.scale)
+
+
+def test_a_first_update_after_earlier_forwards_did_none_warns_once_naming_it():
+    torch.manual_seed(0)
+    model = LateUpdate()
+
+    def from_step_one(model: nn.Module, step: int) -> None:
+        model.updating = step >= 1
+
+    # lr=0: the weights stay as they are, so that one step's gradient does not carry over
+    want_grads, want_buffers = train(model, 4, before_step=from_step_one, lr=0.0)
+    with pytest.warns(recomp.ReplayStateWarning, match=r"LateUpdate updated scale in place"):
+        got_grads, got_buffers = train(model, 4, wrapped=[""], before_step=from_step_one, lr=0.0)
+    # step 1 is the one the warning is about; the steps before and after it are exact
+    for step in (0, 2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(want_grads[step], got_grads[step])), step
+    assert not all(torch.equal(a, b) for a, b in zip(want_grads[1], got_grads[1]))
+    assert torch.equal(want_buffers["scale"], got_buffers["scale"])  # updated once per step
+
+
+class FrozenBase(nn.Module):
+    """A frozen layer with a trainable adapter, as PEFT's LoRA builds them."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, width).requires_grad_(False)
+        self.adapter = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.base(x) + self.adapter(x))
+
+
+class _CountCopies(TorchDispatchMode):
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel = numel
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.clone.default and args[0].numel() == self.numel:
+            self.copies += 1
+        return out
+
+
+def test_frozen_weights_are_not_copied():
+    block = rt.checkpoint_wrapper(FrozenBase())
+    x = torch.randn(3, 64, requires_grad=True)
+    for _ in range(2):
+        with _CountCopies(64 * 64) as counter:
+            loss = block(x).sum()
+        loss.backward()
+        assert counter.copies == 0
+
+
+def test_a_frozen_parameter_written_in_place_warns():
+    class Writes(FrozenBase):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                self.base.bias.add_(1.0)
+            return super().forward(x)
+
+    block = rt.checkpoint_wrapper(Writes(8))
+    with pytest.warns(recomp.ReplayStateWarning, match=r"base\.bias"):
+        block(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", recomp.ReplayStateWarning)  # once per module
+        block(torch.randn(2, 8, requires_grad=True)).sum().backward()
