@@ -118,9 +118,7 @@ def _rebound(backend: Backend, live: Any, slot: _Slot) -> bool:
     recomp must swap back for the replay. One parameter object in place of another is a
     framework's own swap (FSDP's sharded and unsharded parameters), which it undoes
     itself before the module runs again: left to it."""
-    if live is slot.tensor:
-        return False
-    return not (backend.is_parameter(live) and backend.is_parameter(slot.tensor))
+    return live is not slot.tensor and not (backend.is_parameter(live) and backend.is_parameter(slot.tensor))
 
 
 #: Per root module and mode (training or not), the paths of the watched tensors some
@@ -217,7 +215,8 @@ class ModuleState(CallPart):
         for slot in self.slots:
             if slot.kind == "statistics":
                 continue  # copied and counted as updated at the start
-            rebound = _rebound(backend, backend.module_tensor(slot.module, slot.name), slot)
+            live = backend.module_tensor(slot.module, slot.name)
+            rebound = live is not slot.tensor and _rebound(backend, live, slot)
             written = slot.watched and backend.version(slot.tensor) != slot.version
             if written:
                 updated.add(slot.path)
@@ -267,7 +266,7 @@ class ModuleState(CallPart):
             live = backend.module_tensor(slot.module, slot.name)
             if slot.before is not None:
                 changes.append(StateChange(slot.module, slot.name, live, slot.before, True))
-            elif slot.changed or _rebound(backend, live, slot):
+            elif slot.changed or (live is not slot.tensor and _rebound(backend, live, slot)):
                 changes.append(StateChange(slot.module, slot.name, live, slot.tensor, False))
         context = backend.state_for_replay(changes) if changes else None
         if context is not None:

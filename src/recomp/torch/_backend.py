@@ -108,14 +108,13 @@ class TorchBackend(Backend):
     running_stat_names = ("running_mean", "running_var", "num_batches_tracked")
     state_versions_track_writes = True
 
-    def module_state(self, module: Any) -> list[tuple[str, Any, str]]:
-        return _compat.module_tensors(module)
+    # Called per module and per tensor at every checkpoint call: no wrapper of our own.
+    module_state = staticmethod(_compat.module_tensors)
+    module_tensor = staticmethod(_compat.module_tensor)
 
     def same_values(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.equal(a, b)
 
-    def module_tensor(self, module: Any, name: str) -> Any:
-        return _compat.module_tensor(module, name)
 
     def state_for_replay(
         self, changes: list[StateChange]

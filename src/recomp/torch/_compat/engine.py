@@ -126,8 +126,9 @@ def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, str
     If it changes: the public iterators, which give the same pairs.
     Retired by: a cheap public view of a module's own parameters and buffers.
     """
-    params = getattr(module, "_parameters", None)
-    buffers = getattr(module, "_buffers", None)
+    state = vars(module)
+    params = state.get("_parameters")
+    buffers = state.get("_buffers")
     if not isinstance(params, dict) or not isinstance(buffers, dict):
         params = dict(module.named_parameters(recurse=False))
         buffers = dict(module.named_buffers(recurse=False))
@@ -147,10 +148,11 @@ def module_tensor(module: torch.nn.Module, name: str) -> torch.Tensor | None:
     Why and if it changes: as :func:`module_tensors` (the public fallback is ``getattr``,
     which finds the same tensor through ``nn.Module.__getattr__``).
     """
-    params = getattr(module, "_parameters", None)
+    state = vars(module)
+    params = state.get("_parameters")
     if isinstance(params, dict) and name in params:
         return params[name]
-    buffers = getattr(module, "_buffers", None)
+    buffers = state.get("_buffers")
     if isinstance(buffers, dict) and name in buffers:
         return buffers[name]
     return getattr(module, name, None)
