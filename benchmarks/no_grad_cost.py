@@ -124,7 +124,10 @@ def measure(mode: str, rounds: int) -> dict[str, float]:
                 start = time.perf_counter()
                 model(x)
                 times[name].append(time.perf_counter() - start)
-        calls = {name: python_calls(lambda m=m: m(x)) for name, m in (("plain", plain), ("wrapped", wrapped))}
+        calls = {
+            name: python_calls(lambda m=m: m(x))
+            for name, m in (("plain", plain), ("wrapped", wrapped))
+        }
     plain_s, wrapped_s = statistics.median(times["plain"]), statistics.median(times["wrapped"])
     return {
         "plain_us": plain_s * 1e6,
@@ -140,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=300, help="timed forwards per model")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, {LAYERS} layers, width {WIDTH}, {TOKENS} tokens, batch {BATCH}")
+    print(
+        f"torch {torch.__version__}, {LAYERS} layers, width {WIDTH}, {TOKENS} tokens, batch {BATCH}"
+    )
     print(f"{'mode':<16}{'unwrapped us':>14}{'wrapped us':>12}{'ratio':>8}{'Python calls':>22}")
     for mode in MODES:
         r = measure(mode, args.rounds)

@@ -135,10 +135,13 @@ class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         own = self._recomp_instance_method or super().forward
-        if not torch.is_grad_enabled() and _RECOMPUTE_STATE.get() is None:
-            if not _compile.is_compiling():
-                # NOTE [ Nothing to checkpoint without gradients ] (in checkpoint above)
-                return own(*args, **kwargs)
+        if (
+            not torch.is_grad_enabled()
+            and _RECOMPUTE_STATE.get() is None
+            and not _compile.is_compiling()
+        ):
+            # NOTE [ Nothing to checkpoint without gradients ] (in checkpoint above)
+            return own(*args, **kwargs)
         return checkpoint(own, *args, **self._recomp_checkpoint_kwargs, **kwargs)
 
     def extra_repr(self) -> str:
@@ -166,13 +169,16 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         region = self._recomp_region
-        if not torch.is_grad_enabled() and _RECOMPUTE_STATE.get() is None:
-            if not _compile.is_compiling():
-                # NOTE [ Nothing to checkpoint without gradients ]: what region.call does
-                # there, without its checks (each needs gradients or a checkpoint).
-                out = super().__call__(*args, **kwargs)
-                region.runs += 1
-                return out
+        if (
+            not torch.is_grad_enabled()
+            and _RECOMPUTE_STATE.get() is None
+            and not _compile.is_compiling()
+        ):
+            # NOTE [ Nothing to checkpoint without gradients ]: what region.call does
+            # there, without its checks (each needs gradients or a checkpoint).
+            out = super().__call__(*args, **kwargs)
+            region.runs += 1
+            return out
         if _compile.is_compiling():
             return _compile.excluded_call(region.name, super().__call__, args, kwargs)
         return region.call(super().__call__, args, kwargs)
