@@ -4,8 +4,8 @@ against the same model unwrapped.
 
 A small decoder (4 layers, width 64, 32 tokens, batch 4) is wrapped as the README's
 example does it (each layer checkpointed, its attention excluded). Wrapped and unwrapped
-forwards are timed interleaved, many rounds, and the ratio of the medians is printed,
-with the Python function calls one forward makes (``sys.setprofile``), which do not
+forwards are timed interleaved, many rounds, and the ratios of the medians (wall time
+and process CPU time, one intra-op thread) are printed, with the Python function calls one forward makes (``sys.setprofile``), which do not
 depend on the machine's load::
 
     python benchmarks/no_grad_cost.py            # ratio wrapped / unwrapped, per mode
@@ -113,6 +113,7 @@ def measure(mode: str, rounds: int) -> dict[str, float]:
     plain, wrapped = models()
     x = torch.randn(BATCH, TOKENS, WIDTH)
     times: dict[str, list[float]] = {"plain": [], "wrapped": []}
+    cpu: dict[str, list[float]] = {"plain": [], "wrapped": []}
     with MODES[mode](plain, wrapped):
         out_plain, out_wrapped = plain(x), wrapped(x)
         assert torch.equal(out_plain, out_wrapped)
@@ -121,9 +122,10 @@ def measure(mode: str, rounds: int) -> dict[str, float]:
             wrapped(x)
         for _ in range(rounds):
             for name, model in (("plain", plain), ("wrapped", wrapped)):
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 model(x)
                 times[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
         calls = {
             name: python_calls(lambda m=m: m(x))
             for name, m in (("plain", plain), ("wrapped", wrapped))
@@ -133,6 +135,7 @@ def measure(mode: str, rounds: int) -> dict[str, float]:
         "plain_us": plain_s * 1e6,
         "wrapped_us": wrapped_s * 1e6,
         "ratio": wrapped_s / plain_s,
+        "cpu_ratio": statistics.median(cpu["wrapped"]) / statistics.median(cpu["plain"]),
         "plain_calls": calls["plain"],
         "wrapped_calls": calls["wrapped"],
     }
@@ -146,11 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"torch {torch.__version__}, {LAYERS} layers, width {WIDTH}, {TOKENS} tokens, batch {BATCH}"
     )
-    print(f"{'mode':<16}{'unwrapped us':>14}{'wrapped us':>12}{'ratio':>8}{'Python calls':>22}")
+    print(
+        f"{'mode':<16}{'unwrapped us':>14}{'wrapped us':>12}{'ratio':>8}{'cpu ratio':>10}{'Python calls':>22}"
+    )
     for mode in MODES:
         r = measure(mode, args.rounds)
         print(
             f"{mode:<16}{r['plain_us']:>14.1f}{r['wrapped_us']:>12.1f}{r['ratio']:>8.3f}"
+            f"{r['cpu_ratio']:>10.3f}"
             f"{int(r['plain_calls']):>12} -> {int(r['wrapped_calls'])}"
         )
     return 0
