@@ -10,7 +10,7 @@ from mindspore import nn
 
 from .. import _engine, _wrapping
 from .._running_stats import warn_unhandled
-from .._state import CURRENT as _RECOMPUTE_STATE
+from .._state import get_recompute_state
 from .._wrapping import CHECKPOINT_KWARGS, REGION, RegionCounters, check_callable, default_name
 from . import _compat
 from ._backend import BACKEND, check_pynative
@@ -59,7 +59,7 @@ def checkpoint(
     if exclude_collectives:
         exclude_communicating_cells(cell, "checkpoint", once=True)
     make_dropout_replayable(function, _MODEL_OPS, "checkpoint", once=True)
-    if _RECOMPUTE_STATE.get() is None and not _compat.records_gradients():
+    if get_recompute_state() is None and not _compat.records_gradients():
         # NOTE [ Nothing to checkpoint without gradients ] (recomp.torch._api): outside
         # a gradient computation (mindspore.grad, value_and_grad, GradOperation) no
         # graph is built, so the block is called as it is, without the call's parts or

@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import _engine, _wrapping
 from .._running_stats import warn_unhandled
-from .._state import CURRENT as _RECOMPUTE_STATE
+from .._state import get_recompute_state
 from .._wrapping import (
     CHECKPOINT_KWARGS,
     REGION,
@@ -60,7 +60,7 @@ def checkpoint(
         # PyTorch's partitioner never recomputes a functional collective (which is what
         # Dynamo makes of every collective) unless told to: nothing to add here.
         return _compile.checkpoint(function, args, kwargs, context_fn)
-    if not torch.is_grad_enabled() and _RECOMPUTE_STATE.get() is None:
+    if not torch.is_grad_enabled() and get_recompute_state() is None:
         # NOTE [ Nothing to checkpoint without gradients ]: no graph is built, so nothing
         # is saved, kept or replayed. Outside every recomp checkpoint, the call is the
         # function's own call, with no checkpoint machinery around it (PyTorch's
@@ -137,7 +137,7 @@ class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):
         own = self._recomp_instance_method or super().forward
         if (
             not torch.is_grad_enabled()
-            and _RECOMPUTE_STATE.get() is None
+            and get_recompute_state() is None
             and not _compile.is_compiling()
         ):
             # NOTE [ Nothing to checkpoint without gradients ] (in checkpoint above)
@@ -171,7 +171,7 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
         region = self._recomp_region
         if (
             not torch.is_grad_enabled()
-            and _RECOMPUTE_STATE.get() is None
+            and get_recompute_state() is None
             and not _compile.is_compiling()
         ):
             # NOTE [ Nothing to checkpoint without gradients ]: what region.call does
