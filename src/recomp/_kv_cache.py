@@ -50,19 +50,18 @@ def _cache_writers(
     layer: Any, children: Callable[[Any], Iterable[Any]], is_excluded: Callable[[Any], bool]
 ) -> tuple[int, int]:
     """(modules below ``layer`` with an int ``layer_idx``, how many of them are excluded)."""
+    # An explicit stack, not a recursive local function: a closure that refers to itself
+    # is a reference cycle, left to the garbage collector on every call (every step).
     writers = excluded = 0
-
-    def visit(module: Any, in_region: bool) -> None:
-        nonlocal writers, excluded
+    stack: list[tuple[Any, bool]] = [(layer, False)]
+    while stack:
+        module, in_region = stack.pop()
         in_region = in_region or is_excluded(module)
         if module is not layer and isinstance(getattr(module, "layer_idx", None), int):
             writers += 1
             excluded += in_region
-            return
-        for child in children(module):
-            visit(child, in_region)
-
-    visit(layer, False)
+            continue
+        stack.extend((child, in_region) for child in children(module))
     return writers, excluded
 
 

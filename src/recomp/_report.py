@@ -180,10 +180,11 @@ class SavedTensorsRecorder(RegionObserver):
     """Records, while a forward runs, every storage it saves for backward.
 
     Three sources, none of which holds a tensor: a saved-tensor hook outermost
-    around the step (tensors saved outside checkpoints, and each checkpoint's own
-    inputs, which the framework's checkpoint saves there), recomp's region
-    observers (what each excluded region keeps, caches and defers), and each
-    checkpoint's start (its inputs and its layer). Inside a checkpoint, the
+    around the step (tensors saved outside checkpoints), recomp's region observers
+    (what each excluded region keeps, caches and defers), and each checkpoint's start
+    (its layer and its inputs, every tensor in its arguments, lists, tuples, dicts
+    and keyword arguments included: the framework's checkpoint holds them all,
+    though only the tensors passed as arguments themselves reach a saved-tensor hook). Inside a checkpoint, the
     checkpoint's own hook is innermost, so its recomputed tensors are not seen:
     they are not held. Saves made during backward (a replay) are ignored.
     """
@@ -250,6 +251,15 @@ class SavedTensorsRecorder(RegionObserver):
         self.layers[id(invocation)] = layer
         for key in invocation.checkpoint_inputs:
             self.input_layers.setdefault(key, layer)
+        if get_recompute_state() is not None:
+            return  # a checkpoint inside another's forward: its inputs are recomputed
+        # The framework's checkpoint holds every input until backward, but only the
+        # tensors passed as arguments themselves pass through a saved-tensor hook
+        # (MindSpore keeps lists, tuples, dicts and keyword arguments in Python): bill
+        # each input here, in the order given.
+        for key, tensor in invocation.checkpoint_inputs.items():
+            if key not in self.excluded:
+                self._add(self.seen, tensor, CHECKPOINT_INPUT, layer, None, "input")
 
     def region_started(self, call: RegionCallView) -> None:
         state = get_recompute_state()

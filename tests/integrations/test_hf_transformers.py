@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 import subprocess
 import sys
@@ -833,3 +834,41 @@ def test_excluded_submodule_returning_a_model_output() -> None:
     # ran once (a replay handing back a plain dict would fail on encoder_outputs[0])
     assert len(seen) == 1 and issubclass(seen[0], ModelOutput)
     assert (model.encoder.region_runs, model.encoder.region_skips) == (1, 1)
+
+
+# --------------------------------------------------------------------------- reference cycles
+
+
+def _unreachable_per_step(model: torch.nn.Module, ids: torch.Tensor) -> list[int]:
+    """Objects the collector finds unreachable after each of three training steps (after
+    a warm-up), with the collector off during the steps."""
+    for _ in range(2):
+        train_step(model, ids)
+        model.zero_grad()
+    gc.collect()
+    gc.disable()
+    try:
+        counts = []
+        for _ in range(3):
+            train_step(model, ids)
+            model.zero_grad()
+            counts.append(gc.collect())
+    finally:
+        gc.enable()
+    return counts
+
+
+def test_excluded_attention_with_the_default_cache_leaves_no_reference_cycles() -> None:
+    """use_cache at its default (True): each checkpointed layer asks which of its modules
+    write the cache. What is left in cycles is what PyTorch's own checkpoint leaves
+    (``torch.utils._pytree.tree_flatten``'s recursive helper, 7 objects per call): the
+    same model under HF's checkpointing (one PyTorch checkpoint per layer) is the baseline."""
+    ids = tokens()
+    assert _unreachable_per_step(llama(), ids) == [0, 0, 0]
+    baseline = llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # HF turns the cache off, with a warning
+        baseline.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        torch_checkpoint = _unreachable_per_step(baseline, ids)
+    model = with_recomp(llama(), *MODELS["llama-attention"][1:])
+    assert _unreachable_per_step(model, ids) == torch_checkpoint

@@ -10,6 +10,7 @@ from mindspore import nn
 
 from .. import _engine, _wrapping
 from .._module_state import warn_unhandled
+from .._state import get_recompute_state
 from .._wrapping import CHECKPOINT_KWARGS, REGION, RegionCounters, check_callable, default_name
 from . import _compat
 from ._backend import BACKEND, check_pynative
@@ -54,10 +55,20 @@ def checkpoint(
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
     check_pynative("checkpoint")
+    cell = BACKEND.module_of(function) if exclude_collectives else None
+    if exclude_collectives:
+        exclude_communicating_cells(cell, "checkpoint", once=True)
+    make_dropout_replayable(function, _MODEL_OPS, "checkpoint", once=True)
+    if get_recompute_state() is None and not _compat.records_gradients():
+        # NOTE [ Nothing to checkpoint without gradients ] (recomp.torch._api): outside
+        # a gradient computation (mindspore.grad, value_and_grad, GradOperation) no
+        # graph is built, so the block is called as it is, without the call's parts or
+        # MindSpore's recompute (which would still save its inputs and install its
+        # hooks). The Cells are prepared above, once, as with gradients: the same Cells
+        # run either way.
+        return function(*args, **_block_kwargs(kwargs))
     parts: list[_engine.CallPart] = []
     if exclude_collectives:
-        cell = BACKEND.module_of(function)
-        exclude_communicating_cells(cell, "checkpoint", once=True)
         watch = watch_first_forward(function if cell is None else cell)
         if watch is not None:
             parts.append(watch)
@@ -65,7 +76,6 @@ def checkpoint(
         parts.append(EXPLAIN_EARLY_STOP)
     if BACKEND.grad_enabled():
         adapt_cache_kwargs(function, kwargs, ExcludeWrapper)
-    make_dropout_replayable(function, _MODEL_OPS, "checkpoint", once=True)
     restore_rng = bool(kwargs.pop("save_rng_state", True))
     call = _engine.begin(
         BACKEND,
@@ -85,6 +95,16 @@ def checkpoint(
         save_rng_state=False,
         **kwargs,
     )
+
+
+#: Options of ``mindspore.recompute`` itself, never passed on to the block.
+_RECOMPUTE_OPTIONS = frozenset({"early_stop", "output_recompute", "save_rng_state"})
+
+
+def _block_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    if _RECOMPUTE_OPTIONS.isdisjoint(kwargs):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k not in _RECOMPUTE_OPTIONS}
 
 
 def _placed_at(named: list[tuple[str, Any]]) -> str | None:

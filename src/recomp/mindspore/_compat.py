@@ -49,6 +49,24 @@ def grad_enabled() -> bool:
     return bool(_executor().enable_grad())
 
 
+def records_gradients() -> bool:
+    """Whether PyNative builds a gradient graph now: inside a gradient computation
+    (``mindspore.grad``, ``value_and_grad``, ``GradOperation``, a replay) and not under
+    ``_no_grad``. Outside one, ``grad_enabled`` is still true.
+
+    Why: outside a gradient computation a checkpoint has nothing to save or replay, and
+    recomp calls the block as it is.
+    If it changes: False would skip checkpoints that are needed; the fallback answers
+    True (the checkpoint runs, as before).
+    Retired by: a public query of whether PyNative records gradients.
+    """
+    executor = _executor()
+    grad_flag = getattr(executor, "grad_flag", None)
+    if grad_flag is None:
+        return True
+    return bool(grad_flag()) and bool(executor.enable_grad())
+
+
 def in_backward() -> bool:
     """True while MindSpore's autodiff engine runs a backward.
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from .. import _engine, _wrapping
 from .._module_state import warn_unhandled
+from .._state import get_recompute_state
 from .._wrapping import (
     CHECKPOINT_KWARGS,
     REGION,
@@ -59,6 +60,14 @@ def checkpoint(
         # PyTorch's partitioner never recomputes a functional collective (which is what
         # Dynamo makes of every collective) unless told to: nothing to add here.
         return _compile.checkpoint(function, args, kwargs, context_fn)
+    if not torch.is_grad_enabled() and get_recompute_state() is None:
+        # NOTE [ Nothing to checkpoint without gradients ]: no graph is built, so nothing
+        # is saved, kept or replayed. Outside every recomp checkpoint, the call is the
+        # function's own call, with no checkpoint machinery around it (PyTorch's
+        # checkpoint would still stash the RNG state, infer devices and enter the
+        # contexts). Inside one, the engine still runs, so that a replay of the
+        # enclosing checkpoint finds the same nested calls as its forward did.
+        return function(*args, **_function_kwargs(kwargs))
     adapt_hf_layer_call(function, kwargs)
     parts, kwargs, torch_debug_off = debug_options(kwargs)
     if _engine.SWITCHES.kept_replays:
@@ -88,6 +97,18 @@ def checkpoint(
             raise
 
 
+#: Options of PyTorch's checkpoint itself, never passed on to the checkpointed function.
+_TORCH_CHECKPOINT_OPTIONS = frozenset(
+    {"preserve_rng_state", "determinism_check", "debug", "early_stop", "respect_saved_tensors_hooks"}
+)
+
+
+def _function_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    if _TORCH_CHECKPOINT_OPTIONS.isdisjoint(kwargs):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k not in _TORCH_CHECKPOINT_OPTIONS}
+
+
 class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):
     """The class of every module wrapped by :func:`checkpoint_wrapper` derives from this.
 
@@ -114,6 +135,13 @@ class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         own = self._recomp_instance_method or super().forward
+        if (
+            not torch.is_grad_enabled()
+            and get_recompute_state() is None
+            and not _compile.is_compiling()
+        ):
+            # NOTE [ Nothing to checkpoint without gradients ] (in checkpoint above)
+            return own(*args, **kwargs)
         return checkpoint(own, *args, **self._recomp_checkpoint_kwargs, **kwargs)
 
     def extra_repr(self) -> str:
@@ -140,12 +168,24 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
         return object.__new__(cls)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        region = self._recomp_region
+        if (
+            not torch.is_grad_enabled()
+            and get_recompute_state() is None
+            and not _compile.is_compiling()
+        ):
+            # NOTE [ Nothing to checkpoint without gradients ]: what region.call does
+            # there, without its checks (each needs gradients or a checkpoint).
+            out = super().__call__(*args, **kwargs)
+            region.runs += 1
+            return out
         if _compile.is_compiling():
-            return _compile.excluded_call(self._recomp_region.name, super().__call__, args, kwargs)
-        return self._recomp_region.call(super().__call__, args, kwargs)
+            return _compile.excluded_call(region.name, super().__call__, args, kwargs)
+        return region.call(super().__call__, args, kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not _compile.is_compiling():
+        # The check warns only with gradients on (see ExcludedRegion.check_method_call).
+        if torch.is_grad_enabled() and not _compile.is_compiling():
             self._recomp_region.check_method_call("forward")
         return super().forward(*args, **kwargs)
 
