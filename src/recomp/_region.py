@@ -194,10 +194,12 @@ class ExcludedRegion:
             # recomp does not control is replaying this region (or a recomp checkpoint
             # around it), so the exclusion cannot take effect.
             self._warn_foreign_replay()
-        if state is None or not grad:
+        if state is None:
             out = fn(*args, **kwargs)
             self.runs += 1
             return out
+        # Inside a checkpoint's forward, also without gradients (a region under no_grad):
+        # the replay runs the same code and must find the call recorded.
         return RegionCall.run(self, invocation_of(state), fn, args, kwargs)
 
     def check_method_call(self, method: str) -> None:

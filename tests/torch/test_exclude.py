@@ -249,3 +249,30 @@ def test_output_that_gets_no_gradient_leaves_parameters_without_grad():
     a.sum().backward()
     assert used.weight.grad is not None
     assert unused.weight.grad is None and unused.bias.grad is None
+
+
+def test_a_region_called_under_no_grad_inside_a_checkpoint_runs_once():
+    """A region the checkpointed code calls under ``torch.no_grad()`` (a teacher's
+    logits, a mask) is recorded in the forward and skipped in the replay like any
+    other; the replay, under the same ``no_grad``, reads its output."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.teacher = nn.Linear(4, 4)
+            self.student = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                target = self.teacher(x)
+            return torch.sin(self.student(x)) * target
+
+    torch.manual_seed(0)
+    ref = Block()
+    model = rt.checkpoint_wrapper(twin(ref))
+    model.teacher = rt.checkpoint_exclude_wrapper(model.teacher)
+    x = torch.randn(3, 4)
+    _, g_ref = grads_of(ref, square_sum, x)
+    _, g = grads_of(model, square_sum, x)
+    assert_same_grads(g_ref, g)
+    assert (model.teacher.region_runs, model.teacher.region_skips) == (1, 1)
