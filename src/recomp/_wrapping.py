@@ -74,7 +74,7 @@ class WrapperMixin:
         base = cls.__dict__.get("_recomp_base")
         if base is None or not isinstance(reduced, tuple) or reduced[1] != (cls,):
             return reduced
-        return (_rebuild, (cls.__bases__[0], base), *reduced[2:])
+        return (_rebuild, (cls.__dict__["_recomp_mixin"], base), *reduced[2:])
 
 
 def _rebuild(mixin: type, base: type) -> Any:
@@ -90,20 +90,77 @@ def wrapped_class(mixin: type, base: type) -> type:
     classes by ``module.__class__.__name__`` (accelerate's FSDP wrap policies,
     ``_no_split_modules``, DeepSpeed's leaf modules) sees the model as it was.
     ``recomp_wrapper_of`` tells the wrapped class apart, and the repr shows it.
+    Its instance layout is always ``base``'s, so that a module's class can be
+    swapped both ways (see ``_layout_root``).
     """
     cls = _CLASSES.get((mixin, base))
     if cls is None:
-        cls = type(
-            base.__name__,
-            (mixin, base),
-            {
-                "__module__": base.__module__,
-                "__qualname__": base.__qualname__,
-                "_recomp_base": base,
-            },
-        )
+        namespace = {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "_recomp_base": base,
+            "_recomp_mixin": mixin,
+        }
+        cls = type(base.__name__, (mixin, base), namespace)
+        if not _same_layout(cls, base):
+            cls = _mixin_first(mixin, base)(base.__name__, (base, mixin), namespace)
         _CLASSES[(mixin, base)] = cls
     return cls
+
+
+# NOTE [ Keeping the instance layout of a wrapped class ]
+# Python lets ``module.__class__`` change only between classes of one instance
+# layout, found by walking each class's ``__base__`` while nothing is added to the
+# layout: the two walks must end at one class, or at two that add the same slots to
+# the same ``__base__``. A class made as (mixin, base) takes the mixin as its
+# ``__base__`` (the first of bases with equal layouts wins), so its walk ends at
+# recomp's mixin, whose ``__base__`` is ``object``. That matches a module class whose
+# walk also ends at a class directly on ``object`` (``nn.Module``, ``Cell``), but not
+# one whose bases put a slot-free class first (``class Router(ABC, MegatronModule)``,
+# ``Generic[T]`` first): there the walk ends at a class on ``ABC``. For those the
+# wrapped class lists ``base`` first (so ``base`` is its ``__base__`` and the layout
+# is ``base``'s own) and a metaclass derived from ``base``'s puts the mixin's methods
+# first in the method resolution order again, as (mixin, base) would have.
+
+
+def _layout_root(cls: type) -> type:
+    """Where Python's walk for a ``__class__`` assignment check stops (see the NOTE)."""
+    while True:
+        parent = cls.__base__
+        if parent is None or _layout(cls) != _layout(parent):
+            return cls
+        cls = parent
+
+
+def _layout(cls: type) -> tuple[int, ...]:
+    return (cls.__basicsize__, cls.__itemsize__, cls.__dictoffset__, cls.__weakrefoffset__)
+
+
+def _same_layout(new: type, old: type) -> bool:
+    new_root, old_root = _layout_root(new), _layout_root(old)
+    return new_root is old_root or (
+        new_root.__base__ is old_root.__base__ and _layout(new_root) == _layout(old_root)
+    )
+
+
+_METACLASSES: dict[type, type] = {}
+
+
+def _mixin_first(mixin: type, base: type) -> type:
+    """A metaclass for a class made as (``base``, ``mixin``) whose method resolution
+    order is the one (``mixin``, ``base``) would have (see the NOTE)."""
+    meta = type(base)
+    made = _METACLASSES.get(meta)
+    if made is None:
+
+        def mro(cls: type) -> list[type]:
+            base_mro = cls.__dict__["_recomp_base"].__mro__
+            own = [c for c in cls.__dict__["_recomp_mixin"].__mro__ if c not in base_mro]
+            return [cls, *own, *base_mro]
+
+        made = type(f"MixinFirst{meta.__name__}", (meta,), {"mro": mro, "__module__": __name__})
+        _METACLASSES[meta] = made
+    return made
 
 
 class FirstLooks:
@@ -129,7 +186,8 @@ def recomp_wrapper_of(module: Any) -> type | None:
     """The recomp mixin in ``module``'s class, or None."""
     for cls in type(module).__mro__:
         if "_recomp_base" in cls.__dict__:
-            return cls.__bases__[0]
+            mixin: type = cls.__dict__["_recomp_mixin"]
+            return mixin
     return None
 
 

@@ -3,6 +3,9 @@ state_dict keys and loading both ways are those of the unwrapped model; model-wi
 
 from __future__ import annotations
 
+import abc
+import pickle
+
 import torch
 from torch import nn
 
@@ -130,3 +133,31 @@ def test_checkpoint_kwargs_pass_through_the_wrapper():
     x = torch.randn(2, 8, requires_grad=True)
     wrapped(x).sum().backward()
     assert x.grad is not None
+
+
+class MegatronLikeModule(nn.Module):
+    pass
+
+
+class AbcFirstRouter(abc.ABC, MegatronLikeModule):
+    """Megatron-Core's ``class Router(ABC, MegatronModule)``: ``ABC`` before the module class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.proj(x).sin()
+
+
+def test_an_abc_first_module_is_wrapped_pickled_and_unwrapped():
+    module = AbcFirstRouter()
+    keys = list(module.state_dict())
+    rt.checkpoint_wrapper(module)
+    assert list(module.state_dict()) == keys
+    clone = pickle.loads(pickle.dumps(module))
+    assert isinstance(clone, rt.CheckpointWrapper) and isinstance(clone, AbcFirstRouter)
+    x = torch.ones(2, 3)
+    assert torch.equal(clone(x), module(x))
+    assert type(rt.unwrap(module)) is AbcFirstRouter
+    assert type(rt.unwrap(clone)) is AbcFirstRouter
