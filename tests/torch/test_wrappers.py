@@ -6,10 +6,13 @@ from __future__ import annotations
 import abc
 import pickle
 
+import pytest
 import torch
 from torch import nn
 
+import recomp
 import recomp.torch as rt
+from recomp._wrapping import recomp_wrapper_of
 from torch_models import Block, assert_same_grads, exclude_attention, grads_of, stack, twin
 
 
@@ -161,3 +164,19 @@ def test_an_abc_first_module_is_wrapped_pickled_and_unwrapped():
     assert torch.equal(clone(x), module(x))
     assert type(rt.unwrap(module)) is AbcFirstRouter
     assert type(rt.unwrap(clone)) is AbcFirstRouter
+
+
+@pytest.mark.parametrize("wrapped", ["checkpoint_wrapper", "checkpoint_exclude_wrapper"])
+def test_jit_script_of_a_wrapped_model_names_the_fix(wrapped):
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
+    getattr(rt, wrapped)(model[0])
+    with pytest.warns(FutureWarning), pytest.raises(recomp.RecompError) as info:
+        torch.jit.script(model)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"cannot compile Linear: recomp wrapped it ({wrapped})" in message
+    assert "unwrap(model)" in message and "torch.compile" in message
+    assert recomp_wrapper_of(model[0]) is not None  # still wrapped
+    rt.unwrap(model)
+    with pytest.warns(FutureWarning):
+        torch.jit.script(model)  # unwrapped, it scripts

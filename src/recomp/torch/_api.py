@@ -18,6 +18,7 @@ from .._wrapping import (
     check_callable,
     default_name,
 )
+from ..errors import RecompError
 from . import _compat, _compile, _kept
 from ._backend import BACKEND
 from ._collective_cache import collectives_may_run, keep_collective_results
@@ -88,6 +89,21 @@ def checkpoint(
             raise
 
 
+def _refuse_script(module: nn.Module) -> nn.Module:
+    """``torch.jit.script`` asks every module for its scriptable form first: a wrapped one
+    answers with an error that names the way out, instead of TorchScript's complaint
+    about the type annotations of recomp's attributes."""
+    wrapper = "checkpoint_wrapper" if isinstance(module, CheckpointWrapper) else (
+        "checkpoint_exclude_wrapper"
+    )
+    raise RecompError(
+        f"torch.jit.script cannot compile {type(module).__name__}: recomp wrapped it "
+        f"({wrapper}) and TorchScript cannot run recomp's checkpoints or excluded regions. "
+        f"Script the model before wrapping it, call recomp.torch.unwrap(model) first, or "
+        f"use torch.compile, which compiles wrapped models."
+    )
+
+
 class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):
     """The class of every module wrapped by :func:`checkpoint_wrapper` derives from this.
 
@@ -101,6 +117,8 @@ class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):
     _recomp_public = ("checkpoint_kwargs",)
     _recomp_checkpoint_kwargs: dict[str, Any]
     _recomp_instance_method: Callable[..., Any] | None
+
+    __prepare_scriptable__ = _refuse_script
 
     @staticmethod
     def _recomp_allocate(cls: type) -> Any:
@@ -134,6 +152,8 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
     _recomp_prefix = "Excluded"
     _recomp_public = ("region", "region_runs", "region_skips", "region_saved_bytes", "save_output")
     _recomp_region: _engine.ExcludedRegion
+
+    __prepare_scriptable__ = _refuse_script
 
     @staticmethod
     def _recomp_allocate(cls: type) -> Any:
