@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._engine import ExcludedRegion
-from .errors import IneffectiveSelectionWarning, WrapperNotReachedWarning
+from .errors import IneffectiveSelectionWarning, RecompError, WrapperNotReachedWarning
 
 # Instance attributes recomp sets on a wrapped module (all removed by unwrap).
 CHECKPOINT_KWARGS = "_recomp_checkpoint_kwargs"
@@ -333,6 +333,18 @@ def unwrap(ops: ModelOps, module: Any) -> Any:
         raise ValueError(
             f"{type(module).__name__} carries no recomp wrapper (neither it nor a module "
             f"below it was wrapped by checkpoint_wrapper or checkpoint_exclude_wrapper)."
+        )
+    pending = [
+        path or type(module).__name__
+        for path, m in named
+        if REGION in m.__dict__ and m.__dict__[REGION].last_call() is not None
+    ]
+    if pending:
+        raise RecompError(
+            f"recomp.{ops.framework}.unwrap: excluded region(s) {_shown(pending)} ran in a "
+            f"forward whose backward has not run yet, and that backward's replay needs them "
+            f"wrapped. Call unwrap after the backward (or before the forward); to drop that "
+            f"step instead, let go of its outputs and loss first. Nothing was unwrapped."
         )
     # Modules whose class another library derived from recomp's after wrapping: recomp's
     # class is taken out from under that one where the framework knows how; everything

@@ -180,3 +180,22 @@ def test_jit_script_of_a_wrapped_model_names_the_fix(wrapped):
     rt.unwrap(model)
     with pytest.warns(FutureWarning):
         torch.jit.script(model)  # unwrapped, it scripts
+
+
+def test_unwrap_between_forward_and_backward_is_refused_and_the_backward_stays_exact():
+    ref = stack(2)
+    model = exclude_attention(twin(ref))
+    x = torch.randn(4, 5, 8)
+    _, expected = grads_of(ref, lambda out: out.square().sum(), x)
+    loss = model(x).square().sum()
+    classes = [type(m) for m in model.modules()]
+    pending = r"'0.attn', '1.attn' ran in a forward whose backward"
+    with pytest.raises(recomp.RecompError, match=pending) as info:
+        rt.unwrap(model)
+    assert "Call unwrap after the backward (or before the forward)" in str(info.value)
+    assert [type(m) for m in model.modules()] == classes  # still wrapped
+    loss.backward()
+    assert_same_grads(expected, {n: p.grad for n, p in model.named_parameters()})
+    assert [blk.attn.region_runs for blk in model] == [1, 1]
+    rt.unwrap(model)  # after the backward it unwraps
+    assert type(model[0].attn) is type(ref[0].attn)
