@@ -12,6 +12,7 @@ original class all stay. What recomp adds lives in the instance ``__dict__`` und
 
 from __future__ import annotations
 
+import difflib
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -709,11 +710,38 @@ def check_option_fns(exclude_fn: Any, **option_fns: Any) -> None:
 
 
 def check_callable(module: Any, api: str, kind: str) -> None:
+    """Refuse, before anything changes, what cannot be checkpointed or excluded: a
+    non-callable (``None``), and a class, which a call would construct rather than run."""
+    if isinstance(module, type):
+        raise ValueError(
+            f"{api} needs a {kind} or a callable, got the class {module.__name__} itself: "
+            f"calling it would build a new {module.__name__}, not run one. Pass an instance "
+            f"({api}({module.__name__}(...)))."
+        )
     if not callable(module):
         raise ValueError(
             f"{api} needs a {kind} or a callable, got {type(module).__name__} ({module!r}). "
             f"Pass the {kind} (or function) itself."
         )
+
+
+def check_options(api: str, given: dict[str, Any], accepted: tuple[str, ...]) -> None:
+    """Refuse checkpoint options ``api`` does not know (a typo would otherwise reach the
+    module's ``forward``/``construct`` as a keyword argument on every call)."""
+    unknown = [name for name in given if name not in accepted]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, accepted, n=1)
+        if close:
+            hints.append(f"{name!r} (did you mean {close[0]!r}?)")
+        else:
+            hints.append(repr(name))
+    raise TypeError(
+        f"{api} got unknown option(s) {', '.join(hints)}. It accepts "
+        f"{', '.join(accepted)}; arguments of the wrapped module are passed when it is called."
+    )
 
 
 def default_name(module: Any) -> str:

@@ -16,6 +16,7 @@ from .._wrapping import (
     REGION,
     RegionCounters,
     check_callable,
+    check_options,
     default_name,
 )
 from ..errors import RecompError
@@ -25,6 +26,18 @@ from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
 from ._hf import adapt_hf_layer_call, guard_model_cache
 from ._offload import Offloader, resolve
+
+# The options a checkpoint wrapper passes to every checkpoint of its module: PyTorch's
+# non-reentrant checkpoint's and recomp's own.
+CHECKPOINT_OPTIONS = (
+    "context_fn",
+    "debug",
+    "determinism_check",
+    "early_stop",
+    "exclude_collectives",
+    "preserve_rng_state",
+    "use_reentrant",
+)
 
 
 def checkpoint(
@@ -56,6 +69,7 @@ def checkpoint(
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
+    check_callable(function, "checkpoint", "module")
     if _compile.is_compiling():
         # PyTorch's partitioner never recomputes a functional collective (which is what
         # Dynamo makes of every collective) unless told to: nothing to add here.
@@ -199,6 +213,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     function is put in a small module first.
     """
     check_callable(module, "checkpoint_wrapper", "module")
+    check_options("checkpoint_wrapper", checkpoint_kwargs, CHECKPOINT_OPTIONS)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     if "exclude_collectives" in checkpoint_kwargs:
         _engine.check_flag("exclude_collectives", checkpoint_kwargs["exclude_collectives"])
@@ -302,6 +317,7 @@ def apply_activation_checkpointing(
     select_exclude = _wrapping.as_predicate(exclude_fn, "exclude_fn")
     select_offload = _wrapping.as_predicate(offload_fn, "offload_fn")
     select_copy = _wrapping.as_predicate(copy_output_fn, "copy_output_fn")
+    check_options("apply_activation_checkpointing", checkpoint_kwargs, CHECKPOINT_OPTIONS)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     if "exclude_collectives" in checkpoint_kwargs:
         _engine.check_flag("exclude_collectives", checkpoint_kwargs["exclude_collectives"])
