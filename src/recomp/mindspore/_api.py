@@ -9,6 +9,7 @@ import mindspore
 from mindspore import nn
 
 from .. import _engine, _wrapping
+from .._replay_reach import REPLAY_REACHES_EVERY_REGION
 from .._running_stats import warn_unhandled
 from .._wrapping import (
     CHECKPOINT_KWARGS,
@@ -82,6 +83,7 @@ def checkpoint(
             parts.append(watch)
     if kwargs.setdefault("early_stop", False):
         parts.append(EXPLAIN_EARLY_STOP)
+    parts.append(REPLAY_REACHES_EVERY_REGION)
     if BACKEND.grad_enabled():
         adapt_cache_kwargs(function, kwargs, ExcludeWrapper)
     make_dropout_replayable(function, _MODEL_OPS, "checkpoint", once=True)
