@@ -9,7 +9,6 @@ import mindspore
 from mindspore import nn
 
 from .. import _engine, _wrapping
-from .._replay_reach import REPLAY_REACHES_EVERY_REGION
 from .._running_stats import warn_unhandled
 from .._wrapping import (
     CHECKPOINT_KWARGS,
@@ -31,6 +30,7 @@ from ._communicating import (
 from ._dropout import ReplayableDropout, is_unreplayable_dropout, make_dropout_replayable
 from ._early_stop import EXPLAIN_EARLY_STOP
 from ._graph_mode import pynative_only
+from ._replay_reach import REPLAY_REACHES_EVERY_REGION
 
 # The options a checkpoint wrapper passes to every checkpoint of its Cell:
 # ``mindspore.recompute``'s non-reentrant ones and recomp's own.

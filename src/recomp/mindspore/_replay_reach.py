@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._hooks import CallPart, CheckpointCallView, Stage
-from .errors import ReplayMismatchError
+from .._hooks import CallPart, CheckpointCallView, Stage
+from ..errors import ReplayMismatchError
 
 __all__ = ["REPLAY_REACHES_EVERY_REGION"]
 
