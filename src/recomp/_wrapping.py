@@ -12,6 +12,7 @@ original class all stay. What recomp adds lives in the instance ``__dict__`` und
 
 from __future__ import annotations
 
+import difflib
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._engine import ExcludedRegion
-from .errors import IneffectiveSelectionWarning, WrapperNotReachedWarning
+from .errors import IneffectiveSelectionWarning, RecompError, WrapperNotReachedWarning
 
 # Instance attributes recomp sets on a wrapped module (all removed by unwrap).
 CHECKPOINT_KWARGS = "_recomp_checkpoint_kwargs"
@@ -74,7 +75,7 @@ class WrapperMixin:
         base = cls.__dict__.get("_recomp_base")
         if base is None or not isinstance(reduced, tuple) or reduced[1] != (cls,):
             return reduced
-        return (_rebuild, (cls.__bases__[0], base), *reduced[2:])
+        return (_rebuild, (cls.__dict__["_recomp_mixin"], base), *reduced[2:])
 
 
 def _rebuild(mixin: type, base: type) -> Any:
@@ -90,20 +91,77 @@ def wrapped_class(mixin: type, base: type) -> type:
     classes by ``module.__class__.__name__`` (accelerate's FSDP wrap policies,
     ``_no_split_modules``, DeepSpeed's leaf modules) sees the model as it was.
     ``recomp_wrapper_of`` tells the wrapped class apart, and the repr shows it.
+    Its instance layout is always ``base``'s, so that a module's class can be
+    swapped both ways (see ``_layout_root``).
     """
     cls = _CLASSES.get((mixin, base))
     if cls is None:
-        cls = type(
-            base.__name__,
-            (mixin, base),
-            {
-                "__module__": base.__module__,
-                "__qualname__": base.__qualname__,
-                "_recomp_base": base,
-            },
-        )
+        namespace = {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "_recomp_base": base,
+            "_recomp_mixin": mixin,
+        }
+        cls = type(base.__name__, (mixin, base), namespace)
+        if not _same_layout(cls, base):
+            cls = _mixin_first(mixin, base)(base.__name__, (base, mixin), namespace)
         _CLASSES[(mixin, base)] = cls
     return cls
+
+
+# NOTE [ Keeping the instance layout of a wrapped class ]
+# Python lets ``module.__class__`` change only between classes of one instance
+# layout, found by walking each class's ``__base__`` while nothing is added to the
+# layout: the two walks must end at one class, or at two that add the same slots to
+# the same ``__base__``. A class made as (mixin, base) takes the mixin as its
+# ``__base__`` (the first of bases with equal layouts wins), so its walk ends at
+# recomp's mixin, whose ``__base__`` is ``object``. That matches a module class whose
+# walk also ends at a class directly on ``object`` (``nn.Module``, ``Cell``), but not
+# one whose bases put a slot-free class first (``class Router(ABC, MegatronModule)``,
+# ``Generic[T]`` first): there the walk ends at a class on ``ABC``. For those the
+# wrapped class lists ``base`` first (so ``base`` is its ``__base__`` and the layout
+# is ``base``'s own) and a metaclass derived from ``base``'s puts the mixin's methods
+# first in the method resolution order again, as (mixin, base) would have.
+
+
+def _layout_root(cls: type) -> type:
+    """Where Python's walk for a ``__class__`` assignment check stops (see the NOTE)."""
+    while True:
+        parent = cls.__base__
+        if parent is None or _layout(cls) != _layout(parent):
+            return cls
+        cls = parent
+
+
+def _layout(cls: type) -> tuple[int, ...]:
+    return (cls.__basicsize__, cls.__itemsize__, cls.__dictoffset__, cls.__weakrefoffset__)
+
+
+def _same_layout(new: type, old: type) -> bool:
+    new_root, old_root = _layout_root(new), _layout_root(old)
+    return new_root is old_root or (
+        new_root.__base__ is old_root.__base__ and _layout(new_root) == _layout(old_root)
+    )
+
+
+_METACLASSES: dict[type, type] = {}
+
+
+def _mixin_first(mixin: type, base: type) -> type:
+    """A metaclass for a class made as (``base``, ``mixin``) whose method resolution
+    order is the one (``mixin``, ``base``) would have (see the NOTE)."""
+    meta = type(base)
+    made = _METACLASSES.get(meta)
+    if made is None:
+
+        def mro(cls: type) -> list[type]:
+            base_mro = cls.__dict__["_recomp_base"].__mro__
+            own = [c for c in cls.__dict__["_recomp_mixin"].__mro__ if c not in base_mro]
+            return [cls, *own, *base_mro]
+
+        made = type(f"MixinFirst{meta.__name__}", (meta,), {"mro": mro, "__module__": __name__})
+        _METACLASSES[meta] = made
+    return made
 
 
 class FirstLooks:
@@ -129,7 +187,8 @@ def recomp_wrapper_of(module: Any) -> type | None:
     """The recomp mixin in ``module``'s class, or None."""
     for cls in type(module).__mro__:
         if "_recomp_base" in cls.__dict__:
-            return cls.__bases__[0]
+            mixin: type = cls.__dict__["_recomp_mixin"]
+            return mixin
     return None
 
 
@@ -275,6 +334,18 @@ def unwrap(ops: ModelOps, module: Any) -> Any:
         raise ValueError(
             f"{type(module).__name__} carries no recomp wrapper (neither it nor a module "
             f"below it was wrapped by checkpoint_wrapper or checkpoint_exclude_wrapper)."
+        )
+    pending = [
+        path or type(module).__name__
+        for path, m in named
+        if REGION in m.__dict__ and m.__dict__[REGION].last_call() is not None
+    ]
+    if pending:
+        raise RecompError(
+            f"recomp.{ops.framework}.unwrap: excluded region(s) {_shown(pending)} ran in a "
+            f"forward whose backward has not run yet, and that backward's replay needs them "
+            f"wrapped. Call unwrap after the backward (or before the forward); to drop that "
+            f"step instead, let go of its outputs and loss first. Nothing was unwrapped."
         )
     # Modules whose class another library derived from recomp's after wrapping: recomp's
     # class is taken out from under that one where the framework knows how; everything
@@ -639,11 +710,38 @@ def check_option_fns(exclude_fn: Any, **option_fns: Any) -> None:
 
 
 def check_callable(module: Any, api: str, kind: str) -> None:
+    """Refuse, before anything changes, what cannot be checkpointed or excluded: a
+    non-callable (``None``), and a class, which a call would construct rather than run."""
+    if isinstance(module, type):
+        raise ValueError(
+            f"{api} needs a {kind} or a callable, got the class {module.__name__} itself: "
+            f"calling it would build a new {module.__name__}, not run one. Pass an instance "
+            f"({api}({module.__name__}(...)))."
+        )
     if not callable(module):
         raise ValueError(
             f"{api} needs a {kind} or a callable, got {type(module).__name__} ({module!r}). "
             f"Pass the {kind} (or function) itself."
         )
+
+
+def check_options(api: str, given: dict[str, Any], accepted: tuple[str, ...]) -> None:
+    """Refuse checkpoint options ``api`` does not know (a typo would otherwise reach the
+    module's ``forward``/``construct`` as a keyword argument on every call)."""
+    unknown = [name for name in given if name not in accepted]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, accepted, n=1)
+        if close:
+            hints.append(f"{name!r} (did you mean {close[0]!r}?)")
+        else:
+            hints.append(repr(name))
+    raise TypeError(
+        f"{api} got unknown option(s) {', '.join(hints)}. It accepts "
+        f"{', '.join(accepted)}; arguments of the wrapped module are passed when it is called."
+    )
 
 
 def default_name(module: Any) -> str:

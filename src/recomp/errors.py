@@ -48,7 +48,9 @@ class NestedExclusionError(RecompError):
 
 
 class ReplayMismatchError(RecompError):
-    """The replay of a checkpoint did not call its excluded regions as the forward did."""
+    """The replay of a checkpoint did not run as the forward did (other region calls,
+    other saved tensors). Once ``recomp.torch`` is imported it also derives from
+    ``torch.utils.checkpoint.CheckpointError`` (see ``recomp.torch._replay_errors``)."""
 
 
 class CachedValueMutatedError(RecompError):

@@ -254,3 +254,22 @@ def test_construct_replaced_on_the_instance_is_still_checkpointed():
     assert (block.attn.region_runs, block.attn.region_skips) == (1, 1)
     rm.unwrap(block)
     assert block.construct is patched
+
+
+@pytest.mark.parametrize("wrapped", ["block", "attn"])
+def test_cell_recompute_on_a_wrapped_cell_is_refused(wrapped):
+    """The other order of the test above: recompute() after recomp wrapped the Cell would
+    replay recomp's construct, running its excluded regions twice."""
+    ref, block = Block(8), Block(8)
+    copy_params(ref, block)
+    block.attn = rm.checkpoint_exclude_wrapper(block.attn)
+    block = rm.checkpoint_wrapper(block)
+    target = block if wrapped == "block" else block.attn
+    wrapper = "checkpoint_wrapper" if wrapped == "block" else "checkpoint_exclude_wrapper"
+    refused = rf"Cell.recompute\(\) was called on .*\({wrapper}\).*unwrap"
+    with pytest.raises(ValueError, match=refused):
+        target.recompute()
+    assert getattr(target, "_recompute_cell", None) is None  # MindSpore's recompute not set
+    x = tensor(2, 5, 8)
+    assert_same(grads(ref, ref.trainable_params(), x), grads(block, block.trainable_params(), x))
+    assert (block.attn.region_runs, block.attn.region_skips) == (1, 1)

@@ -962,3 +962,31 @@ def test_selective_plans_apply_eager_and_compiled(small):
     # compiled graphs may order a reduction differently (PyTorch 2.9: 7e-9 on a norm weight)
     for name, grad in got.items():
         torch.testing.assert_close(grad, expected[1][name.removeprefix("_orig_mod.")])
+
+
+def test_apply_plan_refuses_a_plan_made_for_fewer_layers_naming_both(small):
+    from recomp.plan import apply_plan, make_plan, profile
+
+    model, x, _ = small  # 3 blocks
+    plan = make_plan(profile(stack(2, d=16), x, layers=_is_block, steps=1), "0%")
+    target = copy.deepcopy(model)
+    modules = [(n, type(m)) for n, m in target.named_modules()]
+    with pytest.raises(ValueError) as info:
+        apply_plan(target, plan)
+    message = str(info.value)
+    assert "made for 2 layer(s)" in message and "'0', '1'" in message
+    assert "the model has 3 there ('0', '1', '2')" in message and "make the plan for" in message
+    assert [(n, type(m)) for n, m in target.named_modules()] == modules
+
+
+def test_apply_plan_naming_a_layer_the_model_lacks_lists_what_it_has(small):
+    from recomp.plan import apply_plan, make_plan
+
+    model, _, prof = small
+    plan = make_plan(prof, "0%")
+    plan.layers[2].path = "layers.2"
+    target = copy.deepcopy(model)
+    modules = [(n, type(m)) for n, m in target.named_modules()]
+    with pytest.raises(ValueError, match=r"'layers.2', which the model does not have \(it has '0', '1', '2'\)"):
+        apply_plan(target, plan)
+    assert [(n, type(m)) for n, m in target.named_modules()] == modules

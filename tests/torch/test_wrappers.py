@@ -3,10 +3,16 @@ state_dict keys and loading both ways are those of the unwrapped model; model-wi
 
 from __future__ import annotations
 
+import abc
+import pickle
+
+import pytest
 import torch
 from torch import nn
 
+import recomp
 import recomp.torch as rt
+from recomp._wrapping import recomp_wrapper_of
 from torch_models import Block, assert_same_grads, exclude_attention, grads_of, stack, twin
 
 
@@ -130,3 +136,66 @@ def test_checkpoint_kwargs_pass_through_the_wrapper():
     x = torch.randn(2, 8, requires_grad=True)
     wrapped(x).sum().backward()
     assert x.grad is not None
+
+
+class MegatronLikeModule(nn.Module):
+    pass
+
+
+class AbcFirstRouter(abc.ABC, MegatronLikeModule):
+    """Megatron-Core's ``class Router(ABC, MegatronModule)``: ``ABC`` before the module class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.proj(x).sin()
+
+
+def test_an_abc_first_module_is_wrapped_pickled_and_unwrapped():
+    module = AbcFirstRouter()
+    keys = list(module.state_dict())
+    rt.checkpoint_wrapper(module)
+    assert list(module.state_dict()) == keys
+    clone = pickle.loads(pickle.dumps(module))
+    assert isinstance(clone, rt.CheckpointWrapper) and isinstance(clone, AbcFirstRouter)
+    x = torch.ones(2, 3)
+    assert torch.equal(clone(x), module(x))
+    assert type(rt.unwrap(module)) is AbcFirstRouter
+    assert type(rt.unwrap(clone)) is AbcFirstRouter
+
+
+@pytest.mark.parametrize("wrapped", ["checkpoint_wrapper", "checkpoint_exclude_wrapper"])
+def test_jit_script_of_a_wrapped_model_names_the_fix(wrapped):
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
+    getattr(rt, wrapped)(model[0])
+    with pytest.warns(FutureWarning), pytest.raises(recomp.RecompError) as info:
+        torch.jit.script(model)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"cannot compile Linear: recomp wrapped it ({wrapped})" in message
+    assert "unwrap(model)" in message and "torch.compile" in message
+    assert recomp_wrapper_of(model[0]) is not None  # still wrapped
+    rt.unwrap(model)
+    with pytest.warns(FutureWarning):
+        torch.jit.script(model)  # unwrapped, it scripts
+
+
+def test_unwrap_between_forward_and_backward_is_refused_and_the_backward_stays_exact():
+    ref = stack(2)
+    model = exclude_attention(twin(ref))
+    x = torch.randn(4, 5, 8)
+    _, expected = grads_of(ref, lambda out: out.square().sum(), x)
+    loss = model(x).square().sum()
+    classes = [type(m) for m in model.modules()]
+    pending = r"'0.attn', '1.attn' ran in a forward whose backward"
+    with pytest.raises(recomp.RecompError, match=pending) as info:
+        rt.unwrap(model)
+    assert "Call unwrap after the backward (or before the forward)" in str(info.value)
+    assert [type(m) for m in model.modules()] == classes  # still wrapped
+    loss.backward()
+    assert_same_grads(expected, {n: p.grad for n, p in model.named_parameters()})
+    assert [blk.attn.region_runs for blk in model] == [1, 1]
+    rt.unwrap(model)  # after the backward it unwraps
+    assert type(model[0].attn) is type(ref[0].attn)

@@ -8,6 +8,7 @@ import argparse
 import importlib
 import inspect
 import math
+import traceback
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -123,8 +124,15 @@ def load_factory(spec: str) -> Any:
     return factory
 
 
+class FactoryError(ValueError):
+    """The model factory raised: its message says what, where and in which factory."""
+
+
 def call_factory(factory: Any, config: BenchConfig) -> Any:
-    """Call ``factory`` with the size options it declares (layers, hidden, heads, seq, batch)."""
+    """Call ``factory`` with the size options it declares (layers, hidden, heads, seq, batch).
+
+    An exception from the factory becomes a :class:`FactoryError` that shows its type,
+    its message and where it was raised, since the command prints one line for it."""
     options = {
         "layers": config.layers,
         "hidden": config.hidden,
@@ -135,7 +143,32 @@ def call_factory(factory: Any, config: BenchConfig) -> Any:
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
-        return factory()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return factory(**options)
-    return factory(**{k: v for k, v in options.items() if k in params})
+        params = None
+    if params is None:
+        chosen: dict[str, Any] = {}
+    elif any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        chosen = options
+    else:
+        chosen = {k: v for k, v in options.items() if k in params}
+    try:
+        return factory(**chosen)
+    except Exception as exc:
+        raise FactoryError(_factory_failure(factory, chosen, exc)) from exc
+
+
+def _factory_failure(factory: Any, options: dict[str, Any], exc: Exception) -> str:
+    """Type and place first: a child process's report keeps only the start of a long line."""
+    name = f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', factory)}"
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0] is call_factory's call
+    where = ""
+    if frames:
+        raised = frames[-1]
+        where = f" at {raised.filename}:{raised.lineno} in {raised.name}"
+        called_from = frames[0]  # the factory's own line, when it raised further down
+        if called_from is not raised:
+            where += f" (from {called_from.filename}:{called_from.lineno} in {called_from.name})"
+    called = ", ".join(f"{k}={v}" for k, v in options.items())
+    return (
+        f"model factory {name} raised {type(exc).__name__}{where}: {exc} "
+        f"(called with {called or 'no arguments'}; fix the factory or pass another --model)"
+    )

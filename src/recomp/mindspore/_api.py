@@ -11,7 +11,14 @@ from mindspore import nn
 from .. import _engine, _wrapping
 from .._module_state import warn_unhandled
 from .._state import get_recompute_state
-from .._wrapping import CHECKPOINT_KWARGS, REGION, RegionCounters, check_callable, default_name
+from .._wrapping import (
+    CHECKPOINT_KWARGS,
+    REGION,
+    RegionCounters,
+    check_callable,
+    check_options,
+    default_name,
+)
 from . import _compat
 from ._backend import BACKEND, check_pynative
 from ._cache import adapt_cache_kwargs
@@ -24,6 +31,18 @@ from ._communicating import (
 from ._dropout import ReplayableDropout, is_unreplayable_dropout, make_dropout_replayable
 from ._early_stop import EXPLAIN_EARLY_STOP
 from ._graph_mode import pynative_only
+from ._replay_reach import REPLAY_REACHES_EVERY_REGION
+
+# The options a checkpoint wrapper passes to every checkpoint of its Cell:
+# ``mindspore.recompute``'s non-reentrant ones and recomp's own.
+CHECKPOINT_OPTIONS = (
+    "context_fn",
+    "early_stop",
+    "exclude_collectives",
+    "output_recompute",
+    "save_rng_state",
+    "use_reentrant",
+)
 
 
 def checkpoint(
@@ -54,6 +73,7 @@ def checkpoint(
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
+    check_callable(function, "checkpoint", "Cell")
     check_pynative("checkpoint")
     cell = BACKEND.module_of(function) if exclude_collectives else None
     if exclude_collectives:
@@ -74,6 +94,7 @@ def checkpoint(
             parts.append(watch)
     if kwargs.setdefault("early_stop", False):
         parts.append(EXPLAIN_EARLY_STOP)
+    parts.append(REPLAY_REACHES_EVERY_REGION)
     if BACKEND.grad_enabled():
         adapt_cache_kwargs(function, kwargs, ExcludeWrapper)
     restore_rng = bool(kwargs.pop("save_rng_state", True))
@@ -144,6 +165,25 @@ class _NamesKept:
         super().update_parameters_name(prefix, recurse)  # type: ignore[misc]
 
 
+def _refuse_cell_recompute(cell: Any, *args: Any, **kwargs: Any) -> None:
+    """``Cell.recompute()`` on a Cell recomp wrapped: refused, as wrapping a Cell on which
+    it was called is (``_check_reachable``). MindSpore would capture recomp's own
+    ``construct`` and replay it, running the excluded regions inside twice."""
+    wrapper = _wrapping.recomp_wrapper_of(cell)
+    name = "checkpoint_wrapper" if wrapper is CheckpointWrapper else "checkpoint_exclude_wrapper"
+    what = (
+        "recomp's checkpoint already recomputes it"
+        if wrapper is CheckpointWrapper
+        else "recomp keeps it out of every replay"
+    )
+    raise ValueError(
+        f"Cell.recompute() was called on {type(cell).__name__}, which recomp wrapped ({name}): "
+        f"{what}, and MindSpore's recompute around it would replay its excluded regions as "
+        f"well. Drop the recompute() call, or call recomp.mindspore.unwrap(cell) first to use "
+        f"MindSpore's recompute instead."
+    )
+
+
 class CheckpointWrapper(_NamesKept, _wrapping.WrapperMixin, nn.Cell):
     """The class of every Cell wrapped by :func:`checkpoint_wrapper` derives from this.
 
@@ -156,6 +196,8 @@ class CheckpointWrapper(_NamesKept, _wrapping.WrapperMixin, nn.Cell):
     _recomp_public = ("checkpoint_kwargs",)
     _recomp_checkpoint_kwargs: dict[str, Any]
     _recomp_instance_method: Callable[..., Any] | None
+
+    recompute = _refuse_cell_recompute
 
     @staticmethod
     def _recomp_allocate(cls: type) -> Any:
@@ -193,6 +235,8 @@ class ExcludeWrapper(RegionCounters, _NamesKept, _wrapping.WrapperMixin, nn.Cell
     _recomp_prefix = "Excluded"
     _recomp_public = ("region", "region_runs", "region_skips", "region_saved_bytes", "save_output")
     _recomp_region: _engine.ExcludedRegion
+
+    recompute = _refuse_cell_recompute
 
     @staticmethod
     def _recomp_allocate(cls: type) -> Any:
@@ -281,6 +325,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     ``unwrap`` takes them off with the rest.
     """
     check_callable(module, "checkpoint_wrapper", "Cell")
+    check_options("checkpoint_wrapper", checkpoint_kwargs, CHECKPOINT_OPTIONS)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)
     _engine.check_flag("exclude_collectives", exclude_collectives)
@@ -369,6 +414,7 @@ def apply_activation_checkpointing(
     select_copy = _wrapping.as_predicate(copy_output_fn, "copy_output_fn")
     _wrapping.check_option_fns(select_exclude, copy_output_fn=select_copy)
     choose_copy = select_copy or (lambda c: False)
+    check_options("apply_activation_checkpointing", checkpoint_kwargs, CHECKPOINT_OPTIONS)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)
     _engine.check_flag("exclude_collectives", exclude_collectives)

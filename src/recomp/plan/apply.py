@@ -21,9 +21,58 @@ def _resolve(model: nn.Module, path: str, what: str) -> nn.Module:
         return model.get_submodule(path)
     except AttributeError as exc:
         raise ValueError(
-            f"the plan names {what} {path!r}, which the model does not have: was the plan made "
-            "for another model (or for this one before it was wrapped)?"
+            f"the plan names {what} {path!r}, which the model does not have (it has "
+            f"{_nearest_children(model, path)}): the plan was made for another model (or for "
+            "this one before it was wrapped); make the plan for this model"
         ) from exc
+
+
+def _nearest_children(model: nn.Module, path: str) -> str:
+    """The sub-modules of the deepest module on ``path`` that exists, as paths."""
+    parts = path.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        head = ".".join(parts[:depth])
+        try:
+            parent = model.get_submodule(head)
+        except AttributeError:
+            continue
+        names = [f"{head}.{n}" if head else n for n, _ in parent.named_children()]
+        return _listed(names) if names else f"no sub-module at {head or 'its top'}"
+    return "none of it"  # not reached: the model itself exists
+
+
+def _listed(paths: list[str], limit: int = 6) -> str:
+    more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
+    return ", ".join(repr(p) for p in paths[:limit]) + more
+
+
+def _check_layer_counts(model: nn.Module, plan: Plan) -> None:
+    """Refuse a plan made for a model with fewer layers: where the plan's layers sit in a
+    ``ModuleList``/``Sequential``, every layer of the same class there must be planned,
+    or the ones left over would train without the memory the plan was made for."""
+    planned = [layer.path for layer in plan.layers]
+    by_parent: dict[str, list[str]] = {}
+    for path in planned:
+        by_parent.setdefault(path.rpartition(".")[0], []).append(path)
+    for parent_path, paths in by_parent.items():
+        parent = model.get_submodule(parent_path) if parent_path else model
+        if not isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            continue
+        classes = {type(model.get_submodule(p)).__name__ for p in paths}
+        same = [
+            f"{parent_path}.{name}" if parent_path else name
+            for name, child in parent.named_children()
+            if type(child).__name__ in classes
+        ]
+        left = [p for p in same if p not in planned]
+        if left:
+            where = repr(parent_path) if parent_path else "the model"
+            raise ValueError(
+                f"the plan was made for {len(paths)} layer(s) in {where} ({_listed(paths)}), "
+                f"the model has {len(same)} there ({_listed(same)}): {_listed(left)} would be "
+                "left out of the plan. The plan was made for another model: make the plan for "
+                "this one (recomp plan, or profile and make_plan); nothing was wrapped"
+            )
 
 
 def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike[str]) -> nn.Module:
@@ -59,6 +108,9 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
     # A torch.compile wrapper calls its original module: the plan's paths are the original's.
     model = _compat.compiled_original(model) or model
     work: list[tuple[str, nn.Module, list[tuple[str, nn.Module]]]] = []
+    for layer_plan in plan.layers:
+        _resolve(model, layer_plan.path, "layer")
+    _check_layer_counts(model, plan)
     for layer_plan in plan.layers:
         layer = _resolve(model, layer_plan.path, "layer")
         if any(isinstance(m, (CheckpointWrapper, ExcludeWrapper)) for m in layer.modules()):

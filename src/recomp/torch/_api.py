@@ -17,14 +17,28 @@ from .._wrapping import (
     REGION,
     RegionCounters,
     check_callable,
+    check_options,
     default_name,
 )
+from ..errors import RecompError
 from . import _compat, _compile, _kept
 from ._backend import BACKEND
 from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
 from ._hf import adapt_hf_layer_call, guard_model_cache
 from ._offload import Offloader, resolve
+
+# The options a checkpoint wrapper passes to every checkpoint of its module: PyTorch's
+# non-reentrant checkpoint's and recomp's own.
+CHECKPOINT_OPTIONS = (
+    "context_fn",
+    "debug",
+    "determinism_check",
+    "early_stop",
+    "exclude_collectives",
+    "preserve_rng_state",
+    "use_reentrant",
+)
 
 
 def checkpoint(
@@ -56,6 +70,7 @@ def checkpoint(
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
+    check_callable(function, "checkpoint", "module")
     if _compile.is_compiling():
         # PyTorch's partitioner never recomputes a functional collective (which is what
         # Dynamo makes of every collective) unless told to: nothing to add here.
@@ -109,6 +124,21 @@ def _function_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k not in _TORCH_CHECKPOINT_OPTIONS}
 
 
+def _refuse_script(module: nn.Module) -> nn.Module:
+    """``torch.jit.script`` asks every module for its scriptable form first: a wrapped one
+    answers with an error that names the way out, instead of TorchScript's complaint
+    about the type annotations of recomp's attributes."""
+    wrapper = "checkpoint_wrapper" if isinstance(module, CheckpointWrapper) else (
+        "checkpoint_exclude_wrapper"
+    )
+    raise RecompError(
+        f"torch.jit.script cannot compile {type(module).__name__}: recomp wrapped it "
+        f"({wrapper}) and TorchScript cannot run recomp's checkpoints or excluded regions. "
+        f"Script the model before wrapping it, call recomp.torch.unwrap(model) first, or "
+        f"use torch.compile, which compiles wrapped models."
+    )
+
+
 class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):
     """The class of every module wrapped by :func:`checkpoint_wrapper` derives from this.
 
@@ -122,6 +152,8 @@ class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):
     _recomp_public = ("checkpoint_kwargs",)
     _recomp_checkpoint_kwargs: dict[str, Any]
     _recomp_instance_method: Callable[..., Any] | None
+
+    __prepare_scriptable__ = _refuse_script
 
     @staticmethod
     def _recomp_allocate(cls: type) -> Any:
@@ -162,6 +194,8 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
     _recomp_prefix = "Excluded"
     _recomp_public = ("region", "region_runs", "region_skips", "region_saved_bytes", "save_output")
     _recomp_region: _engine.ExcludedRegion
+
+    __prepare_scriptable__ = _refuse_script
 
     @staticmethod
     def _recomp_allocate(cls: type) -> Any:
@@ -219,6 +253,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     function is put in a small module first.
     """
     check_callable(module, "checkpoint_wrapper", "module")
+    check_options("checkpoint_wrapper", checkpoint_kwargs, CHECKPOINT_OPTIONS)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     if "exclude_collectives" in checkpoint_kwargs:
         _engine.check_flag("exclude_collectives", checkpoint_kwargs["exclude_collectives"])
@@ -322,6 +357,7 @@ def apply_activation_checkpointing(
     select_exclude = _wrapping.as_predicate(exclude_fn, "exclude_fn")
     select_offload = _wrapping.as_predicate(offload_fn, "offload_fn")
     select_copy = _wrapping.as_predicate(copy_output_fn, "copy_output_fn")
+    check_options("apply_activation_checkpointing", checkpoint_kwargs, CHECKPOINT_OPTIONS)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     if "exclude_collectives" in checkpoint_kwargs:
         _engine.check_flag("exclude_collectives", checkpoint_kwargs["exclude_collectives"])

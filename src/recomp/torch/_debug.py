@@ -28,6 +28,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from .._hooks import CallPart, CheckpointCallView, RegionCallView, RegionObserver, Stage, observing
 from ..errors import RecompError
 from . import _compat
+from ._replay_errors import as_replay_mismatch
 
 __all__ = ["debug_options"]
 
@@ -201,10 +202,13 @@ class _DebugLog(CallPart):
         def unpack(holder: Any) -> Any:
             try:
                 return checkpoint_unpack(holder)
-            except torch_checkpoint.CheckpointError as exc:
-                raise torch_checkpoint.CheckpointError(self.report(str(exc))) from exc
-            except RecompError as exc:
+            except RecompError as exc:  # ReplayMismatchError is also a CheckpointError
                 raise type(exc)(self.report(str(exc))) from exc
+            except torch_checkpoint.CheckpointError as exc:
+                mismatch = as_replay_mismatch(exc)
+                if mismatch is None:
+                    raise torch_checkpoint.CheckpointError(self.report(str(exc))) from exc
+                raise type(mismatch)(self.report(str(mismatch))) from exc
 
         with _compat.replace_top_hooks(pack, unpack, hooks):
             yield

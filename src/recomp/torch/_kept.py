@@ -52,6 +52,7 @@ from torch.utils.checkpoint import CheckpointError
 from .._hooks import CallPart, CheckpointCallView, Stage
 from ..errors import RecompError
 from . import _compat
+from ._replay_errors import as_replay_mismatch
 
 __all__ = [
     "KEPT_REPLAYS",
@@ -124,7 +125,13 @@ class RecomputeHandle:
             unpack = self._checkpoint_unpack
             if unpack is None:  # not reached: the hook is installed only with it
                 raise RecompError("recomp: a kept-replay unpack ran without its checkpoint")
-            unpack(holder)  # replays in this pass; _Capture keeps every tensor
+            try:
+                unpack(holder)  # replays in this pass; _Capture keeps every tensor
+            except CheckpointError as exc:
+                mismatch = as_replay_mismatch(exc)
+                if mismatch is None:
+                    raise
+                raise mismatch from exc
             with self._lock:
                 found = self._find(holder, current)
             if found is None:

@@ -1,0 +1,55 @@
+"""Misuse of the wrappers is refused at the call that makes it, with the fix named and
+nothing changed (the ``fw`` fixture, ``tests/support/frameworks.py``): unknown checkpoint
+options (a typo would reach the module's forward/construct as a keyword argument), a
+layer class instead of an instance, and ``checkpoint(None, x)``."""
+
+from __future__ import annotations
+
+import pytest
+
+from recomp._wrapping import recomp_wrapper_of
+
+ACCEPTED = {
+    "torch": "context_fn, debug, determinism_check, early_stop, exclude_collectives, "
+    "preserve_rng_state, use_reentrant",
+    "mindspore": "context_fn, early_stop, exclude_collectives, output_recompute, "
+    "save_rng_state, use_reentrant",
+}
+
+
+def test_unknown_checkpoint_options_are_a_type_error_naming_the_accepted_ones(fw):
+    layer = fw.dense(4, 4)
+    with pytest.raises(TypeError) as info:
+        fw.api.checkpoint_wrapper(layer, policy_fn=lambda *a: None, early_stopp=True)
+    message = str(info.value)
+    assert "unknown option(s) 'policy_fn', 'early_stopp' (did you mean 'early_stop'?)" in message
+    assert f"It accepts {ACCEPTED[fw.name]};" in message
+    assert recomp_wrapper_of(layer) is None  # nothing wrapped
+    fw.api.checkpoint_wrapper(layer, early_stop=False)  # a known one is taken
+    assert layer.checkpoint_kwargs == {"early_stop": False}
+
+
+def test_apply_activation_checkpointing_refuses_unknown_options_before_wrapping(fw):
+    model = fw.stack(2)
+    block_class = type(fw.blocks(model)[0])
+    with pytest.raises(TypeError, match=r"apply_activation_checkpointing got unknown option"):
+        fw.api.apply_activation_checkpointing(
+            model, checkpoint_fn=block_class, exclude_fn=lambda m: False, early_stopp=True
+        )
+    assert all(recomp_wrapper_of(m) is None for _, m in fw.named_layers(model))
+
+
+@pytest.mark.parametrize("api", ["checkpoint_wrapper", "checkpoint_exclude_wrapper"])
+def test_a_layer_class_instead_of_an_instance_is_refused(fw, api):
+    cls = type(fw.dense(2, 2))
+    with pytest.raises(ValueError, match=rf"got the class {cls.__name__} itself.*Pass an instance"):
+        getattr(fw.api, api)(cls)
+    assert recomp_wrapper_of(cls) is None and not hasattr(cls, "_recomp_base")
+
+
+@pytest.mark.parametrize("bad", ["none", "class"])
+def test_checkpoint_of_none_or_a_class_is_refused(fw, bad):
+    function = None if bad == "none" else type(fw.dense(2, 2))
+    expected = "got NoneType" if bad == "none" else "got the class"
+    with pytest.raises(ValueError, match=rf"checkpoint needs a {fw.layer} or a callable, {expected}"):
+        fw.api.checkpoint(function, fw.tensor(2, 2))
