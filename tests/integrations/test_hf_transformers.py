@@ -872,3 +872,49 @@ def test_excluded_attention_with_the_default_cache_leaves_no_reference_cycles() 
         torch_checkpoint = _unreachable_per_step(baseline, ids)
     model = with_recomp(llama(), *MODELS["llama-attention"][1:])
     assert _unreachable_per_step(model, ids) == torch_checkpoint
+
+
+def test_ibert_quantisation_ranges_updated_in_place_train_as_unwrapped() -> None:
+    """HF I-BERT in quantisation mode keeps the ranges of its activations in buffers that
+    each training forward updates in place and reads at once (``QuantAct``): with its
+    layers checkpointed, gradients and every buffer stay the unwrapped model's, bit for
+    bit, over several steps (the replay reads the ranges the forward read; they move
+    once per step)."""
+    from transformers import IBertConfig, IBertModel
+    from transformers.models.ibert.modeling_ibert import IBertLayer
+
+    torch.manual_seed(0)
+    config = IBertConfig(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        quant_mode=True,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    ref = IBertModel(config).train()
+
+    def train(model: torch.nn.Module) -> tuple[list[dict], dict]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        history = []
+        for step in range(3):
+            ids = torch.randint(0, 99, (2, 7), generator=torch.Generator().manual_seed(step))
+            opt.zero_grad(set_to_none=True)
+            model(ids).last_hidden_state.pow(2).sum().backward()
+            history.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            opt.step()
+        return history, {n: b.clone() for n, b in model.named_buffers()}
+
+    model = copy.deepcopy(ref)
+    apply_activation_checkpointing(model, checkpoint_fn=IBertLayer)
+    want_grads, want_buffers = train(ref)
+    got_grads, got_buffers = train(model)
+    for want, got in zip(want_grads, got_grads):
+        assert want.keys() == got.keys()
+        for name in want:
+            assert torch.equal(want[name], got[name]), name
+    assert want_buffers.keys() == got_buffers.keys()
+    for name in want_buffers:
+        assert torch.equal(want_buffers[name], got_buffers[name]), name
