@@ -77,3 +77,23 @@ def recover(fw, request):
     that raises inside a gradient computation."""
     if fw.name == "mindspore":
         request.getfixturevalue("recover_mindspore")
+
+
+@pytest.fixture(autouse=True)
+def _values_check_everywhere(monkeypatch):
+    """``RECOMP_TEST_VALUE_CHECK=1``: every PyTorch checkpoint that does not set
+    ``determinism_check`` runs with ``"values"``, so that the whole suite shows the check
+    raises nowhere a replay is right (excluded regions, early stop, kept replays, nested
+    checkpoints)."""
+    if os.environ.get("RECOMP_TEST_VALUE_CHECK") != "1" or "torch" not in sys.modules:
+        yield
+        return
+    api = importlib.import_module("recomp.torch._api")
+    original = api.value_check_option
+
+    def always_on(kwargs, *, debug, name):  # type: ignore[no-untyped-def]
+        kwargs.setdefault("determinism_check", "values")
+        return original(kwargs, debug=debug, name=name)
+
+    monkeypatch.setattr(api, "value_check_option", always_on)
+    yield

@@ -24,6 +24,7 @@ from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
 from ._hf import adapt_hf_layer_call, guard_model_cache
 from ._offload import Offloader, resolve
+from ._value_check import value_check_option
 
 
 def checkpoint(
@@ -57,10 +58,15 @@ def checkpoint(
     _engine.check_flag("exclude_collectives", exclude_collectives)
     if _compile.is_compiling():
         # PyTorch's partitioner never recomputes a functional collective (which is what
-        # Dynamo makes of every collective) unless told to: nothing to add here.
+        # Dynamo makes of every collective) unless told to: nothing to add here. A
+        # compiled program saves no tensor through hooks: no value check there.
+        value_check_option(kwargs, debug=False, name="")
         return _compile.checkpoint(function, args, kwargs, context_fn)
     adapt_hf_layer_call(function, kwargs)
     parts, kwargs, torch_debug_off = debug_options(kwargs)
+    value_check = value_check_option(kwargs, debug=bool(parts), name=_checkpointed_name(function))
+    if value_check is not None:
+        parts.append(value_check)
     if _engine.SWITCHES.kept_replays:
         parts.append(_kept.KEPT_REPLAYS)
     if exclude_collectives and collectives_may_run():
@@ -86,6 +92,13 @@ def checkpoint(
         except BaseException as exc:
             _compat.finish_failed_checkpoint(exc)  # PyTorch 2.9 leaves it open
             raise
+
+
+def _checkpointed_name(function: Any) -> str:
+    owner = getattr(function, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return f"{type(owner).__name__}.{getattr(function, '__name__', 'forward')}"
+    return repr(default_name(function))
 
 
 class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):
