@@ -53,6 +53,7 @@ def checkpoint(
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
+    _refuse_value_check(kwargs, "checkpoint")
     check_pynative("checkpoint")
     parts: list[_engine.CallPart] = []
     if exclude_collectives:
@@ -85,6 +86,18 @@ def checkpoint(
         save_rng_state=False,
         **kwargs,
     )
+
+
+def _refuse_value_check(options: dict[str, Any], api: str) -> None:
+    """``determinism_check="values"`` compares what PyTorch's replay saves, through its
+    checkpoint's saved-tensor hooks; MindSpore's recompute has no check of its own to
+    extend, and recomp does not compare values there."""
+    if options.get("determinism_check") == "values":
+        raise ValueError(
+            f'recomp.mindspore.{api}: determinism_check="values" is available on PyTorch '
+            "only; MindSpore's recompute does not compare what its replay saves. Drop the "
+            "option (recomp checks that the replay calls excluded regions as the forward did)."
+        )
 
 
 def _placed_at(named: list[tuple[str, Any]]) -> str | None:
@@ -262,6 +275,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     """
     check_callable(module, "checkpoint_wrapper", "Cell")
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
+    _refuse_value_check(checkpoint_kwargs, "checkpoint_wrapper")
     exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)
     _engine.check_flag("exclude_collectives", exclude_collectives)
     if not isinstance(module, nn.Cell):
@@ -350,6 +364,7 @@ def apply_activation_checkpointing(
     _wrapping.check_option_fns(select_exclude, copy_output_fn=select_copy)
     choose_copy = select_copy or (lambda c: False)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
+    _refuse_value_check(checkpoint_kwargs, "apply_activation_checkpointing")
     exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)
     _engine.check_flag("exclude_collectives", exclude_collectives)
     communicates = issues_collectives() if exclude_collectives else (lambda c: False)
