@@ -16,6 +16,11 @@ def pytest_configure(config):  # type: ignore[no-untyped-def]
     for name in filter(None, os.environ.get("RECOMP_TEST_REQUIRE", "").split(",")):
         importlib.import_module(name.strip())
     config.addinivalue_line(
+        "markers",
+        "replay_differs: the test makes a replay compute other values than its forward on "
+        "purpose (RECOMP_TEST_VALUE_CHECK=1 leaves it alone)",
+    )
+    config.addinivalue_line(
         "markers", "inductor: compiles with torch.compile's inductor backend (builds C++, slow)"
     )
     config.addinivalue_line(
@@ -80,12 +85,14 @@ def recover(fw, request):
 
 
 @pytest.fixture(autouse=True)
-def _values_check_everywhere(monkeypatch):
+def _values_check_everywhere(monkeypatch, request):
     """``RECOMP_TEST_VALUE_CHECK=1``: every PyTorch checkpoint that does not set
     ``determinism_check`` runs with ``"values"``, so that the whole suite shows the check
     raises nowhere a replay is right (excluded regions, early stop, kept replays, nested
-    checkpoints)."""
-    if os.environ.get("RECOMP_TEST_VALUE_CHECK") != "1" or "torch" not in sys.modules:
+    checkpoints). Tests marked ``replay_differs`` make a wrong replay on purpose (a
+    control that turns a mechanism off): the check would rightly raise there."""
+    wrong_on_purpose = request.node.get_closest_marker("replay_differs") is not None
+    if os.environ.get("RECOMP_TEST_VALUE_CHECK") != "1" or wrong_on_purpose:
         yield
         return
     api = importlib.import_module("recomp.torch._api")

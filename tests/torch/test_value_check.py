@@ -292,3 +292,21 @@ def test_fingerprint_changes_with_the_values_and_not_otherwise() -> None:
     assert not torch.equal(_value_check._fingerprint(a), _value_check._fingerprint(flipped))
     assert _value_check._fingerprint(torch.empty(0, 3)).shape == (4,)
     assert _value_check._fingerprint(torch.randn(2, 2, device="meta")) is None
+
+
+def test_a_replay_whose_random_stream_shifted_is_caught() -> None:
+    """The control of the RNG-alignment guarantee (tests/core/test_guarantees.py): with
+    alignment off, the skipped region's dropout no longer advances the replay's random
+    stream, so the dropout after it draws another mask: same ops, other values."""
+    from recomp import _testing
+
+    torch.manual_seed(0)
+    region = rt.checkpoint_exclude_wrapper(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)))
+    model = nn.Sequential(region, nn.Dropout(0.5), nn.Tanh())
+    x = torch.randn(4, 8, requires_grad=True)
+    with _testing.without_rng_alignment():
+        out = rt.checkpoint(model, x, determinism_check="values")
+    with pytest.raises(recomp.ReplayMismatchError, match="saved a different value"):
+        out.sum().backward()
+    out = rt.checkpoint(model, x, determinism_check="values")  # aligned: right
+    out.sum().backward()

@@ -29,7 +29,9 @@ A replay that stops early compares as far as it goes. On CPU the comparison runs
 replay's pack (the error's traceback then shows the line that saved the tensor); on
 other devices the replay's fingerprints are compared together at its end, with one
 synchronisation. Tensors of other types (subclasses such as DTensor, sparse, nested,
-meta) are not fingerprinted; nor are positions after one whose shape or dtype changed
+meta) are not fingerprinted, nor the running statistics the call restores (a BatchNorm
+in training saves them for a backward that does not read them, and its replay reads
+what the forward's update left); nor are positions after one whose shape or dtype changed
 (PyTorch's own check reports that) or where the replay saves through an excluded
 region's boundary and the forward did not, or the other way round (the replay took
 another branch around its regions, which recomp's region checks report).
@@ -47,6 +49,7 @@ import torch
 
 from .._hooks import CallPart, CheckpointCallView, RegionCallView, RegionObserver, Stage, observing
 from .._record import invocation_of
+from .._running_stats import RestoreStatistics
 from .._state import get_recompute_state
 from ..errors import ReplayMismatchError
 from . import _compat
@@ -85,6 +88,7 @@ class ValueCheck(CallPart):
     def __init__(self, name: str) -> None:
         self.name = name
         self.invocation: Any = None
+        self.restored: frozenset[int] = frozenset()
         self.forward: list[torch.Tensor | None] = []
         self.meta: list[int] = []
         # Positions the forward saved through an excluded region's boundary.
@@ -92,6 +96,15 @@ class ValueCheck(CallPart):
 
     def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         self.invocation = call.invocation
+        # Running statistics (BatchNorm in training) are saved by their op but not read
+        # by its backward; the forward updated them and the replay reads the update
+        # (then undone). They are the call's restored state, not values to compare.
+        self.restored = frozenset(
+            id(t)
+            for part in getattr(call, "parts", ())
+            if isinstance(part, RestoreStatistics)
+            for t in part.tensors
+        )
         return _RecordForward(self), _CompareReplay(self)
 
     def forward_ended(self, ok: bool) -> None:
@@ -178,7 +191,7 @@ class _RecordForward:
             if watch.pending:
                 watch.pending -= 1
                 check.boundary.add(len(check.forward))
-            check.forward.append(_fingerprint(t))
+            check.forward.append(None if id(t) in check.restored else _fingerprint(t))
             check.meta.append(_metadata(t) if isinstance(t, torch.Tensor) else 0)
             return checkpoint_pack(t)
 
