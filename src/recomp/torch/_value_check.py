@@ -39,7 +39,9 @@ another branch around its regions, which recomp's region checks report).
 
 from __future__ import annotations
 
+import array
 import contextlib
+import itertools
 import linecache
 import math
 import os
@@ -90,8 +92,12 @@ class ValueCheck(CallPart):
         self.name = name
         self.invocation: Any = None
         self.restored: frozenset[int] = frozenset()
+        # While the forward runs: a fingerprint per saved tensor (None: not compared).
         self.forward: list[torch.Tensor | None] = []
-        self.meta: list[int] = []
+        # After it: the fingerprints as one table, and each saved tensor's row (-1: none).
+        self.table: torch.Tensor | None = None
+        self.rows = array.array("q")
+        self.meta = array.array("q")  # hash of each saved tensor's shape and dtype
         # Positions the forward saved through an excluded region's boundary.
         self.boundary: set[int] = set()
 
@@ -111,8 +117,30 @@ class ValueCheck(CallPart):
     def forward_ended(self, ok: bool) -> None:
         if not ok:
             self.forward.clear()
-            self.meta.clear()
+            del self.meta[:]
             self.boundary.clear()
+            return
+        present = [f for f in self.forward if f is not None]
+        if not present or len({f.device for f in present}) != 1:
+            return  # nothing to compact, or devices mixed: the list stays
+        with torch.no_grad(), _compat.no_dispatch_modes():
+            self.table = torch.stack(present)  # one tensor instead of one per saved tensor
+        rows = itertools.count()
+        self.rows = array.array("q", (-1 if f is None else next(rows) for f in self.forward))
+        self.forward = []
+
+    def saved_count(self) -> int:
+        return len(self.meta)
+
+    def expected(self, i: int) -> torch.Tensor | None:
+        """The forward's fingerprint of its ``i``-th saved tensor."""
+        if self.table is None:
+            return self.forward[i]
+        row = self.rows[i]
+        if row < 0:
+            return None
+        with _compat.no_dispatch_modes():  # bookkeeping: no mode of the replay sees it
+            return self.table[row]
 
     def owns(self, call: RegionCallView) -> bool:
         """Whether a region call belongs to this checkpoint call (not a nested one)."""
@@ -189,7 +217,8 @@ class _RecordForward:
         checkpoint_pack, unpack = hooks
         check = self.check
         check.forward.clear()
-        check.meta.clear()
+        check.table = None
+        del check.meta[:]
         check.boundary.clear()
         watch = _BoundaryWatch(check)
 
@@ -266,9 +295,9 @@ class _ReplayRun:
         i = self.position
         self.position += 1
         check = self.check
-        if self.diverged or i >= len(check.forward):
+        if self.diverged or i >= check.saved_count():
             return
-        expected = check.forward[i]
+        expected = check.expected(i)
         meta = _metadata(t) if isinstance(t, torch.Tensor) else 0
         if meta != check.meta[i] or self.watch.inside != (i in check.boundary):
             # Another op sequence (PyTorch's metadata check says so), or excluded regions
