@@ -16,15 +16,16 @@ Exactness. A replay runs the forward's ops on the same inputs: on CPU and wherev
 ``torch.use_deterministic_algorithms(True)`` is on, its values are bit-identical, and
 the fingerprints must be equal. On an accelerator with nondeterministic kernels allowed
 (atomics: ``index_add``, ``scatter_add``, some attention backends) the forward itself is
-not bit-reproducible, so there each number may differ by a relative tolerance of the
-forward's norm and largest sampled element (``_RTOL``: 1e-2 for 16-bit floats, 1e-4 otherwise).
+not bit-reproducible, so there each number may differ by what it can move when every
+element moves by a fraction ``_RTOL`` of the elements' root mean square (1e-2 for 16-bit
+floats, 1e-4 otherwise).
 
 Where the check sits. Its pack hook replaces the checkpoint's on top of the
 saved-tensors hook stack, inside the kept-replay handle and the recompute state (which
 read the checkpoint's frame from the hook, see NOTE [ The parts of a checkpoint call ]):
 every tensor the checkpoint saves passes it, in the order PyTorch files them. What
-excluded regions save goes through their own hooks and is not replayed; their outputs,
-which the checkpoint does save, are the cached ones in the replay, so they compare equal.
+excluded regions save goes through their own hooks and is not replayed; what the code
+after a region saves is computed from its cached outputs, the forward's, in the replay.
 A replay that stops early compares as far as it goes. On CPU the comparison runs at the
 replay's pack (the error's traceback then shows the line that saved the tensor); on
 other devices the replay's fingerprints are compared together at its end, with one
