@@ -254,14 +254,8 @@ class _CompareReplay:
     def __exit__(self, *exc_info: Any) -> None:
         run = self._runs.pop()
         run.stop()
-        if exc_info[0] is None or _is_early_stop(exc_info[1]):
+        if exc_info[0] is None or _compat.is_early_stop(exc_info[1]):
             run.compare_deferred()
-
-
-def _is_early_stop(exc: BaseException | None) -> bool:
-    # PyTorch's replay stops early by raising an exception of its own through the
-    # recompute context; what was saved up to there is complete.
-    return type(exc).__name__ == "_StopRecomputationError"
 
 
 class _ReplayRun:
