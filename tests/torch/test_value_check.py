@@ -62,7 +62,7 @@ def test_a_value_changed_between_forward_and_backward_is_named(options: dict) ->
         assert "first whose arguments differ" in message
 
 
-def test_it_is_a_checkpoint_error_too_where_the_error_class_allows() -> None:
+def test_it_is_a_recomp_error() -> None:
     with pytest.raises(recomp.RecompError):
         _changed_between({"determinism_check": "values"})
 
