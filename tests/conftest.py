@@ -98,9 +98,9 @@ def _values_check_everywhere(monkeypatch, request):
     api = importlib.import_module("recomp.torch._api")
     original = api.value_check_option
 
-    def always_on(kwargs, *, debug, name):  # type: ignore[no-untyped-def]
+    def always_on(kwargs, *, debug, name, compiled=False):  # type: ignore[no-untyped-def]
         kwargs.setdefault("determinism_check", "values")
-        return original(kwargs, debug=debug, name=name)
+        return original(kwargs, debug=debug, name=name, compiled=compiled)
 
     monkeypatch.setattr(api, "value_check_option", always_on)
     yield

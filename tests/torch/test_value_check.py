@@ -310,3 +310,11 @@ def test_a_replay_whose_random_stream_shifted_is_caught() -> None:
         out.sum().backward()
     out = rt.checkpoint(model, x, determinism_check="values")  # aligned: right
     out.sum().backward()
+
+
+def test_under_torch_compile_the_option_is_taken_out_and_nothing_is_made() -> None:
+    """Dynamo traces recomp's checkpoint: the option must reach PyTorch as "default"
+    and build nothing Dynamo cannot trace."""
+    kwargs = {"determinism_check": "values"}
+    assert _value_check.value_check_option(kwargs, debug=True, name="f", compiled=True) is None
+    assert kwargs == {"determinism_check": "default"}

@@ -60,7 +60,7 @@ def checkpoint(
         # PyTorch's partitioner never recomputes a functional collective (which is what
         # Dynamo makes of every collective) unless told to: nothing to add here. A
         # compiled program saves no tensor through hooks: no value check there.
-        value_check_option(kwargs, debug=False, name="")
+        value_check_option(kwargs, debug=False, name="", compiled=True)
         return _compile.checkpoint(function, args, kwargs, context_fn)
     adapt_hf_layer_call(function, kwargs)
     parts, kwargs, torch_debug_off = debug_options(kwargs)

@@ -71,16 +71,20 @@ _BIT_EXACT = frozenset({"cpu"})
 _NAMES = ("sum", "norm", "first element", "last element")
 
 
-def value_check_option(kwargs: dict[str, Any], *, debug: bool, name: str) -> CallPart | None:
+def value_check_option(
+    kwargs: dict[str, Any], *, debug: bool, name: str, compiled: bool = False
+) -> CallPart | None:
     """Take ``determinism_check="values"`` out of the checkpoint options (PyTorch's
     checkpoint then runs its own ``"default"`` check) and give the part that compares
-    values, also when ``debug`` is on and the check was not turned off (``"none"``)."""
+    values, also when ``debug`` is on and the check was not turned off (``"none"``).
+    In a compiled program (``compiled``) the option is only taken out: compiled code
+    saves no tensor through hooks, so there is nothing to compare."""
     check = kwargs.get("determinism_check", "default")
     if check == "values":
         kwargs["determinism_check"] = "default"
     elif not (debug and check == "default"):
         return None
-    return ValueCheck(name)
+    return None if compiled else ValueCheck(name)
 
 
 class ValueCheck(CallPart):
