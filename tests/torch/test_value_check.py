@@ -67,6 +67,7 @@ def test_it_is_a_recomp_error() -> None:
         _changed_between({"determinism_check": "values"})
 
 
+@pytest.mark.replay_differs
 def test_without_the_check_the_gradient_is_silently_wrong() -> None:
     """What the check is for: the default check (PyTorch's) compares metadata only."""
     _, x_changed = _changed_between({})
