@@ -16,6 +16,11 @@ def pytest_configure(config):  # type: ignore[no-untyped-def]
     for name in filter(None, os.environ.get("RECOMP_TEST_REQUIRE", "").split(",")):
         importlib.import_module(name.strip())
     config.addinivalue_line(
+        "markers",
+        "replay_differs: the test makes a replay compute other values than its forward on "
+        "purpose (RECOMP_TEST_VALUE_CHECK=1 leaves it alone)",
+    )
+    config.addinivalue_line(
         "markers", "inductor: compiles with torch.compile's inductor backend (builds C++, slow)"
     )
     config.addinivalue_line(
@@ -77,3 +82,25 @@ def recover(fw, request):
     that raises inside a gradient computation."""
     if fw.name == "mindspore":
         request.getfixturevalue("recover_mindspore")
+
+
+@pytest.fixture(autouse=True)
+def _values_check_everywhere(monkeypatch, request):
+    """``RECOMP_TEST_VALUE_CHECK=1``: every PyTorch checkpoint that does not set
+    ``determinism_check`` runs with ``"values"``, so that the whole suite shows the check
+    raises nowhere a replay is right (excluded regions, early stop, kept replays, nested
+    checkpoints). Tests marked ``replay_differs`` make a wrong replay on purpose (a
+    control that turns a mechanism off): the check would rightly raise there."""
+    wrong_on_purpose = request.node.get_closest_marker("replay_differs") is not None
+    if os.environ.get("RECOMP_TEST_VALUE_CHECK") != "1" or wrong_on_purpose:
+        yield
+        return
+    api = importlib.import_module("recomp.torch._api")
+    original = api.value_check_option
+
+    def always_on(kwargs, *, debug, name, compiled=False):  # type: ignore[no-untyped-def]
+        kwargs.setdefault("determinism_check", "values")
+        return original(kwargs, debug=debug, name=name, compiled=compiled)
+
+    monkeypatch.setattr(api, "value_check_option", always_on)
+    yield

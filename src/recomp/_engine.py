@@ -113,6 +113,10 @@ class ComposedContext:
 #                    under the checkpoint's hook), a replay starts (every log rewinds),
 #                    the forward ends (every log is pruned and checked). Everything
 #                    inside sees which call and phase it is in.
+#   VALUE_CHECK      PyTorch, ``determinism_check="values"`` / ``debug=True``: its pack
+#                    hook fingerprints each saved tensor on top of the checkpoint's own,
+#                    so it sits inside the two stages above, which read the checkpoint's
+#                    frame from that hook (``recomp.torch._value_check``).
 #   RESTORED_STATE   state outside the tensors that a replay must leave as it found it
 #                    or start from where the forward started: the replayed modules'
 #                    parameters and buffers (``_module_state``), then the random

@@ -64,6 +64,7 @@ class Stage(enum.IntEnum):
 
     KEPT_REPLAYS = 10
     RECOMPUTE_STATE = 20
+    VALUE_CHECK = 25
     RESTORED_STATE = 30
     DEBUG_LOG = 40
     USER = 50

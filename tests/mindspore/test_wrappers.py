@@ -273,3 +273,17 @@ def test_cell_recompute_on_a_wrapped_cell_is_refused(wrapped):
     x = tensor(2, 5, 8)
     assert_same(grads(ref, ref.trainable_params(), x), grads(block, block.trainable_params(), x))
     assert (block.attn.region_runs, block.attn.region_skips) == (1, 1)
+
+
+def test_the_value_check_is_refused_with_a_clear_error():
+    """``determinism_check="values"`` compares what PyTorch's replay saves; MindSpore's
+    recompute has nothing to compare it with, so every entry point refuses it."""
+    x = tensor(2, 8)
+    with pytest.raises(ValueError, match=r'determinism_check="values" is available on PyTorch only'):
+        rm.checkpoint(ops.sin, x, determinism_check="values")
+    with pytest.raises(ValueError, match=r"checkpoint_wrapper: determinism_check"):
+        rm.checkpoint_wrapper(nn.Dense(8, 8), determinism_check="values")
+    with pytest.raises(ValueError, match=r"apply_activation_checkpointing: determinism_check"):
+        rm.apply_activation_checkpointing(
+            Stack(), checkpoint_fn=lambda c: isinstance(c, Block), determinism_check="values"
+        )

@@ -74,6 +74,7 @@ def checkpoint(
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
     check_callable(function, "checkpoint", "Cell")
+    _refuse_value_check(kwargs, "checkpoint")
     check_pynative("checkpoint")
     cell = BACKEND.module_of(function) if exclude_collectives else None
     if exclude_collectives:
@@ -126,6 +127,18 @@ def _block_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     if _RECOMPUTE_OPTIONS.isdisjoint(kwargs):
         return kwargs
     return {k: v for k, v in kwargs.items() if k not in _RECOMPUTE_OPTIONS}
+
+
+def _refuse_value_check(options: dict[str, Any], api: str) -> None:
+    """``determinism_check="values"`` compares what PyTorch's replay saves, through its
+    checkpoint's saved-tensor hooks; MindSpore's recompute has no check of its own to
+    extend, and recomp does not compare values there."""
+    if options.get("determinism_check") == "values":
+        raise ValueError(
+            f'recomp.mindspore.{api}: determinism_check="values" is available on PyTorch '
+            "only; MindSpore's recompute does not compare what its replay saves. Drop the "
+            "option (recomp checks that the replay calls excluded regions as the forward did)."
+        )
 
 
 def _placed_at(named: list[tuple[str, Any]]) -> str | None:
@@ -325,6 +338,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     ``unwrap`` takes them off with the rest.
     """
     check_callable(module, "checkpoint_wrapper", "Cell")
+    _refuse_value_check(checkpoint_kwargs, "checkpoint_wrapper")
     check_options("checkpoint_wrapper", checkpoint_kwargs, CHECKPOINT_OPTIONS)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)
@@ -414,6 +428,7 @@ def apply_activation_checkpointing(
     select_copy = _wrapping.as_predicate(copy_output_fn, "copy_output_fn")
     _wrapping.check_option_fns(select_exclude, copy_output_fn=select_copy)
     choose_copy = select_copy or (lambda c: False)
+    _refuse_value_check(checkpoint_kwargs, "apply_activation_checkpointing")
     check_options("apply_activation_checkpointing", checkpoint_kwargs, CHECKPOINT_OPTIONS)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)

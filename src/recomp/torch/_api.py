@@ -27,6 +27,7 @@ from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
 from ._hf import adapt_hf_layer_call, guard_model_cache
 from ._offload import Offloader, resolve
+from ._value_check import value_check_option
 
 # The options a checkpoint wrapper passes to every checkpoint of its module: PyTorch's
 # non-reentrant checkpoint's and recomp's own.
@@ -73,7 +74,9 @@ def checkpoint(
     check_callable(function, "checkpoint", "module")
     if _compile.is_compiling():
         # PyTorch's partitioner never recomputes a functional collective (which is what
-        # Dynamo makes of every collective) unless told to: nothing to add here.
+        # Dynamo makes of every collective) unless told to: nothing to add here. A
+        # compiled program saves no tensor through hooks: no value check there.
+        value_check_option(kwargs, debug=False, name="", compiled=True)
         return _compile.checkpoint(function, args, kwargs, context_fn)
     if not torch.is_grad_enabled() and get_recompute_state() is None:
         # NOTE [ Nothing to checkpoint without gradients ]: no graph is built, so nothing
@@ -85,6 +88,9 @@ def checkpoint(
         return function(*args, **_function_kwargs(kwargs))
     adapt_hf_layer_call(function, kwargs)
     parts, kwargs, torch_debug_off = debug_options(kwargs)
+    value_check = value_check_option(kwargs, debug=bool(parts), name=_checkpointed_name(function))
+    if value_check is not None:
+        parts.append(value_check)
     if _engine.SWITCHES.kept_replays:
         parts.append(_kept.KEPT_REPLAYS)
     if exclude_collectives and collectives_may_run():
@@ -137,6 +143,13 @@ def _refuse_script(module: nn.Module) -> nn.Module:
         f"Script the model before wrapping it, call recomp.torch.unwrap(model) first, or "
         f"use torch.compile, which compiles wrapped models."
     )
+
+
+def _checkpointed_name(function: Any) -> str:
+    owner = getattr(function, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return f"{type(owner).__name__}.{getattr(function, '__name__', 'forward')}"
+    return repr(default_name(function))
 
 
 class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):

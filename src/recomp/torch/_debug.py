@@ -30,7 +30,7 @@ from ..errors import RecompError
 from . import _compat
 from ._replay_errors import as_replay_mismatch
 
-__all__ = ["debug_options"]
+__all__ = ["caller_frame", "debug_options"]
 
 _RECOMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -75,6 +75,7 @@ class _PhaseLog(RegionObserver):
         self.owner = owner
         self.lines: list[str] = []
         self.ops: list[tuple[str, bool]] = []  # (op, inside an excluded region)
+        self.calls: list[str] = []  # the listed ops with their arguments, as in ``lines``
         self.region: str | None = None
 
     def op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
@@ -85,6 +86,7 @@ class _PhaseLog(RegionObserver):
             return
         indent = "    " if self.region is not None else ""
         call = f"{qualified}({_describe_call(args, kwargs)}) -> {_describe(out)}"
+        self.calls.append(call)
         self.lines.append(f"{len(self.ops):5d}  {indent}{call}    {_caller()}")
 
     def region_started(self, call: RegionCallView) -> None:
@@ -258,6 +260,15 @@ def _first_difference(forward: _PhaseLog, replay: _PhaseLog) -> str:
     for (fi, fop), (ri, rop) in zip(fwd, rep):
         if fop != rop:
             return f"First difference: forward op {fi} is {fop}, replay op {ri} is {rop}."
+    for (fi, _), (ri, _) in zip(fwd, rep):
+        if fi > len(forward.calls) or ri > len(replay.calls):
+            break
+        fcall, rcall = forward.calls[fi - 1], replay.calls[ri - 1]
+        if fcall != rcall:
+            return (
+                f"The same ops ran; the first whose arguments differ: forward op {fi} is "
+                f"{fcall}, replay op {ri} is {rcall}."
+            )
     if len(fwd) != len(rep):
         shorter = "replay" if len(rep) < len(fwd) else "forward"
         return (
@@ -283,12 +294,20 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 40 else type(value).__name__
 
 
-def _caller() -> str:
-    """The innermost frame outside torch and recomp: the user code that called the op."""
+def caller_frame() -> tuple[str, int, str] | None:
+    """The innermost frame outside torch and recomp, the user code that called the op:
+    its file, line and function."""
     frame = inspect.currentframe()
     while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED_DIRS):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
+        return None
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+
+
+def _caller() -> str:
+    found = caller_frame()
+    if found is None:
         return ""
-    filename = os.path.basename(frame.f_code.co_filename)
-    return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+    filename, lineno, function = found
+    return f"{os.path.basename(filename)}:{lineno} in {function}"

@@ -4,6 +4,8 @@ function raised. Each test fails when PyTorch changes what recomp relies on."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -132,3 +134,25 @@ class TestFailedCheckpoint:
         assert self._hooks_left() is None
         torch.sin(x).sum().backward()
         assert torch.equal(x.grad, torch.cos(x))
+
+
+def test_an_early_stop_passes_through_the_replay_context():
+    seen = []
+
+    class Watch:
+        def __enter__(self):
+            return None
+
+        def __exit__(self, *exc_info):
+            seen.append(_compat.is_early_stop(exc_info[1]))
+
+    def context_fn():
+        return contextlib.nullcontext(), Watch()
+
+    x = torch.randn(3, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(
+        lambda t: t.sin().cos().exp(), x, use_reentrant=False, context_fn=context_fn
+    )
+    out.sum().backward()
+    assert seen and seen[0] is True  # stopped after the last tensor the backward needs
+    assert not _compat.is_early_stop(None) and not _compat.is_early_stop(ValueError())

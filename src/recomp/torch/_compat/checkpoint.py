@@ -175,6 +175,21 @@ def mark_as_checkpoint_hook(hook: Callable[[Any], Any], like: Callable[[Any], An
     hook._user_hooks = getattr(like, "_user_hooks", None)  # type: ignore[attr-defined]
 
 
+def is_early_stop(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is how PyTorch's replay stops early (after the last tensor the
+    backward needs), passing through the recompute context of ``context_fn``.
+
+    Why: the value check compares what a replay saved when the replay ends; an early
+    stop ends it normally.
+    How: the exception's class name, ``_StopRecomputationError`` (2.9 to 2.14), raised
+    by the replay's pack hook and caught by its unpack hook.
+    If it changes: False, and a replay that stops early skips the comparison deferred
+    to its end (accelerators; on CPU each saved tensor is compared as it is saved).
+    Retired by: a public early-stop signal.
+    """
+    return type(exc).__name__ == "_StopRecomputationError"
+
+
 # --------------------------------------------------------------------------- failed checkpoint forward
 
 
