@@ -71,13 +71,14 @@ def checkpoint(
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
-    check_callable(function, "checkpoint", "module")
     if _compile.is_compiling():
         # PyTorch's partitioner never recomputes a functional collective (which is what
         # Dynamo makes of every collective) unless told to: nothing to add here. A
-        # compiled program saves no tensor through hooks: no value check there.
+        # compiled program saves no tensor through hooks: no value check there. (The
+        # eager call checked the function already; Dynamo 2.9 cannot trace that check.)
         value_check_option(kwargs, debug=False, name="", compiled=True)
         return _compile.checkpoint(function, args, kwargs, context_fn)
+    check_callable(function, "checkpoint", "module")
     if not torch.is_grad_enabled() and get_recompute_state() is None:
         # NOTE [ Nothing to checkpoint without gradients ]: no graph is built, so nothing
         # is saved, kept or replayed. Outside every recomp checkpoint, the call is the
