@@ -15,7 +15,6 @@ divided by the number of tensors the checkpoints saved::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -26,6 +25,7 @@ import time
 import torch
 
 import recomp.torch as rt
+from recomp.cli.memory import malloc_in_use
 from recomp.cli.torch.models import Attention, DecoderLayer, llama
 
 
@@ -58,31 +58,6 @@ def timing(args: argparse.Namespace) -> dict[str, float]:
     return result
 
 
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-def _in_use() -> int:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _Mallinfo2
-    info = libc.mallinfo2()
-    return int(info.uordblks + info.hblkhd)
-
-
 def held_between_forward_and_backward(args: argparse.Namespace, check: str) -> dict[str, int]:
     """Run in the child: bytes held after the forward, and the fingerprints taken."""
     from recomp.torch import _value_check
@@ -100,9 +75,9 @@ def held_between_forward_and_backward(args: argparse.Namespace, check: str) -> d
     x = torch.randn(args.batch, args.seq, args.hidden)
     step(model, x)  # warm-up
     taken = 0
-    before = _in_use()
+    before = malloc_in_use()
     out = model(x).pow(2).mean()
-    held = _in_use() - before
+    held = malloc_in_use() - before
     fingerprints = taken
     out.backward()
     return {"held": held, "fingerprints": fingerprints}

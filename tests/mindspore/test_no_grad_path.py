@@ -4,34 +4,17 @@ what runs (the Python functions a forward calls, counted with ``sys.setprofile``
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 ms = pytest.importorskip("mindspore")  # the PyTorch-only environments skip this file
 
 import recomp.mindspore as rm  # noqa: E402
+from call_counts import calls_of  # noqa: E402
 from ms_models import assert_same, exclude_attention, grads, tensor, twin_stack  # noqa: E402
 
 LAYERS = 2
-
-
-def calls_of(step: Callable[[], Any]) -> Counter[tuple[str, str]]:
-    calls: Counter[tuple[str, str]] = Counter()
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
-            calls[(frame.f_code.co_filename.replace("\\", "/"), frame.f_code.co_qualname)] += 1
-
-    sys.setprofile(profile)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return calls
 
 
 def ran(calls: Counter[tuple[str, str]], path_end: str, name: str | None = None) -> int:

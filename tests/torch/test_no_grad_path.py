@@ -6,37 +6,20 @@ counted with ``sys.setprofile``."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 import recomp.torch as rt
+from call_counts import calls_of
 from torch_models import exclude_attention, stack, twin
 
 LAYERS = 3
 
 # The wrappers' own entry points: what a forward without gradients may still run of recomp.
 WRAPPER_FRAMES = {"CheckpointWrapper.forward", "ExcludeWrapper.__call__", "ExcludeWrapper.forward"}
-
-
-def calls_of(step: Callable[[], Any]) -> Counter[tuple[str, str]]:
-    """(file, qualified name) of every Python function ``step()`` calls, with counts."""
-    calls: Counter[tuple[str, str]] = Counter()
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
-            calls[(frame.f_code.co_filename, frame.f_code.co_qualname)] += 1
-
-    sys.setprofile(profile)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return calls
 
 
 def recomp_frames(calls: Counter[tuple[str, str]]) -> Counter[str]:
