@@ -6,12 +6,14 @@ counted with ``sys.setprofile``."""
 from __future__ import annotations
 
 import contextlib
+import pathlib
 from collections import Counter
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+import recomp
 import recomp.torch as rt
 from call_counts import calls_of
 from torch_models import exclude_attention, stack, twin
@@ -22,10 +24,13 @@ LAYERS = 3
 WRAPPER_FRAMES = {"CheckpointWrapper.forward", "ExcludeWrapper.__call__", "ExcludeWrapper.forward"}
 
 
+_RECOMP_SOURCE = str(pathlib.Path(recomp.__file__).parent).replace("\\", "/") + "/"
+
+
 def recomp_frames(calls: Counter[tuple[str, str]]) -> Counter[str]:
-    return Counter(
-        {name: n for (path, name), n in calls.items() if f"{'recomp'}/" in path.replace("\\", "/")}
-    )
+    """The calls into recomp's own source (a checkout may itself sit in a folder named
+    ``recomp``, with the environment's packages below it: the package's path decides)."""
+    return Counter({name: n for (path, name), n in calls.items() if path.startswith(_RECOMP_SOURCE)})
 
 
 def checkpoint_frames(calls: Counter[tuple[str, str]]) -> int:
