@@ -22,7 +22,14 @@ TITAN_STAMP := $(TITAN_VENV)/.installed-$(shell cat pyproject.toml $(TITAN_REQUI
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: demo test test-system test-all dev-env torch-range-env test-torch-range test-torchtitan lint typecheck unit clean
+# The trainers recomp plugs into (Megatron-Core, DeepSpeed, Lightning, TRL), for
+# tests/trainers (optional; not part of `make test`).
+TRAINERS_VENV ?= .venv-trainers
+TRAINERS_PY := $(TRAINERS_VENV)/bin/python
+TRAINERS_REQUIREMENTS := requirements/trainers.txt
+TRAINERS_STAMP := $(TRAINERS_VENV)/.installed-$(shell cat pyproject.toml $(TRAINERS_REQUIREMENTS) | cksum | cut -d' ' -f1)
+
+.PHONY: demo test test-system test-all dev-env torch-range-env test-torch-range test-torchtitan trainers-env test-trainers lint typecheck unit clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +45,11 @@ $(TITAN_STAMP): pyproject.toml $(TITAN_REQUIREMENTS)
 	test -x $(TITAN_PY) || $(PYTHON) -m venv $(TITAN_VENV)
 	$(TITAN_PY) -m pip install --quiet --disable-pip-version-check -e ".[torch]" -r $(TITAN_REQUIREMENTS)
 	rm -f $(TITAN_VENV)/.installed-* && touch $@
+
+$(TRAINERS_STAMP): pyproject.toml $(TRAINERS_REQUIREMENTS)
+	test -x $(TRAINERS_PY) || $(PYTHON) -m venv $(TRAINERS_VENV)
+	$(TRAINERS_PY) -m pip install --quiet --disable-pip-version-check --ignore-requires-python -e ".[torch]" -r $(TRAINERS_REQUIREMENTS)
+	rm -f $(TRAINERS_VENV)/.installed-* && touch $@
 
 ## The main job: a short benchmark of the strategies on both frameworks (table + plot).
 demo: $(STAMP)
@@ -82,5 +94,13 @@ test-torch-range: $(RANGE_STAMP)
 test-torchtitan: $(TITAN_STAMP)
 	PYTHONPATH=examples/torchtitan $(TITAN_PY) -m pytest -q -p no:cacheprovider examples/torchtitan
 
+## The trainers' environment alone (about 6 GB).
+trainers-env: $(TRAINERS_STAMP)
+
+## recomp inside Megatron-Core, DeepSpeed, Lightning and TRL (tests/trainers), in their own
+## environment, several processes on gloo. Optional: `make test` skips these files.
+test-trainers: $(TRAINERS_STAMP)
+	RECOMP_TEST_REQUIRE=torch,megatron.core,deepspeed,lightning,trl $(TRAINERS_PY) -m pytest -q $(PYTEST_PARALLEL) tests/trainers
+
 clean:
-	rm -rf $(VENV) $(RANGE_VENV) $(TITAN_VENV) out .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(RANGE_VENV) $(TITAN_VENV) $(TRAINERS_VENV) out .pytest_cache .mypy_cache .ruff_cache .hypothesis
