@@ -62,7 +62,10 @@ class OutputNotSavedError(RecompError):
 
 
 class DoubleCheckpointError(RecompError):
-    """A layer recomp checkpoints is also checkpointed by another mechanism (HF's own)."""
+    """A module recomp checkpoints (or excludes) is also checkpointed by a plain PyTorch
+    checkpoint around recomp's: Hugging Face's own, PyTorch's ``checkpoint_wrapper`` (which
+    Lightning's and Accelerate's activation checkpointing options apply),
+    ``torch.utils.checkpoint``."""
 
 
 class ForeignCheckpointWarning(UserWarning):

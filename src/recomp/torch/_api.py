@@ -25,6 +25,7 @@ from . import _compat, _compile, _kept
 from ._backend import BACKEND
 from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
+from ._foreign import refuse_enclosing_checkpoint, watch_checkpoint_wrappers
 from ._hf import adapt_hf_layer_call, guard_model_cache
 from ._offload import Offloader, resolve
 from ._value_check import value_check_option
@@ -88,8 +89,10 @@ def checkpoint(
         # enclosing checkpoint finds the same nested calls as its forward did.
         return function(*args, **_function_kwargs(kwargs))
     adapt_hf_layer_call(function, kwargs)
+    name = _checkpointed_name(function)
+    refuse_enclosing_checkpoint(name)
     parts, kwargs, torch_debug_off = debug_options(kwargs)
-    value_check = value_check_option(kwargs, debug=bool(parts), name=_checkpointed_name(function))
+    value_check = value_check_option(kwargs, debug=bool(parts), name=name)
     if value_check is not None:
         parts.append(value_check)
     if _engine.SWITCHES.kept_replays:
@@ -275,6 +278,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
     warn_unhandled(BACKEND, module, "checkpoint_wrapper")
+    watch_checkpoint_wrappers()
     return _wrapping.wrap_in_place(
         _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
@@ -322,6 +326,7 @@ def checkpoint_exclude_wrapper(
     if not isinstance(module, nn.Module):
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
+    watch_checkpoint_wrappers()
     return _wrapping.wrap_in_place(_MODEL_OPS, module, ExcludeWrapper, {REGION: region})
 
 

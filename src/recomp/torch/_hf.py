@@ -34,8 +34,8 @@ from torch import nn
 from .. import _kv_cache
 from .._engine import ExcludedRegion
 from .._wrapping import CHECKPOINT_KWARGS, FirstLooks
-from ..errors import DoubleCheckpointError
 from . import _compat
+from ._foreign import refuse_double_checkpoint
 
 __all__ = ["adapt_hf_layer_call", "guard_model_cache"]
 
@@ -52,7 +52,7 @@ def adapt_hf_layer_call(function: Any, kwargs: dict[str, Any]) -> None:
     if not torch.is_grad_enabled():
         return
     if getattr(layer, "gradient_checkpointing", False):
-        error = DoubleCheckpointError(
+        refuse_double_checkpoint(
             f"{type(layer).__name__} is checkpointed twice: by recomp and by Hugging Face's "
             "activation checkpointing (model.activation_checkpointing_enable() or its older name "
             "gradient_checkpointing_enable(), which Trainer calls for "
@@ -62,8 +62,6 @@ def adapt_hf_layer_call(function: Any, kwargs: dict[str, Any]) -> None:
             "(model.activation_checkpointing_disable(), and leave activation_checkpointing and "
             "gradient_checkpointing False in TrainingArguments)."
         )
-        _compat.close_enclosing_checkpoint(error)  # HF's checkpoint, left open by PyTorch 2.9
-        raise error
     _turn_off_rewritten_cache(layer, kwargs)
 
 

@@ -23,8 +23,9 @@ with one test per entry that fails when PyTorch changes underneath.
 ``checkpoint``
     PyTorch's non-reentrant checkpoint from the inside: its hooks on the saved-tensors
     hook stack, its frame's save counter and holders, the marks of its hooks, the debug
-    switch, and closing a checkpoint whose function raised: for the torch backend, kept
-    replays, the checkpoint debug log and the public entry points.
+    switch, closing a checkpoint whose function raised, and PyTorch's checkpoint wrapper
+    taking a module: for the torch backend, kept replays, the checkpoint debug log, the
+    public entry points and the refusal of a second checkpoint around recomp's.
 ``dispatch``
     Dispatch modes (running without them, hiding selective checkpointing's, a detach
     that shares the version counter, a completed c10d ``Work``), operator names,
@@ -52,6 +53,7 @@ from .checkpoint import (
     checkpoint_debug_switch,
     checkpoint_holders,
     checkpoint_save_counter,
+    checkpoint_wrapper_takes,
     close_enclosing_checkpoint,
     finish_failed_checkpoint,
     is_early_stop,
@@ -124,6 +126,7 @@ __all__ = [
     "checkpoint_plain_arguments",
     "checkpoint_rng_states",
     "checkpoint_save_counter",
+    "checkpoint_wrapper_takes",
     "close_enclosing_checkpoint",
     "compiled_backend_name",
     "compiled_original",
