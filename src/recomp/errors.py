@@ -62,7 +62,9 @@ class OutputNotSavedError(RecompError):
 
 
 class DoubleCheckpointError(RecompError):
-    """A layer recomp checkpoints is also checkpointed by another mechanism (HF's own)."""
+    """A layer recomp checkpoints is also checkpointed by another mechanism (HF's own
+    switch, beside recomp's wrapper); ``recomp.torch.hf_activation_checkpointing`` makes
+    recomp HF's checkpoint function instead."""
 
 
 class ForeignCheckpointWarning(UserWarning):
