@@ -23,6 +23,7 @@ from ._api import (
     checkpoint,
     checkpoint_exclude_wrapper,
     checkpoint_wrapper,
+    hf_activation_checkpointing,
     unwrap,
 )
 from ._kept import (
@@ -57,6 +58,7 @@ __all__ = [
     "checkpoint_wrapper",
     "clear_recompute_session",
     "default_offloader",
+    "hf_activation_checkpointing",
     "install_oom_report",
     "label_layers",
     "print_saved_tensors_report",

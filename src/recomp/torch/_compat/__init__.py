@@ -97,7 +97,13 @@ from .engine import (
     swap_module_tensor,
     version,
 )
-from .hf import hf_layer_keeps_cache, hf_no_split_modules
+from .hf import (
+    hf_checkpoint_function,
+    hf_layer_keeps_cache,
+    hf_no_split_modules,
+    is_hf_checkpoint_call,
+    set_hf_checkpoint_function,
+)
 from .pytree import pytree_generation, pytree_node
 from .saved_tensors import (
     checkpoint_frame,
@@ -136,6 +142,7 @@ __all__ = [
     "fake_mode_of",
     "finish_failed_checkpoint",
     "graph_task_id",
+    "hf_checkpoint_function",
     "hf_layer_keeps_cache",
     "hf_no_split_modules",
     "hide_selective_checkpoint_modes",
@@ -143,6 +150,7 @@ __all__ = [
     "in_tracing_context",
     "is_compiled_graph_node",
     "is_early_stop",
+    "is_hf_checkpoint_call",
     "many_recompiles",
     "mark_as_checkpoint_hook",
     "memory_history_enabled",
@@ -166,6 +174,7 @@ __all__ = [
     "saved_values_readable",
     "selective_checkpoint_storage",
     "separate_backend",
+    "set_hf_checkpoint_function",
     "storage_key",
     "swap_module_tensor",
     "top_checkpoint_hooks",
