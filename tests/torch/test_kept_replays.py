@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -117,6 +118,44 @@ def test_nothing_is_kept_once_the_graph_is_gone():
     with pytest.raises(recomp.RecompError, match="nothing left to recompute"):
         rt.recompute_handle(handle, "again")
     assert _kept.session_count() == 0
+
+
+class Stashing(nn.Module):
+    """Keeps a tensor of its forward on itself between two halves and clears it at the
+    end (Megatron-Core's TransformerLayer keeps its pre-MLP norm manager so): a replay
+    that stops early, after ``b`` saved its input, leaves the replay's tensor there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.stash: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.stash = torch.tanh(self.a(x))
+        out = self.b(self.stash)
+        self.stash = None
+        return out * 2
+
+
+@pytest.mark.parametrize("kind", ["torch", "recomp"])
+def test_replay_state_left_on_a_module_does_not_hold_the_checkpoint(kind):
+    # The replay's tensor on the module leads, through the replay's graph and the pack
+    # hook its saved tensors keep, to the checkpoint: a strong reference from there to
+    # the checkpoint's frame (which holds the module) is a cycle the garbage collector
+    # cannot see, and the module, its graph and what recomp kept would never be freed.
+    model = Stashing()
+    x = torch.randn(4, 8, requires_grad=True)
+    if kind == "torch":
+        y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+    else:
+        y = rt.checkpoint(model, x)
+    y.sum().backward()
+    assert model.stash is not None  # the early-stopped replay left its tensor there
+    freed = weakref.ref(model)
+    del model, y
+    gc.collect()
+    assert freed() is None
 
 
 def test_replay_ahead_of_backward_in_a_retaining_session():

@@ -246,10 +246,14 @@ class _UnpackThroughHandle:
 class _Capture:
     """Replay context: each tensor the replay saves is kept under its forward holder.
 
-    Holds its handle weakly: the handle holds PyTorch's unpack hook, which holds the
-    checkpoint frame, which holds this context (its ``recompute_fn``); a strong
-    reference back would make a cycle that only the garbage collector frees, and
-    through the graph's saved tensors one that it cannot see at all.
+    Holds its handle weakly, and so does the pack hook it installs: the handle holds
+    PyTorch's unpack hook, which holds the checkpoint frame, which holds this context
+    (its ``recompute_fn``) and the checkpointed function; a strong reference back would
+    make a cycle that only the garbage collector frees, and through the graph's saved
+    tensors one that it cannot see at all. The replay's saved tensors keep the pack hook
+    for as long as the replay's graph lives, which is past the backward when the
+    checkpointed code left a tensor of an early-stopped replay on a module (Megatron-
+    Core's TransformerLayer does).
     """
 
     def __init__(self, handle: RecomputeHandle) -> None:
@@ -269,12 +273,14 @@ class _Capture:
         holders = handle._holders()
         position = iter(range(len(holders)))
         stand_ins: dict[Any, Any] = {}
+        handle_ref = self.handle_ref  # the replay's saved tensors keep ``pack``: weakly
 
         def pack(x: Any) -> Any:
             kept = x.detach() if x.requires_grad else x
             i = next(position, None)
-            if i is not None and holders[i] is not None:
-                handle.keep(holders[i], kept)
+            owner = handle_ref()
+            if i is not None and holders[i] is not None and owner is not None:
+                owner.keep(holders[i], kept)
             # PyTorch files what it is given under the same holder and checks only its
             # shape, dtype and device; a stand-in keeps it from holding the tensor too.
             replay_pack(_stand_in(kept, stand_ins))

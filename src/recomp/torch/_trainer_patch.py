@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import importlib
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -186,12 +187,21 @@ _INSTALLED: dict[str, Installation] = {}
 
 
 def replace_attributes(
-    name: str, targets: Iterable[tuple[str, str]], replacement: Callable[..., Any]
+    name: str,
+    targets: Iterable[tuple[str, str]],
+    replacement: Callable[..., Any],
+    *,
+    rebind_imports: bool = False,
 ) -> Installation:
     """Set ``replacement`` as each ``module.attribute`` of ``targets`` (module names, imported
     here: the trainer is installed, the caller checked) and return the handle that puts
     the originals back. Targets a trainer version lacks are skipped; none at all is an
-    error naming what was looked for."""
+    error naming what was looked for.
+
+    ``rebind_imports=True`` also replaces the copies other modules took before: a module
+    of ``sys.modules`` that did ``from trainer.module import checkpoint`` (under any
+    name) holds the original function as a global of its own, which the module
+    attribute does not reach. Modules imported later take the replacement."""
     if name in _INSTALLED:
         raise RecompError(
             f"recomp.torch.{name}.install() is in effect already: call remove() on the handle "
@@ -205,6 +215,11 @@ def replace_attributes(
             continue
         setattr(owner, attribute, replacement)
         replaced.append((owner, attribute, original, replacement))
+    if replaced and rebind_imports:
+        originals = {id(original): original for _, _, original, _ in replaced}
+        for owner, attribute, original in _imported_copies(originals):
+            setattr(owner, attribute, replacement)
+            replaced.append((owner, attribute, original, replacement))
     if not replaced:
         looked_for = ", ".join(f"{m}.{a}" for m, a in targets)
         raise RecompError(
@@ -214,3 +229,16 @@ def replace_attributes(
     installation = Installation(name, replaced)
     _INSTALLED[name] = installation
     return installation
+
+
+def _imported_copies(originals: dict[int, Any]) -> Iterator[tuple[Any, str, Any]]:
+    """(module, global name, original) for each global of a loaded module that is one of
+    ``originals`` (by identity): the functions a module imported by name."""
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attribute, value in list(namespace.items()):
+            original = originals.get(id(value))
+            if original is not None and original is value:
+                yield module, attribute, original
