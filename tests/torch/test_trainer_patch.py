@@ -342,3 +342,23 @@ def test_installation_replace_puts_back_what_it_set(trainer):
     assert with_default.__defaults__ is before
     with pytest.raises(RecompError, match="was removed"):
         installation.replace(with_default, "__defaults__", (ours,))
+
+
+def test_remove_unwraps_what_the_exclusions_wrapped_and_leaves_the_users_regions(trainer):
+    model = Model()
+    rt.checkpoint_exclude_wrapper(model.layers[1].attn, name="mine")
+    exclusions = Exclusions([Attention], API)
+    installation = replace_attributes("throwaway", TARGETS, ours, exclusions=exclusions)
+    exclusions.apply_within(model)
+    assert excluded_paths(model) == ["layers.0.attn", "layers.1.attn"]
+    names = [name for name, _ in model.named_parameters()]
+    installation.remove()
+    # The user's own region stays; the one the exclusions made is a plain module again.
+    assert excluded_paths(model) == ["layers.1.attn"]
+    assert type(model.layers[0].attn) is Attention
+    assert [name for name, _ in model.named_parameters()] == names
+    # Installed again, the same exclusions wrap the module again (it is looked at anew).
+    with replace_attributes("throwaway", TARGETS, ours, exclusions=exclusions):
+        exclusions.apply_within(model)
+        assert excluded_paths(model) == ["layers.0.attn", "layers.1.attn"]
+    assert excluded_paths(model) == ["layers.1.attn"]

@@ -340,6 +340,12 @@ def run_variants(
             except Exception as exc:  # reported to the test, which asserts on it
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"}
                 continue
+            # Read before remove(), which unwraps the modules the exclusions wrapped.
+            regions = {
+                path: [module.region_runs, module.region_skips]
+                for path, module in model.named_modules()
+                if hasattr(module, "region_runs")
+            }
         finally:
             if installation is not None:
                 installation.remove()
@@ -355,11 +361,7 @@ def run_variants(
                 for layer in model.decoder.layers
             ),
             "calls": calls,
-            "regions": {
-                path: [module.region_runs, module.region_skips]
-                for path, module in model.named_modules()
-                if hasattr(module, "region_runs")
-            },
+            "regions": regions,
         }
     results["seconds"] = time.perf_counter() - started
     return results

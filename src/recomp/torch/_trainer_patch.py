@@ -23,12 +23,13 @@ import importlib
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from torch import nn
 
-from .._wrapping import FirstLooks, recomp_wrapper_of
+from .._wrapping import REGION, FirstLooks, recomp_wrapper_of
 from ..errors import RecompError
 
 __all__ = ["Exclusions", "Installation", "replace_attributes"]
@@ -54,6 +55,7 @@ class Exclusions:
                 raise TypeError(_bad_entry(api, entry))
         self._seen = FirstLooks()
         self._lock = threading.Lock()
+        self._wrapped: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def __bool__(self) -> bool:
         return bool(self.classes or self.patterns or self.predicates)
@@ -88,7 +90,21 @@ class Exclusions:
                 continue
             if self.matches(path, module):
                 checkpoint_exclude_wrapper(module, name=path)
+                self._wrapped.add(module)
                 skip.append(path + ".")
+
+    def undo(self) -> None:
+        """Unwrap the modules these exclusions wrapped (where they still are excluded
+        regions): once recomp is no longer the trainer's checkpoint, the trainer's own
+        checkpoint would replay them with a ``ForeignCheckpointWarning``."""
+        from ._api import unwrap
+
+        with self._lock:
+            wrapped, self._wrapped = list(self._wrapped), weakref.WeakSet()
+            self._seen = FirstLooks()
+        for module in wrapped:
+            if REGION in vars(module):
+                unwrap(module)
 
 
 def _path_matches(path: str, pattern: str) -> bool:
@@ -144,9 +160,15 @@ class Installation:
     """Returned by ``install()``: recomp is the trainer's checkpoint function until
     :meth:`remove` (or the end of a ``with`` block)."""
 
-    def __init__(self, name: str, replaced: list[tuple[Any, str, Any, Any]]) -> None:
+    def __init__(
+        self,
+        name: str,
+        replaced: list[tuple[Any, str, Any, Any]],
+        exclusions: Exclusions | None = None,
+    ) -> None:
         self._name = name
         self._replaced = replaced
+        self._exclusions = exclusions
 
     @property
     def installed(self) -> bool:
@@ -163,11 +185,14 @@ class Installation:
         self._replaced.append((owner, attribute, original, value))
 
     def remove(self) -> None:
-        """Put the trainer's own functions back (once; later calls do nothing)."""
+        """Put the trainer's own functions back and unwrap the modules the exclusions
+        wrapped (once; later calls do nothing)."""
         replaced, self._replaced = self._replaced, []
         for owner, attribute, original, replacement in reversed(replaced):
             if getattr(owner, attribute, None) is replacement:
                 setattr(owner, attribute, original)
+        if replaced and self._exclusions is not None:
+            self._exclusions.undo()
         if _INSTALLED.get(self._name) is self:
             del _INSTALLED[self._name]
 
@@ -192,6 +217,7 @@ def replace_attributes(
     replacement: Callable[..., Any],
     *,
     rebind_imports: bool = False,
+    exclusions: Exclusions | None = None,
 ) -> Installation:
     """Set ``replacement`` as each ``module.attribute`` of ``targets`` (module names, imported
     here: the trainer is installed, the caller checked) and return the handle that puts
@@ -201,7 +227,8 @@ def replace_attributes(
     ``rebind_imports=True`` also replaces the copies other modules took before: a module
     of ``sys.modules`` that did ``from trainer.module import checkpoint`` (under any
     name) holds the original function as a global of its own, which the module
-    attribute does not reach. Modules imported later take the replacement."""
+    attribute does not reach. Modules imported later take the replacement.
+    ``exclusions`` are undone by the handle's ``remove()``."""
     if name in _INSTALLED:
         raise RecompError(
             f"recomp.torch.{name}.install() is in effect already: call remove() on the handle "
@@ -226,7 +253,7 @@ def replace_attributes(
             f"recomp.torch.{name}.install(): none of {looked_for} exists in the installed "
             "version; recomp cannot plug into it."
         )
-    installation = Installation(name, replaced)
+    installation = Installation(name, replaced, exclusions)
     _INSTALLED[name] = installation
     return installation
 

@@ -121,7 +121,7 @@ def install(exclude: Any = (), *, exclude_collectives: bool = True) -> Installat
         checkpointing, original, exclusions, exclude_collectives, handle
     )
     installation = replace_attributes(
-        "deepspeed", [(CHECKPOINTING, name) for name in _NAMES], replacement
+        "deepspeed", [(CHECKPOINTING, name) for name in _NAMES], replacement, exclusions=exclusions
     )
     handle.append(installation)
     _replace_pipeline_default(installation, original, replacement)

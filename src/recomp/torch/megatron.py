@@ -123,7 +123,9 @@ def install(exclude: Any = (), *, exclude_collectives: bool = True) -> Installat
     recomp_checkpoint.__doc__ = (
         "recomp's checkpoint in place of Megatron-Core's (recomp.torch.megatron.install)."
     )
-    return replace_attributes("megatron", TARGETS, recomp_checkpoint, rebind_imports=True)
+    return replace_attributes(
+        "megatron", TARGETS, recomp_checkpoint, rebind_imports=True, exclusions=exclusions
+    )
 
 
 def _import_megatron() -> None:
