@@ -41,8 +41,20 @@ from ._memory_report import (
 )
 from ._offload import Offloader, OffloadStats, default_offloader
 from ._oom_report import OomReport, install_oom_report
+from ._swap import (
+    AsyncSaveOnCpu,
+    CheckpointPolicy,
+    SwapPolicyError,
+    async_save_on_cpu,
+    create_selective_checkpoint_contexts,
+    ignore_sac_ops,
+    is_compiling,
+    noop_context_fn,
+)
 
 __all__ = [
+    "AsyncSaveOnCpu",
+    "CheckpointPolicy",
     "CheckpointWrapper",
     "ExcludeWrapper",
     "OffloadStats",
@@ -51,14 +63,20 @@ __all__ = [
     "RecomputeHandle",
     "ReportRow",
     "SavedTensorsReport",
+    "SwapPolicyError",
     "apply_activation_checkpointing",
+    "async_save_on_cpu",
     "checkpoint",
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
     "clear_recompute_session",
+    "create_selective_checkpoint_contexts",
     "default_offloader",
+    "ignore_sac_ops",
     "install_oom_report",
+    "is_compiling",
     "label_layers",
+    "noop_context_fn",
     "print_saved_tensors_report",
     "recompute_handle",
     "recompute_handle_collector_ctx",

@@ -159,21 +159,34 @@ class OffloadHandle:
 class OffloadGroup:
     """The offloaded tensors of one region call; see NOTE [ Offload ordering and lifetime ]."""
 
-    __slots__ = ("__weakref__", "chained_pass", "name", "offloader", "records", "sources")
+    __slots__ = (
+        "__weakref__",
+        "chained_pass",
+        "name",
+        "offloaded_bytes",
+        "offloader",
+        "records",
+        "restored_bytes",
+        "sources",
+    )
 
     def __init__(self, offloader: Offloader, name: str) -> None:
         self.offloader = offloader
         self.name = name
+        # What this region call moved out and back (each storage once per copy).
+        self.offloaded_bytes = 0
+        self.restored_bytes = 0
         self.records: list[weakref.ref[_Stored]] = []
         # storage -> (alias of it, its record), for the region's forward only.
         self.sources: dict[Hashable, tuple[torch.Tensor, _Stored]] = {}
         self.chained_pass: int | None = None
 
-    def put(self, t: torch.Tensor) -> OffloadHandle | None:
+    def put(self, t: torch.Tensor, force: bool = False) -> OffloadHandle | None:
         """Start copying ``t``'s storage to the host; None if ``t`` stays where it is
-        (below the size threshold, not on an offloaded device, not a plain tensor)."""
+        (below the size threshold unless ``force``, not on an offloaded device, not a
+        plain tensor). ``force``: a swap policy chose ``t`` (``recomp.torch._swap``)."""
         off = self.offloader
-        if not off._eligible(t):
+        if not off._eligible(t, force):
             return None
         key = _compat.storage_key(t)
         held = self.sources.get(key)
@@ -256,6 +269,8 @@ class Offloader:
         # Told (event, region name) for each copy back ("ahead" or "on read") and each
         # read of an offloaded storage: the test seam (``recomp._testing.offload_events``).
         self.trace: Callable[[str, str], None] | None = None
+        # Told each group opened (the swap manager's per-layer counters, tests).
+        self.group_opened: Callable[[OffloadGroup], None] | None = None
 
     # -- what the engine calls ---------------------------------------------------
 
@@ -273,6 +288,8 @@ class Offloader:
         with self._lock:
             self._groups = [g for g in self._groups if g() is not None]
             self._groups.append(weakref.ref(group))
+        if self.group_opened is not None:
+            self.group_opened(group)
         return group
 
     @property
@@ -304,7 +321,7 @@ class Offloader:
 
     # -- internals ------------------------------------------------------------------
 
-    def _eligible(self, t: torch.Tensor) -> bool:
+    def _eligible(self, t: torch.Tensor, force: bool = False) -> bool:
         if type(t) is not torch.Tensor or t.layout is not torch.strided:
             return False
         device = t.device.type
@@ -313,7 +330,7 @@ class Offloader:
         if t.is_conj() or t.is_neg() or t.is_quantized or t.is_inference():
             return False
         try:
-            return t.untyped_storage().nbytes() >= max(1, self.min_bytes)
+            return t.untyped_storage().nbytes() >= max(1, 0 if force else self.min_bytes)
         except (RuntimeError, NotImplementedError):
             return False
 
@@ -347,6 +364,7 @@ class Offloader:
             self._in_flight.append(_Copy(stored, source, started, done))
         self.stats.offloaded_bytes += stored.nbytes
         self.stats.offloaded_storages += 1
+        group.offloaded_bytes += stored.nbytes
         return stored
 
     def _finish(self, copy: _Copy) -> None:
@@ -389,6 +407,9 @@ class Offloader:
             ready = None
         stored.resident, stored.ready = buffer, ready
         self.stats.restored_bytes += stored.nbytes
+        owner = stored.group()
+        if owner is not None:
+            owner.restored_bytes += stored.nbytes
         if ahead:
             self.stats.prefetched_bytes += stored.nbytes
 
