@@ -298,3 +298,138 @@ def test_must_swap_under_compile_raises() -> None:
     )
     with pytest.raises(Exception, match="does not support swap_inputs"):
         g(torch.randn(4, 8, requires_grad=True))
+
+
+# --------------------------------------------------------------------------- swap, manager
+
+
+def saved_by_block(width: int = 16, batch: int = 4) -> int:
+    """Bytes a Block's forward saves besides parameters (float32): fc1's input, sin's
+    input, fc2's input (sin's output); the add saves nothing."""
+    return 4 * batch * (width + 2 * width + 2 * width)
+
+
+def test_swap_wrapper_exact_bytes_and_no_replay(groups: list) -> None:  # type: ignore[type-arg]
+    model = make_model()
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        assert rt.swap_wrapper(block) is block
+    got, counter = step(model, x)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert counter.counts.get(SIN, 0) == 0
+    expected = saved_by_block()
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(expected, expected)] * 3
+    assert [g.name for g in groups] == [rt.SwapManager().group_name(b, b) for b in model]
+
+
+def test_swap_function_with_per_tensor_policy(groups: list) -> None:  # type: ignore[type-arg]
+    model = make_model(1)
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    model.zero_grad()
+    xr = x.detach().requires_grad_(True)
+
+    def big_only(t: torch.Tensor) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SWAP if t.shape[-1] == 32 else CheckpointPolicy.MUST_SAVE
+
+    rt.swap(model, xr, policy_fn=big_only).pow(2).sum().backward()
+    got = [p.grad for p in model.parameters()] + [xr.grad]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)  # type: ignore[arg-type]
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(1024, 1024)]
+
+
+def test_swap_manager_is_one_object() -> None:
+    assert rt.SwapManager() is rt.SwapManager()
+    with pytest.raises(TypeError, match="modules"):
+        rt.SwapManager().set_forward_prefetch_layer(lambda x: x, nn.Linear(2, 2))
+
+
+def _prefetch_order(
+    model: nn.Sequential, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, set[str]], list[str]]:
+    """How each layer's tensors came back (ahead, on read), and the order of the layers
+    brought back ahead."""
+    events: list[tuple[str, str]] = []
+    off = default_offloader()
+    monkeypatch.setattr(off, "trace", lambda event, name: events.append((event, name)))
+    x = torch.randn(4, 16, requires_grad=True)
+    model(x).pow(2).sum().backward()
+    names = {rt.SwapManager().group_name(b, b): f"L{i}" for i, b in enumerate(model)}
+    kinds: dict[str, set[str]] = {}
+    ahead: list[str] = []
+    for event, name in events:
+        layer = names[name]
+        if event == "read":
+            continue
+        kinds.setdefault(layer, set()).add(event)
+        if event == "copy back" and layer not in ahead:
+            ahead.append(layer)
+    return kinds, ahead
+
+
+def test_prefetch_default_pairing_is_the_layer_before(groups: list, monkeypatch) -> None:  # type: ignore[no-untyped-def,type-arg]
+    model = make_model()
+    for block in model:
+        rt.swap_wrapper(block)
+    kinds, ahead = _prefetch_order(model, monkeypatch)
+    assert kinds == {"L2": {"copy back on read"}, "L1": {"copy back"}, "L0": {"copy back"}}
+    assert ahead == ["L1", "L0"]
+
+
+def test_prefetch_follows_set_pairs(groups: list, monkeypatch) -> None:  # type: ignore[no-untyped-def,type-arg]
+    model = make_model()
+    for block in model:
+        rt.checkpoint_wrapper(block, swap_inputs=True)
+    manager = rt.SwapManager()
+    manager.set_forward_prefetch_layer(model[0], model[2])  # L2's backward brings L0 back
+    try:
+        kinds, ahead = _prefetch_order(model, monkeypatch)
+    finally:
+        manager.unregister_forward_prefetch_layer(model[2])
+    assert kinds == {"L2": {"copy back on read"}, "L1": {"copy back on read"}, "L0": {"copy back"}}
+    assert ahead == ["L0"]
+
+
+def test_group_swap_packs_small_tensors_in_one_copy(groups: list) -> None:  # type: ignore[type-arg]
+    model = make_model()
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        rt.swap_wrapper(block, group_swap=True)
+    off = default_offloader()
+    before = off.stats.snapshot()
+    got, _ = step(model, x)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    moved = off.stats - before
+    expected = saved_by_block()
+    assert moved.offloaded_storages == 3  # one bucket per layer instead of three copies
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(expected, expected)] * 3
+
+
+def test_cpu_pool_is_reused_and_empty_after_each_step(groups: list) -> None:  # type: ignore[type-arg]
+    pool = rt.PinnedMemoryPool(max_host_bytes=1 << 16)
+    model = make_model()
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        rt.checkpoint_wrapper(block, policy_fn=swap_sin, swap_inputs=True, cpu_pool=pool)
+    reserved = []
+    for _ in range(3):
+        got, _ = step(model, x)
+        for a, b in zip(want, got):
+            assert torch.equal(a, b)
+        assert pool.in_use_bytes == 0
+        reserved.append(pool.reserved_bytes)
+    # 3 layers x (input 256 B -> 1 KiB block, sin output 512 B -> 1 KiB block)
+    assert reserved == [6 * 1024] * 3
+    small = rt.PinnedMemoryPool(max_host_bytes=2048)
+    for block in model:
+        rt.checkpoint_wrapper(rt.unwrap(block), swap_inputs=True, cpu_pool=small)
+    with pytest.raises(RuntimeError, match="PinnedMemoryPool capacity exceeded"):
+        model(torch.randn(4, 16, requires_grad=True))
+    with pytest.raises(TypeError, match="cpu_pool"):
+        rt.async_save_on_cpu(cpu_pool=object())

@@ -44,12 +44,16 @@ from ._oom_report import OomReport, install_oom_report
 from ._swap import (
     AsyncSaveOnCpu,
     CheckpointPolicy,
+    PinnedMemoryPool,
+    SwapManager,
     SwapPolicyError,
     async_save_on_cpu,
     create_selective_checkpoint_contexts,
     ignore_sac_ops,
     is_compiling,
     noop_context_fn,
+    swap,
+    swap_wrapper,
 )
 
 __all__ = [
@@ -60,9 +64,11 @@ __all__ = [
     "OffloadStats",
     "Offloader",
     "OomReport",
+    "PinnedMemoryPool",
     "RecomputeHandle",
     "ReportRow",
     "SavedTensorsReport",
+    "SwapManager",
     "SwapPolicyError",
     "apply_activation_checkpointing",
     "async_save_on_cpu",
@@ -82,5 +88,7 @@ __all__ = [
     "recompute_handle_collector_ctx",
     "recompute_session_ctx",
     "saved_tensors_report",
+    "swap",
+    "swap_wrapper",
     "unwrap",
 ]

@@ -124,7 +124,7 @@ def checkpoint(
         align_rng=kwargs.get("preserve_rng_state", True),
         function=function,
     )
-    with torch_debug_off, swap.scope(_checkpointed_name(function), context_fn) as finish:
+    with torch_debug_off, swap.scope(function, context_fn) as finish:
         try:
             return finish(
                 torch.utils.checkpoint.checkpoint(

@@ -165,6 +165,7 @@ class OffloadGroup:
         "name",
         "offloaded_bytes",
         "offloader",
+        "pool",
         "records",
         "restored_bytes",
         "sources",
@@ -176,6 +177,9 @@ class OffloadGroup:
         # What this region call moved out and back (each storage once per copy).
         self.offloaded_bytes = 0
         self.restored_bytes = 0
+        # Where host copies come from: None (pinned memory allocated per copy) or a
+        # bounded pool reused across steps (``recomp.torch._swap.PinnedMemoryPool``).
+        self.pool: Any = None
         self.records: list[weakref.ref[_Stored]] = []
         # storage -> (alias of it, its record), for the region's forward only.
         self.sources: dict[Hashable, tuple[torch.Tensor, _Stored]] = {}
@@ -271,6 +275,9 @@ class Offloader:
         self.trace: Callable[[str, str], None] | None = None
         # Told each group opened (the swap manager's per-layer counters, tests).
         self.group_opened: Callable[[OffloadGroup], None] | None = None
+        # Asked, on the first read of a group in a backward pass, which group to bring
+        # back ahead (None: the one recorded before it); the swap manager's layer pairs.
+        self.prefetch_pair: Callable[[OffloadGroup], OffloadGroup | None] | None = None
 
     # -- what the engine calls ---------------------------------------------------
 
@@ -347,7 +354,7 @@ class Offloader:
             with torch.cuda.device(source.device):
                 compute = torch.cuda.current_stream()
                 side = self._stream(source.device)
-                host = torch.empty(stored.nbytes, dtype=torch.uint8, pin_memory=True)
+                host = _host_buffer(group, stored)
                 side.wait_stream(compute)  # the values are written by work queued there
                 with torch.cuda.stream(side):
                     started = _event(self.timing)
@@ -356,7 +363,11 @@ class Offloader:
                     done.record()
         else:
             t0 = time.perf_counter()
-            host = flat.clone()
+            if group.pool is None:
+                host = flat.clone()
+            else:
+                host = _host_buffer(group, stored)
+                host.copy_(flat)
             self.stats.copy_seconds += time.perf_counter() - t0
             started = done = None
         stored.host = host
@@ -448,6 +459,11 @@ class Offloader:
         if group.chained_pass == current_pass:
             return
         group.chained_pass = current_pass
+        if self.prefetch_pair is not None:
+            paired = self.prefetch_pair(group)
+            if paired is not None:
+                paired.prefetch()
+                return
         with self._lock:
             refs = list(self._groups)
         index = next((i for i, ref in enumerate(refs) if ref() is group), 0)
@@ -467,6 +483,17 @@ class Offloader:
             else:
                 pending.append((started, ended))
         self._timed = pending
+
+
+def _host_buffer(group: OffloadGroup, stored: _Stored) -> torch.Tensor:
+    """Host memory for ``stored``'s copy: pinned, from the group's pool if it has one
+    (given back when the record dies, after any copy back from it is done)."""
+    pool = group.pool
+    if pool is None:
+        return torch.empty(stored.nbytes, dtype=torch.uint8, pin_memory=True)
+    block = pool.acquire(stored.nbytes)
+    weakref.finalize(stored, pool.release, block)
+    return block[: stored.nbytes]
 
 
 def _group_name(stored: _Stored) -> str:

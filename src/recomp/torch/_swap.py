@@ -33,6 +33,8 @@ import contextlib
 import contextvars
 import enum
 import functools
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -108,11 +110,14 @@ class _Kept:
     """A tensor a swap scope chose: the tensor until the layer's forward ends, then its
     host copy (or still the tensor, where it stays on the device)."""
 
-    __slots__ = ("allow_mutation", "held", "mutated", "tensor", "version")
+    __slots__ = ("allow_mutation", "group", "held", "mutated", "tensor", "version")
 
     def __init__(self, tensor: torch.Tensor, allow_mutation: bool) -> None:
         self.tensor: torch.Tensor | None = tensor
-        self.held: OffloadHandle | None = None
+        self.held: OffloadHandle | _InBucket | None = None
+        # The offload group, alive as long as what it moved (the offloader holds it
+        # weakly, and finds through it the layer to bring back next).
+        self.group: Any = None
         self.version = _compat.version(tensor)
         self.allow_mutation = allow_mutation
         self.mutated = False
@@ -134,9 +139,10 @@ class _Kept:
 
 
 class SwapScope:
-    """One layer's chosen tensors; see NOTE [ Swap scopes ]."""
+    """One layer's chosen tensors; see NOTE [ Swap scopes ]. ``layer``: the module whose
+    call this is (for the swap manager's pairs), or None."""
 
-    __slots__ = ("cpu_pool", "group_swap", "name", "offloader", "pending")
+    __slots__ = ("cpu_pool", "group_swap", "layer", "name", "offloader", "pending")
 
     def __init__(
         self,
@@ -145,11 +151,13 @@ class SwapScope:
         group_swap: bool = False,
         cpu_pool: Any = None,
         offloader: Offloader | None = None,
+        layer: nn.Module | None = None,
     ) -> None:
         self.name = name
         self.group_swap = group_swap
         self.cpu_pool = cpu_pool
         self.offloader = offloader
+        self.layer = layer
         self.pending: list[_Kept] = []
 
     def keep(self, tensor: torch.Tensor, allow_mutation: bool = False) -> _Kept:
@@ -167,16 +175,24 @@ class SwapScope:
         group = offloader.open_group(self.name)
         if group is None:
             return
+        group.pool = self.cpu_pool
+        SwapManager().group_recorded(self.layer, group)
         protected = {_compat.storage_key(t) for t in _tensors_in(outputs)}
+        moving: list[_Kept] = []
+        for kept in pending:
+            t = kept.tensor
+            if t is None or _compat.storage_key(t) in protected:
+                continue
+            if _compat.version(t) != kept.version and not kept.allow_mutation:
+                kept.mutated = True
+                continue
+            kept.group = group
+            moving.append(kept)
         try:
-            for kept in pending:
-                t = kept.tensor
-                if t is None or _compat.storage_key(t) in protected:
-                    continue
-                if _compat.version(t) != kept.version and not kept.allow_mutation:
-                    kept.mutated = True
-                    continue
-                handle = group.put(t, force=True)
+            if self.group_swap:
+                moving = _bucket(group, moving)
+            for kept in moving:
+                handle = group.put(kept.tensor, force=True)  # type: ignore[arg-type]
                 if handle is not None:
                     kept.held, kept.tensor = handle, None
         except BaseException:
@@ -186,6 +202,106 @@ class SwapScope:
 
     def abort(self) -> None:
         self.pending = []
+
+
+#: group_swap: tensors below this size share one copy per dtype and device; a bucket
+#: holds at most this many bytes and at least two tensors.
+BUCKET_BYTES = 32 << 20
+
+
+class _Bucket:
+    """Small tensors of one layer packed into one buffer: one copy out, one copy back
+    per backward pass (the members are views of the restored buffer)."""
+
+    __slots__ = ("handle", "members", "reads", "resident")
+
+    def __init__(self, handle: OffloadHandle, members: int) -> None:
+        self.handle = handle
+        self.members = members
+        self.reads = 0
+        self.resident: torch.Tensor | None = None
+
+    def read(self) -> torch.Tensor:
+        buffer = self.resident
+        if buffer is None:
+            buffer = self.resident = self.handle.get()
+        self.reads += 1
+        if self.reads >= self.members:  # every member read in this pass
+            self.resident, self.reads = None, 0
+        return buffer
+
+
+class _InBucket:
+    """A member of a :class:`_Bucket`: where its elements are in the buffer."""
+
+    __slots__ = ("bucket", "offset", "size", "stride")
+
+    def __init__(self, bucket: _Bucket, offset: int, t: torch.Tensor) -> None:
+        self.bucket = bucket
+        self.offset = offset
+        self.size = t.size()
+        self.stride = t.stride()
+
+    def changed(self) -> bool:
+        return False  # the buffer is recomp's own: nothing else writes it
+
+    def get(self) -> torch.Tensor:
+        return self.bucket.read().as_strided(self.size, self.stride, self.offset)
+
+
+def _bucketable(t: torch.Tensor) -> bool:
+    if type(t) is not torch.Tensor or t.layout is not torch.strided:
+        return False
+    nbytes = t.numel() * t.element_size()
+    return bool(
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == nbytes
+        and 0 < nbytes < BUCKET_BYTES
+    )
+
+
+def _bucket(group: Any, moving: list[_Kept]) -> list[_Kept]:
+    """Pack the small whole-storage tensors of ``moving`` into buckets put in ``group``;
+    return the rest, to be put one by one."""
+    rest: list[_Kept] = []
+    by_kind: dict[tuple[torch.dtype, torch.device], list[_Kept]] = {}
+    seen: set[Any] = set()
+    for kept in moving:
+        t = kept.tensor
+        key = _compat.storage_key(t) if t is not None else None
+        if t is None or not _bucketable(t) or key in seen:
+            rest.append(kept)
+            continue
+        seen.add(key)
+        by_kind.setdefault((t.dtype, t.device), []).append(kept)
+    for members in by_kind.values():
+        chunks: list[list[_Kept]] = [[]]
+        size = 0
+        for kept in members:
+            n = kept.tensor.numel() * kept.tensor.element_size()  # type: ignore[union-attr]
+            if size + n > BUCKET_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(kept)
+            size += n
+        for chunk in chunks:
+            if len(chunk) < 2:
+                rest.extend(chunk)
+                continue
+            with torch.no_grad(), _compat.no_dispatch_modes():
+                flat = torch.cat([k.tensor.reshape(-1) for k in chunk])  # type: ignore[union-attr]
+            handle = group.put(flat, force=True)
+            if handle is None:
+                rest.extend(chunk)
+                continue
+            bucket = _Bucket(handle, len(chunk))
+            offset = 0
+            for kept in chunk:
+                t = kept.tensor
+                kept.held, kept.tensor = _InBucket(bucket, offset, t), None  # type: ignore[arg-type]
+                offset += t.numel()  # type: ignore[union-attr]
+    return rest
 
 
 _SCOPE: contextvars.ContextVar[SwapScope | None] = contextvars.ContextVar(
@@ -317,6 +433,10 @@ def async_save_on_cpu(
 def _check_swap_options(group_swap: Any, cpu_pool: Any) -> None:
     if not isinstance(group_swap, bool):
         raise TypeError(f"group_swap must be a bool, got {group_swap!r}.")
+    if cpu_pool is not None and not isinstance(cpu_pool, PinnedMemoryPool):
+        raise TypeError(
+            f"cpu_pool must be a recomp.torch.PinnedMemoryPool or None, got {cpu_pool!r}."
+        )
 
 
 # --------------------------------------------------------------------------- per op
@@ -556,12 +676,19 @@ class CheckpointSwap:
         return _Selective(self.policy_fn, self.group_swap, self.cpu_pool)
 
     @contextlib.contextmanager
-    def scope(self, name: str, context_fn: Any) -> Iterator[Callable[[Any], Any]]:
-        """Around the framework's checkpoint: yields ``finish(outputs)``."""
+    def scope(self, function: Any, context_fn: Any) -> Iterator[Callable[[Any], Any]]:
+        """Around the framework's checkpoint of ``function``: yields ``finish(outputs)``."""
         if self.policy_fn is None and not self.swap_inputs and context_fn is None:
             yield _identity
             return
-        scope = SwapScope(name, group_swap=self.group_swap, cpu_pool=self.cpu_pool)
+        layer = getattr(function, "__self__", None)
+        layer = layer if isinstance(layer, nn.Module) else None
+        scope = SwapScope(
+            SwapManager().group_name(layer, function),
+            group_swap=self.group_swap,
+            cpu_pool=self.cpu_pool,
+            layer=layer,
+        )
 
         def finish(out: Any) -> Any:
             scope.finish(out)
@@ -577,3 +704,261 @@ class CheckpointSwap:
 
 def _identity(out: Any) -> Any:
     return out
+
+
+# --------------------------------------------------------------------------- swap
+
+
+def swap(
+    function: Callable[..., Any],
+    *args: Any,
+    policy_fn: Callable[[torch.Tensor], Any] | None = None,
+    group_swap: bool = False,
+    cpu_pool: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """Call ``function(*args, **kwargs)`` with what autograd saves in it on the host until
+    backward (nothing is recomputed). ``policy_fn(tensor)`` returns ``MUST_SAVE`` or
+    ``MUST_SWAP`` (default); see :func:`async_save_on_cpu`. Refused under
+    ``torch.compile``."""
+    if is_compiling():
+        raise ValueError("recomp.torch.swap does not run under torch.compile (eager only).")
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    layer = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
+    layer = layer if isinstance(layer, nn.Module) else None
+    scope = SwapScope(
+        SwapManager().group_name(layer, function),
+        group_swap=group_swap,
+        cpu_pool=cpu_pool,
+        layer=layer,
+    )
+    with _scope_active(scope), async_save_on_cpu(policy_fn, group_swap, cpu_pool):
+        out = function(*args, **kwargs)
+        scope.finish(out)
+    return out
+
+
+class _SwapHooks:
+    """The forward hooks ``swap_wrapper`` puts on a module."""
+
+    def __init__(self, policy_fn: Any, group_swap: bool, cpu_pool: Any) -> None:
+        self.policy_fn = policy_fn
+        self.group_swap = group_swap
+        self.cpu_pool = cpu_pool
+        self.active: list[tuple[SwapScope, Any, Any]] = []
+        self.handles: list[Any] = []
+
+    def before(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled() or is_compiling():
+            self.active.append((None, None, None))  # type: ignore[arg-type]
+            return
+        scope = SwapScope(
+            SwapManager().group_name(module, module),
+            group_swap=self.group_swap,
+            cpu_pool=self.cpu_pool,
+            layer=module,
+        )
+        active = _scope_active(scope)
+        active.__enter__()
+        hooks = async_save_on_cpu(self.policy_fn, self.group_swap, self.cpu_pool)
+        hooks.__enter__()
+        self.active.append((scope, active, hooks))
+
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        scope, active, hooks = self.active.pop()
+        if scope is None:
+            return
+        hooks.__exit__(None, None, None)
+        try:
+            if output is None:  # the forward raised (an always-called hook) or returned nothing
+                scope.abort()
+            else:
+                scope.finish(output)
+        finally:
+            active.__exit__(None, None, None)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def swap_wrapper(
+    module: Any,
+    policy_fn: Callable[[torch.Tensor], Any] | None = None,
+    group_swap: bool = False,
+    cpu_pool: Any = None,
+) -> Any:
+    """Make every call of ``module`` a :func:`swap` (what autograd saves in it goes to the
+    host until backward). Wraps in place with forward hooks and returns the module (a
+    plain function comes back as a small module around it); names are unchanged.
+    Around a :func:`checkpoint_wrapper`'d module it moves the checkpoint's inputs, as
+    ``swap_inputs=True`` does."""
+    if policy_fn is not None and not callable(policy_fn):
+        raise TypeError(f"policy_fn must be callable or None, got {policy_fn!r}.")
+    _check_swap_options(group_swap, cpu_pool)
+    if not isinstance(module, nn.Module):
+        if not callable(module):
+            raise TypeError(f"swap_wrapper needs a module or a function, got {module!r}.")
+        from ._api import PlainFunction
+
+        module = PlainFunction(module)
+    old = _WRAPPED.pop(module, None)
+    if old is not None:
+        old.remove()
+    hooks = _SwapHooks(policy_fn, group_swap, cpu_pool)
+    hooks.handles = [
+        module.register_forward_pre_hook(hooks.before),
+        module.register_forward_hook(hooks.after, always_call=True),
+    ]
+    _WRAPPED[module] = hooks
+    return module
+
+
+def unwrap_swap(module: nn.Module) -> nn.Module:
+    """Remove what :func:`swap_wrapper` put on ``module``."""
+    hooks = _WRAPPED.pop(module, None)
+    if hooks is not None:
+        hooks.remove()
+    return module
+
+
+_WRAPPED: weakref.WeakKeyDictionary[nn.Module, _SwapHooks] = weakref.WeakKeyDictionary()
+
+
+# --------------------------------------------------------------------------- manager
+
+
+class SwapManager:
+    """The process's swap manager (every ``SwapManager()`` is the same object).
+
+    Each recomp checkpoint, swap wrapper or ``swap`` call of a layer moves its tensors
+    as one group. In backward, the first read of a layer's group brings back, ahead,
+    the group of the layer paired with it by :meth:`set_forward_prefetch_layer`, or,
+    when none is set, the group of the layer that ran before it in the forward."""
+
+    _instance: SwapManager | None = None
+
+    def __new__(cls) -> SwapManager:
+        if cls._instance is None:
+            self = super().__new__(cls)
+            self.pairs = weakref.WeakKeyDictionary()
+            self.latest = weakref.WeakKeyDictionary()
+            self.names = weakref.WeakKeyDictionary()
+            self.count = 0
+            self.installed = None
+            cls._instance = self
+        return cls._instance
+
+    pairs: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]]
+    latest: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Any]]
+    names: weakref.WeakKeyDictionary[nn.Module, str]
+    count: int
+    installed: Offloader | None
+
+    def set_forward_prefetch_layer(self, first_layer: nn.Module, second_layer: nn.Module) -> None:
+        """In backward, when ``second_layer``'s tensors are first read, bring
+        ``first_layer``'s back (``first_layer`` runs before it in the forward)."""
+        for layer in (first_layer, second_layer):
+            if not isinstance(layer, nn.Module):
+                raise TypeError(f"set_forward_prefetch_layer takes modules, got {layer!r}.")
+        self.pairs[second_layer] = weakref.ref(first_layer)
+
+    def unregister_forward_prefetch_layer(self, module: nn.Module) -> None:
+        """Forget the pairs ``module`` is in."""
+        self.pairs.pop(module, None)
+        for second, first in list(self.pairs.items()):
+            if first() is module:
+                self.pairs.pop(second, None)
+
+    def group_name(self, layer: nn.Module | None, function: Any) -> str:
+        """The name of ``layer``'s groups (``swap_group_<n>``, in order of first use)."""
+        if layer is None:
+            return f"swap of {getattr(function, '__qualname__', type(function).__name__)}"
+        name = self.names.get(layer)
+        if name is None:
+            name = self.names[layer] = f"swap_group_{self.count}"
+            self.count += 1
+        return name
+
+    def group_recorded(self, layer: nn.Module | None, group: Any) -> None:
+        if layer is not None:
+            self.latest[layer] = weakref.ref(group)
+        offloader = group.offloader
+        if self.installed is not offloader:
+            offloader.prefetch_pair = self._paired
+            self.installed = offloader
+
+    def _paired(self, group: Any) -> Any:
+        if not self.pairs:
+            return None
+        for layer, ref in list(self.latest.items()):
+            if ref() is group:
+                first = self.pairs.get(layer)
+                first_layer = first() if first is not None else None
+                if first_layer is None:
+                    return None
+                paired = self.latest.get(first_layer)
+                return paired() if paired is not None else None
+        return None
+
+
+# --------------------------------------------------------------------------- host pool
+
+
+class PinnedMemoryPool:
+    """Host memory for swapped tensors, reused across steps and bounded: blocks of a
+    power of two bytes (at least 1 KiB; sizes above ``align_limit`` exactly), pinned
+    where CUDA is available. More than ``max_host_bytes`` in use raises."""
+
+    def __init__(self, max_host_bytes: int, align_limit: int = 2 * 1024**3) -> None:
+        for name, value in (("max_host_bytes", max_host_bytes), ("align_limit", align_limit)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be an int > 0, got {value!r}.")
+        self.max_host_bytes = max_host_bytes
+        self.align_limit = align_limit
+        self.reserved_bytes = 0  # blocks allocated, free or in use
+        self.in_use_bytes = 0
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def _block_size(self, size: int) -> int:
+        if size > self.align_limit:
+            return size
+        return max(1024, 1 << (size - 1).bit_length())
+
+    def acquire(self, size: int) -> torch.Tensor:
+        """A uint8 host block of at least ``size`` bytes."""
+        block_size = self._block_size(size)
+        with self._lock:
+            free = self._free.get(block_size)
+            if free:
+                block = free.pop()
+            else:
+                if self.reserved_bytes + block_size > self.max_host_bytes:
+                    self._trim(block_size)
+                if self.reserved_bytes + block_size > self.max_host_bytes:
+                    raise RecompError(
+                        f"PinnedMemoryPool capacity exceeded: {size} bytes asked, "
+                        f"{self.in_use_bytes} of {self.max_host_bytes} in use. Give the "
+                        f"pool more (max_host_bytes) or swap less (policy_fn)."
+                    )
+                block = torch.empty(
+                    block_size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+                )
+                self.reserved_bytes += block_size
+            self.in_use_bytes += block_size
+        return block
+
+    def release(self, block: torch.Tensor) -> None:
+        """Give a block back (the offloader does, when the host copy is no longer needed)."""
+        with self._lock:
+            self.in_use_bytes -= block.numel()
+            self._free.setdefault(block.numel(), []).append(block)
+
+    def _trim(self, needed: int) -> None:
+        for size in sorted(self._free, reverse=True):
+            blocks = self._free[size]
+            while blocks and self.reserved_bytes + needed > self.max_host_bytes:
+                blocks.pop()
+                self.reserved_bytes -= size
