@@ -433,3 +433,42 @@ def test_cpu_pool_is_reused_and_empty_after_each_step(groups: list) -> None:  # 
         model(torch.randn(4, 16, requires_grad=True))
     with pytest.raises(TypeError, match="cpu_pool"):
         rt.async_save_on_cpu(cpu_pool=object())
+
+
+def test_unwrap_removes_swap_hooks(groups: list) -> None:  # type: ignore[type-arg]
+    model = make_model(2)
+    for block in model:
+        rt.swap_wrapper(block)
+    rt.unwrap(model)
+    model(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert groups == []
+
+
+def test_must_swap_with_recompute_sessions_and_retain_graph(groups: list) -> None:  # type: ignore[type-arg]
+    model = make_model()
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        rt.checkpoint_wrapper(block, policy_fn=swap_sin, swap_inputs=True)
+    model.zero_grad()
+    xr = x.detach().requires_grad_(True)
+    with rt.recompute_handle_collector_ctx() as handles:
+        loss = model(xr).pow(2).sum()
+    counter = OpCounter()
+    with counter, rt.recompute_session_ctx("mb0", retain_on_unpack=True):
+        for handle in handles:
+            rt.recompute_handle(handle, "mb0")
+        loss.backward(retain_graph=True)
+    rt.clear_recompute_session("mb0")
+    got = [p.grad.clone() for p in model.parameters()] + [xr.grad.clone()]  # type: ignore[union-attr]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert counter.counts.get(SIN, 0) == 0
+    # a second backward over the same graph brings the host copies back again
+    model.zero_grad()
+    xr.grad = None
+    loss.backward()
+    got = [p.grad for p in model.parameters()] + [xr.grad]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)  # type: ignore[arg-type]
+    assert [g.restored_bytes for g in groups] == [2 * (256 + 512)] * 3

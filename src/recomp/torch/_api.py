@@ -351,7 +351,12 @@ def unwrap(module: Any) -> Any:
 
     Restores each wrapped module's class and removes recomp's attributes; returns
     ``module`` (or, for a function given to ``checkpoint_exclude_wrapper``, the function).
+    The hooks of ``swap_wrapper`` are removed too.
     """
+    if _swap.unwrap_swaps(module) and not any(
+        _wrapping.recomp_wrapper_of(m) is not None for m in module.modules()
+    ):
+        return module  # only swap wrappers below it
     return _wrapping.unwrap(_MODEL_OPS, module)
 
 

@@ -815,12 +815,18 @@ def swap_wrapper(
     return module
 
 
-def unwrap_swap(module: nn.Module) -> nn.Module:
-    """Remove what :func:`swap_wrapper` put on ``module``."""
-    hooks = _WRAPPED.pop(module, None)
-    if hooks is not None:
-        hooks.remove()
-    return module
+def unwrap_swaps(module: Any) -> bool:
+    """Remove what :func:`swap_wrapper` put on ``module`` and on the modules below it;
+    whether there was any."""
+    if not isinstance(module, nn.Module) or not _WRAPPED:
+        return False
+    removed = False
+    for sub in module.modules():
+        hooks = _WRAPPED.pop(sub, None)
+        if hooks is not None:
+            hooks.remove()
+            removed = True
+    return removed
 
 
 _WRAPPED: weakref.WeakKeyDictionary[nn.Module, _SwapHooks] = weakref.WeakKeyDictionary()
