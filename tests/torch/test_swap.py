@@ -472,3 +472,30 @@ def test_must_swap_with_recompute_sessions_and_retain_graph(groups: list) -> Non
     for a, b in zip(want, got):
         assert torch.equal(a, b)  # type: ignore[arg-type]
     assert [g.restored_bytes for g in groups] == [2 * (256 + 512)] * 3
+
+
+def test_policy_asked_before_the_op_runs(groups: list) -> None:  # type: ignore[type-arg]
+    """PyTorch before 2.14 asks the policy before running the op, with no ``op_output``:
+    the forward tap fills the entry when the op has run."""
+    from recomp.torch._swap import SwapScope, _scope_active, _SwapState, _SwapTap
+
+    class OldContext:
+        is_recompute = False
+
+    state = _SwapState(allow_mutation=False)
+    scope = SwapScope("old order")
+    x = torch.randn(4, 8)
+    with _scope_active(scope):
+        state.chose(OldContext(), SIN, CheckpointPolicy.MUST_SWAP)
+        with _SwapTap(state, replay=False):
+            y = torch.sin(x)
+            torch.cos(x)
+        assert state.waiting is None
+        scope.finish(None)
+    assert [g.offloaded_bytes for g in groups] == [128]
+    del y
+    counter = OpCounter()
+    with counter, _SwapTap(state, replay=True):
+        again = torch.sin(x)
+    assert SIN not in counter.counts  # handed back, not run
+    assert torch.equal(again, torch.sin(x))
