@@ -380,17 +380,50 @@ def test_prefetch_default_pairing_is_the_layer_before(groups: list, monkeypatch)
 
 
 def test_prefetch_follows_set_pairs(groups: list, monkeypatch) -> None:  # type: ignore[no-untyped-def,type-arg]
-    model = make_model()
+    model = make_model(4)
     for block in model:
         rt.checkpoint_wrapper(block, swap_inputs=True)
     manager = rt.SwapManager()
+    manager.set_forward_prefetch_layer(model[1], model[3])  # L3's backward brings L1 back
     manager.set_forward_prefetch_layer(model[0], model[2])  # L2's backward brings L0 back
     try:
         kinds, ahead = _prefetch_order(model, monkeypatch)
     finally:
-        manager.unregister_forward_prefetch_layer(model[2])
-    assert kinds == {"L2": {"copy back on read"}, "L1": {"copy back on read"}, "L0": {"copy back"}}
-    assert ahead == ["L0"]
+        for block in model:
+            manager.unregister_forward_prefetch_layer(block)
+    # L3 and L2 end their chains: they stay on the device
+    assert [g.offloaded_bytes for g in groups] == [256, 256, 0, 0]
+    assert kinds == {"L1": {"copy back"}, "L0": {"copy back"}}
+    assert ahead == ["L1", "L0"]
+
+
+def test_native_contexts_and_wrapper_class() -> None:
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def save_sin(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return op is SIN
+
+    out = rt.checkpoint(
+        lambda t: torch.sin(t).exp(),
+        x,
+        context_fn=lambda: rt.create_native_selective_checkpoint_contexts(save_sin),
+    )
+    counter = OpCounter()
+    with counter:
+        out.sum().backward()
+    assert SIN not in counter.counts
+    with pytest.raises(SwapPolicyError, match="no counterpart"):
+        torch.utils.checkpoint.checkpoint(
+            torch.sin,
+            x,
+            use_reentrant=False,
+            context_fn=lambda: rt.create_native_selective_checkpoint_contexts(swap_sin),
+        )
+    block = rt.checkpoint_wrapper(nn.Linear(2, 2))
+    excluded = rt.checkpoint_exclude_wrapper(nn.Linear(2, 2))
+    wrapper = rt.get_class_activation_wrapper()
+    assert isinstance(block, wrapper) and isinstance(excluded, wrapper)
+    assert not isinstance(nn.Linear(2, 2), wrapper)
 
 
 def test_group_swap_packs_small_tensors_in_one_copy(groups: list) -> None:  # type: ignore[type-arg]

@@ -176,7 +176,13 @@ class SwapScope:
         if group is None:
             return
         group.pool = self.cpu_pool
-        SwapManager().group_recorded(self.layer, group)
+        manager = SwapManager()
+        manager.group_recorded(self.layer, group)
+        if manager.is_last_layer(self.layer):
+            # Its backward comes next: moving it out and back gains nothing. Its
+            # backward's start (the gradient of its output) brings its pair back.
+            manager.prefetch_on_backward(self.layer, outputs)
+            return
         protected = {_compat.storage_key(t) for t in _tensors_in(outputs)}
         moving: list[_Kept] = []
         for kept in pending:
@@ -612,6 +618,34 @@ class _Stacked:
         return bool(self._stacks.pop().__exit__(*exc_info))
 
 
+def create_native_selective_checkpoint_contexts(policy_fn: Callable[..., Any]) -> tuple[Any, Any]:
+    """PyTorch's own selective checkpointing with a policy that returns recomp's (or
+    PyTorch's) policies, for compiled code: ``MUST_SWAP`` raises there."""
+    if not callable(policy_fn):
+        raise TypeError(f"policy_fn must be callable, got {policy_fn!r}.")
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        chosen = as_policy(policy_fn(ctx, op, *args, **kwargs), "policy_fn")
+        if chosen is CheckpointPolicy.MUST_SWAP:
+            raise SwapPolicyError(
+                f"CheckpointPolicy.MUST_SWAP (for {op}) has no counterpart in PyTorch's "
+                f"selective checkpointing: use create_selective_checkpoint_contexts in "
+                f"eager code."
+            )
+        return _TorchPolicy.__members__[chosen.name]
+
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)
+
+
+def get_class_activation_wrapper() -> type:
+    """The class every module wrapped by ``checkpoint_wrapper`` or
+    ``checkpoint_exclude_wrapper`` is an instance of (``swap_wrapper`` adds hooks and
+    keeps the module's class)."""
+    from .._wrapping import WrapperMixin
+
+    return WrapperMixin
+
+
 # --------------------------------------------------------------------------- checkpoint
 
 
@@ -876,6 +910,32 @@ class SwapManager:
         for second, first in list(self.pairs.items()):
             if first() is module:
                 self.pairs.pop(second, None)
+
+    def is_last_layer(self, layer: nn.Module | None) -> bool:
+        """Whether ``layer`` ends a chain of pairs: a second layer that is no one's first.
+        Its tensors stay on the device (its backward runs first)."""
+        if layer is None or layer not in self.pairs:
+            return False
+        return not any(first() is layer for first in self.pairs.values())
+
+    def prefetch_on_backward(self, layer: nn.Module | None, outputs: Any) -> None:
+        """When the gradient of ``layer``'s output is computed, bring back the group of
+        the layer paired before it."""
+        first = self.pairs.get(layer) if layer is not None else None
+        first_layer = first() if first is not None else None
+        ref = self.latest.get(first_layer) if first_layer is not None else None
+        if ref is None:
+            return
+        for t in _tensors_in(outputs):
+            if t.requires_grad:
+
+                def bring_back(grad: torch.Tensor) -> None:
+                    group = ref()
+                    if group is not None:
+                        group.prefetch()
+
+                t.register_hook(bring_back)
+                return
 
     def group_name(self, layer: nn.Module | None, function: Any) -> str:
         """The name of ``layer``'s groups (``swap_group_<n>``, in order of first use)."""
