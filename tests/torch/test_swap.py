@@ -181,9 +181,13 @@ def test_swap_inputs_with_must_swap_and_exclusion(groups: list) -> None:  # type
     model = make_model()
     x = torch.randn(4, 16)
     want = grads(model, x)
-    for block in model:
-        rt.checkpoint_exclude_wrapper(block.fc2)
-        rt.checkpoint_wrapper(block, policy_fn=swap_sin, swap_inputs=True)
+    rt.apply_activation_checkpointing(
+        model,
+        checkpoint_fn=Block,
+        exclude_fn=lambda m: m is not model and not isinstance(m, Block) and m.out_features == 16,
+        policy_fn=swap_sin,
+        swap_inputs=True,
+    )
     got, counter = step(model, x)
     for a, b in zip(want, got):
         assert torch.equal(a, b)

@@ -140,20 +140,24 @@ class _Kept:
 
 class SwapScope:
     """One layer's chosen tensors; see NOTE [ Swap scopes ]. ``layer``: the module whose
-    call this is (for the swap manager's pairs), or None."""
+    call this is (for the swap manager's pairs), or None; ``function``: what it calls.
+    Without a ``name``, the group is named by the swap manager when it first moves
+    something."""
 
-    __slots__ = ("cpu_pool", "group_swap", "layer", "name", "offloader", "pending")
+    __slots__ = ("cpu_pool", "function", "group_swap", "layer", "name", "offloader", "pending")
 
     def __init__(
         self,
-        name: str,
+        name: str | None = None,
         *,
         group_swap: bool = False,
         cpu_pool: Any = None,
         offloader: Offloader | None = None,
         layer: nn.Module | None = None,
+        function: Any = None,
     ) -> None:
         self.name = name
+        self.function = function
         self.group_swap = group_swap
         self.cpu_pool = cpu_pool
         self.offloader = offloader
@@ -172,11 +176,12 @@ class SwapScope:
         if not pending:
             return
         offloader = self.offloader or default_offloader()
-        group = offloader.open_group(self.name)
+        manager = SwapManager()
+        name = self.name or manager.group_name(self.layer, self.function)
+        group = offloader.open_group(name)
         if group is None:
             return
         group.pool = self.cpu_pool
-        manager = SwapManager()
         manager.group_recorded(self.layer, group)
         if manager.is_last_layer(self.layer):
             # Its backward comes next: moving it out and back gains nothing. Its
@@ -375,8 +380,8 @@ class AsyncSaveOnCpu(torch.autograd.graph.saved_tensors_hooks):
     def __enter__(self) -> None:
         if current_scope() is None:
             # No layer around it: the block is the scope, finished when it ends.
-            scope = SwapScope("async_save_on_cpu", group_swap=self.swap_options[0],
-                              cpu_pool=self.swap_options[1])
+            group_swap, cpu_pool = self.swap_options
+            scope = SwapScope("async_save_on_cpu", group_swap=group_swap, cpu_pool=cpu_pool)
             manager = _scope_active(scope)
             manager.__enter__()
             self.own_scopes.append((scope, manager))
@@ -718,10 +723,7 @@ class CheckpointSwap:
         layer = getattr(function, "__self__", None)
         layer = layer if isinstance(layer, nn.Module) else None
         scope = SwapScope(
-            SwapManager().group_name(layer, function),
-            group_swap=self.group_swap,
-            cpu_pool=self.cpu_pool,
-            layer=layer,
+            group_swap=self.group_swap, cpu_pool=self.cpu_pool, layer=layer, function=function
         )
 
         def finish(out: Any) -> Any:
@@ -761,12 +763,7 @@ def swap(
         return function(*args, **kwargs)
     layer = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
     layer = layer if isinstance(layer, nn.Module) else None
-    scope = SwapScope(
-        SwapManager().group_name(layer, function),
-        group_swap=group_swap,
-        cpu_pool=cpu_pool,
-        layer=layer,
-    )
+    scope = SwapScope(group_swap=group_swap, cpu_pool=cpu_pool, layer=layer, function=function)
     with _scope_active(scope), async_save_on_cpu(policy_fn, group_swap, cpu_pool):
         out = function(*args, **kwargs)
         scope.finish(out)
@@ -788,10 +785,7 @@ class _SwapHooks:
             self.active.append((None, None, None))  # type: ignore[arg-type]
             return
         scope = SwapScope(
-            SwapManager().group_name(module, module),
-            group_swap=self.group_swap,
-            cpu_pool=self.cpu_pool,
-            layer=module,
+            group_swap=self.group_swap, cpu_pool=self.cpu_pool, layer=module, function=module
         )
         active = _scope_active(scope)
         active.__enter__()
