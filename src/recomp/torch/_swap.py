@@ -42,6 +42,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from .._engine import ComposedContext
 from .._hooks import CallPart, CheckpointCallView, Stage
 from ..errors import RecompError
 from . import _compat
@@ -593,9 +594,10 @@ def create_selective_checkpoint_contexts(
     )
     if compiled:
         return forward, replay
+    # The taps enter first: below PyTorch's modes on the mode stack.
     return (
-        _Stacked(_SwapTap(state, replay=False), forward),
-        _Stacked(_SwapTap(state, replay=True), replay),
+        ComposedContext(None, _SwapTap(state, replay=False), forward),
+        ComposedContext(None, _SwapTap(state, replay=True), replay),
     )
 
 
@@ -604,23 +606,6 @@ def _under_compile(args: tuple[Any, ...]) -> bool:
         isinstance(a, torch.Tensor) and type(a) is not torch.Tensor and not isinstance(a, nn.Parameter)
         for a in args
     )
-
-
-class _Stacked:
-    """Enter contexts in order, exit in reverse (re-enterable)."""
-
-    def __init__(self, *contexts: Any) -> None:
-        self.contexts = contexts
-        self._stacks: list[contextlib.ExitStack] = []
-
-    def __enter__(self) -> None:
-        with contextlib.ExitStack() as stack:
-            for context in self.contexts:
-                stack.enter_context(context)
-            self._stacks.append(stack.pop_all())
-
-    def __exit__(self, *exc_info: Any) -> bool:
-        return bool(self._stacks.pop().__exit__(*exc_info))
 
 
 def create_native_selective_checkpoint_contexts(policy_fn: Callable[..., Any]) -> tuple[Any, Any]:
