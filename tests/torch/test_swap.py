@@ -557,3 +557,50 @@ def test_bench_swap_strategies(monkeypatch: pytest.MonkeyPatch) -> None:
     # An output no backward reads (one the replay stops before) goes out and stays there.
     assert 0 < matmuls.offload.restored_bytes <= matmuls.offload.host_bytes
     assert matmuls.max_grad_diff == 0.0
+
+
+class _ScaleKeptOutside(torch.autograd.Function):
+    """Keeps ``scale`` as a ctx attribute, outside autograd's saved tensors."""
+
+    @staticmethod
+    def forward(ctx, x, scale):  # type: ignore[no-untyped-def]
+        ctx.scale = scale
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        return grad * ctx.scale, None
+
+
+class ScaledLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.scales: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.sigmoid(x.detach()) + 1
+        self.scales.append(rt.swap_tensor_wrapper(scale))
+        return _ScaleKeptOutside.apply(self.fc(x), scale)
+
+
+def test_swap_tensor_wrapper_empties_and_refills_in_place(groups: list) -> None:  # type: ignore[type-arg]
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledLinear(), ScaledLinear())
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    assert all(s.untyped_storage().nbytes() == 256 for m in model for s in m.scales)
+    for m in model:
+        m.scales.clear()
+        rt.swap_wrapper(m, policy_fn=lambda t: CheckpointPolicy.MUST_SAVE)
+    model.zero_grad()
+    xr = x.detach().requires_grad_(True)
+    loss = model(xr).pow(2).sum()
+    assert [m.scales[0].untyped_storage().nbytes() for m in model] == [0, 0]  # on the host
+    loss.backward()
+    assert [m.scales[0].untyped_storage().nbytes() for m in model] == [256, 256]
+    got = [p.grad for p in model.parameters()] + [xr.grad]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)  # type: ignore[arg-type]
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(256, 256)] * 2
+    assert rt.swap_tensor_wrapper(x) is x  # no layer around it: nothing to do

@@ -55,6 +55,7 @@ from ._swap import (
     is_compiling,
     noop_context_fn,
     swap,
+    swap_tensor_wrapper,
     swap_wrapper,
 )
 
@@ -93,6 +94,7 @@ __all__ = [
     "recompute_session_ctx",
     "saved_tensors_report",
     "swap",
+    "swap_tensor_wrapper",
     "swap_wrapper",
     "unwrap",
 ]

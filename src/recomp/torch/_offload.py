@@ -92,9 +92,11 @@ class _Stored:
     __slots__ = (
         "__weakref__",
         "alloc_stream",
+        "back",
         "device",
         "group",
         "host",
+        "in_place",
         "nbytes",
         "offloader",
         "reads",
@@ -123,6 +125,11 @@ class _Stored:
         self.alloc_stream: Any = None
         self.views = 0  # handles made for it
         self.reads = 0  # reads in the current pass
+        # In place (``swap_tensor_wrapper``): the storage itself, emptied once copied and
+        # refilled for backward, so that every tensor on it sees its bytes again; ``back``
+        # once refilled (or never emptied, the backward having come first).
+        self.in_place: Any = None
+        self.back = False
 
     def changed(self) -> bool:
         src = self.source
@@ -185,10 +192,14 @@ class OffloadGroup:
         self.sources: dict[Hashable, tuple[torch.Tensor, _Stored]] = {}
         self.chained_pass: int | None = None
 
-    def put(self, t: torch.Tensor, force: bool = False) -> OffloadHandle | None:
+    def put(
+        self, t: torch.Tensor, force: bool = False, in_place: bool = False
+    ) -> OffloadHandle | None:
         """Start copying ``t``'s storage to the host; None if ``t`` stays where it is
         (below the size threshold unless ``force``, not on an offloaded device, not a
-        plain tensor). ``force``: a swap policy chose ``t`` (``recomp.torch._swap``)."""
+        plain tensor). ``force``: a swap policy chose ``t`` (``recomp.torch._swap``).
+        ``in_place``: the storage itself is emptied once copied, and refilled by
+        :meth:`bring_back_in_place` (tensors the caller keeps, ``swap_tensor_wrapper``)."""
         off = self.offloader
         if not off._eligible(t, force):
             return None
@@ -199,7 +210,7 @@ class OffloadGroup:
         else:
             source = t.detach()  # shares the storage and the version counter
             with _quiet():
-                stored = off._copy_out(self, source)
+                stored = off._copy_out(self, source, t.untyped_storage() if in_place else None)
             self.sources[key] = (source, stored)
             self.records.append(weakref.ref(stored))
         stored.views += 1
@@ -214,6 +225,24 @@ class OffloadGroup:
         """The region failed: wait for its copies and forget them."""
         self.sources.clear()
         self.offloader.synchronize()
+
+    def bring_back_in_place(self) -> None:
+        """Refill this group's in-place storages now, ready for the current stream."""
+        off = self.offloader
+        off.poll()
+        with _quiet():
+            for ref in self.records:
+                stored = ref()
+                if stored is None or stored.in_place is None:
+                    continue
+                if not stored.back:
+                    if stored.source is not None:
+                        stored.back = True  # still being copied: never emptied
+                    else:
+                        off._restore(stored, ahead=False)
+                if stored.ready is not None:
+                    torch.cuda.current_stream(stored.device).wait_event(stored.ready)
+                    stored.ready = None
 
     def prefetch(self) -> None:
         """Start bringing this region's tensors back to the device."""
@@ -347,8 +376,9 @@ class Offloader:
             stream = self._streams[device] = torch.cuda.Stream(device)
         return stream
 
-    def _copy_out(self, group: OffloadGroup, source: torch.Tensor) -> _Stored:
+    def _copy_out(self, group: OffloadGroup, source: torch.Tensor, in_place: Any = None) -> _Stored:
         stored = _Stored(self, group, source)
+        stored.in_place = in_place
         flat = _bytes_of(source)
         if source.device.type == "cuda":
             with torch.cuda.device(source.device):
@@ -385,6 +415,8 @@ class Offloader:
         if stored is not None and stored.source is copy.source:
             stored.stale = stored.changed()
             stored.source = None
+            if stored.in_place is not None and not stored.back:
+                stored.in_place.resize_(0)  # the device bytes go back to the allocator
         copy.source = None  # the device storage goes back to the allocator here
 
     def _restore(self, stored: _Stored, ahead: bool) -> None:
@@ -393,6 +425,9 @@ class Offloader:
         host = stored.host
         if host is None:
             raise internal_error("restoring a storage that was never copied to the host")
+        if stored.in_place is not None:
+            self._refill(stored, host, ahead)
+            return
         if stored.device.type == "cuda":
             with torch.cuda.device(stored.device):
                 compute = torch.cuda.current_stream()
@@ -417,6 +452,37 @@ class Offloader:
             self.stats.copy_seconds += time.perf_counter() - t0
             ready = None
         stored.resident, stored.ready = buffer, ready
+        self.stats.restored_bytes += stored.nbytes
+        owner = stored.group()
+        if owner is not None:
+            owner.restored_bytes += stored.nbytes
+        if ahead:
+            self.stats.prefetched_bytes += stored.nbytes
+
+    def _refill(self, stored: _Stored, host: torch.Tensor, ahead: bool) -> None:
+        """Bring an in-place storage's bytes back into the storage itself."""
+        if stored.back:
+            return
+        storage = stored.in_place
+        if stored.device.type == "cuda":
+            with torch.cuda.device(stored.device):
+                compute = torch.cuda.current_stream()
+                storage.resize_(stored.nbytes)  # allocated for the compute stream
+                flat = torch.empty(0, dtype=torch.uint8, device=stored.device).set_(
+                    storage, 0, (stored.nbytes,), (1,)
+                )
+                side = self._stream(stored.device)
+                side.wait_stream(compute)
+                with torch.cuda.stream(side):
+                    flat.copy_(host, non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record()
+            stored.ready = ready
+        else:
+            storage.resize_(stored.nbytes)
+            flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (stored.nbytes,), (1,))
+            flat.copy_(host)
+        stored.back = True
         self.stats.restored_bytes += stored.nbytes
         owner = stored.group()
         if owner is not None:

@@ -145,7 +145,16 @@ class SwapScope:
     Without a ``name``, the group is named by the swap manager when it first moves
     something."""
 
-    __slots__ = ("cpu_pool", "function", "group_swap", "layer", "name", "offloader", "pending")
+    __slots__ = (
+        "cpu_pool",
+        "function",
+        "group_swap",
+        "in_place",
+        "layer",
+        "name",
+        "offloader",
+        "pending",
+    )
 
     def __init__(
         self,
@@ -164,6 +173,8 @@ class SwapScope:
         self.offloader = offloader
         self.layer = layer
         self.pending: list[_Kept] = []
+        # Tensors the caller keeps (``swap_tensor_wrapper``): emptied and refilled in place.
+        self.in_place: list[torch.Tensor] = []
 
     def keep(self, tensor: torch.Tensor, allow_mutation: bool = False) -> _Kept:
         kept = _Kept(tensor, allow_mutation)
@@ -174,7 +185,8 @@ class SwapScope:
         """The layer returned ``outputs``: move every chosen tensor that does not share
         storage with them to the host, in one offload group."""
         pending, self.pending = self.pending, []
-        if not pending:
+        in_place, self.in_place = self.in_place, []
+        if not pending and not in_place:
             return
         offloader = self.offloader or default_offloader()
         manager = SwapManager()
@@ -207,6 +219,7 @@ class SwapScope:
                 handle = group.put(kept.tensor, force=True)  # type: ignore[arg-type]
                 if handle is not None:
                     kept.held, kept.tensor = handle, None
+            _put_in_place(group, in_place, outputs, protected)
         except BaseException:
             group.abort()
             raise
@@ -214,6 +227,32 @@ class SwapScope:
 
     def abort(self) -> None:
         self.pending = []
+        self.in_place = []
+
+
+def _put_in_place(group: Any, tensors: list[torch.Tensor], outputs: Any, protected: set[Any]) -> None:
+    """Empty the storages of ``tensors`` once copied; refill them when the gradient of the
+    layer's output is computed (the start of its backward). With no output that needs a
+    gradient there is no such moment: they stay."""
+    anchor = next((t for t in _tensors_in(outputs) if t.requires_grad), None)
+    if anchor is None:
+        return
+    handles = []
+    for t in tensors:
+        if _compat.storage_key(t) in protected:
+            continue
+        handle = group.put(t, force=True, in_place=True)
+        if handle is not None:
+            handles.append(handle)
+    if not handles:
+        return
+
+    def refill(grad: torch.Tensor) -> None:
+        del grad
+        if handles:
+            group.bring_back_in_place()
+
+    anchor.register_hook(refill)
 
 
 #: group_swap: tensors below this size share one copy per dtype and device; a bucket
@@ -843,6 +882,29 @@ def unwrap_swaps(module: Any) -> bool:
 
 
 _WRAPPED: weakref.WeakKeyDictionary[nn.Module, _SwapHooks] = weakref.WeakKeyDictionary()
+
+
+def swap_tensor_wrapper(
+    target: Any, tag: str | None = None, group_swap: bool = False, cpu_pool: Any = None
+) -> Any:
+    """Register the tensors of ``target`` (a tensor, or a list, tuple or dict of them)
+    with the current layer's swap group and return ``target`` unchanged: for tensors a
+    layer keeps for its backward outside autograd's saved tensors. When the layer
+    returns their storages are copied to the host and emptied in place; the start of
+    the layer's backward (the gradient of its output) refills them. Parameters and
+    what shares storage with the layer's output stay. Outside a recomp checkpoint,
+    ``swap`` or swap wrapper call, nothing happens. ``tag`` is accepted for
+    HyperParallel's signature."""
+    _check_swap_options(group_swap, cpu_pool)
+    if tag is not None and not isinstance(tag, str):
+        raise TypeError(f"tag must be a str or None, got {tag!r}.")
+    scope = current_scope()
+    if scope is None or not torch.is_grad_enabled() or is_compiling():
+        return target
+    for t in _tensors_in(target):
+        if not _stays_on_device(t):
+            scope.in_place.append(t)
+    return target
 
 
 # --------------------------------------------------------------------------- manager
