@@ -85,8 +85,8 @@ def checkpoint(
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
-    swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
     if _compile.is_compiling():
+        swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
         context_fn = swap.compiled_context_fn(context_fn)
         # PyTorch's partitioner never recomputes a functional collective (which is what
         # Dynamo makes of every collective) unless told to: nothing to add here. A
@@ -103,6 +103,7 @@ def checkpoint(
         # contexts). Inside one, the engine still runs, so that a replay of the
         # enclosing checkpoint finds the same nested calls as its forward did.
         return function(*args, **_function_kwargs(kwargs))
+    swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
     adapt_hf_layer_call(function, kwargs)
     parts, kwargs, torch_debug_off = debug_options(kwargs)
     value_check = value_check_option(kwargs, debug=bool(parts), name=_checkpointed_name(function))
