@@ -33,6 +33,7 @@ import contextlib
 import contextvars
 import enum
 import functools
+import inspect
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -528,6 +529,7 @@ class _SwapState:
     def __init__(self, allow_mutation: bool) -> None:
         self.allow_mutation = allow_mutation
         self.calls: dict[Any, list[_SwapEntry | None]] = {}
+        self.swapped = False  # some op's output is kept by recomp
         self.waiting: tuple[Any, _SwapEntry, SwapScope] | None = None
         self.detach = _compat.version_sharing_detach() or (lambda t: t.detach())
 
@@ -544,6 +546,7 @@ class _SwapState:
                 )
             entry = _SwapEntry()
             self.calls.setdefault(op, []).append(entry)
+            self.swapped = True
             if hasattr(ctx, "op_output"):  # PyTorch asks after the op ran
                 entry.fill(ctx.op_output, scope, self.allow_mutation, self.detach)
             else:  # before: the forward tap fills it
@@ -633,11 +636,38 @@ def create_selective_checkpoint_contexts(
     )
     if compiled:
         return forward, replay
-    # The taps enter first: below PyTorch's modes on the mode stack.
-    return (
-        ComposedContext(None, _SwapTap(state, replay=False), forward),
-        ComposedContext(None, _SwapTap(state, replay=True), replay),
-    )
+    # The taps enter first: below PyTorch's modes on the mode stack. Where PyTorch hands
+    # the policy the op's output, the forward needs no tap; the replay needs one only
+    # if some op was swapped.
+    if not _POLICY_SEES_OUTPUT:
+        forward = ComposedContext(None, _SwapTap(state, replay=False), forward)
+    return forward, ComposedContext(None, _ReplayTap(state), replay)
+
+
+#: PyTorch (2.14 on) runs the op before asking the policy and hands it the output.
+_POLICY_SEES_OUTPUT = "op_output" in inspect.signature(
+    torch.utils.checkpoint.SelectiveCheckpointContext
+).parameters
+
+
+class _ReplayTap:
+    """The replay's tap, on the mode stack only if the forward swapped something."""
+
+    def __init__(self, state: _SwapState) -> None:
+        self.state = state
+        self.entered: list[_SwapTap | None] = []
+
+    def __enter__(self) -> None:
+        tap = None
+        if self.state.swapped:
+            tap = _SwapTap(self.state, replay=True)
+            tap.__enter__()
+        self.entered.append(tap)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        tap = self.entered.pop()
+        if tap is not None:
+            tap.__exit__(*exc_info)
 
 
 def _under_compile(args: tuple[Any, ...]) -> bool:
