@@ -16,6 +16,9 @@ forward and the backward: a recomp checkpoint call with ``policy_fn=`` or
 * per tensor (``async_save_on_cpu``, ``swap``, ``swap_wrapper``, ``swap_inputs=True``):
   a saved-tensors hook; parameters, views of parameters and empty tensors stay on the
   device.
+* tensors the layer keeps itself (``swap_tensor_wrapper``): their storages are emptied
+  in place once copied and refilled when the gradient of the layer's output is
+  computed.
 
 Nothing moves while the layer's forward runs (its later ops may still read what was
 chosen). When the layer returns (:meth:`SwapScope.finish`) every chosen tensor that does
@@ -25,6 +28,12 @@ to the host on its side stream, its device storage released once copied, brought
 when the backward (or the replay) reads it, and the layer recorded before it prefetched
 at that moment. Where the offloader does nothing (no CUDA, no host-copy test mode) the
 chosen tensors stay on the device.
+
+``group_swap`` packs a layer's small whole-storage tensors of one dtype into one buffer
+(one copy each way); ``cpu_pool`` (:class:`PinnedMemoryPool`) supplies the host memory
+and gets it back when the graph is freed. :class:`SwapManager` names the groups per
+layer and tells the offloader which group a layer's backward brings back ahead (its
+``set_forward_prefetch_layer`` pair, else the group recorded before).
 """
 
 from __future__ import annotations
