@@ -62,7 +62,12 @@ class OutputNotSavedError(RecompError):
 
 
 class DoubleCheckpointError(RecompError):
-    """A layer recomp checkpoints is also checkpointed by another mechanism (HF's own)."""
+    """A module recomp checkpoints (or excludes) is also checkpointed by a plain PyTorch
+    checkpoint around recomp's: Hugging Face's own switch beside recomp's wrapper,
+    PyTorch's ``checkpoint_wrapper`` (which Lightning's and Accelerate's activation
+    checkpointing options apply), ``torch.utils.checkpoint``.
+    ``recomp.torch.hf_activation_checkpointing`` makes recomp HF's checkpoint function
+    instead."""
 
 
 class ForeignCheckpointWarning(UserWarning):

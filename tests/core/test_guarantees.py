@@ -288,7 +288,11 @@ def test_foreign_checkpoint_warns_once_per_wrapper(fw, style):
     assert (model.attn.region_runs, model.attn.region_skips) == (4, 0)  # replayed
 
 
-def test_recomp_checkpoint_inside_a_foreign_one_warns(fw):
+def test_recomp_checkpoint_inside_a_foreign_one_is_reported(fw):
+    """The foreign checkpoint's replay would re-run the recomp checkpoint in full, its
+    region included. PyTorch refuses it in the forward, before anything ran
+    (``DoubleCheckpointError``; more cases in ``tests/torch/test_foreign_checkpoints.py``);
+    MindSpore warns when the region is replayed."""
     region = fw.api.checkpoint_exclude_wrapper(fw.dense(4, 4), name="comm")
     ops = fw.ops
 
@@ -296,8 +300,13 @@ def test_recomp_checkpoint_inside_a_foreign_one_warns(fw):
         # tanh saves its output: the foreign replay re-runs the recomp checkpoint in full
         return ops.tanh(fw.api.checkpoint(lambda u: ops.tanh(region(ops.sin(u))), t))
 
+    foreign = fw.foreign_checkpoint(fw.foreign_checkpoints[0], outer)  # non-reentrant
+    if fw.name == "torch":
+        with pytest.raises(recomp.DoubleCheckpointError, match="inside a plain PyTorch checkpoint"):
+            fw.grads(foreign, fw.tensor(2, 4), params=fw.parameters(region))
+        assert region.region_runs == 0
+        return
     with pytest.warns(recomp.ForeignCheckpointWarning, match="'comm'"):
-        foreign = fw.foreign_checkpoint(fw.foreign_checkpoints[0], outer)  # non-reentrant
         fw.grads(foreign, fw.tensor(2, 4), params=fw.parameters(region))
     assert region.region_runs == 2
 

@@ -23,6 +23,7 @@ from ._api import (
     checkpoint,
     checkpoint_exclude_wrapper,
     checkpoint_wrapper,
+    hf_activation_checkpointing,
     unwrap,
 )
 from ._kept import (
@@ -83,6 +84,7 @@ __all__ = [
     "create_selective_checkpoint_contexts",
     "default_offloader",
     "get_class_activation_wrapper",
+    "hf_activation_checkpointing",
     "ignore_sac_ops",
     "install_oom_report",
     "is_compiling",

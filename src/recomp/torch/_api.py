@@ -21,10 +21,11 @@ from .._wrapping import (
     default_name,
 )
 from ..errors import RecompError
-from . import _compat, _compile, _kept, _swap
+from . import _compat, _compile, _hf, _kept, _swap
 from ._backend import BACKEND
 from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
+from ._foreign import refuse_enclosing_checkpoint, watch_checkpoint_wrappers
 from ._hf import adapt_hf_layer_call, guard_model_cache
 from ._offload import Offloader, resolve
 from ._value_check import value_check_option
@@ -105,8 +106,10 @@ def checkpoint(
         return function(*args, **_function_kwargs(kwargs))
     swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
     adapt_hf_layer_call(function, kwargs)
+    name = _checkpointed_name(function)
+    refuse_enclosing_checkpoint(name)
     parts, kwargs, torch_debug_off = debug_options(kwargs)
-    value_check = value_check_option(kwargs, debug=bool(parts), name=_checkpointed_name(function))
+    value_check = value_check_option(kwargs, debug=bool(parts), name=name)
     if value_check is not None:
         parts.append(value_check)
     if _engine.SWITCHES.kept_replays:
@@ -297,6 +300,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
     warn_unhandled(BACKEND, module, "checkpoint_wrapper")
+    watch_checkpoint_wrappers()
     return _wrapping.wrap_in_place(
         _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
@@ -344,6 +348,7 @@ def checkpoint_exclude_wrapper(
     if not isinstance(module, nn.Module):
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
+    watch_checkpoint_wrappers()
     return _wrapping.wrap_in_place(_MODEL_OPS, module, ExcludeWrapper, {REGION: region})
 
 
@@ -352,13 +357,20 @@ def unwrap(module: Any) -> Any:
 
     Restores each wrapped module's class and removes recomp's attributes; returns
     ``module`` (or, for a function given to ``checkpoint_exclude_wrapper``, the function).
-    The hooks of ``swap_wrapper`` are removed too.
+    Layers :func:`hf_activation_checkpointing` took over get back the checkpoint function
+    Hugging Face had given them (PyTorch's): HF's own switch stays as it is. The hooks of
+    ``swap_wrapper`` are removed too.
     """
-    if _swap.unwrap_swaps(module) and not any(
+    swapped = _swap.unwrap_swaps(module)
+    taken = _hf.recomp_hf_layers(module) if isinstance(module, nn.Module) else []
+    if (taken or swapped) and not any(
         _wrapping.recomp_wrapper_of(m) is not None for m in module.modules()
     ):
-        return module  # only swap wrappers below it
-    return _wrapping.unwrap(_MODEL_OPS, module)
+        _hf.undo_hf_checkpointing(taken)  # hf_activation_checkpointing without exclusions
+        return module  # or only swap wrappers below it
+    result = _wrapping.unwrap(_MODEL_OPS, module)
+    _hf.undo_hf_checkpointing(taken)
+    return result
 
 
 def apply_activation_checkpointing(
@@ -418,6 +430,89 @@ def apply_activation_checkpointing(
         ),
     )
     guard_model_cache(model)
+    return model
+
+
+def hf_activation_checkpointing(
+    model: nn.Module,
+    *,
+    exclude_fn: Callable[[nn.Module], bool] | type | tuple[type, ...] | None = None,
+    offload_fn: Callable[[nn.Module], bool | Offloader] | type | tuple[type, ...] | None = None,
+    copy_output_fn: Callable[[nn.Module], bool] | type | tuple[type, ...] | None = None,
+    **checkpoint_kwargs: Any,
+) -> nn.Module:
+    """Make recomp Hugging Face's activation checkpointing for a ``transformers`` model::
+
+        hf_activation_checkpointing(model, exclude_fn=LlamaAttention)
+        trainer = SFTTrainer(model=model, ...)  # gradient_checkpointing=True, TRL's default
+
+    Turns HF's checkpointing on (``model.activation_checkpointing_enable()``) with recomp's
+    :func:`checkpoint` as the function each ``GradientCheckpointingLayer`` is checkpointed
+    with, and excludes inside those layers every sub-module for which ``exclude_fn`` holds
+    (``offload_fn`` and ``copy_output_fn`` as in :func:`apply_activation_checkpointing`).
+    HF's switch then means recomp: a later ``activation_checkpointing_enable()`` /
+    ``gradient_checkpointing_enable()`` (``Trainer`` and TRL call it for
+    ``gradient_checkpointing=True``; PEFT) keeps recomp as the function, with the keyword
+    arguments it was given; ``use_reentrant=True`` among them warns and is not followed
+    (recomp's checkpoint is non-reentrant). ``activation_checkpointing_disable()`` turns
+    the layers' checkpointing off (the excluded modules then run as plain calls). Other
+    options pass to :func:`checkpoint` (HF's keyword arguments win on a key both name).
+    :func:`unwrap` undoes it. ``model`` is the HF model (a ``PreTrainedModel``, or a
+    ``PeftModel`` around one); wraps in place and returns it.
+    """
+    select_exclude = _wrapping.as_predicate(exclude_fn, "exclude_fn")
+    select_offload = _wrapping.as_predicate(offload_fn, "offload_fn")
+    select_copy = _wrapping.as_predicate(copy_output_fn, "copy_output_fn")
+    check_options("hf_activation_checkpointing", checkpoint_kwargs, CHECKPOINT_OPTIONS)
+    _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
+    if "exclude_collectives" in checkpoint_kwargs:
+        _engine.check_flag("exclude_collectives", checkpoint_kwargs["exclude_collectives"])
+    _wrapping.check_option_fns(
+        select_exclude, offload_fn=select_offload, copy_output_fn=select_copy
+    )
+    layers = _hf.hf_layers(model) if isinstance(model, nn.Module) else []
+    if not layers:
+        raise ValueError(
+            f"hf_activation_checkpointing found no transformers GradientCheckpointingLayer in "
+            f"{type(model).__name__}: it makes recomp the checkpoint function of a Hugging Face "
+            f"model's layers. For other models use apply_activation_checkpointing."
+        )
+    doubled = [path or "(the model itself)" for path, m in layers if isinstance(m, CheckpointWrapper)]
+    if doubled:
+        raise ValueError(
+            f"hf_activation_checkpointing: recomp's checkpoint_wrapper already checkpoints "
+            f"{', '.join(doubled[:3])}{' ...' if len(doubled) > 3 else ''}; with HF's "
+            f"checkpointing on as well they would be checkpointed twice. Call "
+            f"recomp.torch.unwrap(model) first (then pass exclude_fn here)."
+        )
+    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+        model, "gradient_checkpointing_enable", None
+    )
+    if enable is None or not getattr(model, "supports_gradient_checkpointing", True):
+        raise ValueError(
+            f"hf_activation_checkpointing needs the Hugging Face model itself (a "
+            f"PreTrainedModel that supports activation checkpointing, or a PeftModel around "
+            f"one); {type(model).__name__} has no activation_checkpointing_enable."
+        )
+    owner = _hf.HFCheckpointing(checkpoint, checkpoint_kwargs)
+    choose_offload = select_offload or (lambda m: False)
+    choose_copy = select_copy or (lambda m: False)
+    layer_ids = {id(m) for _, m in layers}
+    _wrapping.apply_activation_checkpointing(
+        _MODEL_OPS,
+        model,
+        lambda m: id(m) in layer_ids,
+        select_exclude,
+        lambda m: m,  # HF checkpoints the layers; recomp's function is installed below
+        lambda m, path: checkpoint_exclude_wrapper(
+            m, name=path, offload=choose_offload(m), copy_output=bool(choose_copy(m))
+        ),
+    )
+    for _, layer in layers:
+        owner.install(layer)
+    enable()
+    for _, layer in layers:
+        owner.adopt(layer)
     return model
 
 

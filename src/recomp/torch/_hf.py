@@ -1,14 +1,18 @@
-"""What a recomp checkpoint does differently around a Hugging Face transformers layer.
+"""What a recomp checkpoint does differently around a Hugging Face transformers layer,
+and recomp as the checkpoint function of HF's own checkpointing.
 
-Two things, both only for a layer (a ``transformers`` ``GradientCheckpointingLayer``)
-called in training with gradients on, which is when a replay will follow:
+Two things a recomp checkpoint does, both only for a layer (a ``transformers``
+``GradientCheckpointingLayer``) called in training with gradients on, which is when a
+replay will follow:
 
 * HF's own gradient checkpointing (``model.gradient_checkpointing_enable()``,
-  ``Trainer(gradient_checkpointing=True)``) on the same layer puts a second,
-  plain PyTorch checkpoint inside recomp's. That one replays the excluded
-  regions, and its replay then saves other tensors than its forward did
-  (PyTorch's ``CheckpointError: Recomputed values ... have different metadata``).
-  recomp raises one error naming both switches instead.
+  ``Trainer(gradient_checkpointing=True)``) on a layer that recomp's wrapper also
+  checkpoints puts a second, plain PyTorch checkpoint around or inside recomp's. That
+  one replays the excluded regions, and its replay then saves other tensors than its
+  forward did (PyTorch's ``CheckpointError: Recomputed values ... have different
+  metadata``). recomp raises one error naming both switches and the fix instead. The
+  call HF's switch itself makes (recomp's checkpoint as HF's checkpoint function, which
+  HF hands the layer's own forward, below the switch) is a single checkpoint and passes.
 * A KV cache written by recomputed code is written again by the replay, during
   backward (a cache twice as long, or a size mismatch with a prefix cache).
   As HF's checkpointing does, recomp then turns the cache off for the layer
@@ -17,6 +21,11 @@ called in training with gradients on, which is when a replay will follow:
   that is an error. Where every module that writes the cache (HF attention
   modules, which carry ``layer_idx``) is an excluded region, the write runs
   once and the cache is kept as it is.
+
+``HFCheckpointing`` (``hf_activation_checkpointing``) makes recomp's checkpoint the
+function HF's switch calls: a forward pre-hook on each layer swaps it in for PyTorch's
+whenever HF put PyTorch's there (``Trainer``, TRL and PEFT turn the switch on again),
+with the same keyword arguments.
 
 ``transformers`` is never imported here: if the caller's model is an HF model,
 its module is loaded already.
@@ -27,6 +36,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -34,12 +44,19 @@ from torch import nn
 from .. import _kv_cache
 from .._engine import ExcludedRegion
 from .._wrapping import CHECKPOINT_KWARGS, FirstLooks
-from ..errors import DoubleCheckpointError
+from ..errors import RecompError
 from . import _compat
+from ._foreign import refuse_double_checkpoint
 
-__all__ = ["adapt_hf_layer_call", "guard_model_cache"]
-
-# Keyword arguments under which HF layers receive a KV cache (names differ per model).
+__all__ = [
+    "HFCheckpointFunction",
+    "HFCheckpointing",
+    "adapt_hf_layer_call",
+    "guard_model_cache",
+    "hf_layers",
+    "recomp_hf_layers",
+    "undo_hf_checkpointing",
+]
 
 
 def adapt_hf_layer_call(function: Any, kwargs: dict[str, Any]) -> None:
@@ -51,20 +68,50 @@ def adapt_hf_layer_call(function: Any, kwargs: dict[str, Any]) -> None:
 
     if not torch.is_grad_enabled():
         return
-    if getattr(layer, "gradient_checkpointing", False):
-        error = DoubleCheckpointError(
-            f"{type(layer).__name__} is checkpointed twice: by recomp and by Hugging Face's "
-            "activation checkpointing (model.activation_checkpointing_enable() or its older name "
-            "gradient_checkpointing_enable(), which Trainer calls for "
-            "TrainingArguments(activation_checkpointing=True) or gradient_checkpointing=True). "
-            "HF's plain PyTorch checkpoint inside recomp's replays the excluded regions and fails "
-            "in backward. recomp already checkpoints this layer: turn HF's off "
-            "(model.activation_checkpointing_disable(), and leave activation_checkpointing and "
-            "gradient_checkpointing False in TrainingArguments)."
-        )
-        _compat.close_enclosing_checkpoint(error)  # HF's checkpoint, left open by PyTorch 2.9
-        raise error
+    # HF's switch on the layer means a second checkpoint unless this call is the one HF's
+    # switch makes (recomp as HF's checkpoint function): that one runs the layer's own
+    # forward, below the switch.
+    if getattr(layer, "gradient_checkpointing", False) and not _compat.is_hf_checkpoint_call(
+        layer, function
+    ):
+        refuse_double_checkpoint(_double_checkpoint_message(layer))
     _turn_off_rewritten_cache(layer, kwargs)
+
+
+def _double_checkpoint_message(layer: nn.Module) -> str:
+    name = type(layer).__name__
+    fix = (
+        "Checkpoint it once. Either let recomp be HF's checkpoint function, so that HF's "
+        "switch (and Trainer's and TRL's defaults) can stay on: recomp.torch.unwrap(model), "
+        "then recomp.torch.hf_activation_checkpointing(model, exclude_fn=...) in place of "
+        "apply_activation_checkpointing / checkpoint_wrapper; or turn HF's off "
+        "(model.activation_checkpointing_disable(), and leave activation_checkpointing and "
+        "gradient_checkpointing False in TrainingArguments, SFTConfig and the other TRL configs)."
+    )
+    if _is_recomp_function(_compat.hf_checkpoint_function(layer)):
+        return (
+            f"{name} is checkpointed twice: by recomp (checkpoint_wrapper, "
+            "apply_activation_checkpointing or checkpoint of the layer) and by Hugging Face's "
+            "activation checkpointing, whose checkpoint function is recomp's too "
+            "(hf_activation_checkpointing, or recomp's checkpoint given to HF). " + fix
+        )
+    return (
+        f"{name} is checkpointed twice: by recomp (checkpoint_wrapper, "
+        "apply_activation_checkpointing or checkpoint of the layer) and by Hugging Face's "
+        "activation checkpointing with PyTorch's checkpoint (model.activation_checkpointing_enable() "
+        "or its older name gradient_checkpointing_enable(), which Trainer calls for "
+        "TrainingArguments(activation_checkpointing=True) or gradient_checkpointing=True, and "
+        "TRL's trainers by default). HF's plain PyTorch checkpoint around or inside recomp's replays the "
+        "excluded regions and fails in backward. " + fix
+    )
+
+
+def _is_recomp_function(function: Any) -> bool:
+    while isinstance(function, functools.partial):
+        function = function.func
+    if isinstance(function, HFCheckpointFunction):
+        return True
+    return str(getattr(function, "__module__", "")).startswith("recomp.")
 
 
 def _hf_layer(function: Any) -> nn.Module | None:
@@ -166,3 +213,137 @@ class _CacheOffInTraining:
         if CHECKPOINT_KWARGS not in vars(layer) or _compat.hf_layer_keeps_cache(layer):
             return False
         return _kv_cache.rewritten(layer, lambda m: m.children(), _is_excluded_region)
+
+
+# --------------------------------------------------------------------------- recomp as HF's
+# checkpoint function (hf_activation_checkpointing)
+
+#: Where a layer keeps what hf_activation_checkpointing installed on it (its HFCheckpointing).
+HF_CHECKPOINTING = "_recomp_hf_checkpointing"
+
+
+def hf_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The transformers ``GradientCheckpointingLayer`` modules in ``model``, with their paths."""
+    modeling_layers = sys.modules.get("transformers.modeling_layers")
+    layer_type = getattr(modeling_layers, "GradientCheckpointingLayer", None)
+    if layer_type is None:
+        return []
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, layer_type)]
+
+
+class HFCheckpointFunction:
+    """What an HF layer finds as its checkpoint function under ``hf_activation_checkpointing``:
+    recomp's ``checkpoint`` with the options given to recomp and the keyword arguments HF
+    was given (``activation_checkpointing_kwargs``), HF's on a key both name."""
+
+    def __init__(self, owner: HFCheckpointing, replaced: Any, hf_kwargs: dict[str, Any]) -> None:
+        self.owner = owner
+        self.replaced = replaced  # what HF had put there; unwrap gives it back
+        self.hf_kwargs = hf_kwargs
+        self.kwargs = {**owner.checkpoint_kwargs, **hf_kwargs}
+
+    def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.owner.checkpoint(function, *args, **self.kwargs, **kwargs)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        return f"recomp.torch.checkpoint({shown})" if shown else "recomp.torch.checkpoint"
+
+
+class HFCheckpointing:
+    """One ``hf_activation_checkpointing`` call: its options, and the forward pre-hook on
+    each of its layers that puts recomp's checkpoint where HF's switch looks for its
+    function, whoever turned the switch on (``Trainer``, TRL, PEFT, the user) and with
+    whatever PyTorch-checkpoint arguments."""
+
+    def __init__(self, checkpoint: Callable[..., Any], checkpoint_kwargs: dict[str, Any]) -> None:
+        self.checkpoint = checkpoint
+        self.checkpoint_kwargs = checkpoint_kwargs
+        self.last: HFCheckpointFunction | None = None  # shared by the layers HF gave one function
+
+    def install(self, layer: nn.Module) -> None:
+        """Take over ``layer`` (again, with these options, if an earlier call did)."""
+        earlier = vars(layer).get(HF_CHECKPOINTING)
+        if earlier is not None:
+            earlier.handle.remove()
+        handle = layer.register_forward_pre_hook(self.before_call)
+        layer.__dict__[HF_CHECKPOINTING] = _Installed(self, handle)
+        self.adopt(layer)
+
+    def before_call(self, layer: nn.Module, args: Any) -> None:
+        if getattr(layer, "gradient_checkpointing", False):
+            self.adopt(layer)
+
+    def adopt(self, layer: nn.Module) -> None:
+        """Replace the checkpoint function HF gave ``layer``, if it is not this call's."""
+        current = _compat.hf_checkpoint_function(layer)
+        if isinstance(current, HFCheckpointFunction) and current.owner is self:
+            return
+        if current is None and not getattr(layer, "gradient_checkpointing", False):
+            return  # HF's switch was never turned on: nothing to replace yet
+        if self.last is None or self.last.replaced is not current:
+            self.last = self.function_for(layer, current)
+        _compat.set_hf_checkpoint_function(layer, self.last)
+
+    def function_for(self, layer: nn.Module, current: Any) -> HFCheckpointFunction:
+        if isinstance(current, HFCheckpointFunction):  # an earlier call's, on this layer
+            return HFCheckpointFunction(self, current.replaced, current.hf_kwargs)
+        import torch.utils.checkpoint
+
+        base, keywords = current, {}
+        if isinstance(current, functools.partial) and not current.args:
+            base, keywords = current.func, dict(current.keywords)
+        if base is not torch.utils.checkpoint.checkpoint and base is not self.checkpoint:
+            raise RecompError(_foreign_function_message(layer, current))
+        if keywords.pop("use_reentrant", None):
+            warnings.warn(
+                f"Hugging Face's activation checkpointing of {type(layer).__name__} was asked "
+                "for use_reentrant=True (in activation_checkpointing_kwargs or "
+                "gradient_checkpointing_kwargs; TRL's trainers set it for PEFT under DeepSpeed "
+                "ZeRO-3). hf_activation_checkpointing made recomp HF's checkpoint function, and "
+                "recomp's checkpoint is non-reentrant only (excluded regions rely on saved-tensor "
+                "hooks, which a reentrant checkpoint bypasses): the layers are checkpointed "
+                "non-reentrantly. To silence this, leave use_reentrant unset or pass "
+                "use_reentrant=False in those keyword arguments.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return HFCheckpointFunction(self, current, keywords)
+
+
+class _Installed:
+    """What a layer keeps of the hf_activation_checkpointing call that took it over."""
+
+    def __init__(self, owner: HFCheckpointing, handle: Any) -> None:
+        self.owner = owner
+        self.handle = handle
+
+
+def _foreign_function_message(layer: nn.Module, current: Any) -> str:
+    return (
+        f"hf_activation_checkpointing made recomp the checkpoint function of "
+        f"{type(layer).__name__}, but Hugging Face's activation checkpointing was then given "
+        f"another one ({current!r}). recomp takes the place of PyTorch's "
+        "torch.utils.checkpoint.checkpoint, with its keyword arguments, and of its own; any "
+        "other would replay the excluded regions. HF's offload=True "
+        "(activation_checkpointing_kwargs={'offload': True}) is such a function: PyTorch's "
+        "checkpoint inside save_on_cpu; with recomp, offload what the excluded regions keep "
+        "with hf_activation_checkpointing(model, exclude_fn=..., offload_fn=...) instead. To "
+        "use that other function, call recomp.torch.unwrap(model) first."
+    )
+
+
+def recomp_hf_layers(module: nn.Module) -> list[nn.Module]:
+    """The modules below ``module`` (itself included) that hf_activation_checkpointing took over."""
+    return [m for m in module.modules() if HF_CHECKPOINTING in vars(m)]
+
+
+def undo_hf_checkpointing(layers: list[nn.Module]) -> None:
+    """Give each layer back the checkpoint function HF had given it before recomp replaced
+    it (HF's checkpointing stays as HF's switch says) and remove recomp's hook."""
+    for layer in layers:
+        installed = layer.__dict__.pop(HF_CHECKPOINTING)
+        installed.handle.remove()
+        current = _compat.hf_checkpoint_function(layer)
+        if isinstance(current, HFCheckpointFunction):
+            _compat.set_hf_checkpoint_function(layer, current.replaced)

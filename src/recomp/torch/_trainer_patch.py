@@ -151,6 +151,16 @@ class Installation:
     def installed(self) -> bool:
         return bool(self._replaced)
 
+    def replace(self, owner: Any, attribute: str, value: Any) -> None:
+        """Also set ``owner.attribute`` to ``value`` until :meth:`remove`: for what the
+        module attributes of :func:`replace_attributes` do not reach (a default argument
+        bound when the trainer's function was defined, its ``__defaults__``)."""
+        if not self._replaced:
+            raise RecompError(f"recomp.torch.{self._name}: this installation was removed.")
+        original = getattr(owner, attribute)
+        setattr(owner, attribute, value)
+        self._replaced.append((owner, attribute, original, value))
+
     def remove(self) -> None:
         """Put the trainer's own functions back (once; later calls do nothing)."""
         replaced, self._replaced = self._replaced, []

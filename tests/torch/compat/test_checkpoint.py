@@ -1,6 +1,6 @@
 """``recomp.torch._compat.checkpoint``: PyTorch's non-reentrant checkpoint from the inside
-(its hooks, its frame's save counter and holders, the debug switch) and closing one whose
-function raised. Each test fails when PyTorch changes what recomp relies on."""
+(its hooks, its frame's save counter and holders, the debug switch), closing one whose
+function raised, and PyTorch's checkpoint wrapper taking a module. Each test fails when PyTorch changes what recomp relies on."""
 
 from __future__ import annotations
 
@@ -156,3 +156,23 @@ def test_an_early_stop_passes_through_the_replay_context():
     out.sum().backward()
     assert seen and seen[0] is True  # stopped after the last tensor the backward needs
     assert not _compat.is_early_stop(None) and not _compat.is_early_stop(ValueError())
+
+
+def test_checkpoint_wrapper_takes_the_module_it_checkpoints():
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrappers
+
+    seen = []
+
+    def hook(parent, name, module):
+        seen.append(_compat.checkpoint_wrapper_takes(parent, name))
+
+    handle = torch.nn.modules.module.register_module_module_registration_hook(hook)
+    try:
+        wrappers.checkpoint_wrapper(torch.nn.Linear(2, 2))
+        assert seen == [True]
+        seen.clear()
+        wrappers.offload_wrapper(torch.nn.Linear(2, 2))  # not a checkpoint
+        torch.nn.Sequential(torch.nn.Linear(2, 2))
+        assert seen == [False, False]
+    finally:
+        handle.remove()

@@ -27,3 +27,60 @@ def test_hf_models_name_their_layer_classes():
     )
     assert _compat.hf_no_split_modules(model) == {"GPT2Block"}
     assert _compat.hf_no_split_modules(torch.nn.Linear(2, 2)) == frozenset()
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=100,
+    )
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def test_hf_layers_keep_the_checkpoint_function_hf_calls():
+    import functools
+
+    import torch.utils.checkpoint
+
+    model = _tiny_llama()
+    layer = model.model.layers[0]
+    assert _compat.hf_checkpoint_function(layer) is None  # never turned on
+    model.activation_checkpointing_enable()
+    function = _compat.hf_checkpoint_function(layer)
+    assert isinstance(function, functools.partial)
+    assert function.func is torch.utils.checkpoint.checkpoint
+    assert function.keywords == {"use_reentrant": False}
+    calls = []
+
+    def counting(fn, *args, **kwargs):
+        calls.append((fn, args))
+        return function(fn, *args, **kwargs)
+
+    _compat.set_hf_checkpoint_function(layer, counting)
+    assert _compat.hf_checkpoint_function(layer) is counting
+    ids = torch.randint(0, 100, (1, 4))
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    assert len(calls) == 1
+
+
+def test_the_call_hf_makes_is_told_from_calls_through_its_switch():
+    import functools
+
+    model = _tiny_llama()
+    layer = model.model.layers[0]
+    model.activation_checkpointing_enable()
+    seen = []
+    _compat.set_hf_checkpoint_function(layer, lambda fn, *args: seen.append(fn) or fn(*args))
+    ids = torch.randint(0, 100, (1, 4))
+    model(ids, use_cache=False)
+    (hf_call,) = seen
+    assert _compat.is_hf_checkpoint_call(layer, hf_call)
+    # Calls that go through HF's switch again, and another layer's call.
+    for other in (layer, layer.forward, functools.partial(type(layer).forward, layer)):
+        assert not _compat.is_hf_checkpoint_call(layer, other)
+    assert not _compat.is_hf_checkpoint_call(_tiny_llama().model.layers[0], hf_call)

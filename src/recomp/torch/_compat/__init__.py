@@ -23,8 +23,9 @@ with one test per entry that fails when PyTorch changes underneath.
 ``checkpoint``
     PyTorch's non-reentrant checkpoint from the inside: its hooks on the saved-tensors
     hook stack, its frame's save counter and holders, the marks of its hooks, the debug
-    switch, and closing a checkpoint whose function raised: for the torch backend, kept
-    replays, the checkpoint debug log and the public entry points.
+    switch, closing a checkpoint whose function raised, and PyTorch's checkpoint wrapper
+    taking a module: for the torch backend, kept replays, the checkpoint debug log, the
+    public entry points and the refusal of a second checkpoint around recomp's.
 ``dispatch``
     Dispatch modes (running without them, hiding selective checkpointing's, a detach
     that shares the version counter, a completed c10d ``Work``), operator names,
@@ -52,6 +53,7 @@ from .checkpoint import (
     checkpoint_debug_switch,
     checkpoint_holders,
     checkpoint_save_counter,
+    checkpoint_wrapper_takes,
     close_enclosing_checkpoint,
     finish_failed_checkpoint,
     is_early_stop,
@@ -97,7 +99,13 @@ from .engine import (
     version,
     view_base,
 )
-from .hf import hf_layer_keeps_cache, hf_no_split_modules
+from .hf import (
+    hf_checkpoint_function,
+    hf_layer_keeps_cache,
+    hf_no_split_modules,
+    is_hf_checkpoint_call,
+    set_hf_checkpoint_function,
+)
 from .pytree import pytree_generation, pytree_node
 from .saved_tensors import (
     checkpoint_frame,
@@ -126,6 +134,7 @@ __all__ = [
     "checkpoint_plain_arguments",
     "checkpoint_rng_states",
     "checkpoint_save_counter",
+    "checkpoint_wrapper_takes",
     "close_enclosing_checkpoint",
     "compiled_backend_name",
     "compiled_original",
@@ -135,6 +144,7 @@ __all__ = [
     "fake_mode_of",
     "finish_failed_checkpoint",
     "graph_task_id",
+    "hf_checkpoint_function",
     "hf_layer_keeps_cache",
     "hf_no_split_modules",
     "hide_selective_checkpoint_modes",
@@ -142,6 +152,7 @@ __all__ = [
     "in_tracing_context",
     "is_compiled_graph_node",
     "is_early_stop",
+    "is_hf_checkpoint_call",
     "many_recompiles",
     "mark_as_checkpoint_hook",
     "memory_history_enabled",
@@ -166,6 +177,7 @@ __all__ = [
     "saved_values_readable",
     "selective_checkpoint_storage",
     "separate_backend",
+    "set_hf_checkpoint_function",
     "storage_key",
     "swap_module_tensor",
     "top_checkpoint_hooks",

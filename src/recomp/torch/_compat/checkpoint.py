@@ -1,10 +1,12 @@
 """PyTorch's non-reentrant checkpoint from the inside: the hooks it pushes on the
 saved-tensors hook stack, the frame (``_CheckpointFrame``) its pack hook closes over, and
-what it leaves open when its function raises.
+what it leaves open when its function raises; PyTorch's ``checkpoint_wrapper`` taking a
+module.
 
 Consumers: ``torch/_backend.py`` (the save counter), ``torch/_kept.py`` (the top hooks,
 their holders and marks), ``torch/_debug.py`` (the debug switch, the top hooks),
-``torch/_api.py`` and ``torch/_hf.py`` (closing a failed checkpoint).
+``torch/_api.py`` (closing a failed checkpoint), ``torch/_foreign.py`` (a plain
+checkpoint around recomp's: the top hooks, closing it, PyTorch's wrapper).
 Tested by ``tests/torch/compat/test_checkpoint.py``.
 """
 
@@ -255,3 +257,48 @@ def _close_checkpoint_frame(frame: Any, exc: BaseException) -> bool:
             if raised is not exc:
                 raise
     return True
+
+
+# --------------------------------------------------------------------------- PyTorch's checkpoint_wrapper
+
+# (class, attribute name) of PyTorch's checkpoint wrapper; None where it cannot be imported.
+_WRAPPER_SLOT: tuple[type, str] | bool | None = False  # False: not looked up yet
+
+
+def _checkpoint_wrapper_slot() -> tuple[type, str] | None:
+    global _WRAPPER_SLOT
+    if _WRAPPER_SLOT is False:
+        try:
+            from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrappers
+        except ImportError:  # a build without torch.distributed
+            _WRAPPER_SLOT = None
+        else:
+            cls = getattr(wrappers, "CheckpointWrapper", None)
+            name = getattr(wrappers, "_CHECKPOINT_WRAPPED_MODULE", None)
+            ok = isinstance(cls, type) and isinstance(name, str)
+            _WRAPPER_SLOT = (cls, name) if ok else None  # type: ignore[assignment]
+    return _WRAPPER_SLOT  # type: ignore[return-value]
+
+
+def checkpoint_wrapper_takes(parent: Any, name: str) -> bool:
+    """Whether registering a module as ``parent.<name>`` is PyTorch's checkpoint wrapper
+    (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper``,
+    made by its ``checkpoint_wrapper`` and ``apply_activation_checkpointing``) taking that
+    module as the one it checkpoints.
+
+    Why: trainers checkpoint through this wrapper (Lightning's
+    ``FSDPStrategy(activation_checkpointing_policy=...)``, Accelerate's FSDP
+    ``activation_checkpointing``). Around modules recomp wrapped, its plain checkpoint
+    replays recomp's excluded regions, and it inserts its attribute into the name of every
+    parameter below it; recomp refuses it as the module is registered.
+    How: the wrapper's class lives in a private module; its ``__init__`` assigns the
+    wrapped module to the attribute named by ``_CHECKPOINT_WRAPPED_MODULE``
+    (``"_checkpoint_wrapped_module"``), which runs the global module registration hooks.
+    If it changes: False, and recomp finds the plain checkpoint at the first training
+    forward instead (``DoubleCheckpointError`` from a recomp checkpoint inside it; a
+    module that recomp only excludes warns at the first backward).
+    Retired by: a public class for PyTorch's checkpoint wrapper.
+    Checked on PyTorch 2.9.1, 2.13.0 and 2.14.1.
+    """
+    slot = _checkpoint_wrapper_slot()
+    return slot is not None and name == slot[1] and isinstance(parent, slot[0])

@@ -1,12 +1,14 @@
 """Private API of transformers (Hugging Face), the library built on PyTorch that recomp
 works with most closely: it is fenced here too.
 
-Consumers: ``torch/_hf.py`` (which layers keep their KV cache) and the planner's layer
-finder (``plan/_layers.py``). Tested by ``tests/torch/compat/test_hf.py``.
+Consumers: ``torch/_hf.py`` (which layers keep their KV cache; the checkpoint function
+HF's own checkpointing calls, which ``hf_activation_checkpointing`` makes recomp's) and
+the planner's layer finder (``plan/_layers.py``). Tested by ``tests/torch/compat/test_hf.py``.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 
@@ -45,3 +47,55 @@ def hf_no_split_modules(model: Any) -> frozenset[str]:
         return frozenset(str(n) for n in names)
     except TypeError:
         return frozenset()
+
+
+def hf_checkpoint_function(layer: Any) -> Any:
+    """The function a transformers ``GradientCheckpointingLayer`` checkpoints its forward
+    with when HF's activation checkpointing is on (None before it was ever turned on).
+
+    Why: ``_set_gradient_checkpointing`` (which ``activation_checkpointing_enable()``,
+    ``gradient_checkpointing_enable()`` and ``Trainer`` call) stores it on each layer as
+    ``_gradient_checkpointing_func``, PyTorch's ``checkpoint`` with the caller's keyword
+    arguments; the layer's forward calls it. recomp reads it to put its own checkpoint,
+    with the same arguments, in its place.
+    If it changes: None, which ``hf_activation_checkpointing`` takes for a function it
+    does not know and refuses with an error (never a silent fall-back to PyTorch's
+    checkpoint, which would replay the excluded regions).
+    Retired by: a public setter for a model's checkpoint function.
+    Checked on transformers 5.24.0.
+    """
+    return vars(layer).get("_gradient_checkpointing_func")
+
+
+def set_hf_checkpoint_function(layer: Any, function: Any) -> None:
+    """Make ``function`` the one the layer checkpoints its forward with (see
+    :func:`hf_checkpoint_function`).
+
+    Why, if it changes, retired by: as there; written as HF's ``_set_gradient_checkpointing``
+    writes it, an instance attribute.
+    Checked on transformers 5.24.0.
+    """
+    layer._gradient_checkpointing_func = function
+
+
+def is_hf_checkpoint_call(layer: Any, function: Any) -> bool:
+    """Whether ``function`` is what a ``GradientCheckpointingLayer`` hands its checkpoint
+    function: the forward its class wraps, bound to the layer with the keyword arguments
+    (``functools.partial(forward, layer, **kwargs)``).
+
+    Why: such a call runs the layer's own forward, below HF's checkpointing switch, so
+    it checkpoints the layer once even though HF's switch is on; a call of the layer,
+    its ``forward``, or a partial of its class's ``forward`` goes through the switch
+    and is checkpointed again inside (recomp's ``DoubleCheckpointError``). The forward
+    HF wraps is ``__wrapped__`` of the class's ``forward`` (``functools.wraps``).
+    If it changes: False, and recomp as HF's checkpoint function raises
+    ``DoubleCheckpointError`` at the first training step (a test fails here first).
+    Retired by: HF telling its checkpoint function which layer it checkpoints.
+    Checked on transformers 5.24.0.
+    """
+    if not isinstance(function, functools.partial) or not function.args:
+        return False
+    if function.args[0] is not layer:
+        return False
+    wrapped = getattr(type(layer).forward, "__wrapped__", None)
+    return wrapped is not None and function.func is wrapped

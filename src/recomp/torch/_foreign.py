@@ -1,0 +1,143 @@
+"""A second, plain PyTorch checkpoint around what recomp checkpoints: refused.
+
+A plain (non-reentrant) PyTorch checkpoint around a recomp checkpoint replays it
+in backward like any other code: recomp's checkpoint runs again, its excluded
+regions included, so the exclusion does not take effect, and the forward has
+kept the regions' tensors for nothing. Trainers add such a checkpoint when their
+own activation checkpointing is switched on as well as recomp's: Hugging Face's
+(``gradient_checkpointing``, found on the layer by ``_hf.py``), and PyTorch's
+``checkpoint_wrapper`` as Lightning's ``FSDPStrategy(activation_checkpointing_policy=...)``
+and Accelerate's FSDP plugin apply it, which also inserts
+``_checkpoint_wrapped_module.`` into every parameter name below it.
+
+recomp raises :class:`~recomp.errors.DoubleCheckpointError` naming the switch to
+turn off, as early as it can see the second checkpoint:
+
+* when PyTorch's ``checkpoint_wrapper`` takes a module that recomp wrapped, or
+  one that holds such modules (a global module registration hook, installed the
+  first time recomp wraps a module): before anything ran, no name changed;
+* otherwise when a recomp checkpoint's forward starts inside the forward of a
+  plain checkpoint (``torch.utils.checkpoint.checkpoint`` called by hand): the
+  plain checkpoint is closed first (PyTorch 2.9 would leave it open), and recomp
+  has opened nothing yet.
+
+An excluded region under a plain checkpoint with no recomp checkpoint around it
+is still only warned about, in backward (``ForeignCheckpointWarning``), unless
+PyTorch's wrapper is the one that took it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+from torch import nn
+
+from .._state import get_recompute_state
+from .._wrapping import CHECKPOINT_KWARGS, REGION
+from ..errors import DoubleCheckpointError
+from . import _compat
+
+__all__ = ["refuse_double_checkpoint", "refuse_enclosing_checkpoint", "watch_checkpoint_wrappers"]
+
+# Where trainers switch their own checkpointing on; every message names them.
+TRAINER_SWITCHES = (
+    "Lightning: leave FSDPStrategy's activation_checkpointing_policy (and the older "
+    "activation_checkpointing) unset. Accelerate: FullyShardedDataParallelPlugin("
+    "activation_checkpointing=False). Your own code: do not apply PyTorch's checkpoint_wrapper "
+    "or apply_activation_checkpointing to modules that recomp wrapped."
+)
+
+
+def refuse_double_checkpoint(message: str) -> NoReturn:
+    """Raise ``DoubleCheckpointError(message)`` from inside the forward of a plain PyTorch
+    checkpoint, closing that checkpoint first (PyTorch 2.9 would leave it open). Only
+    before recomp's own checkpoint has opened anything."""
+    error = DoubleCheckpointError(message)
+    _compat.close_enclosing_checkpoint(error)
+    raise error
+
+
+def refuse_enclosing_checkpoint(name: str) -> None:
+    """Raise if the recomp checkpoint of ``name`` is starting inside the forward of a
+    plain PyTorch checkpoint (one that recomp does not control)."""
+    if get_recompute_state() is not None:
+        # Inside a recomp checkpoint (nested ones are recomp's), or in its replay.
+        return
+    if _compat.top_checkpoint_hooks() is None:
+        return
+    refuse_double_checkpoint(
+        f"recomp's checkpoint of {name} is running inside a plain PyTorch checkpoint "
+        "(torch.utils.checkpoint.checkpoint, or PyTorch's checkpoint_wrapper as trainers apply "
+        "it for their activation checkpointing option): in backward that checkpoint would run "
+        "recomp's again, excluded regions included, so the exclusion would not take effect. "
+        "recomp already checkpoints it; turn the other activation checkpointing off. "
+        + TRAINER_SWITCHES
+    )
+
+
+_WATCHING = False
+
+
+def watch_checkpoint_wrappers() -> None:
+    """From now on, refuse PyTorch's ``checkpoint_wrapper`` around modules recomp wrapped.
+    Called each time recomp wraps a module; installs the hook once per process."""
+    global _WATCHING
+    if not _WATCHING:
+        nn.modules.module.register_module_module_registration_hook(_refuse_checkpoint_wrapper)
+        _WATCHING = True
+
+
+def _refuse_checkpoint_wrapper(parent: nn.Module, name: str, module: Any) -> None:
+    """Global module registration hook: raise when PyTorch's checkpoint wrapper ``parent``
+    takes ``module`` and recomp wrapped it or modules below it."""
+    if module is None or not _compat.checkpoint_wrapper_takes(parent, name):
+        return
+    checkpointed, excluded = _recomp_wrapped(module)
+    if not checkpointed and not excluded:
+        return
+    what = type(module).__name__
+    renames = (
+        f"it would also insert '{name}.' into the name of every parameter below it. "
+        f"{what} was not wrapped."
+    )
+    if checkpointed:
+        found = (
+            f"{what}, which recomp checkpoints"
+            if checkpointed == [""]
+            else f"{what}, which holds modules that recomp checkpoints ({_shown(checkpointed)})"
+        )
+        message = (
+            f"PyTorch's checkpoint_wrapper is wrapping {found}: its plain checkpoint would "
+            "replay recomp's in backward, excluded regions included (the exclusion would not "
+            f"take effect), and {renames} recomp already checkpoints these modules; turn the "
+            "other activation checkpointing off. "
+        )
+    else:
+        message = (
+            f"PyTorch's checkpoint_wrapper is wrapping {what}, which holds modules that recomp "
+            f"excludes ({_shown(excluded)}): they are kept out of the replay of recomp's "
+            f"checkpoints only, and this plain checkpoint would replay them; {renames} "
+            "Checkpoint with recomp instead (recomp.torch.apply_activation_checkpointing(model, "
+            "checkpoint_fn=..., exclude_fn=...); with Lightning, in "
+            "LightningModule.configure_model) and turn the other activation checkpointing off. "
+        )
+    raise DoubleCheckpointError(message + TRAINER_SWITCHES)
+
+
+def _recomp_wrapped(module: nn.Module) -> tuple[list[str], list[str]]:
+    """Paths below ``module`` (``""``: itself) of the modules recomp checkpoints and of
+    those it excludes."""
+    checkpointed: list[str] = []
+    excluded: list[str] = []
+    for path, sub in module.named_modules():
+        own = vars(sub)
+        if CHECKPOINT_KWARGS in own:
+            checkpointed.append(path)
+        elif REGION in own:
+            excluded.append(path)
+    return checkpointed, excluded
+
+
+def _shown(paths: list[str], limit: int = 3) -> str:
+    shown = ", ".join(p or "itself" for p in paths[:limit])
+    return shown if len(paths) <= limit else f"{shown} and {len(paths) - limit} more"

@@ -1,0 +1,130 @@
+"""A plain PyTorch checkpoint around what recomp wrapped is refused (``DoubleCheckpointError``).
+
+PyTorch's ``checkpoint_wrapper`` (what Lightning's ``FSDPStrategy(activation_checkpointing_policy=...)``
+and Accelerate's FSDP plugin apply) taking a module that recomp checkpoints, or one that
+holds modules recomp checkpoints or excludes, is refused as it takes it: nothing was
+wrapped, no parameter name changed, the model trains as before. A recomp checkpoint whose
+forward starts inside a plain ``torch.utils.checkpoint.checkpoint`` is refused there,
+before recomp opened anything, with the plain checkpoint closed. What PyTorch's wrappers
+do elsewhere is unchanged. The same in a Lightning run: ``tests/trainers/test_lightning.py``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper as TorchCheckpointWrapper,
+)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing as torch_apply,
+)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper as torch_wrapper,
+)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    offload_wrapper,
+)
+
+import recomp
+import recomp.torch as rt
+from torch_models import Block, assert_same_grads, exclude_attention, grads_of, stack, twin
+
+SWITCH = "activation_checkpointing_policy"
+
+
+def names(model: nn.Module) -> list[str]:
+    return [n for n, _ in model.named_parameters()]
+
+
+def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).sum()
+
+
+def no_saved_tensor_hooks() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_checkpoint_wrapper_around_a_recomp_checkpoint_is_refused():
+    ref = stack(2)
+    model = exclude_attention(twin(ref))
+    before = names(model)
+    with pytest.raises(recomp.DoubleCheckpointError) as info:
+        torch_wrapper(model[0])
+    message = str(info.value)
+    assert "checkpoint_wrapper is wrapping Block, which recomp checkpoints" in message
+    assert SWITCH in message and "_checkpoint_wrapped_module." in message
+    assert names(model) == before
+    x = torch.randn(3, 4, 8)
+    assert_same_grads(grads_of(ref, loss_fn, x)[1], grads_of(model, loss_fn, x)[1])
+    assert [b.attn.region_runs for b in model] == [1, 1]
+
+
+def test_apply_activation_checkpointing_stops_at_the_first_recomp_module():
+    model = exclude_attention(stack(2))
+    before = names(model)
+    with pytest.raises(recomp.DoubleCheckpointError, match=SWITCH):
+        torch_apply(model, check_fn=lambda m: isinstance(m, Block))
+    assert names(model) == before
+    assert not any(isinstance(m, TorchCheckpointWrapper) for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "found"),
+    [
+        (True, "holds modules that recomp checkpoints (0, 1)"),
+        (False, "holds modules that recomp excludes (0.attn, 1.attn)"),
+    ],
+)
+def test_checkpoint_wrapper_around_modules_holding_recomp_wrappers_is_refused(checkpoint, found):
+    model = exclude_attention(stack(2), checkpoint=checkpoint)
+    pattern = re.escape(f"Sequential, which {found}")
+    with pytest.raises(recomp.DoubleCheckpointError, match=pattern) as info:
+        torch_wrapper(model)
+    if not checkpoint:
+        assert "apply_activation_checkpointing(model, checkpoint_fn=" in str(info.value)
+
+
+def test_other_wrappers_are_left_alone():
+    # PyTorch's checkpoint on modules recomp did not wrap, and its offload wrapper
+    # (not a checkpoint) around one it did.
+    plain = torch_wrapper(nn.Linear(4, 4))
+    assert isinstance(plain, TorchCheckpointWrapper)
+    model = exclude_attention(stack(1))
+    offloaded = offload_wrapper(model[0])
+    x = torch.randn(2, 3, 8)
+    loss_fn(offloaded(x)).backward()
+    assert (model[0].attn.region_runs, model[0].attn.region_skips) == (1, 1)
+    # After unwrap, nothing of recomp is left to protect.
+    unwrapped = rt.unwrap(exclude_attention(stack(1)))
+    assert isinstance(torch_wrapper(unwrapped[0]), TorchCheckpointWrapper)
+
+
+def test_recomp_checkpoint_inside_a_plain_checkpoint_is_refused_in_the_forward():
+    ref = stack(2)
+    model = exclude_attention(twin(ref))
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    with pytest.raises(recomp.DoubleCheckpointError) as info:
+        torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+    message = str(info.value)
+    assert "recomp's checkpoint of Block.forward is running inside a plain PyTorch" in message
+    assert SWITCH in message
+    assert no_saved_tensor_hooks()  # the plain checkpoint was closed, recomp opened nothing
+    assert [b.attn.region_runs for b in model] == [0, 0]
+    assert recomp.get_recompute_state() is None
+    # The next step, without the plain checkpoint, is right.
+    assert_same_grads(grads_of(ref, loss_fn, x)[1], grads_of(model, loss_fn, x)[1])
+    assert [(b.attn.region_runs, b.attn.region_skips) for b in model] == [(1, 1), (1, 1)]
+
+
+def test_plain_checkpoint_without_gradients_and_recomp_inside_recomp_are_not_refused():
+    model = exclude_attention(stack(2))
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+    outer = rt.checkpoint_wrapper(nn.Sequential(model))  # recomp around recomp: nested
+    loss_fn(outer(x.requires_grad_())).backward()
+    assert [b.attn.region_runs for b in model] == [2, 2]  # the no-grad run and the forward
