@@ -21,7 +21,7 @@ from .._wrapping import (
     default_name,
 )
 from ..errors import RecompError
-from . import _compat, _compile, _hf, _kept
+from . import _compat, _compile, _hf, _kept, _swap
 from ._backend import BACKEND
 from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
@@ -34,11 +34,15 @@ from ._value_check import value_check_option
 # non-reentrant checkpoint's and recomp's own.
 CHECKPOINT_OPTIONS = (
     "context_fn",
+    "cpu_pool",
     "debug",
     "determinism_check",
     "early_stop",
     "exclude_collectives",
+    "group_swap",
+    "policy_fn",
     "preserve_rng_state",
+    "swap_inputs",
     "use_reentrant",
 )
 
@@ -49,6 +53,10 @@ def checkpoint(
     context_fn: Callable[[], tuple[Any, Any]] | None = None,
     use_reentrant: bool | None = None,
     exclude_collectives: bool = True,
+    policy_fn: Callable[..., Any] | list[Any] | None = None,
+    swap_inputs: bool = False,
+    group_swap: bool = False,
+    cpu_pool: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Checkpoint ``function(*args, **kwargs)`` with recomp's recompute state installed.
@@ -69,10 +77,18 @@ def checkpoint(
     their results until backward and the replay reads them instead of
     communicating again. ``exclude_collectives=False`` communicates again in
     the replay and keeps nothing.
+
+    HyperParallel's options: ``policy_fn`` (per op, see
+    :func:`create_selective_checkpoint_contexts`; ``CheckpointPolicy.MUST_SWAP``
+    keeps an op's output on the host until backward), ``swap_inputs=True`` (the
+    checkpoint's own saved inputs go to the host until the replay), ``group_swap``
+    and ``cpu_pool`` (NOTE [ Swap scopes ] in ``recomp.torch._swap``).
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
     if _compile.is_compiling():
+        swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
+        context_fn = swap.compiled_context_fn(context_fn)
         # PyTorch's partitioner never recomputes a functional collective (which is what
         # Dynamo makes of every collective) unless told to: nothing to add here. A
         # compiled program saves no tensor through hooks: no value check there. (The
@@ -88,6 +104,7 @@ def checkpoint(
         # contexts). Inside one, the engine still runs, so that a replay of the
         # enclosing checkpoint finds the same nested calls as its forward did.
         return function(*args, **_function_kwargs(kwargs))
+    swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
     adapt_hf_layer_call(function, kwargs)
     name = _checkpointed_name(function)
     refuse_enclosing_checkpoint(name)
@@ -99,6 +116,9 @@ def checkpoint(
         parts.append(_kept.KEPT_REPLAYS)
     if exclude_collectives and collectives_may_run():
         parts.append(keep_collective_results(function))
+    selective = swap.part()
+    if selective is not None:
+        parts.append(selective)
     call = _engine.begin(
         BACKEND,
         args,
@@ -108,14 +128,16 @@ def checkpoint(
         align_rng=kwargs.get("preserve_rng_state", True),
         function=function,
     )
-    with torch_debug_off:
+    with torch_debug_off, swap.scope(function, context_fn) as finish:
         try:
-            return torch.utils.checkpoint.checkpoint(
-                function,
-                *args,
-                use_reentrant=False,
-                context_fn=call.context_fn,
-                **kwargs,
+            return finish(
+                torch.utils.checkpoint.checkpoint(
+                    function,
+                    *args,
+                    use_reentrant=False,
+                    context_fn=call.context_fn,
+                    **kwargs,
+                )
             )
         except BaseException as exc:
             _compat.finish_failed_checkpoint(exc)  # PyTorch 2.9 leaves it open
@@ -336,12 +358,16 @@ def unwrap(module: Any) -> Any:
     Restores each wrapped module's class and removes recomp's attributes; returns
     ``module`` (or, for a function given to ``checkpoint_exclude_wrapper``, the function).
     Layers :func:`hf_activation_checkpointing` took over get back the checkpoint function
-    Hugging Face had given them (PyTorch's): HF's own switch stays as it is.
+    Hugging Face had given them (PyTorch's): HF's own switch stays as it is. The hooks of
+    ``swap_wrapper`` are removed too.
     """
+    swapped = _swap.unwrap_swaps(module)
     taken = _hf.recomp_hf_layers(module) if isinstance(module, nn.Module) else []
-    if taken and not any(_wrapping.recomp_wrapper_of(m) is not None for m in module.modules()):
+    if (taken or swapped) and not any(
+        _wrapping.recomp_wrapper_of(m) is not None for m in module.modules()
+    ):
         _hf.undo_hf_checkpointing(taken)  # hf_activation_checkpointing without exclusions
-        return module
+        return module  # or only swap wrappers below it
     result = _wrapping.unwrap(_MODEL_OPS, module)
     _hf.undo_hf_checkpointing(taken)
     return result

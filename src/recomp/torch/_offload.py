@@ -92,9 +92,11 @@ class _Stored:
     __slots__ = (
         "__weakref__",
         "alloc_stream",
+        "back",
         "device",
         "group",
         "host",
+        "in_place",
         "nbytes",
         "offloader",
         "reads",
@@ -123,6 +125,11 @@ class _Stored:
         self.alloc_stream: Any = None
         self.views = 0  # handles made for it
         self.reads = 0  # reads in the current pass
+        # In place (``swap_tensor_wrapper``): the storage itself, emptied once copied and
+        # refilled for backward, so that every tensor on it sees its bytes again; ``back``
+        # once refilled (or never emptied, the backward having come first).
+        self.in_place: Any = None
+        self.back = False
 
     def changed(self) -> bool:
         src = self.source
@@ -159,21 +166,42 @@ class OffloadHandle:
 class OffloadGroup:
     """The offloaded tensors of one region call; see NOTE [ Offload ordering and lifetime ]."""
 
-    __slots__ = ("__weakref__", "chained_pass", "name", "offloader", "records", "sources")
+    __slots__ = (
+        "__weakref__",
+        "chained_pass",
+        "name",
+        "offloaded_bytes",
+        "offloader",
+        "pool",
+        "records",
+        "restored_bytes",
+        "sources",
+    )
 
     def __init__(self, offloader: Offloader, name: str) -> None:
         self.offloader = offloader
         self.name = name
+        # What this region call moved out and back (each storage once per copy).
+        self.offloaded_bytes = 0
+        self.restored_bytes = 0
+        # Where host copies come from: None (pinned memory allocated per copy) or a
+        # bounded pool reused across steps (``recomp.torch._swap.PinnedMemoryPool``).
+        self.pool: Any = None
         self.records: list[weakref.ref[_Stored]] = []
         # storage -> (alias of it, its record), for the region's forward only.
         self.sources: dict[Hashable, tuple[torch.Tensor, _Stored]] = {}
         self.chained_pass: int | None = None
 
-    def put(self, t: torch.Tensor) -> OffloadHandle | None:
+    def put(
+        self, t: torch.Tensor, force: bool = False, in_place: bool = False
+    ) -> OffloadHandle | None:
         """Start copying ``t``'s storage to the host; None if ``t`` stays where it is
-        (below the size threshold, not on an offloaded device, not a plain tensor)."""
+        (below the size threshold unless ``force``, not on an offloaded device, not a
+        plain tensor). ``force``: a swap policy chose ``t`` (``recomp.torch._swap``).
+        ``in_place``: the storage itself is emptied once copied, and refilled by
+        :meth:`bring_back_in_place` (tensors the caller keeps, ``swap_tensor_wrapper``)."""
         off = self.offloader
-        if not off._eligible(t):
+        if not off._eligible(t, force):
             return None
         key = _compat.storage_key(t)
         held = self.sources.get(key)
@@ -182,7 +210,7 @@ class OffloadGroup:
         else:
             source = t.detach()  # shares the storage and the version counter
             with _quiet():
-                stored = off._copy_out(self, source)
+                stored = off._copy_out(self, source, t.untyped_storage() if in_place else None)
             self.sources[key] = (source, stored)
             self.records.append(weakref.ref(stored))
         stored.views += 1
@@ -197,6 +225,24 @@ class OffloadGroup:
         """The region failed: wait for its copies and forget them."""
         self.sources.clear()
         self.offloader.synchronize()
+
+    def bring_back_in_place(self) -> None:
+        """Refill this group's in-place storages now, ready for the current stream."""
+        off = self.offloader
+        off.poll()
+        with _quiet():
+            for ref in self.records:
+                stored = ref()
+                if stored is None or stored.in_place is None:
+                    continue
+                if not stored.back:
+                    if stored.source is not None:
+                        stored.back = True  # still being copied: never emptied
+                    else:
+                        off._restore(stored, ahead=False)
+                if stored.ready is not None:
+                    torch.cuda.current_stream(stored.device).wait_event(stored.ready)
+                    stored.ready = None
 
     def prefetch(self) -> None:
         """Start bringing this region's tensors back to the device."""
@@ -256,6 +302,11 @@ class Offloader:
         # Told (event, region name) for each copy back ("ahead" or "on read") and each
         # read of an offloaded storage: the test seam (``recomp._testing.offload_events``).
         self.trace: Callable[[str, str], None] | None = None
+        # Told each group opened (the swap manager's per-layer counters, tests).
+        self.group_opened: Callable[[OffloadGroup], None] | None = None
+        # Asked, on the first read of a group in a backward pass, which group to bring
+        # back ahead (None: the one recorded before it); the swap manager's layer pairs.
+        self.prefetch_pair: Callable[[OffloadGroup], OffloadGroup | None] | None = None
 
     # -- what the engine calls ---------------------------------------------------
 
@@ -273,6 +324,8 @@ class Offloader:
         with self._lock:
             self._groups = [g for g in self._groups if g() is not None]
             self._groups.append(weakref.ref(group))
+        if self.group_opened is not None:
+            self.group_opened(group)
         return group
 
     @property
@@ -304,7 +357,7 @@ class Offloader:
 
     # -- internals ------------------------------------------------------------------
 
-    def _eligible(self, t: torch.Tensor) -> bool:
+    def _eligible(self, t: torch.Tensor, force: bool = False) -> bool:
         if type(t) is not torch.Tensor or t.layout is not torch.strided:
             return False
         device = t.device.type
@@ -313,7 +366,7 @@ class Offloader:
         if t.is_conj() or t.is_neg() or t.is_quantized or t.is_inference():
             return False
         try:
-            return t.untyped_storage().nbytes() >= max(1, self.min_bytes)
+            return t.untyped_storage().nbytes() >= max(1, 0 if force else self.min_bytes)
         except (RuntimeError, NotImplementedError):
             return False
 
@@ -323,14 +376,15 @@ class Offloader:
             stream = self._streams[device] = torch.cuda.Stream(device)
         return stream
 
-    def _copy_out(self, group: OffloadGroup, source: torch.Tensor) -> _Stored:
+    def _copy_out(self, group: OffloadGroup, source: torch.Tensor, in_place: Any = None) -> _Stored:
         stored = _Stored(self, group, source)
+        stored.in_place = in_place
         flat = _bytes_of(source)
         if source.device.type == "cuda":
             with torch.cuda.device(source.device):
                 compute = torch.cuda.current_stream()
                 side = self._stream(source.device)
-                host = torch.empty(stored.nbytes, dtype=torch.uint8, pin_memory=True)
+                host = _host_buffer(group, stored)
                 side.wait_stream(compute)  # the values are written by work queued there
                 with torch.cuda.stream(side):
                     started = _event(self.timing)
@@ -339,7 +393,11 @@ class Offloader:
                     done.record()
         else:
             t0 = time.perf_counter()
-            host = flat.clone()
+            if group.pool is None:
+                host = flat.clone()
+            else:
+                host = _host_buffer(group, stored)
+                host.copy_(flat)
             self.stats.copy_seconds += time.perf_counter() - t0
             started = done = None
         stored.host = host
@@ -347,6 +405,7 @@ class Offloader:
             self._in_flight.append(_Copy(stored, source, started, done))
         self.stats.offloaded_bytes += stored.nbytes
         self.stats.offloaded_storages += 1
+        group.offloaded_bytes += stored.nbytes
         return stored
 
     def _finish(self, copy: _Copy) -> None:
@@ -356,6 +415,8 @@ class Offloader:
         if stored is not None and stored.source is copy.source:
             stored.stale = stored.changed()
             stored.source = None
+            if stored.in_place is not None and not stored.back:
+                stored.in_place.resize_(0)  # the device bytes go back to the allocator
         copy.source = None  # the device storage goes back to the allocator here
 
     def _restore(self, stored: _Stored, ahead: bool) -> None:
@@ -364,6 +425,9 @@ class Offloader:
         host = stored.host
         if host is None:
             raise internal_error("restoring a storage that was never copied to the host")
+        if stored.in_place is not None:
+            self._refill(stored, host, ahead)
+            return
         if stored.device.type == "cuda":
             with torch.cuda.device(stored.device):
                 compute = torch.cuda.current_stream()
@@ -389,6 +453,40 @@ class Offloader:
             ready = None
         stored.resident, stored.ready = buffer, ready
         self.stats.restored_bytes += stored.nbytes
+        owner = stored.group()
+        if owner is not None:
+            owner.restored_bytes += stored.nbytes
+        if ahead:
+            self.stats.prefetched_bytes += stored.nbytes
+
+    def _refill(self, stored: _Stored, host: torch.Tensor, ahead: bool) -> None:
+        """Bring an in-place storage's bytes back into the storage itself."""
+        if stored.back:
+            return
+        storage = stored.in_place
+        if stored.device.type == "cuda":
+            with torch.cuda.device(stored.device):
+                compute = torch.cuda.current_stream()
+                storage.resize_(stored.nbytes)  # allocated for the compute stream
+                flat = torch.empty(0, dtype=torch.uint8, device=stored.device).set_(
+                    storage, 0, (stored.nbytes,), (1,)
+                )
+                side = self._stream(stored.device)
+                side.wait_stream(compute)
+                with torch.cuda.stream(side):
+                    flat.copy_(host, non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record()
+            stored.ready = ready
+        else:
+            storage.resize_(stored.nbytes)
+            flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (stored.nbytes,), (1,))
+            flat.copy_(host)
+        stored.back = True
+        self.stats.restored_bytes += stored.nbytes
+        owner = stored.group()
+        if owner is not None:
+            owner.restored_bytes += stored.nbytes
         if ahead:
             self.stats.prefetched_bytes += stored.nbytes
 
@@ -427,6 +525,11 @@ class Offloader:
         if group.chained_pass == current_pass:
             return
         group.chained_pass = current_pass
+        if self.prefetch_pair is not None:
+            paired = self.prefetch_pair(group)
+            if paired is not None:
+                paired.prefetch()
+                return
         with self._lock:
             refs = list(self._groups)
         index = next((i for i, ref in enumerate(refs) if ref() is group), 0)
@@ -446,6 +549,17 @@ class Offloader:
             else:
                 pending.append((started, ended))
         self._timed = pending
+
+
+def _host_buffer(group: OffloadGroup, stored: _Stored) -> torch.Tensor:
+    """Host memory for ``stored``'s copy: pinned, from the group's pool if it has one
+    (given back when the record dies, after any copy back from it is done)."""
+    pool = group.pool
+    if pool is None:
+        return torch.empty(stored.nbytes, dtype=torch.uint8, pin_memory=True)
+    block = pool.acquire(stored.nbytes)
+    weakref.finalize(stored, pool.release, block)
+    return block[: stored.nbytes]
 
 
 def _group_name(stored: _Stored) -> str:

@@ -86,6 +86,22 @@ def test_selective_checkpoint_modes_are_hidden_and_restored():
     assert before >= 1 and inside == before - 1 and after == before
 
 
+def test_registered_modes_are_hidden_with_selective_checkpointing():
+    from torch.utils import _python_dispatch
+
+    class Tap(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    _compat.register_selective_mode_type(Tap)
+    stack = _python_dispatch._get_current_dispatch_mode_stack
+    with Tap():
+        assert len(stack()) == 1
+        with _compat.hide_selective_checkpoint_modes():
+            assert len(stack()) == 0
+        assert len(stack()) == 1
+
+
 def test_dispatch_mode_base_and_op_names():
     assert issubclass(_compat.TorchDispatchMode, object)
     seen = []

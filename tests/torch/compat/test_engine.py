@@ -27,6 +27,12 @@ def test_version_counts_in_place_changes():
         assert _compat.version(torch.zeros(1)) is None
 
 
+def test_view_base_is_the_root_of_a_view_chain():
+    w = torch.nn.Parameter(torch.randn(3, 4))
+    assert _compat.view_base(w) is None
+    assert _compat.view_base(w.t().t()) is w
+
+
 def test_in_backward_is_true_only_inside_a_backward():
     seen = []
 

@@ -53,6 +53,10 @@ ALIASES = {
 }
 
 TORCH_STRATEGIES = ("none", "full", "sac", "torch-remat", "exclude-attn", "exclude-mlp")
+#: Full recomp checkpointing with swap (activation offload, HyperParallel's names):
+#: the checkpoint's inputs on the host until the replay (``swap_inputs=True``), or
+#: the outputs of its matmuls kept on the host instead of recomputed (``MUST_SWAP``).
+SWAP_STRATEGIES = ("full-swap-inputs", "swap-mm")
 
 
 @dataclass
@@ -75,7 +79,7 @@ class Prepared:
 def parse(strategy: str) -> tuple[str, str | None]:
     """``"sac"`` -> ``("sac", "attn")``, ``"exclude-mlp"`` -> ``("exclude", "mlp")``,
     ``"plan@50%"`` -> ``("plan", "50%")``, ``"every@2"`` -> ``("every", "2")``."""
-    if strategy in ("none", "full"):
+    if strategy in ("none", "full", *SWAP_STRATEGIES):
         return strategy, None
     if strategy.startswith("exclude-") and strategy.endswith("-offload"):
         region = strategy[len("exclude-") : -len("-offload")]
@@ -95,8 +99,9 @@ def parse(strategy: str) -> tuple[str, str | None]:
         if strategy.startswith(kind + "-") and len(strategy) > len(kind) + 1:
             return kind, strategy[len(kind) + 1 :]
     raise ValueError(
-        f"unknown strategy {strategy!r}: use none, full, sac[-REGION], torch-remat[-REGION], "
-        "exclude-REGION[-offload], keep-REGION, every@K, plan@BUDGET or (compiled) budget@F"
+        f"unknown strategy {strategy!r}: use none, full, full-swap-inputs, swap-mm, "
+        "sac[-REGION], torch-remat[-REGION], exclude-REGION[-offload], keep-REGION, every@K, "
+        "plan@BUDGET or (compiled) budget@F"
     )
 
 
@@ -179,6 +184,8 @@ def prepare(
         policy = partial(_sac_policy, tracker)
         context_fn = partial(tuc.create_selective_checkpoint_contexts, policy)
         _wrap_units(model, lambda name, layer: TorchCheckpoint(layer, context_fn=context_fn))
+    elif kind in SWAP_STRATEGIES:
+        _apply_swap(model, prepared, kind)
     elif kind == "torch-remat":
         _apply_torch_remat(model, layers, region or "attn")
     elif kind in ("exclude", "exclude-offload"):
@@ -317,6 +324,25 @@ def _apply_recomp(model: nn.Module, prepared: Prepared, offload: bool = False) -
     for module in model.modules():
         if isinstance(module, ExcludeWrapper):
             prepared.exclude_wrappers[by_module[id(module)]] = module
+
+
+def _swap_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from recomp.torch import CheckpointPolicy
+
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+        return CheckpointPolicy.MUST_SWAP
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _apply_swap(model: nn.Module, prepared: Prepared, kind: str) -> None:
+    from recomp.torch import apply_activation_checkpointing, default_offloader
+
+    units = set(prepared.units.values())
+    options: dict[str, Any] = (
+        {"swap_inputs": True} if kind == "full-swap-inputs" else {"policy_fn": _swap_matmuls}
+    )
+    apply_activation_checkpointing(model, checkpoint_fn=lambda m: m in units, **options)
+    prepared.offloader = default_offloader()
 
 
 def _apply_plan(model: nn.Module, plan: Any, prepared: Prepared) -> None:

@@ -85,6 +85,7 @@ from .dispatch import (
     op_flop_counter,
     op_name,
     ops_named,
+    register_selective_mode_type,
     version_sharing_detach,
 )
 from .engine import (
@@ -96,6 +97,7 @@ from .engine import (
     storage_key,
     swap_module_tensor,
     version,
+    view_base,
 )
 from .hf import (
     hf_checkpoint_function,
@@ -167,6 +169,7 @@ __all__ = [
     "partitioning_backend",
     "pytree_generation",
     "pytree_node",
+    "register_selective_mode_type",
     "replace_top_hooks",
     "replay_tensors",
     "run_at_trace_time",
@@ -180,4 +183,5 @@ __all__ = [
     "top_checkpoint_hooks",
     "version",
     "version_sharing_detach",
+    "view_base",
 ]

@@ -94,12 +94,24 @@ def completed_work_factory() -> Callable[[list[torch.Tensor]], Any] | None:
     return completed
 
 
+#: recomp's own modes that take part in selective checkpointing (the swap taps of
+#: ``recomp.torch._swap``): hidden in excluded regions with PyTorch's.
+_OWN_SAC_MODES: list[type] = []
+
+
+def register_selective_mode_type(mode_type: type) -> None:
+    """Hide ``mode_type`` in excluded regions along with PyTorch's selective-checkpoint
+    modes (see :func:`hide_selective_checkpoint_modes`)."""
+    if mode_type not in _OWN_SAC_MODES:
+        _OWN_SAC_MODES.append(mode_type)
+
+
 def _sac_mode_types() -> tuple[type, ...]:
     try:
         from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
     except ImportError:
-        return ()
-    return (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+        return tuple(_OWN_SAC_MODES)
+    return (_CachingTorchDispatchMode, _CachedTorchDispatchMode, *_OWN_SAC_MODES)
 
 
 def hide_selective_checkpoint_modes() -> contextlib.AbstractContextManager[None]:

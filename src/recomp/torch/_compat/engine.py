@@ -39,6 +39,19 @@ def storage_key(t: torch.Tensor) -> Hashable | None:
     return ("ptr", storage.data_ptr(), t.device)
 
 
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (the root of its view chain), or None.
+
+    Why: a swap keeps parameters on the device, and the views of them that ops save
+    (``linear`` saves ``weight.t()``) too.
+    ``Tensor._base`` is documented in PyTorch's view semantics but underscored.
+    If it changes: None, and views of parameters are swapped like any tensor
+    (correct, one copy too many).
+    Retired by: a public accessor of a view's base.
+    """
+    return getattr(t, "_base", None)
+
+
 def version(t: torch.Tensor) -> int | None:
     """The in-place modification counter of ``t``.
 

@@ -1,0 +1,606 @@
+"""HyperParallel's swap names on recomp's offload (``recomp.torch._swap``), on CPU with the
+offloader's host-copy test mode: gradients against the model without checkpointing,
+ops counted in the backward (a ``MUST_SWAP`` op is never recomputed), bytes moved out
+and back per layer counted exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import recomp.torch as rt
+from recomp.torch import CheckpointPolicy, SwapPolicyError
+from recomp.torch._offload import ENV_HOST_COPY, default_offloader
+
+SIN = torch.ops.aten.sin.default
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[object, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.counts[func] = self.counts.get(func, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.sin(self.fc1(x)))
+
+
+def make_model(layers: int = 3, width: int = 16) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(width) for _ in range(layers)])
+
+
+def grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad()
+    x = x.detach().requires_grad_(True)
+    model(x).pow(2).sum().backward()
+    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]  # type: ignore[union-attr]
+
+
+def swap_sin(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+    return CheckpointPolicy.MUST_SWAP if op is SIN else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute_all(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.fixture
+def groups(monkeypatch: pytest.MonkeyPatch) -> list:  # type: ignore[type-arg]
+    """Host-copy mode on; every offload group opened in the test, in order."""
+    monkeypatch.setenv(ENV_HOST_COPY, "1")
+    opened: list = []  # type: ignore[type-arg]
+    off = default_offloader()
+    monkeypatch.setattr(off, "group_opened", opened.append)
+    yield opened
+    off.synchronize()
+    assert off.pending_copies == 0
+
+
+def step(model: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], OpCounter]:
+    model.zero_grad()
+    x = x.detach().requires_grad_(True)
+    loss = model(x).pow(2).sum()
+    counter = OpCounter()
+    with counter:
+        loss.backward()
+    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()], counter  # type: ignore[union-attr]
+
+
+def test_policy_values() -> None:
+    assert [p.value for p in CheckpointPolicy] == [0, 1, 2, 3, 4]
+    assert [p.name for p in CheckpointPolicy] == [
+        "MUST_SAVE", "PREFER_SAVE", "MUST_RECOMPUTE", "PREFER_RECOMPUTE", "MUST_SWAP"
+    ]
+    from recomp.torch._swap import as_policy
+
+    assert as_policy(True, "f") is CheckpointPolicy.MUST_SAVE
+    assert as_policy(False, "f") is CheckpointPolicy.PREFER_RECOMPUTE
+    torch_policy = torch.utils.checkpoint.CheckpointPolicy.MUST_RECOMPUTE
+    assert as_policy(torch_policy, "f") is CheckpointPolicy.MUST_RECOMPUTE
+    for bad in (7, 0, "MUST_SAVE", None, torch.utils.checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD):
+        with pytest.raises(SwapPolicyError, match="not a policy"):
+            as_policy(bad, "f")
+
+
+def test_invalid_policy_in_a_checkpoint_raises() -> None:
+    model = make_model(1)
+    rt.checkpoint_wrapper(model[0], policy_fn=lambda ctx, op, *a, **k: 42)
+    with pytest.raises(SwapPolicyError, match="returned 42"):
+        model(torch.randn(4, 16, requires_grad=True))
+
+
+def test_names_exported() -> None:
+    for name in (
+        "CheckpointPolicy", "create_selective_checkpoint_contexts", "noop_context_fn",
+        "is_compiling", "ignore_sac_ops", "async_save_on_cpu", "AsyncSaveOnCpu",
+        "SwapPolicyError",
+    ):
+        assert name in rt.__all__ and hasattr(rt, name)
+    assert rt.noop_context_fn() is torch.utils.checkpoint.noop_context_fn
+    assert rt.is_compiling() is False
+
+
+@pytest.mark.parametrize("policy", [swap_sin, recompute_all])
+def test_must_swap_exact_and_never_recomputed(groups: list, policy) -> None:  # type: ignore[no-untyped-def,type-arg]
+    model = make_model()
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        rt.checkpoint_wrapper(block, policy_fn=policy)
+    got, counter = step(model, x)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    # sin's backward is a cos and a mul: a sin in the backward is a replayed one.
+    replayed = counter.counts.get(SIN, 0)
+    if policy is swap_sin:
+        assert replayed == 0
+        # one sin output (4 x 32 float32) per layer out, and back
+        assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(512, 512)] * 3
+    else:
+        assert replayed == 3
+        assert groups == []
+
+
+def test_swapped_storage_is_released_and_nothing_stays(groups: list) -> None:  # type: ignore[type-arg]
+    model = make_model()
+    for block in model:
+        rt.checkpoint_wrapper(block, policy_fn=swap_sin)
+    x = torch.randn(4, 16, requires_grad=True)
+    loss = model(x).pow(2).sum()
+    records = [r for g in groups for r in g.records]
+    assert len(records) == 3 and all(r() is not None for r in records)
+    assert all(r().source is None for r in records)  # type: ignore[union-attr]  # device copy dropped
+    loss.backward()
+    del loss
+    assert all(r() is None for r in records)  # host copies freed with the graph
+
+
+def test_output_alias_stays_on_device(groups: list) -> None:  # type: ignore[type-arg]
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x @ w)  # the swapped op's output is the layer's output
+
+    x = torch.randn(4, 8, requires_grad=True)
+    out = rt.checkpoint(layer, x, policy_fn=swap_sin)
+    out.sum().backward()
+    assert [g.offloaded_bytes for g in groups] == [0]  # it stays on the device
+    ref_x = x.detach().requires_grad_(True)
+    torch.sin(ref_x @ w).sum().backward()
+    assert torch.equal(ref_x.grad, x.grad)  # type: ignore[arg-type]
+
+
+def test_swap_inputs_moves_the_checkpoint_inputs(groups: list) -> None:  # type: ignore[type-arg]
+    model = make_model()
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        rt.checkpoint_wrapper(block, swap_inputs=True)
+    got, _ = step(model, x)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    # each layer's input (4 x 16 float32): its parameters stay on the device
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(256, 256)] * 3
+
+
+def test_swap_inputs_with_must_swap_and_exclusion(groups: list) -> None:  # type: ignore[type-arg]
+    model = make_model()
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    rt.apply_activation_checkpointing(
+        model,
+        checkpoint_fn=Block,
+        exclude_fn=lambda m: m is not model and not isinstance(m, Block) and m.out_features == 16,
+        policy_fn=swap_sin,
+        swap_inputs=True,
+    )
+    got, counter = step(model, x)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert counter.counts.get(SIN, 0) == 0
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(256 + 512, 256 + 512)] * 3
+    assert [block.fc2.region_runs for block in model] == [1, 1, 1]
+
+
+def test_async_save_on_cpu_per_tensor_policy(groups: list) -> None:  # type: ignore[type-arg]
+    model = make_model(1)
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    seen: list[int] = []
+
+    def policy(t: torch.Tensor) -> CheckpointPolicy:
+        seen.append(t.numel())
+        return CheckpointPolicy.MUST_SWAP if t.numel() >= 128 else CheckpointPolicy.MUST_SAVE
+
+    model.zero_grad()
+    xr = x.detach().requires_grad_(True)
+    with rt.async_save_on_cpu(policy):
+        loss = model(xr).pow(2).sum()
+    loss.backward()
+    got = [p.grad for p in model.parameters()] + [xr.grad]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)  # type: ignore[arg-type]
+    # Parameters never reach the policy; the 4 x 32 tensors go out, the 4 x 16 ones stay.
+    assert 16 * 32 not in seen
+    # sin's input and fc2's input (sin's output), 4 x 32 float32 each
+    assert sorted(n for n in seen if n >= 128) == [128, 128]
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(1024, 1024)]
+
+
+def test_async_save_on_cpu_invalid_policy() -> None:
+    x = torch.randn(4, 4, requires_grad=True)
+    with (
+        pytest.raises(SwapPolicyError, match="MUST_SAVE or MUST_SWAP"),
+        rt.async_save_on_cpu(lambda t: CheckpointPolicy.PREFER_SAVE),
+    ):
+        torch.sin(x)
+
+
+def test_must_swap_needs_a_recomp_checkpoint() -> None:
+    x = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(SwapPolicyError, match="no swap group is active"):
+        torch.utils.checkpoint.checkpoint(
+            torch.sin,
+            x,
+            use_reentrant=False,
+            context_fn=lambda: rt.create_selective_checkpoint_contexts(swap_sin),
+        )
+
+
+def test_user_context_fn_with_must_swap(groups: list) -> None:  # type: ignore[type-arg]
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x @ w) @ w  # the second matmul saves sin's output
+
+    out = rt.checkpoint(
+        layer, x, context_fn=lambda: rt.create_selective_checkpoint_contexts(swap_sin)
+    )
+    counter = OpCounter()
+    with counter:
+        out.sum().backward()
+    assert counter.counts.get(SIN, 0) == 0
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(128, 128)]
+
+
+def test_list_policy_and_group_swap_without_policy() -> None:
+    model = make_model(2)
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    rt.checkpoint_wrapper(model[0], policy_fn=[torch.ops.aten.addmm.default])
+    rt.checkpoint_wrapper(model[1], group_swap=True)
+    got, _ = step(model, x)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="OpOverload"):
+        rt.create_selective_checkpoint_contexts([torch.ops.aten.addmm])
+    with pytest.raises(TypeError, match="swap_inputs"):
+        rt.checkpoint(torch.sin, torch.randn(2, requires_grad=True), swap_inputs=1)
+
+
+def test_without_host_copy_nothing_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_HOST_COPY, raising=False)
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is initialized: the offloader moves tensors")
+    model = make_model()
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        rt.checkpoint_wrapper(block, policy_fn=swap_sin, swap_inputs=True)
+    got, counter = step(model, x)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert counter.counts.get(SIN, 0) == 0  # kept on the device, still not recomputed
+
+
+def test_must_swap_under_compile_raises() -> None:
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x @ w) * 2
+
+    f = torch.compile(lambda x: rt.checkpoint(layer, x, policy_fn=swap_sin), backend="aot_eager")
+    with pytest.raises(Exception, match=r"MUST_SWAP .* not supported under torch.compile"):
+        f(torch.randn(4, 8, requires_grad=True))
+    g = torch.compile(
+        lambda x: rt.checkpoint(layer, x, swap_inputs=True), backend="aot_eager", fullgraph=True
+    )
+    with pytest.raises(Exception, match="does not support swap_inputs"):
+        g(torch.randn(4, 8, requires_grad=True))
+
+
+# --------------------------------------------------------------------------- swap, manager
+
+
+def saved_by_block(width: int = 16, batch: int = 4) -> int:
+    """Bytes a Block's forward saves besides parameters (float32): fc1's input, sin's
+    input, fc2's input (sin's output); the add saves nothing."""
+    return 4 * batch * (width + 2 * width + 2 * width)
+
+
+def test_swap_wrapper_exact_bytes_and_no_replay(groups: list) -> None:  # type: ignore[type-arg]
+    model = make_model()
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        assert rt.swap_wrapper(block) is block
+    got, counter = step(model, x)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert counter.counts.get(SIN, 0) == 0
+    expected = saved_by_block()
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(expected, expected)] * 3
+    assert [g.name for g in groups] == [rt.SwapManager().group_name(b, b) for b in model]
+
+
+def test_swap_function_with_per_tensor_policy(groups: list) -> None:  # type: ignore[type-arg]
+    model = make_model(1)
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    model.zero_grad()
+    xr = x.detach().requires_grad_(True)
+
+    def big_only(t: torch.Tensor) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SWAP if t.shape[-1] == 32 else CheckpointPolicy.MUST_SAVE
+
+    rt.swap(model, xr, policy_fn=big_only).pow(2).sum().backward()
+    got = [p.grad for p in model.parameters()] + [xr.grad]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)  # type: ignore[arg-type]
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(1024, 1024)]
+
+
+def test_swap_manager_is_one_object() -> None:
+    assert rt.SwapManager() is rt.SwapManager()
+    with pytest.raises(TypeError, match="modules"):
+        rt.SwapManager().set_forward_prefetch_layer(lambda x: x, nn.Linear(2, 2))
+
+
+def _prefetch_order(
+    model: nn.Sequential, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, set[str]], list[str]]:
+    """How each layer's tensors came back (ahead, on read), and the order of the layers
+    brought back ahead."""
+    events: list[tuple[str, str]] = []
+    off = default_offloader()
+    monkeypatch.setattr(off, "trace", lambda event, name: events.append((event, name)))
+    x = torch.randn(4, 16, requires_grad=True)
+    model(x).pow(2).sum().backward()
+    names = {rt.SwapManager().group_name(b, b): f"L{i}" for i, b in enumerate(model)}
+    kinds: dict[str, set[str]] = {}
+    ahead: list[str] = []
+    for event, name in events:
+        layer = names[name]
+        if event == "read":
+            continue
+        kinds.setdefault(layer, set()).add(event)
+        if event == "copy back" and layer not in ahead:
+            ahead.append(layer)
+    return kinds, ahead
+
+
+def test_prefetch_default_pairing_is_the_layer_before(groups: list, monkeypatch) -> None:  # type: ignore[no-untyped-def,type-arg]
+    model = make_model()
+    for block in model:
+        rt.swap_wrapper(block)
+    kinds, ahead = _prefetch_order(model, monkeypatch)
+    assert kinds == {"L2": {"copy back on read"}, "L1": {"copy back"}, "L0": {"copy back"}}
+    assert ahead == ["L1", "L0"]
+
+
+def test_prefetch_follows_set_pairs(groups: list, monkeypatch) -> None:  # type: ignore[no-untyped-def,type-arg]
+    model = make_model(4)
+    for block in model:
+        rt.checkpoint_wrapper(block, swap_inputs=True)
+    manager = rt.SwapManager()
+    manager.set_forward_prefetch_layer(model[1], model[3])  # L3's backward brings L1 back
+    manager.set_forward_prefetch_layer(model[0], model[2])  # L2's backward brings L0 back
+    try:
+        kinds, ahead = _prefetch_order(model, monkeypatch)
+    finally:
+        for block in model:
+            manager.unregister_forward_prefetch_layer(block)
+    # L3 and L2 end their chains: they stay on the device
+    assert [g.offloaded_bytes for g in groups] == [256, 256, 0, 0]
+    assert kinds == {"L1": {"copy back"}, "L0": {"copy back"}}
+    assert ahead == ["L1", "L0"]
+
+
+def test_native_contexts_and_wrapper_class() -> None:
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def save_sin(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return op is SIN
+
+    out = rt.checkpoint(
+        lambda t: torch.sin(t).exp(),
+        x,
+        context_fn=lambda: rt.create_native_selective_checkpoint_contexts(save_sin),
+    )
+    counter = OpCounter()
+    with counter:
+        out.sum().backward()
+    assert SIN not in counter.counts
+    with pytest.raises(SwapPolicyError, match="no counterpart"):
+        torch.utils.checkpoint.checkpoint(
+            torch.sin,
+            x,
+            use_reentrant=False,
+            context_fn=lambda: rt.create_native_selective_checkpoint_contexts(swap_sin),
+        )
+    block = rt.checkpoint_wrapper(nn.Linear(2, 2))
+    excluded = rt.checkpoint_exclude_wrapper(nn.Linear(2, 2))
+    wrapper = rt.get_class_activation_wrapper()
+    assert isinstance(block, wrapper) and isinstance(excluded, wrapper)
+    assert not isinstance(nn.Linear(2, 2), wrapper)
+
+
+def test_group_swap_packs_small_tensors_in_one_copy(groups: list) -> None:  # type: ignore[type-arg]
+    model = make_model()
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        rt.swap_wrapper(block, group_swap=True)
+    off = default_offloader()
+    before = off.stats.snapshot()
+    got, _ = step(model, x)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    moved = off.stats - before
+    expected = saved_by_block()
+    assert moved.offloaded_storages == 3  # one bucket per layer instead of three copies
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(expected, expected)] * 3
+
+
+def test_cpu_pool_is_reused_and_empty_after_each_step(groups: list) -> None:  # type: ignore[type-arg]
+    pool = rt.PinnedMemoryPool(max_host_bytes=1 << 16)
+    model = make_model()
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        rt.checkpoint_wrapper(block, policy_fn=swap_sin, swap_inputs=True, cpu_pool=pool)
+    reserved = []
+    for _ in range(3):
+        got, _ = step(model, x)
+        for a, b in zip(want, got):
+            assert torch.equal(a, b)
+        assert pool.in_use_bytes == 0
+        reserved.append(pool.reserved_bytes)
+    # 3 layers x (input 256 B -> 1 KiB block, sin output 512 B -> 1 KiB block)
+    assert reserved == [6 * 1024] * 3
+    small = rt.PinnedMemoryPool(max_host_bytes=2048)
+    for block in model:
+        rt.checkpoint_wrapper(rt.unwrap(block), swap_inputs=True, cpu_pool=small)
+    with pytest.raises(RuntimeError, match="PinnedMemoryPool capacity exceeded"):
+        model(torch.randn(4, 16, requires_grad=True))
+    with pytest.raises(TypeError, match="cpu_pool"):
+        rt.async_save_on_cpu(cpu_pool=object())
+
+
+def test_unwrap_removes_swap_hooks(groups: list) -> None:  # type: ignore[type-arg]
+    model = make_model(2)
+    for block in model:
+        rt.swap_wrapper(block)
+    rt.unwrap(model)
+    model(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert groups == []
+
+
+def test_must_swap_with_recompute_sessions_and_retain_graph(groups: list) -> None:  # type: ignore[type-arg]
+    model = make_model()
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        rt.checkpoint_wrapper(block, policy_fn=swap_sin, swap_inputs=True)
+    model.zero_grad()
+    xr = x.detach().requires_grad_(True)
+    with rt.recompute_handle_collector_ctx() as handles:
+        loss = model(xr).pow(2).sum()
+    counter = OpCounter()
+    with counter, rt.recompute_session_ctx("mb0", retain_on_unpack=True):
+        for handle in handles:
+            rt.recompute_handle(handle, "mb0")
+        loss.backward(retain_graph=True)
+    rt.clear_recompute_session("mb0")
+    got = [p.grad.clone() for p in model.parameters()] + [xr.grad.clone()]  # type: ignore[union-attr]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert counter.counts.get(SIN, 0) == 0
+    # a second backward over the same graph brings the host copies back again
+    model.zero_grad()
+    xr.grad = None
+    loss.backward()
+    got = [p.grad for p in model.parameters()] + [xr.grad]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)  # type: ignore[arg-type]
+    assert [g.restored_bytes for g in groups] == [2 * (256 + 512)] * 3
+
+
+def test_policy_asked_before_the_op_runs(groups: list) -> None:  # type: ignore[type-arg]
+    """PyTorch before 2.14 asks the policy before running the op, with no ``op_output``:
+    the forward tap fills the entry when the op has run."""
+    from recomp.torch._swap import SwapScope, _scope_active, _SwapState, _SwapTap
+
+    class OldContext:
+        is_recompute = False
+
+    state = _SwapState(allow_mutation=False)
+    scope = SwapScope("old order")
+    x = torch.randn(4, 8)
+    with _scope_active(scope):
+        state.chose(OldContext(), SIN, CheckpointPolicy.MUST_SWAP)
+        with _SwapTap(state, replay=False):
+            y = torch.sin(x)
+            torch.cos(x)
+        assert state.waiting is None
+        scope.finish(None)
+    assert [g.offloaded_bytes for g in groups] == [128]
+    del y
+    counter = OpCounter()
+    with counter, _SwapTap(state, replay=True):
+        again = torch.sin(x)
+    assert SIN not in counter.counts  # handed back, not run
+    assert torch.equal(again, torch.sin(x))
+
+
+def test_bench_swap_strategies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``recomp bench`` strategies for the GPU comparison: full checkpointing with the
+    inputs swapped, and with the matmul outputs swapped instead of recomputed."""
+    from recomp.cli.config import BenchConfig
+    from recomp.cli.torch.runner import measure_strategy
+    from recomp.cli.torch.strategies import parse
+
+    assert parse("full-swap-inputs") == ("full-swap-inputs", None)
+    assert parse("swap-mm") == ("swap-mm", None)
+    monkeypatch.setenv(ENV_HOST_COPY, "1")
+    config = BenchConfig(layers=2, hidden=32, heads=2, seq=16, batch=1, warmup=1)
+    inputs = measure_strategy(config, "full-swap-inputs")
+    # each layer's input, 1 x 16 x 32 float32, out and back
+    assert inputs.offload.host_bytes == inputs.offload.restored_bytes == 2 * 16 * 32 * 4
+    assert inputs.max_grad_diff == 0.0
+    matmuls = measure_strategy(config, "swap-mm")
+    # An output no backward reads (one the replay stops before) goes out and stays there.
+    assert 0 < matmuls.offload.restored_bytes <= matmuls.offload.host_bytes
+    assert matmuls.max_grad_diff == 0.0
+
+
+class _ScaleKeptOutside(torch.autograd.Function):
+    """Keeps ``scale`` as a ctx attribute, outside autograd's saved tensors."""
+
+    @staticmethod
+    def forward(ctx, x, scale):  # type: ignore[no-untyped-def]
+        ctx.scale = scale
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        return grad * ctx.scale, None
+
+
+class ScaledLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.scales: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.sigmoid(x.detach()) + 1
+        self.scales.append(rt.swap_tensor_wrapper(scale))
+        return _ScaleKeptOutside.apply(self.fc(x), scale)
+
+
+def test_swap_tensor_wrapper_empties_and_refills_in_place(groups: list) -> None:  # type: ignore[type-arg]
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledLinear(), ScaledLinear())
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    assert all(s.untyped_storage().nbytes() == 256 for m in model for s in m.scales)
+    for m in model:
+        m.scales.clear()
+        rt.swap_wrapper(m, policy_fn=lambda t: CheckpointPolicy.MUST_SAVE)
+    model.zero_grad()
+    xr = x.detach().requires_grad_(True)
+    loss = model(xr).pow(2).sum()
+    assert [m.scales[0].untyped_storage().nbytes() for m in model] == [0, 0]  # on the host
+    loss.backward()
+    assert [m.scales[0].untyped_storage().nbytes() for m in model] == [256, 256]
+    got = [p.grad for p in model.parameters()] + [xr.grad]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)  # type: ignore[arg-type]
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(256, 256)] * 2
+    assert rt.swap_tensor_wrapper(x) is x  # no layer around it: nothing to do
