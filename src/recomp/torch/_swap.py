@@ -623,8 +623,13 @@ def create_selective_checkpoint_contexts(
         )
     if not callable(policy_fn_or_list):
         raise TypeError("policy_fn_or_list must be either a function or a list of ops.")
-    user = policy_fn_or_list
-    compiled = is_compiling()
+    return _selective_contexts(policy_fn_or_list, allow_cache_entry_mutation, is_compiling())
+
+
+def _selective_contexts(user: Any, allow_cache_entry_mutation: bool, compiled: bool) -> Any:
+    """``create_selective_checkpoint_contexts`` for a policy function; ``compiled``: for a
+    checkpoint Dynamo traces (PyTorch's two modes only: PyTorch 2.9 calls the context
+    function where ``is_compiling()`` is False and wants dispatch modes)."""
     state = _SwapState(allow_cache_entry_mutation)
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -771,7 +776,10 @@ class CheckpointSwap:
             )
         if self.policy_fn is None:
             return context_fn
-        return functools.partial(create_selective_checkpoint_contexts, self.policy_fn)
+        policy_fn = self.policy_fn
+        if isinstance(policy_fn, list):
+            return functools.partial(create_selective_checkpoint_contexts, policy_fn)
+        return functools.partial(_selective_contexts, policy_fn, False, True)
 
     def part(self) -> CallPart | None:
         if self.policy_fn is None:
