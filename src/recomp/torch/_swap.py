@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import enum
 import functools
 import inspect
 import threading
@@ -54,44 +53,12 @@ from torch import nn
 
 from .._engine import ComposedContext
 from .._hooks import CallPart, CheckpointCallView, Stage
+from .._policy import CheckpointPolicy, SwapPolicyError, as_policy, tensor_swapped
 from ..errors import RecompError
 from . import _compat
 from ._offload import Offloader, OffloadHandle, default_offloader
 
 _TorchPolicy = torch.utils.checkpoint.CheckpointPolicy
-
-
-class CheckpointPolicy(enum.IntEnum):
-    """HyperParallel's policy values: PyTorch's four and ``MUST_SWAP`` (the op's output
-    is kept like a save, moved to the host after the layer's forward and brought back
-    for its backward; never recomputed). A policy function may also return a bool
-    (True: ``MUST_SAVE``, False: ``PREFER_RECOMPUTE``) or PyTorch's own enum."""
-
-    MUST_SAVE = 0
-    PREFER_SAVE = 1
-    MUST_RECOMPUTE = 2
-    PREFER_RECOMPUTE = 3
-    MUST_SWAP = 4
-
-
-class SwapPolicyError(RecompError, ValueError):
-    """A policy function returned something that is not a policy, or a swap was asked
-    for where none can happen."""
-
-
-def as_policy(value: Any, where: str) -> CheckpointPolicy:
-    """``value`` (what a policy function returned) as a :class:`CheckpointPolicy`."""
-    if isinstance(value, bool):
-        return CheckpointPolicy.MUST_SAVE if value else CheckpointPolicy.PREFER_RECOMPUTE
-    if isinstance(value, CheckpointPolicy):
-        return value
-    if isinstance(value, _TorchPolicy) and value.name in CheckpointPolicy.__members__:
-        return CheckpointPolicy[value.name]
-    raise SwapPolicyError(
-        f"{where} returned {value!r} ({type(value).__name__}), which is not a policy: "
-        f"return a recomp.torch.CheckpointPolicy ("
-        f"{', '.join(CheckpointPolicy.__members__)}) or a bool."
-    )
 
 
 def noop_context_fn() -> Callable[[], tuple[Any, Any]]:
@@ -453,18 +420,8 @@ class AsyncSaveOnCpu(torch.autograd.graph.saved_tensors_hooks):
     def pack_to_host(self, t: torch.Tensor) -> Any:
         if _stays_on_device(t):
             return t
-        policy = (
-            CheckpointPolicy.MUST_SWAP
-            if self.policy_fn is None
-            else as_policy(self.policy_fn(t), "the swap policy_fn")
-        )
-        if policy is CheckpointPolicy.MUST_SAVE:
+        if self.policy_fn is not None and not tensor_swapped(self.policy_fn(t)):
             return t
-        if policy is not CheckpointPolicy.MUST_SWAP:
-            raise SwapPolicyError(
-                f"The swap policy_fn returned {policy.name} for a saved tensor: a swap "
-                f"policy is per tensor and returns MUST_SAVE or MUST_SWAP."
-            )
         scope = current_scope()
         if scope is None:
             return t
