@@ -10,19 +10,19 @@ import pytest
 from recomp._wrapping import recomp_wrapper_of
 
 ACCEPTED = {
-    "torch": "context_fn, debug, determinism_check, early_stop, exclude_collectives, "
-    "preserve_rng_state, use_reentrant",
-    "mindspore": "context_fn, early_stop, exclude_collectives, output_recompute, "
-    "save_rng_state, use_reentrant",
+    "torch": "context_fn, cpu_pool, debug, determinism_check, early_stop, exclude_collectives, "
+    "group_swap, policy_fn, preserve_rng_state, swap_inputs, use_reentrant",
+    "mindspore": "context_fn, cpu_pool, early_stop, exclude_collectives, group_swap, "
+    "output_recompute, policy_fn, save_rng_state, swap_inputs, use_reentrant",
 }
 
 
 def test_unknown_checkpoint_options_are_a_type_error_naming_the_accepted_ones(fw):
     layer = fw.dense(4, 4)
     with pytest.raises(TypeError) as info:
-        fw.api.checkpoint_wrapper(layer, policy_fn=lambda *a: None, early_stopp=True)
+        fw.api.checkpoint_wrapper(layer, offload_fn=lambda *a: None, early_stopp=True)
     message = str(info.value)
-    assert "unknown option(s) 'policy_fn', 'early_stopp' (did you mean 'early_stop'?)" in message
+    assert "unknown option(s) 'offload_fn', 'early_stopp' (did you mean 'early_stop'?)" in message
     assert f"It accepts {ACCEPTED[fw.name]};" in message
     assert recomp_wrapper_of(layer) is None  # nothing wrapped
     fw.api.checkpoint_wrapper(layer, early_stop=False)  # a known one is taken
