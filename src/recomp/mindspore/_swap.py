@@ -59,6 +59,7 @@ from mindspore import nn, ops
 
 from .._policy import CheckpointPolicy, SwapPolicyError, tensor_swapped
 from .._pytree import flatten
+from .._state import is_recomputing
 from .._swap_pairs import SwapManagerBase
 from ..errors import RecompError
 from . import _compat
@@ -187,7 +188,7 @@ class _Kept:
     """A tensor a swap scope chose: the tensor until its layer returns, then its host
     copy (or still the tensor, where it stays)."""
 
-    __slots__ = ("device", "group", "host", "restored", "tensor")
+    __slots__ = ("__weakref__", "device", "group", "host", "restored", "tensor")
 
     def __init__(self, tensor: Any) -> None:
         self.tensor: Any = tensor
@@ -225,13 +226,15 @@ class _Kept:
 
 
 class _Group:
-    """What one layer's call moved to the host."""
+    """What one layer's call moved to the host. It lives as long as one of its tensors
+    (the autograd graph holds them, and they hold the group); the swap manager holds
+    groups weakly, so a freed graph's groups are never brought back."""
 
     __slots__ = ("__weakref__", "members", "name", "read")
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.members: list[_Kept] = []
+        self.members: weakref.WeakSet[_Kept] = weakref.WeakSet()
         self.read = False
 
     def prefetch(self) -> None:
@@ -287,7 +290,7 @@ class SwapScope:
                 continue
             kept.to_host(copy_on_cpu)
             kept.group = group
-            group.members.append(kept)
+            group.members.add(kept)
 
     def abort(self) -> None:
         self.pending = []
@@ -367,7 +370,9 @@ class AsyncSaveOnCpu:
             active.__exit__(*exc_info)
 
     def pack_to_host(self, t: Any) -> Any:
-        if _stays_on_device(t):
+        if _stays_on_device(t) or is_recomputing():
+            # In a recomp checkpoint's replay an inner hook's saves are thrown away with
+            # the replay's graph (the forward's were kept): nothing to move.
             return t
         if self.policy_fn is not None and not tensor_swapped(self.policy_fn(t)):
             return t
@@ -448,6 +453,9 @@ class _SwapHooks:
 
     def after(self, cell: nn.Cell, args: Any, output: Any) -> None:
         scope, finish = self.active.pop()
+        if output is None:  # the forward raised (an always-called hook) or returned nothing
+            scope.__exit__(RecompError, RecompError("forward raised"), None)  # aborts the scope
+            return
         try:
             finish(output)
         finally:
@@ -487,7 +495,7 @@ def swap_wrapper(
     hooks = _SwapHooks(policy_fn)
     hooks.handles = [
         module.register_forward_pre_hook(hooks.before),
-        module.register_forward_hook(hooks.after),
+        module.register_forward_hook(hooks.after, always_call=True),
     ]
     _WRAPPED[module] = hooks
     return module
