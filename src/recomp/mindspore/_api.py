@@ -31,6 +31,7 @@ from ._communicating import (
 from ._dropout import ReplayableDropout, is_unreplayable_dropout, make_dropout_replayable
 from ._early_stop import EXPLAIN_EARLY_STOP
 from ._graph_mode import pynative_only
+from ._plain import PlainFunction
 from ._replay_reach import REPLAY_REACHES_EVERY_REGION
 
 # The options a checkpoint wrapper passes to every checkpoint of its Cell:
@@ -294,20 +295,6 @@ class ExcludeWrapper(RegionCounters, _NamesKept, _wrapping.WrapperMixin, nn.Cell
     def extend_repr(self) -> str:
         own = f"region={self.region.name!r}, save_output={self.save_output}"
         return ", ".join(part for part in (super().extend_repr(), own) if part)
-
-
-class PlainFunction(nn.Cell):
-    """A plain function (or a Primitive) as a Cell, so that it can be an excluded region."""
-
-    def __init__(self, function: Callable[..., Any]) -> None:
-        super().__init__(auto_prefix=False)
-        object.__setattr__(self, "_recomp_function", function)
-
-    def construct(self, *args: Any, **kwargs: Any) -> Any:
-        return self._recomp_function(*args, **kwargs)
-
-    def extend_repr(self) -> str:
-        return f"function={default_name(self._recomp_function)}"
 
 
 # Cells whose communicating sub-cells a call of ``checkpoint`` already excluded (once each).

@@ -63,6 +63,7 @@ from .._state import is_recomputing
 from .._swap_pairs import SwapManagerBase
 from ..errors import RecompError
 from . import _compat
+from ._plain import PlainFunction
 
 __all__ = [
     "AsyncSaveOnCpu",
@@ -486,8 +487,6 @@ def swap_wrapper(
     if not isinstance(module, nn.Cell):
         if not callable(module):
             raise TypeError(f"swap_wrapper needs a Cell or a function, got {module!r}.")
-        from ._api import PlainFunction
-
         module = PlainFunction(module)
     old = _WRAPPED.pop(module, None)
     if old is not None:

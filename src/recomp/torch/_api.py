@@ -28,6 +28,7 @@ from ._debug import debug_options
 from ._foreign import refuse_enclosing_checkpoint, watch_checkpoint_wrappers
 from ._hf import adapt_hf_layer_call, guard_model_cache
 from ._offload import Offloader, resolve
+from ._plain import PlainFunction
 from ._value_check import value_check_option
 
 # The options a checkpoint wrapper passes to every checkpoint of its module: PyTorch's
@@ -267,20 +268,6 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
         if self.region.placer is not None:
             own += ", offload=True"
         return ", ".join(part for part in (super().extra_repr(), own) if part)
-
-
-class PlainFunction(nn.Module):
-    """A plain function as a module, so that it can be an excluded region."""
-
-    def __init__(self, function: Callable[..., Any]) -> None:
-        super().__init__()
-        self._recomp_function = function
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._recomp_function(*args, **kwargs)
-
-    def extra_repr(self) -> str:
-        return f"function={default_name(self._recomp_function)}"
 
 
 def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:

@@ -58,6 +58,7 @@ from .._swap_pairs import SwapManagerBase
 from ..errors import RecompError
 from . import _compat
 from ._offload import Offloader, OffloadHandle, default_offloader
+from ._plain import PlainFunction
 
 _TorchPolicy = torch.utils.checkpoint.CheckpointPolicy
 
@@ -849,8 +850,6 @@ def swap_wrapper(
     if not isinstance(module, nn.Module):
         if not callable(module):
             raise TypeError(f"swap_wrapper needs a module or a function, got {module!r}.")
-        from ._api import PlainFunction
-
         module = PlainFunction(module)
     old = _WRAPPED.pop(module, None)
     if old is not None:
