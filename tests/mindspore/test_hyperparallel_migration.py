@@ -295,3 +295,16 @@ def test_swap_inputs_moves_each_checkpoints_inputs():
     assert _swap.STATS.offloaded_tensors == 3
     assert _swap.STATS.offloaded_bytes == _swap.STATS.restored_bytes == 3 * X.nbytes
     assert _swap.STATS.prefetched_bytes == 2 * X.nbytes
+
+
+def test_swap_tensor_wrapper_returns_its_target_outside_a_swapped_layer_and_raises_inside():
+    t = tensor(2, 2)
+    assert rm.swap_tensor_wrapper(t) is t
+
+    class Keeps(nn.Cell):
+        def construct(self, x):
+            return rm.swap_tensor_wrapper(x * 2)
+
+    cell = swap_wrapper(Keeps())
+    with pytest.raises(rm.SwapNotSupportedError, match="in place"):
+        grads(cell, [], X)
