@@ -308,3 +308,20 @@ def test_swap_tensor_wrapper_returns_its_target_outside_a_swapped_layer_and_rais
     cell = swap_wrapper(Keeps())
     with pytest.raises(rm.SwapNotSupportedError, match="in place"):
         grads(cell, [], X)
+
+
+def test_swap_call_and_async_save_on_cpu_block_with_the_environment_switch(monkeypatch):
+    monkeypatch.setenv(_swap.ENV_HOST_COPY, "1")
+    ref, model = twins(2)
+    layer0, layer1 = model.layers
+
+    def run(x):
+        with rm.async_save_on_cpu(policy_fn=lambda t: CheckpointPolicy.MUST_SWAP):
+            h = layer0(x)  # the block is one group, moved when it ends
+        return rm.swap(layer1, h).sum(-1)
+
+    _swap.STATS.reset()
+    got = grads(run, model.trainable_params(), X)
+    assert_same(grads(ref, ref.trainable_params(), X), got)
+    assert _swap.STATS.offloaded_bytes == _swap.STATS.restored_bytes > 0
+    assert "async_save_on_cpu" in _swap.STATS.prefetched_groups  # read after the swap call's

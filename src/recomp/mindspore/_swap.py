@@ -484,6 +484,13 @@ def swap_wrapper(
     if policy_fn is not None and not callable(policy_fn):
         raise TypeError(f"policy_fn must be callable or None, got {policy_fn!r}.")
     check_swap_options("swap_wrapper", group_swap, cpu_pool)
+    if not _compat.forward_hooks_run():
+        raise RecompError(
+            "recomp.mindspore.swap_wrapper puts forward hooks on the Cell, but a library "
+            "replaced MindSpore's Cell._run_forward_hook (mindnlp 0.3.1 does), so Cells "
+            "with forward hooks fail. Call recomp.mindspore.swap(cell, *args) in the "
+            "model's code instead."
+        )
     if not isinstance(module, nn.Cell):
         if not callable(module):
             raise TypeError(f"swap_wrapper needs a Cell or a function, got {module!r}.")
