@@ -306,8 +306,10 @@ def test_swap_tensor_wrapper_returns_its_target_outside_a_swapped_layer_and_rais
             return rm.swap_tensor_wrapper(x * 2)
 
     cell = swap_wrapper(Keeps())
+    # Called outside mindspore.grad: MindSpore 2.10's first gradient after a forward that
+    # raised inside mindspore.grad fails in LayerNormGrad (without recomp too).
     with pytest.raises(rm.SwapNotSupportedError, match="in place"):
-        grads(cell, [], X)
+        cell(X)
 
 
 def test_swap_call_and_async_save_on_cpu_block_with_the_environment_switch(monkeypatch):
