@@ -34,8 +34,13 @@ What MindSpore 2.10 does not give recomp, and so what is refused with an error s
 so: a per-op policy in a checkpoint (``checkpoint(..., policy_fn=...)``, HyperParallel's
 ``MUST_SWAP`` of an op's output) needs a hook on each op of the checkpoint's forward and
 replay that can hand back a kept output instead of running the op; MindSpore's
-``mindspore.recompute`` has no selective-checkpoint context, and its experimental
-``mindspore.utils.MsDispatchMode`` is not used by recomp. ``group_swap`` (one copy of
+``mindspore.recompute`` has no selective-checkpoint context. Its experimental
+``mindspore.utils.MsDispatchMode`` could be that hook: in PyNative it sees each op of a
+Cell's forward (``func.name``: ``MatMul``, ``BiasAdd``, ``Tanh``), and a probe that
+handed back the forward's ``Tanh`` output in a ``mindspore.recompute`` replay (through
+its ``context_fn``) got the gradients of the model without recompute. recomp does not
+use it yet (its matching of ops between forward and replay, views, excluded regions
+and early stop are untested there). ``group_swap`` (one copy of
 many small tensors) and ``cpu_pool`` (a pinned host pool) need storage-level copies
 into a shared host buffer; ``swap_tensor_wrapper`` empties a storage in place and
 refills it. recomp does none of these on MindSpore. Mutations of a chosen tensor
