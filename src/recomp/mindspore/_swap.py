@@ -39,8 +39,9 @@ replay that can hand back a kept output instead of running the op; MindSpore's
 Cell's forward (``func.name``: ``MatMul``, ``BiasAdd``, ``Tanh``), and a probe that
 handed back the forward's ``Tanh`` output in a ``mindspore.recompute`` replay (through
 its ``context_fn``) got the gradients of the model without recompute. recomp does not
-use it yet (its matching of ops between forward and replay, views, excluded regions
-and early stop are untested there). ``group_swap`` (one copy of
+use it yet: matching the ops of the forward with those of the replay is the open part
+(a ``reshape`` dispatched as ``Reshape`` in the forward came back as ``View`` in the
+replay of a recomp checkpoint, and recomp's own ``StopGradient`` ops are dispatched too). ``group_swap`` (one copy of
 many small tensors) and ``cpu_pool`` (a pinned host pool) need storage-level copies
 into a shared host buffer; ``swap_tensor_wrapper`` empties a storage in place and
 refills it. recomp does none of these on MindSpore. Mutations of a chosen tensor
