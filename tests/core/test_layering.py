@@ -174,6 +174,8 @@ def test_the_checks_see_a_bad_import(tmp_path):
 CORE_ORDER = [
     "recomp.errors",
     "recomp._state",
+    "recomp._policy",
+    "recomp._swap_pairs",
     "recomp._pytree",
     "recomp._backend",
     "recomp._hooks",

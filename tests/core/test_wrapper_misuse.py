@@ -12,8 +12,8 @@ from recomp._wrapping import recomp_wrapper_of
 ACCEPTED = {
     "torch": "context_fn, cpu_pool, debug, determinism_check, early_stop, exclude_collectives, "
     "group_swap, policy_fn, preserve_rng_state, swap_inputs, use_reentrant",
-    "mindspore": "context_fn, early_stop, exclude_collectives, output_recompute, "
-    "save_rng_state, use_reentrant",
+    "mindspore": "context_fn, cpu_pool, early_stop, exclude_collectives, group_swap, "
+    "output_recompute, policy_fn, save_rng_state, swap_inputs, use_reentrant",
 }
 
 

@@ -27,15 +27,35 @@ from ._api import (
 )
 from ._dropout import ReplayableDropout
 from ._memory_report import record_saved_tensors
+from ._swap import (
+    AsyncSaveOnCpu,
+    CheckpointPolicy,
+    SwapManager,
+    SwapNotSupportedError,
+    SwapPolicyError,
+    async_save_on_cpu,
+    swap,
+    swap_tensor_wrapper,
+    swap_wrapper,
+)
 
 __all__ = [
+    "AsyncSaveOnCpu",
+    "CheckpointPolicy",
     "CheckpointWrapper",
     "ExcludeWrapper",
     "ReplayableDropout",
+    "SwapManager",
+    "SwapNotSupportedError",
+    "SwapPolicyError",
     "apply_activation_checkpointing",
+    "async_save_on_cpu",
     "checkpoint",
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
     "record_saved_tensors",
+    "swap",
+    "swap_tensor_wrapper",
+    "swap_wrapper",
     "unwrap",
 ]

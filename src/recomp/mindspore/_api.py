@@ -19,7 +19,7 @@ from .._wrapping import (
     check_options,
     default_name,
 )
-from . import _compat
+from . import _compat, _swap
 from ._backend import BACKEND, check_pynative
 from ._cache import adapt_cache_kwargs
 from ._communicating import (
@@ -31,16 +31,22 @@ from ._communicating import (
 from ._dropout import ReplayableDropout, is_unreplayable_dropout, make_dropout_replayable
 from ._early_stop import EXPLAIN_EARLY_STOP
 from ._graph_mode import pynative_only
+from ._plain import PlainFunction
 from ._replay_reach import REPLAY_REACHES_EVERY_REGION
 
 # The options a checkpoint wrapper passes to every checkpoint of its Cell:
-# ``mindspore.recompute``'s non-reentrant ones and recomp's own.
+# ``mindspore.recompute``'s non-reentrant ones, recomp's own and HyperParallel's swap
+# options (``recomp.mindspore._swap.checkpoint_swap``).
 CHECKPOINT_OPTIONS = (
     "context_fn",
+    "cpu_pool",
     "early_stop",
     "exclude_collectives",
+    "group_swap",
     "output_recompute",
+    "policy_fn",
     "save_rng_state",
+    "swap_inputs",
     "use_reentrant",
 )
 
@@ -62,6 +68,12 @@ def checkpoint(
     composed with recomp's contexts, which are entered first. The random state is
     restored for the replay by recomp, including the per-op kernel seeds that
     MindSpore's own restore misses on CPU; ``save_rng_state=False`` turns that off.
+
+    HyperParallel's swap options: ``swap_inputs=True`` moves the inputs the checkpoint
+    saves to the host until the replay (NOTE [ Swap on MindSpore ] in
+    ``recomp.mindspore._swap``); ``policy_fn=`` (a per-op policy), ``group_swap=True``
+    and ``cpu_pool=`` raise :class:`recomp.mindspore.SwapNotSupportedError`, which says
+    what MindSpore lacks.
     A Cell in training called with a KV cache gets it turned off, with a warning
     (see ``recomp.mindspore._cache``).
 
@@ -73,6 +85,7 @@ def checkpoint(
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
+    swap_inputs = _swap.checkpoint_swap("checkpoint", kwargs)
     check_callable(function, "checkpoint", "Cell")
     _refuse_value_check(kwargs, "checkpoint")
     check_pynative("checkpoint")
@@ -109,14 +122,28 @@ def checkpoint(
         restore_rng=restore_rng,
         function=function,
     )
-    return mindspore.recompute(
-        function,
-        *args,
-        use_reentrant=False,
-        context_fn=call.context_fn,
-        save_rng_state=False,
-        **kwargs,
-    )
+    if not swap_inputs:
+        return mindspore.recompute(
+            function,
+            *args,
+            use_reentrant=False,
+            context_fn=call.context_fn,
+            save_rng_state=False,
+            **kwargs,
+        )
+    # A saved-tensors hook around MindSpore's recompute sees the inputs it saves (its
+    # own hooks, inside, take what the block saves).
+    with _swap.layer_scope(function) as finish:
+        return finish(
+            mindspore.recompute(
+                function,
+                *args,
+                use_reentrant=False,
+                context_fn=call.context_fn,
+                save_rng_state=False,
+                **kwargs,
+            )
+        )
 
 
 #: Options of ``mindspore.recompute`` itself, never passed on to the block.
@@ -270,20 +297,6 @@ class ExcludeWrapper(RegionCounters, _NamesKept, _wrapping.WrapperMixin, nn.Cell
         return ", ".join(part for part in (super().extend_repr(), own) if part)
 
 
-class PlainFunction(nn.Cell):
-    """A plain function (or a Primitive) as a Cell, so that it can be an excluded region."""
-
-    def __init__(self, function: Callable[..., Any]) -> None:
-        super().__init__(auto_prefix=False)
-        object.__setattr__(self, "_recomp_function", function)
-
-    def construct(self, *args: Any, **kwargs: Any) -> Any:
-        return self._recomp_function(*args, **kwargs)
-
-    def extend_repr(self) -> str:
-        return f"function={default_name(self._recomp_function)}"
-
-
 # Cells whose communicating sub-cells a call of ``checkpoint`` already excluded (once each).
 _collectives_checked = _wrapping.FirstLooks()
 
@@ -343,6 +356,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)
     _engine.check_flag("exclude_collectives", exclude_collectives)
+    _swap.checkpoint_swap("checkpoint_wrapper", dict(checkpoint_kwargs))  # refused now, not later
     if not isinstance(module, nn.Cell):
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
@@ -393,7 +407,13 @@ def unwrap(module: Any) -> Any:
 
     Restores each wrapped Cell's class and removes recomp's attributes; returns
     ``module`` (or, for a function given to ``checkpoint_exclude_wrapper``, the function).
+    The hooks of ``swap_wrapper`` are removed too.
     """
+    swapped = _swap.unwrap_swaps(module)
+    if swapped and not any(
+        _wrapping.recomp_wrapper_of(c) is not None for _, c in module.cells_and_names()
+    ):
+        return module  # only swap wrappers below it
     return _wrapping.unwrap(_MODEL_OPS, module)
 
 
@@ -431,6 +451,7 @@ def apply_activation_checkpointing(
     _refuse_value_check(checkpoint_kwargs, "apply_activation_checkpointing")
     check_options("apply_activation_checkpointing", checkpoint_kwargs, CHECKPOINT_OPTIONS)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
+    _swap.checkpoint_swap("apply_activation_checkpointing", dict(checkpoint_kwargs))
     exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)
     _engine.check_flag("exclude_collectives", exclude_collectives)
     communicates = issues_collectives() if exclude_collectives else (lambda c: False)

@@ -1,5 +1,4 @@
-"""A plain function as a module: what ``checkpoint_exclude_wrapper``, ``checkpoint_wrapper``
-and ``swap_wrapper`` put a function in, so that it can be wrapped like a module."""
+"""A plain function as a module (for the wrappers, which take modules)."""
 
 from __future__ import annotations
 
@@ -9,8 +8,6 @@ from typing import Any
 from torch import nn
 
 from .._wrapping import default_name
-
-__all__ = ["PlainFunction"]
 
 
 class PlainFunction(nn.Module):

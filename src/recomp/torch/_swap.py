@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import enum
 import functools
 import inspect
 import threading
@@ -54,45 +53,14 @@ from torch import nn
 
 from .._engine import ComposedContext
 from .._hooks import CallPart, CheckpointCallView, Stage
+from .._policy import CheckpointPolicy, SwapPolicyError, as_policy, tensor_swapped
+from .._swap_pairs import SwapManagerBase
 from ..errors import RecompError
 from . import _compat
 from ._offload import Offloader, OffloadHandle, default_offloader
 from ._plain import PlainFunction
 
 _TorchPolicy = torch.utils.checkpoint.CheckpointPolicy
-
-
-class CheckpointPolicy(enum.IntEnum):
-    """HyperParallel's policy values: PyTorch's four and ``MUST_SWAP`` (the op's output
-    is kept like a save, moved to the host after the layer's forward and brought back
-    for its backward; never recomputed). A policy function may also return a bool
-    (True: ``MUST_SAVE``, False: ``PREFER_RECOMPUTE``) or PyTorch's own enum."""
-
-    MUST_SAVE = 0
-    PREFER_SAVE = 1
-    MUST_RECOMPUTE = 2
-    PREFER_RECOMPUTE = 3
-    MUST_SWAP = 4
-
-
-class SwapPolicyError(RecompError, ValueError):
-    """A policy function returned something that is not a policy, or a swap was asked
-    for where none can happen."""
-
-
-def as_policy(value: Any, where: str) -> CheckpointPolicy:
-    """``value`` (what a policy function returned) as a :class:`CheckpointPolicy`."""
-    if isinstance(value, bool):
-        return CheckpointPolicy.MUST_SAVE if value else CheckpointPolicy.PREFER_RECOMPUTE
-    if isinstance(value, CheckpointPolicy):
-        return value
-    if isinstance(value, _TorchPolicy) and value.name in CheckpointPolicy.__members__:
-        return CheckpointPolicy[value.name]
-    raise SwapPolicyError(
-        f"{where} returned {value!r} ({type(value).__name__}), which is not a policy: "
-        f"return a recomp.torch.CheckpointPolicy ("
-        f"{', '.join(CheckpointPolicy.__members__)}) or a bool."
-    )
 
 
 def noop_context_fn() -> Callable[[], tuple[Any, Any]]:
@@ -454,18 +422,8 @@ class AsyncSaveOnCpu(torch.autograd.graph.saved_tensors_hooks):
     def pack_to_host(self, t: torch.Tensor) -> Any:
         if _stays_on_device(t):
             return t
-        policy = (
-            CheckpointPolicy.MUST_SWAP
-            if self.policy_fn is None
-            else as_policy(self.policy_fn(t), "the swap policy_fn")
-        )
-        if policy is CheckpointPolicy.MUST_SAVE:
+        if self.policy_fn is not None and not tensor_swapped(self.policy_fn(t)):
             return t
-        if policy is not CheckpointPolicy.MUST_SWAP:
-            raise SwapPolicyError(
-                f"The swap policy_fn returned {policy.name} for a saved tensor: a swap "
-                f"policy is per tensor and returns MUST_SAVE or MUST_SWAP."
-            )
         scope = current_scope()
         if scope is None:
             return t
@@ -956,104 +914,41 @@ def swap_tensor_wrapper(
 # --------------------------------------------------------------------------- manager
 
 
-class SwapManager:
+class SwapManager(SwapManagerBase):
     """The process's swap manager (every ``SwapManager()`` is the same object).
 
     Each recomp checkpoint, swap wrapper or ``swap`` call of a layer moves its tensors
     as one group. In backward, the first read of a layer's group brings back, ahead,
     the group of the layer paired with it by :meth:`set_forward_prefetch_layer`, or,
-    when none is set, the group of the layer that ran before it in the forward."""
+    when none is set, the group of the layer that ran before it in the forward (the
+    offloader's own order)."""
 
-    _instance: SwapManager | None = None
-
-    def __new__(cls) -> SwapManager:
-        if cls._instance is None:
-            self = super().__new__(cls)
-            self.pairs = weakref.WeakKeyDictionary()
-            self.latest = weakref.WeakKeyDictionary()
-            self.names = weakref.WeakKeyDictionary()
-            self.count = 0
-            self.installed = None
-            cls._instance = self
-        return cls._instance
-
-    pairs: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]]
-    latest: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Any]]
-    names: weakref.WeakKeyDictionary[nn.Module, str]
-    count: int
+    layer_type = nn.Module
+    layer_kind = "modules"
     installed: Offloader | None
 
-    def set_forward_prefetch_layer(self, first_layer: nn.Module, second_layer: nn.Module) -> None:
-        """In backward, when ``second_layer``'s tensors are first read, bring
-        ``first_layer``'s back (``first_layer`` runs before it in the forward)."""
-        for layer in (first_layer, second_layer):
-            if not isinstance(layer, nn.Module):
-                raise TypeError(f"set_forward_prefetch_layer takes modules, got {layer!r}.")
-        self.pairs[second_layer] = weakref.ref(first_layer)
-
-    def unregister_forward_prefetch_layer(self, module: nn.Module) -> None:
-        """Forget the pairs ``module`` is in."""
-        self.pairs.pop(module, None)
-        for second, first in list(self.pairs.items()):
-            if first() is module:
-                self.pairs.pop(second, None)
-
-    def is_last_layer(self, layer: nn.Module | None) -> bool:
-        """Whether ``layer`` ends a chain of pairs: a second layer that is no one's first.
-        Its tensors stay on the device (its backward runs first)."""
-        if layer is None or layer not in self.pairs:
-            return False
-        return not any(first() is layer for first in self.pairs.values())
+    def _started(self) -> None:
+        self.installed = None
 
     def prefetch_on_backward(self, layer: nn.Module | None, outputs: Any) -> None:
         """When the gradient of ``layer``'s output is computed, bring back the group of
         the layer paired before it."""
-        first = self.pairs.get(layer) if layer is not None else None
-        first_layer = first() if first is not None else None
-        ref = self.latest.get(first_layer) if first_layer is not None else None
-        if ref is None:
-            return
-        for t in _tensors_in(outputs):
-            if t.requires_grad:
 
-                def bring_back(grad: torch.Tensor) -> None:
-                    group = ref()
-                    if group is not None:
-                        group.prefetch()
+        def hook(bring_back: Callable[[], None]) -> bool:
+            for t in _tensors_in(outputs):
+                if t.requires_grad:
+                    t.register_hook(lambda grad: bring_back())
+                    return True
+            return False
 
-                t.register_hook(bring_back)
-                return
-
-    def group_name(self, layer: nn.Module | None, function: Any) -> str:
-        """The name of ``layer``'s groups (``swap_group_<n>``, in order of first use)."""
-        if layer is None:
-            return f"swap of {getattr(function, '__qualname__', type(function).__name__)}"
-        name = self.names.get(layer)
-        if name is None:
-            name = self.names[layer] = f"swap_group_{self.count}"
-            self.count += 1
-        return name
+        self.on_backward(layer, outputs, hook)
 
     def group_recorded(self, layer: nn.Module | None, group: Any) -> None:
-        if layer is not None:
-            self.latest[layer] = weakref.ref(group)
+        super().group_recorded(layer, group)
         offloader = group.offloader
         if self.installed is not offloader:
-            offloader.prefetch_pair = self._paired
+            offloader.prefetch_pair = self.paired
             self.installed = offloader
-
-    def _paired(self, group: Any) -> Any:
-        if not self.pairs:
-            return None
-        for layer, ref in list(self.latest.items()):
-            if ref() is group:
-                first = self.pairs.get(layer)
-                first_layer = first() if first is not None else None
-                if first_layer is None:
-                    return None
-                paired = self.latest.get(first_layer)
-                return paired() if paired is not None else None
-        return None
 
 
 # --------------------------------------------------------------------------- host pool

@@ -1,0 +1,62 @@
+"""HyperParallel's checkpoint policy values, shared by both frameworks.
+
+The enum and the reading of what a policy function returned are framework-free:
+``recomp.torch`` and ``recomp.mindspore`` import them from here.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from .errors import RecompError
+
+
+class CheckpointPolicy(enum.IntEnum):
+    """HyperParallel's policy values: PyTorch's four and ``MUST_SWAP`` (the op's output
+    is kept like a save, moved to the host after the layer's forward and brought back
+    for its backward; never recomputed). A policy function may also return a bool
+    (True: ``MUST_SAVE``, False: ``PREFER_RECOMPUTE``) or a framework's own enum
+    member of the same name (PyTorch's ``torch.utils.checkpoint.CheckpointPolicy``)."""
+
+    MUST_SAVE = 0
+    PREFER_SAVE = 1
+    MUST_RECOMPUTE = 2
+    PREFER_RECOMPUTE = 3
+    MUST_SWAP = 4
+
+
+class SwapPolicyError(RecompError, ValueError):
+    """A policy function returned something that is not a policy, or a swap was asked
+    for where none can happen."""
+
+
+def as_policy(value: Any, where: str) -> CheckpointPolicy:
+    """``value`` (what a policy function returned) as a :class:`CheckpointPolicy`."""
+    if isinstance(value, bool):
+        return CheckpointPolicy.MUST_SAVE if value else CheckpointPolicy.PREFER_RECOMPUTE
+    if isinstance(value, CheckpointPolicy):
+        return value
+    # Another enum of the same values (PyTorch's), read by name: its own extra members
+    # (PyTorch's MUST_CPU_OFFLOAD) are not HyperParallel's and are refused.
+    if isinstance(value, enum.Enum) and value.name in CheckpointPolicy.__members__:
+        return CheckpointPolicy[value.name]
+    raise SwapPolicyError(
+        f"{where} returned {value!r} ({type(value).__name__}), which is not a policy: "
+        f"return a CheckpointPolicy ({', '.join(CheckpointPolicy.__members__)}) or a bool."
+    )
+
+
+def tensor_swapped(value: Any) -> bool:
+    """What a per-tensor swap policy (``swap``, ``swap_wrapper``, ``async_save_on_cpu``)
+    returned for one saved tensor: True to move it to the host (``MUST_SWAP``), False
+    to keep it on the device (``MUST_SAVE``); anything else is refused."""
+    policy = as_policy(value, "the swap policy_fn")
+    if policy is CheckpointPolicy.MUST_SAVE:
+        return False
+    if policy is not CheckpointPolicy.MUST_SWAP:
+        raise SwapPolicyError(
+            f"The swap policy_fn returned {policy.name} for a saved tensor: a swap "
+            f"policy is per tensor and returns MUST_SAVE or MUST_SWAP."
+        )
+    return True
