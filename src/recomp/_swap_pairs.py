@@ -1,4 +1,5 @@
-"""The framework-free half of HyperParallel's ``SwapManager``: layer pairs and group names.
+"""The framework-free half of HyperParallel's ``SwapManager``: layer pairs and group names;
+and the slot that holds the swap scope a call runs in.
 
 Each framework's ``SwapManager`` (``recomp.torch._swap``, ``recomp.mindspore._swap``)
 derives from :class:`SwapManagerBase` and adds what touches tensors: the hook that
@@ -7,9 +8,11 @@ starts a layer's backward, and where its offloader asks which group to bring bac
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
-from collections.abc import Callable
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 
 class SwapManagerBase:
@@ -118,3 +121,36 @@ class SwapManagerBase:
             if ref() is group:
                 return self.paired_before(layer)
         return None
+
+
+
+class _Abortable(Protocol):
+    def abort(self) -> None: ...
+
+
+_Scope = TypeVar("_Scope", bound=_Abortable)
+
+
+class ScopeSlot(Generic[_Scope]):
+    """The swap scope the current thread or task runs in (a context variable): the group of
+    the innermost recomp checkpoint, ``swap`` or swap wrapper call. A scope left by an
+    exception is aborted (what it had not moved yet is dropped)."""
+
+    def __init__(self, name: str) -> None:
+        self._var: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
+            name, default=None
+        )
+
+    def current(self) -> _Scope | None:
+        return self._var.get()
+
+    @contextlib.contextmanager
+    def active(self, scope: _Scope) -> Iterator[_Scope]:
+        token = self._var.set(scope)
+        try:
+            yield scope
+        except BaseException:
+            scope.abort()
+            raise
+        finally:
+            self._var.reset(token)

@@ -66,7 +66,7 @@ from mindspore import nn, ops
 from .._policy import CheckpointPolicy, SwapPolicyError, tensor_swapped
 from .._pytree import flatten
 from .._state import is_recomputing
-from .._swap_pairs import SwapManagerBase
+from .._swap_pairs import ScopeSlot, SwapManagerBase
 from ..errors import RecompError
 from . import _compat
 from ._plain import PlainFunction
@@ -314,25 +314,9 @@ def _grad_hook(outputs: Any) -> Callable[[Callable[[], None]], bool]:
     return hook
 
 
-_SCOPE: contextvars.ContextVar[SwapScope | None] = contextvars.ContextVar(
-    "recomp_ms_swap_scope", default=None
-)
-
-
-def current_scope() -> SwapScope | None:
-    return _SCOPE.get()
-
-
-@contextlib.contextmanager
-def scope_active(scope: SwapScope) -> Iterator[SwapScope]:
-    token = _SCOPE.set(scope)
-    try:
-        yield scope
-    except BaseException:
-        scope.abort()
-        raise
-    finally:
-        _SCOPE.reset(token)
+_SCOPES: ScopeSlot[SwapScope] = ScopeSlot("recomp_ms_swap_scope")
+current_scope = _SCOPES.current
+scope_active = _SCOPES.active
 
 
 # --------------------------------------------------------------------------- per tensor

@@ -394,10 +394,35 @@ def apply_activation_checkpointing(
     them (see :func:`checkpoint`).
     """
     select_checkpoint = _wrapping.as_predicate(checkpoint_fn, "checkpoint_fn", required=True)
+    select_exclude, exclude_region = _exclusion_options(
+        "apply_activation_checkpointing", exclude_fn, offload_fn, copy_output_fn, checkpoint_kwargs
+    )
+    _wrapping.apply_activation_checkpointing(
+        _MODEL_OPS,
+        model,
+        select_checkpoint,
+        select_exclude,
+        lambda m: checkpoint_wrapper(m, **checkpoint_kwargs),
+        exclude_region,
+    )
+    guard_model_cache(model)
+    return model
+
+
+def _exclusion_options(
+    api: str,
+    exclude_fn: Any,
+    offload_fn: Any,
+    copy_output_fn: Any,
+    checkpoint_kwargs: dict[str, Any],
+) -> tuple[Any, Callable[[nn.Module, str], Any]]:
+    """Check the selections and checkpoint options of a whole-model call (``api``), before
+    anything is wrapped; return the exclusion predicate and the function that makes an
+    excluded region of a module at a path. Pops ``use_reentrant`` from the options."""
     select_exclude = _wrapping.as_predicate(exclude_fn, "exclude_fn")
     select_offload = _wrapping.as_predicate(offload_fn, "offload_fn")
     select_copy = _wrapping.as_predicate(copy_output_fn, "copy_output_fn")
-    check_options("apply_activation_checkpointing", checkpoint_kwargs, CHECKPOINT_OPTIONS)
+    check_options(api, checkpoint_kwargs, CHECKPOINT_OPTIONS)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     if "exclude_collectives" in checkpoint_kwargs:
         _engine.check_flag("exclude_collectives", checkpoint_kwargs["exclude_collectives"])
@@ -406,18 +431,13 @@ def apply_activation_checkpointing(
     )
     choose_offload = select_offload or (lambda m: False)
     choose_copy = select_copy or (lambda m: False)
-    _wrapping.apply_activation_checkpointing(
-        _MODEL_OPS,
-        model,
-        select_checkpoint,
-        select_exclude,
-        lambda m: checkpoint_wrapper(m, **checkpoint_kwargs),
-        lambda m, path: checkpoint_exclude_wrapper(
-            m, name=path, offload=choose_offload(m), copy_output=bool(choose_copy(m))
-        ),
-    )
-    guard_model_cache(model)
-    return model
+
+    def exclude_region(module: nn.Module, path: str) -> Any:
+        return checkpoint_exclude_wrapper(
+            module, name=path, offload=choose_offload(module), copy_output=bool(choose_copy(module))
+        )
+
+    return select_exclude, exclude_region
 
 
 def hf_activation_checkpointing(
@@ -447,15 +467,8 @@ def hf_activation_checkpointing(
     :func:`unwrap` undoes it. ``model`` is the HF model (a ``PreTrainedModel``, or a
     ``PeftModel`` around one); wraps in place and returns it.
     """
-    select_exclude = _wrapping.as_predicate(exclude_fn, "exclude_fn")
-    select_offload = _wrapping.as_predicate(offload_fn, "offload_fn")
-    select_copy = _wrapping.as_predicate(copy_output_fn, "copy_output_fn")
-    check_options("hf_activation_checkpointing", checkpoint_kwargs, CHECKPOINT_OPTIONS)
-    _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
-    if "exclude_collectives" in checkpoint_kwargs:
-        _engine.check_flag("exclude_collectives", checkpoint_kwargs["exclude_collectives"])
-    _wrapping.check_option_fns(
-        select_exclude, offload_fn=select_offload, copy_output_fn=select_copy
+    select_exclude, exclude_region = _exclusion_options(
+        "hf_activation_checkpointing", exclude_fn, offload_fn, copy_output_fn, checkpoint_kwargs
     )
     layers = _hf.hf_layers(model) if isinstance(model, nn.Module) else []
     if not layers:
@@ -482,8 +495,6 @@ def hf_activation_checkpointing(
             f"one); {type(model).__name__} has no activation_checkpointing_enable."
         )
     owner = _hf.HFCheckpointing(checkpoint, checkpoint_kwargs)
-    choose_offload = select_offload or (lambda m: False)
-    choose_copy = select_copy or (lambda m: False)
     layer_ids = {id(m) for _, m in layers}
     _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
@@ -491,9 +502,7 @@ def hf_activation_checkpointing(
         lambda m: id(m) in layer_ids,
         select_exclude,
         lambda m: m,  # HF checkpoints the layers; recomp's function is installed below
-        lambda m, path: checkpoint_exclude_wrapper(
-            m, name=path, offload=choose_offload(m), copy_output=bool(choose_copy(m))
-        ),
+        exclude_region,
     )
     for _, layer in layers:
         owner.install(layer)

@@ -39,7 +39,6 @@ layer and tells the offloader which group a layer's backward brings back ahead (
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import inspect
 import threading
@@ -54,7 +53,7 @@ from torch import nn
 from .._engine import ComposedContext
 from .._hooks import CallPart, CheckpointCallView, Stage
 from .._policy import CheckpointPolicy, SwapPolicyError, as_policy, tensor_swapped
-from .._swap_pairs import SwapManagerBase
+from .._swap_pairs import ScopeSlot, SwapManagerBase
 from ..errors import RecompError
 from . import _compat
 from ._offload import Offloader, OffloadHandle, default_offloader
@@ -334,25 +333,9 @@ def _bucket(group: Any, moving: list[_Kept]) -> list[_Kept]:
     return rest
 
 
-_SCOPE: contextvars.ContextVar[SwapScope | None] = contextvars.ContextVar(
-    "recomp_swap_scope", default=None
-)
-
-
-def current_scope() -> SwapScope | None:
-    return _SCOPE.get()
-
-
-@contextlib.contextmanager
-def _scope_active(scope: SwapScope) -> Iterator[SwapScope]:
-    token = _SCOPE.set(scope)
-    try:
-        yield scope
-    except BaseException:
-        scope.abort()
-        raise
-    finally:
-        _SCOPE.reset(token)
+_SCOPES: ScopeSlot[SwapScope] = ScopeSlot("recomp_swap_scope")
+current_scope = _SCOPES.current
+_scope_active = _SCOPES.active
 
 
 def _tensors_in(tree: Any) -> Iterator[torch.Tensor]:
