@@ -12,7 +12,7 @@ import contextlib
 import contextvars
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol
 
 
 class SwapManagerBase:
@@ -128,24 +128,22 @@ class _Abortable(Protocol):
     def abort(self) -> None: ...
 
 
-_Scope = TypeVar("_Scope", bound=_Abortable)
-
-
-class ScopeSlot(Generic[_Scope]):
+class ScopeSlot:
     """The swap scope the current thread or task runs in (a context variable): the group of
     the innermost recomp checkpoint, ``swap`` or swap wrapper call. A scope left by an
     exception is aborted (what it had not moved yet is dropped)."""
 
     def __init__(self, name: str) -> None:
-        self._var: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
+        self._var: contextvars.ContextVar[Any] = contextvars.ContextVar(
             name, default=None
         )
 
-    def current(self) -> _Scope | None:
+    def current(self) -> Any:
+        """The framework's ``SwapScope`` the call runs in, or None."""
         return self._var.get()
 
     @contextlib.contextmanager
-    def active(self, scope: _Scope) -> Iterator[_Scope]:
+    def active(self, scope: _Abortable) -> Iterator[Any]:
         token = self._var.set(scope)
         try:
             yield scope

@@ -314,7 +314,7 @@ def _grad_hook(outputs: Any) -> Callable[[Callable[[], None]], bool]:
     return hook
 
 
-_SCOPES: ScopeSlot[SwapScope] = ScopeSlot("recomp_ms_swap_scope")
+_SCOPES = ScopeSlot("recomp_ms_swap_scope")
 current_scope = _SCOPES.current
 scope_active = _SCOPES.active
 

@@ -333,7 +333,7 @@ def _bucket(group: Any, moving: list[_Kept]) -> list[_Kept]:
     return rest
 
 
-_SCOPES: ScopeSlot[SwapScope] = ScopeSlot("recomp_swap_scope")
+_SCOPES = ScopeSlot("recomp_swap_scope")
 current_scope = _SCOPES.current
 _scope_active = _SCOPES.active
 
