@@ -261,10 +261,15 @@ def spec(name: str) -> ModelSpec:
 
 
 def _classes(family: str) -> tuple[Any, Any]:
-    import transformers
+    """The config and causal-LM classes, from their own modules (importing them through
+    ``transformers``' top level first indexes every model it has: seconds)."""
+    import importlib
 
     config_name, model_name = _FAMILIES[family]
-    return getattr(transformers, config_name), getattr(transformers, model_name)
+    package = f"transformers.models.{family}"
+    config_module = importlib.import_module(f"{package}.configuration_{family}")
+    model_module = importlib.import_module(f"{package}.modeling_{family}")
+    return getattr(config_module, config_name), getattr(model_module, model_name)
 
 
 def layer_kinds(model: ModelSpec | str, num_layers: int | None = None) -> list[str]:
