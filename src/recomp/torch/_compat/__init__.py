@@ -42,6 +42,9 @@ with one test per entry that fails when PyTorch changes underneath.
 ``compile``
     Dynamo and AOTAutograd: the wrapper that marks excluded regions in a compiled
     checkpoint, and the partitioner asked at a memory budget for compiled plans.
+``fake``
+    Fake tensors and torch.distributed's fake process group: for the planner's
+    simulation.
 ``hf``
     transformers' private layer and model attributes: for the Hugging Face integration
     and the planner's layer finder.
@@ -99,6 +102,14 @@ from .engine import (
     version,
     view_base,
 )
+from .fake import (
+    fake_process_group,
+    fake_tensor_mode,
+    fake_tensor_type,
+    is_fake,
+    is_view_op,
+    reset_dtensor_random,
+)
 from .hf import (
     hf_checkpoint_function,
     hf_layer_keeps_cache,
@@ -142,6 +153,9 @@ __all__ = [
     "cpu_attention_ops",
     "dynamo_bypassing_wrapper",
     "fake_mode_of",
+    "fake_process_group",
+    "fake_tensor_mode",
+    "fake_tensor_type",
     "finish_failed_checkpoint",
     "graph_task_id",
     "hf_checkpoint_function",
@@ -152,7 +166,9 @@ __all__ = [
     "in_tracing_context",
     "is_compiled_graph_node",
     "is_early_stop",
+    "is_fake",
     "is_hf_checkpoint_call",
+    "is_view_op",
     "many_recompiles",
     "mark_as_checkpoint_hook",
     "memory_history_enabled",
@@ -172,6 +188,7 @@ __all__ = [
     "register_selective_mode_type",
     "replace_top_hooks",
     "replay_tensors",
+    "reset_dtensor_random",
     "run_at_trace_time",
     "saved_handles",
     "saved_values_readable",
