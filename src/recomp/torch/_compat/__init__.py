@@ -45,6 +45,9 @@ with one test per entry that fails when PyTorch changes underneath.
 ``fake``
     Fake tensors and torch.distributed's fake process group: for the planner's
     simulation.
+``pipelining``
+    Building ``torch.distributed.pipelining``'s schedules on stand-in stages and
+    reading their per-rank action lists: for the whole-job memory estimate.
 ``hf``
     transformers' private layer and model attributes: for the Hugging Face integration
     and the planner's layer finder.
@@ -117,6 +120,7 @@ from .hf import (
     is_hf_checkpoint_call,
     set_hf_checkpoint_function,
 )
+from .pipelining import pipeline_actions, schedule_names
 from .pytree import pytree_generation, pytree_node
 from .saved_tensors import (
     checkpoint_frame,
@@ -182,6 +186,7 @@ __all__ = [
     "op_name",
     "ops_named",
     "packed_value",
+    "pipeline_actions",
     "partitioning_backend",
     "pytree_generation",
     "pytree_node",
@@ -192,6 +197,7 @@ __all__ = [
     "run_at_trace_time",
     "saved_handles",
     "saved_values_readable",
+    "schedule_names",
     "selective_checkpoint_storage",
     "separate_backend",
     "set_hf_checkpoint_function",
