@@ -290,8 +290,8 @@ def layer_kinds(model: ModelSpec | str, num_layers: int | None = None) -> list[s
 def hf_config(model: ModelSpec | str, num_layers: int | None = None) -> Any:
     """The transformers config of the model, with ``num_layers`` layers if given (keeping
     at least one layer of each kind the full model has: for DeepSeek-V3 its dense layers
-    become ``min(3, num_layers - 1)``). Attention runs through PyTorch's
-    ``scaled_dot_product_attention`` ("sdpa")."""
+    become ``min(3, num_layers - 1)``). Attention runs through the FlashAttention kernel
+    (:func:`flash_attention`)."""
     s = spec(model) if isinstance(model, str) else model
     values = dict(s.values)
     if num_layers is not None:
@@ -305,7 +305,7 @@ def hf_config(model: ModelSpec | str, num_layers: int | None = None) -> Any:
             values["first_k_dense_replace"] = min(values["first_k_dense_replace"], num_layers - 1)
     config_class, _ = _classes(s.family)
     config = config_class(**values)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = register_flash_attention()
     return config
 
 
@@ -316,6 +316,50 @@ def parameter_count(model: ModelSpec | str, num_layers: int | None = None) -> in
     with torch.device("meta"):
         built = model_class(hf_config(s, num_layers))
     return sum(p.numel() for p in built.parameters())
+
+
+#: The name under which :func:`flash_attention` is registered with transformers.
+FLASH_ATTENTION = "recomp_fa"  # (a name with "flash" in it sends transformers to flash-attn)
+
+
+def register_flash_attention() -> str:
+    """Register :func:`flash_attention` with transformers' attention functions (once)
+    and return its name, for ``config._attn_implementation``."""
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    if FLASH_ATTENTION not in AttentionInterface():
+        AttentionInterface.register(FLASH_ATTENTION, flash_attention)
+        # The mask: none without padding, as for transformers' flash attention.
+        AttentionMaskInterface.register(FLASH_ATTENTION, flash_attention_mask)
+    return FLASH_ATTENTION
+
+
+def flash_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention through ATen's FlashAttention op, the kernel a training run on a
+    recent GPU takes. PyTorch's ``scaled_dot_product_attention`` chooses its kernel by
+    asking the device, which fake tensors without a driver cannot answer (it falls back
+    to the math kernel, which keeps the ``s x s`` scores); called directly, the op keeps
+    what FlashAttention keeps: the query, key and value, the output and the row-wise
+    log-sum-exp. Grouped key-value heads are passed as they are (as flash-attn keeps
+    them); a value head narrower than the query's (DeepSeek's MLA) is zero-padded to it,
+    as transformers' flash path does. Padding masks are not modelled (causal only)."""
+    q_dim, v_dim = query.shape[-1], value.shape[-1]
+    if v_dim < q_dim:
+        value = torch.nn.functional.pad(value, (0, q_dim - v_dim))
+    out = torch.ops.aten._scaled_dot_product_flash_attention(
+        query, key, value, dropout if module.training else 0.0, True, False, scale=scaling
+    )[0]
+    return out[..., :v_dim].transpose(1, 2).contiguous(), None
 
 
 class GroupedExperts(nn.Module):
@@ -505,11 +549,20 @@ class SimulatedModel:
                 clone = copy.deepcopy(layer)
                 clone.path = f"{prefix}.{len(layers)}"
                 layers.append(clone)
+        # The step grows by the added layers' forward and backward, the backward taken
+        # as twice the forward (the matrix products' ratio).
+        added_s = sum(3 * p.forward_s * (c - 1) for p, c in zip(profile.layers, counts))
         note = (
             f"{len(counts)} layers simulated, scaled to the {sum(counts)} of {self.spec.name}: "
             + ", ".join(f"{p.path} x{c}" for p, c in zip(profile.layers, counts))
+            + "; the step without checkpointing grows by 3x the added layers' forward"
         )
-        return replace(profile, layers=layers, notes=[*profile.notes, note])
+        return replace(
+            profile,
+            layers=layers,
+            baseline_step_s=profile.baseline_step_s + added_s,
+            notes=[*profile.notes, note],
+        )
 
 
 def _kinds_of(s: ModelSpec, config: Any) -> list[str]:
