@@ -268,11 +268,20 @@ def run(args: argparse.Namespace) -> Outcome:
         static = job_memory(params, parallel, **common)
         none_job = job_memory(params, parallel, activations=profile, option="none", **common)
         held = max((r.peak.microbatches for r in none_job.ranks if r.peak), default=1)
-        room = (budget_bytes - max(r.total for r in static.ranks)) // max(held, 1)
-        try:
-            plan = make_plan(profile, f"{max(int(room), 1)}B")
-        except ValueError as exc:
-            notes.append(f"no plan: {str(exc).splitlines()[0]}")
+        states = max(r.total for r in static.ranks)
+        room = (budget_bytes - states) // max(held, 1)
+        if room <= 0:
+            notes.append(
+                f"no plan: parameters, gradients and optimizer states alone take "
+                f"{states / GiB:.2f} GiB of the {budget_bytes / GiB:.2f} GiB per device; shard "
+                "them over data-parallel ranks (--dp N --zero 1, 2 or 3) or split the layers "
+                "(--pp N)"
+            )
+        else:
+            try:
+                plan = make_plan(profile, f"{int(room)}B")
+            except ValueError as exc:
+                notes.append(f"no plan: {str(exc).splitlines()[0]}")
         if plan is not None:
             options = [lp.option for lp in plan.layers]
             predicted = profile.predict(options)

@@ -1,0 +1,94 @@
+"""``recomp plan --simulate``: end to end on two layers of Llama-3.1-8B under tensor and
+sequence parallelism, its numbers against ``simulate()`` and ``job_memory()`` called
+directly, and the errors that name the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from recomp.cli import plan as plan_cli  # noqa: E402
+from recomp.cli import plan_simulate  # noqa: E402
+
+GiB = float(1 << 30)
+ARGS = ["--simulate", "llama-3.1-8b", "--layers", "2", "--seq", "512", "--tp", "2", "--sp"]
+
+
+def test_table_equals_simulate_and_job_memory(tmp_path, capsys) -> None:
+    out_json, out_png = tmp_path / "sim.json", tmp_path / "sim.png"
+    code = plan_cli.main([*ARGS, "--json", str(out_json), "--png", str(out_png)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "llama-3.1-8b on H100 SXM" in printed and "plan@" in printed
+    data = json.loads(out_json.read_text())
+    assert os.path.getsize(out_png) > 0
+
+    # The same numbers from the library, called directly.
+    from recomp.plan import simulate
+    from recomp.plan.job import Parallel, job_memory, model_params
+
+    args = plan_simulate.build_parser().parse_args(ARGS)
+    model = plan_simulate.simulated_model(args)
+    profile = simulate(
+        model.build,
+        model.inputs,
+        world_size=2,
+        exclude=plan_simulate.candidate_regions,
+        hardware="H100 SXM",
+    )
+    profile = model.scale_profile(profile)
+    assert len(profile.layers) == 32
+    params = model_params(plan_simulate._meta_model(model))
+    rows = {r["strategy"]: r for r in data["rows"]}
+    assert {"none", "full", "selective", "exclude:self_attn", "exclude:mlp"} <= set(rows)
+    for option in ("none", "full", "selective", "exclude:self_attn"):
+        row = rows[option]
+        assert row["activations_per_microbatch"] == profile.uniform_bytes(option)
+        job = job_memory(
+            params, Parallel(tp=2), activations=profile, option=option, budget=f"{80 * 10**9}B"
+        )
+        assert row["total"] == job.ranks[0].total
+        assert row["fits"] == job.fits
+        predicted = profile.predict([option] * 32)
+        assert row["replay_flops"] == predicted["replay_flops"]
+    assert rows["none"]["replay_flops"] == 0 and rows["full"]["replay_flops"] > 0
+    assert rows["full"]["activations_per_microbatch"] < rows["none"]["activations_per_microbatch"]
+    # The plan fits and its row is the plan's own prediction.
+    plan_row = next(r for s, r in rows.items() if s.startswith("plan@"))
+    assert plan_row["fits"] is True
+    assert plan_row["activations_per_microbatch"] == data["plan"]["predicted"]["activation_bytes"]
+
+
+@pytest.mark.parametrize(
+    "argv, fix",
+    [
+        (["--simulate", "llama-4"], "use one of llama-3.1-8b"),
+        (["--simulate", "llama-3.1-8b", "--sp"], "add --tp N"),
+        (["--simulate", "llama-3.1-8b", "--zero", "3"], "add --dp N"),
+        (["--simulate", "llama-3.1-8b", "--pp", "2", "--schedule", "Nope"], "unknown --schedule"),
+        (["--simulate", "llama-3.1-8b", "--pp", "33"], "--pp must be at most"),
+    ],
+)
+def test_bad_options_name_the_fix(argv, fix, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main(argv)
+    assert exit_info.value.code == 2
+    assert fix in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, fix",
+    [
+        (["--simulate", "mixtral-8x22b", "--tp", "2"], "add --sp"),
+        (["--simulate", "qwen3-30b-a3b", "--tp", "8", "--sp"], "--tp must divide both"),
+        (["--simulate", "llama-3.1-8b", "--accelerator", "TPU9"], "unknown hardware"),
+        (["--simulate", "llama-3.1-8b", "--budget", "50%"], "--budget is bytes per device"),
+    ],
+)
+def test_model_and_target_errors_name_the_fix(argv, fix, capsys) -> None:
+    assert plan_cli.main(argv) == 2
+    assert fix in capsys.readouterr().err
