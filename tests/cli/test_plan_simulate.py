@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from recomp.cli import plan as plan_cli  # noqa: E402
-from recomp.cli import plan_simulate  # noqa: E402
+from recomp.cli import plan as plan_cli
+from recomp.cli import plan_simulate
 
 GiB = float(1 << 30)
 ARGS = ["--simulate", "llama-3.1-8b", "--layers", "2", "--seq", "512", "--tp", "2", "--sp"]

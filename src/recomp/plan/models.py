@@ -501,7 +501,7 @@ class SimulatedModel:
                 model(**self.inputs(mesh))
         return model
 
-    def inputs(self, mesh: Any = None) -> dict[str, torch.Tensor]:
+    def inputs(self, mesh: Any = None) -> dict[str, Any]:
         """This rank's micro-batch: token ids, labels (the model computes the loss) and
         the positions (sequence parallelism embeds a share of the sequence, the rotary
         embedding needs all of it)."""
@@ -547,7 +547,7 @@ class SimulatedModel:
             return profile
         import copy
 
-        layers = []
+        layers: list[Any] = []
         prefix = profile.layers[0].path.rsplit(".", 1)[0]
         for layer, count in zip(profile.layers, counts):
             for _ in range(count):
