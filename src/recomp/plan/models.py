@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..torch import _compat
+
 #: transformers' model families used here.
 _FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -305,7 +307,7 @@ def hf_config(model: ModelSpec | str, num_layers: int | None = None) -> Any:
             values["first_k_dense_replace"] = min(values["first_k_dense_replace"], num_layers - 1)
     config_class, _ = _classes(s.family)
     config = config_class(**values)
-    config._attn_implementation = register_flash_attention()
+    _compat.set_hf_attention(config, register_flash_attention())
     return config
 
 
@@ -356,9 +358,9 @@ def flash_attention(
     q_dim, v_dim = query.shape[-1], value.shape[-1]
     if v_dim < q_dim:
         value = torch.nn.functional.pad(value, (0, q_dim - v_dim))
-    out = torch.ops.aten._scaled_dot_product_flash_attention(
-        query, key, value, dropout if module.training else 0.0, True, False, scale=scaling
-    )[0]
+    out = _compat.flash_attention_forward(
+        query, key, value, dropout if module.training else 0.0, scaling
+    )
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
 
 
@@ -390,18 +392,12 @@ class GroupedExperts(nn.Module):
         # histc, not bincount: its output's shape does not depend on the data
         counts = torch.histc(ids.float(), bins=self.local, min=0, max=self.local - 1)
         offsets = torch.cumsum(counts, 0).to(torch.int32)
-        gate, up = _grouped_mm(pairs, self.gate_up_proj.transpose(-2, -1), offsets).chunk(2, -1)
-        out = _grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offsets)
+        gate_up = _compat.grouped_mm(pairs, self.gate_up_proj.transpose(-2, -1), offsets)
+        gate, up = gate_up.chunk(2, -1)
+        out = _compat.grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offsets)
         out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)
         return unsorted.view(tokens, k, -1).sum(1).to(hidden_states.dtype)
-
-
-def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    grouped = getattr(torch.nn.functional, "grouped_mm", None)
-    if grouped is not None:
-        return grouped(x, w, offs=offsets)
-    return torch._grouped_mm(x, w, offs=offsets)
 
 
 @dataclass
