@@ -3,8 +3,8 @@ Transformer Models" (MLSys 2023), written as its section 4 counts it, with the t
 and sequence parallel plans of DTensor.
 
 Layout ``(s, b, h)`` as Megatron's. Attention: LayerNorm, Q/K/V projections, QKᵀ,
-softmax, dropout, ×V, output projection, dropout; MLP: LayerNorm, ``h -> ffn``, GeLU,
-``ffn -> h``, dropout; residual adds. The core attention (QKᵀ to ×V) is a module of
+softmax, dropout, times V, output projection, dropout; MLP: LayerNorm, ``h -> ffn``, GeLU,
+``ffn -> h``, dropout; residual adds. The core attention (QKᵀ to times V) is a module of
 its own (``attn.core``), so that a plan can recompute it alone.
 
 ``build(mesh, parallel=...)`` returns the model; with a mesh, parallelised:
