@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
 
-import paper_gpt  # noqa: E402
-from recomp.plan import profile  # noqa: E402
+import paper_gpt
+from recomp.plan import profile
 
 SIZES = {"layers": 2, "hidden": 64, "heads": 4}
 SEQ, BATCH = 32, 2
