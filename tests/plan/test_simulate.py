@@ -270,14 +270,19 @@ def test_roofline_of_a_matrix_product_and_of_an_elementwise_op():
     h100 = OpCostModel(ACCELERATORS["H100 SXM"])
     a, b = _fake(4096, 4096), _fake(4096, 4096)
     flops = 2 * 4096**3
-    mm = h100.op_seconds(torch.ops.aten.mm.default, (a, b), {}, a, flops)
+    mm = h100.op_seconds(torch.ops.aten.mm.default, (a, b), {}, _fake(4096, 4096), flops)
     assert mm == pytest.approx(flops / 989.5e12)  # compute-bound
     add = h100.op_seconds(torch.ops.aten.add.Tensor, (a, b), {}, _fake(4096, 4096), 0)
     assert add == pytest.approx(3 * 4096 * 4096 * 2 / 3.35e12)  # memory-bound
-    view = h100.op_seconds(torch.ops.aten.view.default, (a, [-1]), {}, a, 0)
+    view = h100.op_seconds(torch.ops.aten.view.default, (a, [-1]), {}, a.view(-1), 0)
     assert view == 0
+    alias = h100.op_seconds(torch.ops.aten._unsafe_view.default, (a, [-1]), {}, a.view(-1), 0)
+    assert alias == 0
+    device = h100.op_seconds(torch.ops.prim.device.default, (a,), {}, a.device, 0)
+    assert device == 0
     fp32 = _fake(4096, 4096, dtype=torch.float32)
-    assert h100.op_seconds(torch.ops.aten.mm.default, (fp32, fp32), {}, fp32, flops) == (
+    product = _fake(4096, 4096, dtype=torch.float32)
+    assert h100.op_seconds(torch.ops.aten.mm.default, (fp32, fp32), {}, product, flops) == (
         pytest.approx(flops / 67e12)
     )
 
