@@ -377,3 +377,39 @@ def test_refused_arguments_and_an_existing_process_group():
             simulate(build, paper_gpt.inputs, world_size=2, device="cpu")
     finally:
         dist.destroy_process_group()
+
+
+def test_attention_is_counted_as_the_gpus_fused_kernel_saves_it():
+    """SDPA on fake CUDA tensors: the flash kernel's saves (output, log-sum-exp), not the
+    attention matrix that PyTorch's math fallback would save on a machine without a GPU."""
+    import torch.nn.functional as F
+
+    seq, heads, dim = 1024, 8, 64
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(heads * dim, 3 * heads * dim)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(1, seq, 3, heads, dim).permute(2, 0, 3, 1, 4)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return out.transpose(1, 2).reshape(1, seq, heads * dim)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(), Layer()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    prof = simulate(lambda mesh: Model(), lambda mesh: torch.randn(1, seq, heads * dim), dtype=torch.bfloat16)
+    hidden = seq * heads * dim * 2  # one (1, seq, heads * dim) bf16 tensor
+    lse = heads * seq * 4  # fp32 log-sum-exp per head and position
+    # input of qkv + q, k, v (one storage) + output + log-sum-exp (+ the kernel's RNG seed
+    # and offset, 8 bytes each)
+    expected = hidden + 3 * hidden + hidden + lse
+    assert 0 <= prof.layers[1].no_checkpoint_bytes - expected <= 64

@@ -120,6 +120,7 @@ def simulate(
             stack.enter_context(_default_dtype(dtype))
             stack.enter_context(_compat.fake_tensor_mode())
             stack.enter_context(target)
+            stack.enter_context(_compat.target_attention_kernels(target))
             model = build(mesh)
             _check_model(model)
             x = inputs(mesh)

@@ -60,3 +60,27 @@ def test_view_operators_are_told_apart():
     assert _compat.is_view_op(torch.ops.aten.view.default)
     assert _compat.is_view_op(torch.ops.aten.t.default)
     assert not _compat.is_view_op(torch.ops.aten.mm.default)
+
+
+def test_attention_on_fake_cuda_runs_the_fused_kernels_a_gpu_would_choose():
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU, PyTorch chooses from the device's properties itself")
+    import torch.nn.functional as F
+
+    with _compat.fake_tensor_mode(), torch.device("cuda"):
+        q = torch.empty(1, 8, 1024, 64, dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.empty(1, 2, 1024, 64, dtype=torch.bfloat16, requires_grad=True)
+        mask = torch.ones(1, 1, 1024, 1024, dtype=torch.bool)
+        fp32 = torch.empty(1, 8, 1024, 64, requires_grad=True)
+        with _compat.target_attention_kernels(torch.device("cuda")):
+            flash = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            grouped = F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+            masked = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+            single = F.scaled_dot_product_attention(fp32, fp32, fp32)
+        plain = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert type(flash.grad_fn).__name__ == "ScaledDotProductFlashAttentionBackward0"
+    assert type(grouped.grad_fn).__name__ == "ScaledDotProductFlashAttentionBackward0"
+    assert type(masked.grad_fn).__name__ == "ScaledDotProductEfficientAttentionBackward0"
+    assert type(single.grad_fn).__name__ == "ScaledDotProductEfficientAttentionBackward0"
+    # Outside the block PyTorch's own choice on a fake device without a driver: math.
+    assert "Flash" not in type(plain.grad_fn).__name__
