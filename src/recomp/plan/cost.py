@@ -6,7 +6,8 @@ timed; each op's time then comes from this module, as a roofline:
 * a compute or memory op: ``max(FLOPs / peak FLOP/s, bytes moved / memory bandwidth)``,
   with FLOPs by ``torch.utils.flop_counter``'s formulas (matrix products, convolutions,
   attention; every other op counts none) and the peak of the op's dtype; bytes moved are
-  the bytes of the op's tensor inputs read and outputs written (a view moves none);
+  the bytes of the op's tensor inputs read and outputs written (a view, an alias and a
+  query such as a tensor's device move none);
 * a collective: the bytes a rank sends over its link, at the link's bandwidth per
   direction: ``(n - 1) / n`` of the gathered (all-gather) or scattered (reduce-scatter)
   tensor or of the exchanged one (all-to-all), twice that for an all-reduce (reduce-
@@ -286,8 +287,15 @@ class OpCostModel:
                 return self.collective_seconds(kind, func, args, kwargs, out)
         if _compat.is_view_op(func):
             return 0.0
+        results = _tensors(out)
+        if not results:
+            return 0.0  # a query (a tensor's device, size, ...): no kernel
         inputs = _tensors((args, kwargs))
-        outputs = [t for t in _tensors(out) if not any(t is i for i in inputs)]
+        read = {_compat.storage_key(t) for t in inputs}
+        outputs = [t for t in results if _compat.storage_key(t) not in read]
+        writes = any(written for _, written in _compat.op_arguments(func))
+        if not outputs and not writes:
+            return 0.0  # an alias of an input (``_unsafe_view``): metadata only
         moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
         dtype = _dtype_name(inputs or outputs)
         compute = flops / self.hardware.peak(dtype) if flops else 0.0

@@ -115,6 +115,7 @@ from .fake import (
     is_fake,
     is_view_op,
     reset_dtensor_random,
+    target_attention_kernels,
 )
 from .hf import (
     hf_checkpoint_function,
@@ -210,6 +211,7 @@ __all__ = [
     "set_hf_checkpoint_function",
     "storage_key",
     "swap_module_tensor",
+    "target_attention_kernels",
     "top_checkpoint_hooks",
     "version",
     "version_sharing_detach",

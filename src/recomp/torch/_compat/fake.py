@@ -13,6 +13,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 
 def fake_tensor_mode() -> Any:
     """A new ``FakeTensorMode`` that also takes real tensors created outside it (they
@@ -81,6 +83,83 @@ def reset_dtensor_random() -> None:
         _random._rng_tracker = None
 
 
+@contextlib.contextmanager
+def target_attention_kernels(device: torch.device) -> Iterator[None]:
+    """For the time of the block, ``F.scaled_dot_product_attention`` on fake CUDA tensors
+    runs the fused kernel a GPU would choose, where this machine has no GPU.
+
+    Why: PyTorch picks the attention kernel from the device's properties; on fake CUDA
+    tensors without a driver ``_fused_sdp_choice`` answers "math", which saves the
+    whole attention matrix (in fp32 for half-precision inputs) where a GPU's flash
+    kernel saves the output and its log-sum-exp. The simulation must count the
+    target's saves.
+    How: a ``TorchFunctionMode`` that calls ``aten._scaled_dot_product_flash_attention``
+    (half precision, no mask, head size a multiple of 8 up to 256, as on the GPU: the
+    first choice there), else ``aten._scaled_dot_product_efficient_attention`` (a mask,
+    or fp32), else PyTorch's own path. Both ops have fake implementations and autograd
+    formulas: the saved tensors are the kernels' own.
+    If it changes: the op call raises and PyTorch's own path runs (the math kernel's
+    saves: more bytes than on the GPU).
+    Retired by: a way to give fake tensors a device's properties.
+    """
+    if device.type != "cuda" or torch.cuda.is_available():
+        yield
+        return
+    from torch.overrides import TorchFunctionMode
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    class TargetKernels(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            if func is sdpa:
+                out = _cuda_attention(*args, **kwargs)
+                if out is not None:
+                    return out
+            return func(*args, **kwargs)
+
+    with TargetKernels():
+        yield
+
+
+def _cuda_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Any:
+    """The fused kernel's output, or None to leave the call to PyTorch."""
+    tensors = (query, key, value)
+    if not all(is_fake(t) and t.device.type == "cuda" and t.dim() == 4 for t in tensors):
+        return None
+    head = query.shape[-1]
+    if key.shape[-1] != head or value.shape[-1] != head or head % 8:
+        return None
+    grouped = key.shape[1] != query.shape[1]
+    if grouped and not enable_gqa:
+        return None  # PyTorch raises
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    same = key.dtype == value.dtype == query.dtype
+    try:
+        if attn_mask is None and half and same and head <= 256:
+            flash = torch.ops.aten._scaled_dot_product_flash_attention
+            return flash(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        if grouped or not same or query.dtype not in (*(torch.float16, torch.bfloat16), torch.float32):
+            return None
+        bias = attn_mask
+        if bias is not None and bias.dtype == torch.bool:
+            bias = torch.zeros(bias.shape, dtype=query.dtype).masked_fill(~bias, float("-inf"))
+        efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+        out = efficient(query, key, value, bias, query.requires_grad, dropout_p, is_causal, scale=scale)
+        return out[0]
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 def fake_tensor_type() -> type:
     """The class of fake tensors (for ``isinstance`` checks)."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -104,4 +183,5 @@ __all__ = [
     "is_fake",
     "is_view_op",
     "reset_dtensor_random",
+    "target_attention_kernels",
 ]
