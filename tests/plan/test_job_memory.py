@@ -346,8 +346,9 @@ def test_plan_choice_and_table():
 def test_weight_input_bytes_counts_inputs_of_modules_with_weights():
     layer = Layer(8)
     x = torch.randn(2, 5, 8)
-    # norm's input x, qkv's input (norm output), out's input (qkv output): 2*5*(8+8+24) floats
-    assert job.weight_input_bytes(layer, x) == 4 * 2 * 5 * (8 + 8 + 24)
+    # qkv's input (the norm's output), out's input (qkv's output); the norm's input is
+    # the layer's own, kept by the checkpoint anyway: 2 * 5 * (8 + 24) floats
+    assert job.weight_input_bytes(layer, x) == 4 * 2 * 5 * (8 + 24)
 
 
 def test_bad_layouts_are_refused():
@@ -357,3 +358,55 @@ def test_bad_layouts_are_refused():
         Parallel(dp=2, ep=4)
     with pytest.raises(ValueError, match="cannot fill"):
         job_memory(Model(n=2), Parallel(pp=4), schedule="1F1B", microbatches=4)
+
+
+def _live_activation_bytes(skip: set[int]) -> dict[int, int]:
+    """Storages of the live Python-visible tensors, parameters and ``skip`` left out."""
+    import gc
+
+    seen = {}
+    for obj in gc.get_objects():
+        # type(): isinstance would read __class__ of every object (deprecated ones warn)
+        if issubclass(type(obj), torch.Tensor) and not issubclass(type(obj), nn.Parameter):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in skip and storage.nbytes() > 8:
+                seen[storage.data_ptr()] = storage.nbytes()
+    return seen
+
+
+def test_recomp_keeps_the_weight_inputs_between_input_and_weight_passes():
+    # What recomp keeps of a checkpointed layer after a split backward's input pass
+    # (autograd.grad on the input, retain_graph=True) are the replay's tensors that the
+    # weight pass reads: the inputs of the linears and the norm (besides the layer's
+    # input, which the checkpoint keeps), and the norm's statistics. It holds them in
+    # Python, so the live tensors show them; the weight pass frees them.
+    import recomp.torch as rt
+
+    class Block(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+            self.fc1 = nn.Linear(d, 4 * d)
+            self.fc2 = nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+    torch.manual_seed(0)
+    block = Block(16)
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    expected = job.weight_input_bytes(block, x)
+    assert expected == 4 * 4 * 8 * (16 + 64)  # fc1's input (the norm's output), fc2's
+    rt.checkpoint_wrapper(block)
+    y = block(x)
+    g = torch.randn_like(y)
+    skip = {t.untyped_storage().data_ptr() for t in (x, y, g, *block.parameters())}
+    before = _live_activation_bytes(skip)
+    (dx,) = torch.autograd.grad(y, x, g, retain_graph=True)
+    skip.add(dx.untyped_storage().data_ptr())
+    kept = {k: v for k, v in _live_activation_bytes(skip).items() if k not in before}
+    stats = 2 * 4 * 8 * 4  # the norm's mean and reciprocal deviation per row
+    assert sum(kept.values()) == expected + stats, sorted(kept.values())
+    torch.autograd.grad(y, list(block.parameters()), g)
+    left = {k for k in _live_activation_bytes(skip) if k not in before}
+    assert not left

@@ -535,19 +535,29 @@ def layer_activations(
 
 def weight_input_bytes(layer: Any, *args: Any, **kwargs: Any) -> int:
     """Bytes of the tensors that a split backward keeps for one layer's weight gradients
-    when the layer is checkpointed: the floating-point inputs of its sub-modules that
-    own parameters needing gradients (linears, norms, convolutions), counted once per
-    storage. Runs the layer's forward once on ``args`` (real, meta or fake tensors)."""
+    when the layer is checkpointed, beyond the layer's own inputs (which the checkpoint
+    keeps anyway): the floating-point inputs of its sub-modules that own parameters
+    needing gradients (linears, norms, convolutions), counted once per storage. A
+    norm's saved statistics (two floats per normalised row) are not counted. Runs the
+    layer's forward once on ``args`` (real, meta or fake tensors)."""
     import torch
 
     from ..torch import _compat
 
     seen: dict[Any, int] = {}
 
+    def key_of(t: Any) -> Any:
+        return _compat.storage_key(t) or ("tensor", id(t))
+
+    # The layer's own inputs: the checkpoint keeps them anyway (its kept bytes).
+    own = {key_of(t) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+
     def pre_hook(module: Any, inputs: Any) -> None:
         for t in inputs:
             if isinstance(t, torch.Tensor) and t.is_floating_point():
-                key = _compat.storage_key(t) or ("tensor", id(t))
+                key = key_of(t)
+                if key in own:
+                    continue
                 try:
                     size = t.untyped_storage().nbytes()
                 except (RuntimeError, NotImplementedError):
