@@ -410,3 +410,12 @@ def test_recomp_keeps_the_weight_inputs_between_input_and_weight_passes():
     torch.autograd.grad(y, list(block.parameters()), g)
     left = {k for k in _live_activation_bytes(skip) if k not in before}
     assert not left
+
+
+def test_layouts_from_command_lines():
+    assert Parallel.parse("dp=8,tp=8 pp=4, zero=1") == Parallel(dp=8, tp=8, pp=4, zero=1)
+    with pytest.raises(ValueError, match="name=integer"):
+        Parallel.parse("dp=8,tp")
+    with pytest.raises(ValueError, match="name=integer"):
+        Parallel.parse("xx=2")
+    assert "1F1B" in job.schedule_names()

@@ -126,6 +126,23 @@ class Parallel:
                 f"tp * dp * cp = {self.tp * self.dp * self.cp} ranks of a pipeline stage"
             )
 
+    @classmethod
+    def parse(cls, text: str) -> Parallel:
+        """``"dp=8,tp=8,pp=4,zero=1"`` (commas or spaces; the field names above), for
+        command lines."""
+        fields: dict[str, int] = {}
+        for part in re.split(r"[,\s]+", text.strip()):
+            if not part:
+                continue
+            name, sep, value = part.partition("=")
+            if not sep or name not in cls.__dataclass_fields__ or not value.strip().isdigit():
+                raise ValueError(
+                    f"cannot read {part!r} in parallel layout {text!r}: give name=integer with "
+                    f"names {', '.join(cls.__dataclass_fields__)}"
+                )
+            fields[name] = int(value)
+        return cls(**fields)  # type: ignore[arg-type]
+
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
@@ -434,6 +451,14 @@ def walk_schedule(
                 best = (total, index, f"{stage}{kind}{mb}", held)
         out[rank] = StagePeak(rank, max(best[0], 0), best[1], best[2], best[3], in_flight)
     return out
+
+
+def schedule_names() -> list[str]:
+    """The ``torch.distributed.pipelining`` schedules this PyTorch has that
+    :func:`job_memory` reads by name (imports PyTorch)."""
+    from ..torch._compat import schedule_names as names
+
+    return names()
 
 
 def schedule_actions(
