@@ -96,7 +96,8 @@ class Parallel:
     (optimizer states sharded), 2 (and gradients), 3 (and parameters: FSDP, FSDP2's
     ``fully_shard``). ``shard``: the ranks each dense tensor is sharded over under
     ZeRO/FSDP (default ``dp * cp``; less for hybrid sharding). ``stages_per_rank``:
-    pipeline stages per rank (default: the schedule's, 1 or 2)."""
+    pipeline stages per rank (default: the schedule's, 1 or 2). ``etp`` defaults to 1;
+    Megatron-Core's own default is ``etp = tp``: give it when that is your setting."""
 
     dp: int = 1
     tp: int = 1
@@ -729,6 +730,30 @@ class JobMemory:
         return "\n".join(lines)
 
 
+def _basis(parallel: Parallel, prec: Precision, padding: str, experts: bool) -> list[str]:
+    """One line per row of the table: what it rests on."""
+    per = prec.per_element()
+    split = (
+        f"elements on the rank: the layers of its stages (+ embeddings on the first, head on "
+        f"the last); 2-D+ tensors / tp={parallel.tp}, 1-D whole"
+        + (f", experts / ep={parallel.ep} x etp={parallel.etp}" if experts else "")
+    )
+
+    def sharded(stage: int) -> str:
+        if parallel.zero < stage:
+            return "not sharded"
+        more = f" (experts {parallel.expert_shard})" if experts else ""
+        return f"ZeRO-{parallel.zero}: sharded over {parallel.dense_shard} ranks{more}, padding {padding}"
+
+    master = f"{prec.master} master + " if prec.master is not None else ""
+    return [
+        f"params: {split}; x {per['param']} B ({prec.param}); {sharded(3)}",
+        f"grads: the same elements x {per['grad']} B ({prec.grad}); {sharded(2)}",
+        f"optimizer: the same elements x {per['optimizer']} B ({master}"
+        f"{prec.optimizer_states} x {prec.state}); {sharded(1)}",
+    ]
+
+
 def job_memory(
     params: Any,
     parallel: Parallel | None = None,
@@ -853,6 +878,7 @@ def job_memory(
                 0 if peak is None else peak.peak_bytes, peak, elements,
             )
         )
+    notes[:0] = _basis(parallel, prec, padding, any(t.kind == "expert" for t in model.tensors))
     if zero >= 3:
         notes.append(
             f"gathered: under ZeRO-3/FSDP the unsharded parameters of the {gathered_layers} "
