@@ -96,7 +96,8 @@ class Parallel:
     (optimizer states sharded), 2 (and gradients), 3 (and parameters: FSDP, FSDP2's
     ``fully_shard``). ``shard``: the ranks each dense tensor is sharded over under
     ZeRO/FSDP (default ``dp * cp``; less for hybrid sharding). ``stages_per_rank``:
-    pipeline stages per rank (default: the schedule's, 1 or 2)."""
+    pipeline stages per rank (default: the schedule's, 1 or 2). ``etp`` defaults to 1;
+    Megatron-Core's own default is ``etp = tp``: give it when that is your setting."""
 
     dp: int = 1
     tp: int = 1
@@ -125,6 +126,23 @@ class Parallel:
                 f"expert parallel ep={self.ep} x etp={self.etp} does not divide the "
                 f"tp * dp * cp = {self.tp * self.dp * self.cp} ranks of a pipeline stage"
             )
+
+    @classmethod
+    def parse(cls, text: str) -> Parallel:
+        """``"dp=8,tp=8,pp=4,zero=1"`` (commas or spaces; the field names above), for
+        command lines."""
+        fields: dict[str, int] = {}
+        for part in re.split(r"[,\s]+", text.strip()):
+            if not part:
+                continue
+            name, sep, value = part.partition("=")
+            if not sep or name not in cls.__dataclass_fields__ or not value.strip().isdigit():
+                raise ValueError(
+                    f"cannot read {part!r} in parallel layout {text!r}: give name=integer with "
+                    f"names {', '.join(cls.__dataclass_fields__)}"
+                )
+            fields[name] = int(value)
+        return cls(**fields)  # type: ignore[arg-type]
 
     @property
     def world(self) -> int:
@@ -220,14 +238,16 @@ DEFAULT_EXPERT_PATTERN = r"(^|\.)experts(\.|$)"
 class ParamTensor:
     """One parameter tensor: its elements, its rows (dimension 0; a flat count where only
     numbers are known), where it lives (a layer index, or ``"first"`` / ``"last"`` for
-    what comes before / after the layers) and its kind: ``"sharded"`` (divided by the
-    tensor-parallel size), ``"replicated"`` or ``"expert"``."""
+    what comes before / after the layers), its kind: ``"sharded"`` (divided by the
+    tensor-parallel size), ``"replicated"`` or ``"expert"``, and for a sharded one the
+    dimension tensor parallelism splits (0: column-parallel, 1: row-parallel)."""
 
     name: str
     numel: int
     rows: int
     where: int | str
     kind: str
+    tp_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("sharded", "replicated", "expert"):
@@ -277,13 +297,14 @@ def model_params(
     *,
     layers: Any = None,
     expert: str | Callable[[str], bool] = DEFAULT_EXPERT_PATTERN,
-    tp_sharded: Callable[[str, Any], bool] | None = None,
+    tp_sharded: Callable[[str, Any], bool | int] | None = None,
 ) -> ModelParams:
     """Per-tensor parameter counts of a torch module (real, on the meta device or fake:
     only shapes are read). ``layers`` as for :func:`recomp.plan.profile` (default
     ``model.layers`` or the model's one ``layers`` list); ``expert``: a regular
     expression on the parameter's path, or a predicate; ``tp_sharded(path, param)``:
-    whether tensor parallelism divides a tensor (default: two or more dimensions).
+    whether tensor parallelism divides a tensor (default: two or more dimensions, along
+    dimension 0); it may return the dimension instead (0 or 1; ``True`` is 0).
     Tied parameters count once, where they first appear."""
     from ._layers import find_layers
 
@@ -305,34 +326,42 @@ def model_params(
             where = owner[id(p)]
         else:
             where = LAST if seen_layer else FIRST
+        tp_dim = 0
         if is_expert(name):
             kind = "expert"
-        elif tp_sharded(name, p) if tp_sharded is not None else p.dim() >= 2:
-            kind = "sharded"
         else:
-            kind = "replicated"
+            split = tp_sharded(name, p) if tp_sharded is not None else p.dim() >= 2
+            kind = "replicated" if split is False else "sharded"
+            if split is not True and split is not False:
+                tp_dim = int(split)
         numel = int(p.numel())
         rows = int(p.shape[0]) if p.dim() >= 1 else 1
-        tensors.append(ParamTensor(name, numel, max(rows, 1), where, kind))
+        tensors.append(ParamTensor(name, numel, max(rows, 1), where, kind, tp_dim))
     return ModelParams(paths, tensors, [f"parameters of {type(model).__name__} (shapes read)"])
 
 
 def _local(t: ParamTensor, parallel: Parallel) -> tuple[int, int]:
     """(elements, rows) of ``t`` on one rank after tensor and expert parallelism (the
-    largest rank's share where the division is not exact)."""
+    largest rank's share where a division is not exact). Tensor parallelism splits
+    dimension ``t.tp_dim`` (0: rows, column-parallel; 1: within rows, row-parallel);
+    expert parallelism splits the experts (dimension 0 of a stacked expert tensor, the
+    elements of a per-expert one), then ``etp`` splits within rows."""
+    rows = t.rows
+    row = t.numel // t.rows if t.rows else 0
+    if t.numel == 0 or (rows == t.numel and t.kind != "replicated"):
+        # A flat count (numbers given) or a 1-D tensor: divide the elements.
+        div = {"sharded": parallel.tp, "expert": parallel.ep * parallel.etp}.get(t.kind, 1)
+        n = math.ceil(t.numel / div)
+        return n, n
     if t.kind == "sharded":
-        div = parallel.tp
+        if t.tp_dim == 0:
+            rows = math.ceil(rows / parallel.tp)
+        else:
+            row = math.ceil(row / parallel.tp)
     elif t.kind == "expert":
-        div = parallel.ep * parallel.etp
-    else:
-        div = 1
-    if div == 1 or t.numel == 0:
-        return t.numel, t.rows
-    row = t.numel // t.rows
-    if t.rows % div == 0 or t.rows == t.numel:
-        rows = math.ceil(t.rows / div)
-        return rows * row, rows
-    return math.ceil(t.numel / div), t.rows
+        rows = math.ceil(rows / parallel.ep)
+        row = math.ceil(row / parallel.etp)
+    return rows * row, rows
 
 
 def _sharded(elements: int, rows: int, shard: int, padding: str) -> int:
@@ -423,6 +452,14 @@ def walk_schedule(
                 best = (total, index, f"{stage}{kind}{mb}", held)
         out[rank] = StagePeak(rank, max(best[0], 0), best[1], best[2], best[3], in_flight)
     return out
+
+
+def schedule_names() -> list[str]:
+    """The ``torch.distributed.pipelining`` schedules this PyTorch has that
+    :func:`job_memory` reads by name (imports PyTorch)."""
+    from ..torch._compat import schedule_names as names
+
+    return names()
 
 
 def schedule_actions(
@@ -524,19 +561,29 @@ def layer_activations(
 
 def weight_input_bytes(layer: Any, *args: Any, **kwargs: Any) -> int:
     """Bytes of the tensors that a split backward keeps for one layer's weight gradients
-    when the layer is checkpointed: the floating-point inputs of its sub-modules that
-    own parameters needing gradients (linears, norms, convolutions), counted once per
-    storage. Runs the layer's forward once on ``args`` (real, meta or fake tensors)."""
+    when the layer is checkpointed, beyond the layer's own inputs (which the checkpoint
+    keeps anyway): the floating-point inputs of its sub-modules that own parameters
+    needing gradients (linears, norms, convolutions), counted once per storage. A
+    norm's saved statistics (two floats per normalised row) are not counted. Runs the
+    layer's forward once on ``args`` (real, meta or fake tensors)."""
     import torch
 
     from ..torch import _compat
 
     seen: dict[Any, int] = {}
 
+    def key_of(t: Any) -> Any:
+        return _compat.storage_key(t) or ("tensor", id(t))
+
+    # The layer's own inputs: the checkpoint keeps them anyway (its kept bytes).
+    own = {key_of(t) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+
     def pre_hook(module: Any, inputs: Any) -> None:
         for t in inputs:
             if isinstance(t, torch.Tensor) and t.is_floating_point():
-                key = _compat.storage_key(t) or ("tensor", id(t))
+                key = key_of(t)
+                if key in own:
+                    continue
                 try:
                     size = t.untyped_storage().nbytes()
                 except (RuntimeError, NotImplementedError):
@@ -648,15 +695,16 @@ class JobMemory:
     def table(self) -> str:
         """Per pipeline rank: GiB of parameters, gradients, optimizer states, gathered
         parameters (ZeRO-3), activations at the peak, the total, and whether it fits."""
+        unit, scale = ("GiB", GiB) if self.peak_bytes >= GiB else ("MiB", float(1 << 20))
         header = ["pp rank", "stages", "params", "grads", "optimizer", "gathered",
-                  "activations", "total GiB", "peak at", "fits"]
+                  "activations", f"total {unit}", "peak at", "fits"]
         rows = []
         for r in self.ranks:
             fits = "" if self.budget_bytes is None else ("yes" if r.total <= self.budget_bytes else "NO")
             at = "" if r.peak is None else f"{r.peak.action} ({r.peak.microbatches} held)"
             rows.append(
                 [str(r.rank), ",".join(map(str, r.stages))]
-                + [f"{v / GiB:.2f}" for v in (r.params, r.grads, r.optimizer, r.gathered,
+                + [f"{v / scale:.2f}" for v in (r.params, r.grads, r.optimizer, r.gathered,
                                                 r.activations, r.total)]
                 + [at, fits]
             )
@@ -682,6 +730,30 @@ class JobMemory:
         return "\n".join(lines)
 
 
+def _basis(parallel: Parallel, prec: Precision, padding: str, experts: bool) -> list[str]:
+    """One line per row of the table: what it rests on."""
+    per = prec.per_element()
+    split = (
+        f"elements on the rank: the layers of its stages (+ embeddings on the first, head on "
+        f"the last); 2-D+ tensors / tp={parallel.tp}, 1-D whole"
+        + (f", experts / ep={parallel.ep} x etp={parallel.etp}" if experts else "")
+    )
+
+    def sharded(stage: int) -> str:
+        if parallel.zero < stage:
+            return "not sharded"
+        more = f" (experts {parallel.expert_shard})" if experts else ""
+        return f"ZeRO-{parallel.zero}: sharded over {parallel.dense_shard} ranks{more}, padding {padding}"
+
+    master = f"{prec.master} master + " if prec.master is not None else ""
+    return [
+        f"params: {split}; x {per['param']} B ({prec.param}); {sharded(3)}",
+        f"grads: the same elements x {per['grad']} B ({prec.grad}); {sharded(2)}",
+        f"optimizer: the same elements x {per['optimizer']} B ({master}"
+        f"{prec.optimizer_states} x {prec.state}); {sharded(1)}",
+    ]
+
+
 def job_memory(
     params: Any,
     parallel: Parallel | None = None,
@@ -692,7 +764,7 @@ def job_memory(
     option: str | None = None,
     weight_input_bytes: Mapping[str, int] | None = None,
     schedule: str | Mapping[int, Sequence[Step]] = "1F1B",
-    microbatches: int = 1,
+    microbatches: int | None = None,
     stage_layers: Sequence[int] | None = None,
     padding: str = "dim0",
     gathered_layers: int = 2,
@@ -717,6 +789,11 @@ def job_memory(
     prec = resolve_precision(precision)
     if padding not in ("dim0", "flat"):
         raise ValueError(f"padding is 'dim0' (FSDP2) or 'flat' (ZeRO), got {padding!r}")
+    if microbatches is None:
+        if activations is not None:
+            raise ValueError("give microbatches= (per step and pipeline) with activations=")
+        # Only the stages' places are read from the schedule: any count it accepts.
+        microbatches = 2 * parallel.pp
     if microbatches < 1:
         raise ValueError(f"microbatches is positive, got {microbatches}")
     model = params if isinstance(params, ModelParams) else model_params(params, layers=layers)
@@ -801,6 +878,7 @@ def job_memory(
                 0 if peak is None else peak.peak_bytes, peak, elements,
             )
         )
+    notes[:0] = _basis(parallel, prec, padding, any(t.kind == "expert" for t in model.tensors))
     if zero >= 3:
         notes.append(
             f"gathered: under ZeRO-3/FSDP the unsharded parameters of the {gathered_layers} "
