@@ -490,11 +490,6 @@ class SimulatedModel:
         model.train()
         if mesh is not None and mesh.size() > 1:
             parallelize(model, mesh, self.spec, sp=self.sp)
-            # DTensor decides each op's sharding on its first call with given shapes and
-            # caches it; the first call runs extra ops, which a recording of that forward
-            # would count in the first layer. One forward here fills the cache.
-            with torch.no_grad():
-                model(**self.inputs(mesh))
         return model
 
     def inputs(self, mesh: Any = None) -> dict[str, Any]:
