@@ -49,7 +49,12 @@ def test_table_equals_simulate_and_job_memory(tmp_path, capsys) -> None:
         row = rows[option]
         assert row["activations_per_microbatch"] == profile.uniform_bytes(option)
         job = job_memory(
-            params, Parallel(tp=2), activations=profile, option=option, budget=f"{80 * 10**9}B"
+            params,
+            Parallel(tp=2),
+            activations=profile,
+            option=option,
+            microbatches=1,
+            budget=f"{80 * 10**9}B",
         )
         assert row["total"] == job.ranks[0].total
         assert row["fits"] == job.fits
