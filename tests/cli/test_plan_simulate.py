@@ -97,3 +97,34 @@ def test_bad_options_name_the_fix(argv, fix, capsys) -> None:
 def test_model_and_target_errors_name_the_fix(argv, fix, capsys) -> None:
     assert plan_cli.main(argv) == 2
     assert fix in capsys.readouterr().err
+
+
+@pytest.mark.system
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--simulate", "llama-3.1-405b", "--tp", "8", "--sp", "--seq", "8192", "--pp", "8",
+         "--microbatches", "16", "--dp", "4", "--zero", "1", "--schedule", "Interleaved1F1B"],
+        ["--simulate", "deepseek-v3", "--tp", "8", "--sp", "--seq", "4096", "--dp", "8",
+         "--zero", "3", "--accelerator", "H200"],
+        ["--simulate", "mixtral-8x22b", "--tp", "8", "--sp", "--seq", "4096", "--dp", "4",
+         "--zero", "3"],
+        ["--simulate", "qwen3-235b-a22b", "--tp", "4", "--sp", "--seq", "4096", "--dp", "2",
+         "--zero", "3"],
+    ],
+    ids=["405b-pp8", "deepseek-v3", "mixtral-8x22b", "qwen3-235b"],
+)
+def test_large_models_end_to_end(argv, tmp_path, capsys) -> None:
+    """The largest models at full width (two layers simulated, scaled), with pipeline,
+    expert and data parallelism: a row per strategy and pipeline rank, full checkpointing
+    keeping less than none on every rank, and the states divided as the layout says."""
+    out = tmp_path / "t.json"
+    assert plan_cli.main([*argv, "--json", str(out)]) == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    pp = int(argv[argv.index("--pp") + 1]) if "--pp" in argv else 1
+    rows = data["rows"]
+    for rank in range(pp):
+        by = {r["strategy"]: r for r in rows if r["rank"] == rank}
+        assert by["full"]["activations"] < by["none"]["activations"]
+        assert by["full"]["states"] == by["none"]["states"] > 0
+    assert {r["rank"] for r in rows} == set(range(pp))

@@ -404,9 +404,11 @@ def write_png(path: str, outcome: Outcome) -> None:
     ax.bar(names, acts, bottom=states, color="#1f77b4", label="activations (peak)")
     if outcome.budget_bytes is not None:
         ax.axhline(outcome.budget_bytes / GiB, ls="--", color="#d62728", label="budget")
+    top = max([s + a for s, a in zip(states, acts)] + [(outcome.budget_bytes or 0) / GiB])
+    ax.set_ylim(0, top * 1.35)  # room for the legend above the bars
     ax.set_ylabel("per device (GiB)")
     ax.set_title(f"{outcome.model}: memory per device (worst pipeline rank)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper right")
     overheads = [(worst[n].overhead or 0.0) * 100 for n in names]
     ox.bar(names, overheads, color="#ff7f0e")
     ox.set_ylabel("predicted replay over the step (%)")
