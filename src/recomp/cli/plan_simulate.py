@@ -373,7 +373,7 @@ def table(outcome: Outcome) -> str:
         line(header),
         line(["-" * w for w in widths]),
         *map(line, cells),
-        "act/mb: activations of one micro-batch on this rank (all layers); act peak: this "
+        "act/mb: what one micro-batch keeps over all the layers (this rank's shard); act peak: this "
         "pipeline rank's at the schedule's peak; states: parameters, gradients, optimizer "
         "states (and gathered parameters under ZeRO-3); overhead: predicted replay time over "
         "the modelled step without checkpointing",
