@@ -68,6 +68,26 @@ def test_table_equals_simulate_and_job_memory(tmp_path, capsys) -> None:
     assert plan_row["activations_per_microbatch"] == data["plan"]["predicted"]["activation_bytes"]
 
 
+def test_pipeline_plan_is_made_per_rank(tmp_path, capsys) -> None:
+    """Under a pipeline, each rank's layers are planned for what that rank has left after
+    its states, divided by the micro-batches its schedule holds at once: the plan fits
+    every rank, and the first rank (which holds the most micro-batches) keeps less per
+    micro-batch on its layers than the last."""
+    out = tmp_path / "pp.json"
+    argv = [*ARGS, "--seq", "2048", "--pp", "2", "--microbatches", "4", "--budget", "38GiB"]
+    assert plan_cli.main([*argv, "--json", str(out)]) == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    plan_rows = [r for r in data["rows"] if r["strategy"].startswith("plan@")]
+    assert [r["rank"] for r in plan_rows] == [0, 1]
+    assert all(r["fits"] and r["total"] <= 38 * (1 << 30) for r in plan_rows)
+    none_rows = {r["rank"]: r for r in data["rows"] if r["strategy"] == "none"}
+    assert none_rows[0]["activations"] > none_rows[1]["activations"]  # 1F1B: 2 held vs 1
+    layers = data["plan"]["layers"]
+    first = sum(lp["kept_bytes"] for lp in layers[:16])
+    last = sum(lp["kept_bytes"] for lp in layers[16:])
+    assert first <= last
+
+
 @pytest.mark.parametrize(
     "argv, fix",
     [
@@ -128,3 +148,4 @@ def test_large_models_end_to_end(argv, tmp_path, capsys) -> None:
         assert by["full"]["activations"] < by["none"]["activations"]
         assert by["full"]["states"] == by["none"]["states"] > 0
     assert {r["rank"] for r in rows} == set(range(pp))
+    assert all(r["fits"] for r in rows if r["strategy"].startswith("plan@"))

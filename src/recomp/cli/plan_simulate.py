@@ -220,7 +220,7 @@ def candidate_regions(module: Any) -> bool:
 
 
 def run(args: argparse.Namespace) -> Outcome:
-    from ..plan import make_plan, simulate
+    from ..plan import simulate
     from ..plan.budget import parse_budget
     from ..plan.cost import resolve_hardware
     from ..plan.job import Parallel, job_memory, model_params
@@ -265,29 +265,14 @@ def run(args: argparse.Namespace) -> Outcome:
         rows.extend(_rows(option, predicted, profile, job))
     plan = None
     if budget_bytes is not None:
-        static = job_memory(params, parallel, **common)
-        none_job = job_memory(params, parallel, activations=profile, option="none", **common)
-        held = max((r.peak.microbatches for r in none_job.ranks if r.peak), default=1)
-        states = max(r.total for r in static.ranks)
-        room = (budget_bytes - states) // max(held, 1)
-        if room <= 0:
-            notes.append(
-                f"no plan: parameters, gradients and optimizer states alone take "
-                f"{states / GiB:.2f} GiB of the {budget_bytes / GiB:.2f} GiB per device; shard "
-                "them over data-parallel ranks (--dp N --zero 1, 2 or 3) or split the layers "
-                "(--pp N)"
-            )
-        else:
-            try:
-                plan = make_plan(profile, f"{int(room)}B")
-            except ValueError as exc:
-                notes.append(f"no plan: {str(exc).splitlines()[0]}")
+        plan, more = stage_plans(profile, params, parallel, budget_bytes, common)
+        notes.extend(more)
         if plan is not None:
             options = [lp.option for lp in plan.layers]
             predicted = profile.predict(options)
             job = job_memory(params, parallel, activations=profile, plan=plan, **common)
             rows.extend(_rows(f"plan@{_gib(budget_bytes)}", predicted, profile, job))
-            notes.extend(job.notes)
+            notes.extend(n for n in job.notes if n not in notes)
     notes.append(
         f"step without checkpointing (modelled): {profile.baseline_step_s * 1e3:.1f} ms; "
         + str(getattr(profile, "timing", "") or "")
@@ -303,6 +288,65 @@ def run(args: argparse.Namespace) -> Outcome:
         plan,
         profile,
     )
+
+
+def stage_plans(
+    profile: Any, params: Any, parallel: Any, budget_bytes: int, common: dict[str, Any]
+) -> tuple[Any, list[str]]:
+    """One plan for the whole model, made stage by stage: each pipeline rank's layers get
+    the budget that rank has left after its parameters, gradients and optimizer states,
+    divided by the micro-batches its schedule holds at its peak (one without pipeline
+    parallelism); the activations outside the layers count on the first and last stage.
+    None (and why) where a rank has no room or no plan fits it."""
+    from dataclasses import replace as copy_with
+
+    from ..plan import make_plan
+    from ..plan.job import job_memory, split_layers
+    from ..plan.planfile import Plan
+
+    static = job_memory(params, parallel, **common)
+    none_job = job_memory(params, parallel, activations=profile, option="none", **common)
+    num_stages = sum(len(r.stages) for r in static.ranks)
+    stage_of = split_layers(len(profile.layers), num_stages)
+    chosen: dict[int, Any] = {}
+    for rank, none_rank in zip(static.ranks, none_job.ranks):
+        held = none_rank.peak.microbatches if none_rank.peak is not None else 1
+        room = (budget_bytes - rank.total) // max(held, 1)
+        where = f"pipeline rank {rank.rank}: " if len(static.ranks) > 1 else ""
+        if room <= 0:
+            return None, [
+                f"no plan: {where}parameters, gradients and optimizer states alone take "
+                f"{rank.total / GiB:.2f} GiB of the {budget_bytes / GiB:.2f} GiB per device; "
+                "shard them over data-parallel ranks (--dp N --zero 1, 2 or 3) or split the "
+                "layers (--pp N)"
+            ]
+        index = [i for i, st in enumerate(stage_of) if st in rank.stages]
+        ends = 0 in rank.stages or num_stages - 1 in rank.stages
+        part = copy_with(
+            profile,
+            layers=[profile.layers[i] for i in index],
+            shared_bytes=profile.shared_bytes if ends else 0,
+        )
+        try:
+            stage_plan = make_plan(part, f"{int(room)}B")
+        except ValueError as exc:
+            return None, [
+                f"no plan: {where}{str(exc).splitlines()[0]} (the budget left after the "
+                f"states, per micro-batch: {held} micro-batch(es) are held at the "
+                "schedule's peak)"
+            ]
+        for i, layer_plan in zip(index, stage_plan.layers):
+            chosen[i] = layer_plan
+    layers = [chosen[i] for i in range(len(profile.layers))]
+    predicted = profile.predict([lp.option for lp in layers])
+    plan = Plan(
+        budget_bytes=budget_bytes,
+        layers=layers,
+        budget=_gib(budget_bytes),
+        predicted={**predicted, "note": "per device, whole job; made per pipeline rank"},
+        exclude_collectives=profile.exclude_collectives,
+    )
+    return plan, []
 
 
 def _meta_model(model: Any) -> Any:
