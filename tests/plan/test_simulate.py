@@ -413,3 +413,17 @@ def test_attention_is_counted_as_the_gpus_fused_kernel_saves_it():
     # and offset, 8 bytes each)
     expected = hidden + 3 * hidden + hidden + lse
     assert 0 <= prof.layers[1].no_checkpoint_bytes - expected <= 64
+
+
+def test_an_all_reduce_costs_by_the_size_of_its_own_group():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from recomp.torch import _compat
+
+    h100 = OpCostModel(ACCELERATORS["H100 SXM"])
+    t = _fake(1024, 1024)
+    op = torch.ops._c10d_functional.all_reduce.default
+    with _compat.fake_process_group(8):
+        tp = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")).get_group("tp")
+        seconds = h100.op_seconds(op, (t, "sum", tp.group_name), {}, _fake(1024, 1024), 0)
+    assert seconds == pytest.approx(2 * 3 / 4 * t.numel() * 2 / 450e9)

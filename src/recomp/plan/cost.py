@@ -343,16 +343,22 @@ def _dtype_name(tensors: list[Any]) -> str:
 
 
 def _group_size(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """The group size a functional collective names in its arguments (its ``group_size``
-    argument), else the default group's size."""
+    """The size of the group a functional collective names in its arguments (its
+    ``group_size``, or the group its ``group_name`` names), else the default group's."""
     from ..torch import _compat
 
     names = [name for name, _ in _compat.op_arguments(func)]
-    if "group_size" in names:
-        index = names.index("group_size")
-        value = kwargs.get("group_size", args[index] if index < len(args) else None)
-        if isinstance(value, int):
+    for argument in ("group_size", "group_name"):
+        if argument not in names:
+            continue
+        index = names.index(argument)
+        value = kwargs.get(argument, args[index] if index < len(args) else None)
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, str):
+            size = _compat.group_size(value)
+            if size is not None:
+                return size
     try:
         import torch.distributed as dist
 
