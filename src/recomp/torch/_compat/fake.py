@@ -174,7 +174,7 @@ def group_size(group_name: str) -> int | None:
     try:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        return int(_resolve_process_group(group_name).size())
+        return int(_resolve_process_group(group_name).size())  # type: ignore[arg-type]
     except (ImportError, RuntimeError, ValueError, KeyError, AttributeError, TypeError):
         return None
 
