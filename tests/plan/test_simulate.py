@@ -304,7 +304,7 @@ def test_hardware_tables_named_given_and_refused(tmp_path):
     assert resolve_hardware("h100 sxm") is ACCELERATORS["H100 SXM"]
     assert set(ACCELERATORS) == {"H100 SXM", "H200", "B200", "A100 80GB", "MI300X", "Ascend 910B"}
     for spec in ACCELERATORS.values():
-        assert spec.source and spec.peak("bfloat16") > spec.peak("float32")
+        assert spec.source and spec.peak("bfloat16") >= spec.peak("float32")
     table = {"name": "X1", "peak_flops": {"bfloat16": 1e15, "float32": 1e14},
              "memory_bandwidth": 2e12, "link_bandwidth": 1e11}  # fmt: skip
     path = tmp_path / "x1.json"
@@ -413,3 +413,55 @@ def test_attention_is_counted_as_the_gpus_fused_kernel_saves_it():
     # and offset, 8 bytes each)
     expected = hidden + 3 * hidden + hidden + lse
     assert 0 <= prof.layers[1].no_checkpoint_bytes - expected <= 64
+
+
+def test_an_all_reduce_costs_by_the_size_of_its_own_group():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from recomp.torch import _compat
+
+    h100 = OpCostModel(ACCELERATORS["H100 SXM"])
+    t = _fake(1024, 1024)
+    op = torch.ops._c10d_functional.all_reduce.default
+    with _compat.fake_process_group(8):
+        tp = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")).get_group("tp")
+        seconds = h100.op_seconds(op, (t, "sum", tp.group_name), {}, _fake(1024, 1024), 0)
+    assert seconds == pytest.approx(2 * 3 / 4 * t.numel() * 2 / 450e9)
+
+
+def test_the_causal_sdpa_recipe_for_hugging_face_models_runs_flash_attention():
+    """docs/tools/simulate.md: an attention function registered without a mask function
+    builds no mask under fake tensors, and SDPA runs the flash kernel."""
+    transformers = pytest.importorskip("transformers")
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU, PyTorch chooses the kernel from the device itself")
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def causal_sdpa(module, query, key, value, attention_mask, **kwargs):
+        kwargs["is_causal"] = True
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+    AttentionInterface.register("recomp_test_causal_sdpa", causal_sdpa)
+    seq, hidden = 512, 256
+
+    def profile_with(implementation):
+        def build(mesh):
+            config = transformers.LlamaConfig(
+                hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                attn_implementation=implementation,
+            )  # fmt: skip
+            return transformers.LlamaForCausalLM(config)
+
+        def inputs(mesh):
+            ids = torch.zeros(1, seq, dtype=torch.long)
+            return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+        return simulate(build, inputs, dtype=torch.bfloat16)
+
+    masked, causal = profile_with("sdpa"), profile_with("recomp_test_causal_sdpa")
+    # The mask (a bool input of every layer) and its bias (2 bytes a position, saved by
+    # each layer's memory-efficient kernel) are gone.
+    assert masked.layers[1].checkpoint_input_bytes - causal.layers[1].checkpoint_input_bytes == seq * seq
+    assert masked.layers[1].no_checkpoint_bytes - causal.layers[1].no_checkpoint_bytes >= 2 * seq * seq

@@ -45,7 +45,7 @@ class Hardware:
 
     ``peak_flops``: dense peak FLOP/s per dtype name (``"bfloat16"``, ``"float16"``,
     ``"float32"``, ``"float8"``, ``"float64"``); a dtype without an entry takes
-    ``"float32"``'s. ``float32`` is the plain FP32 rate: PyTorch does not use TF32 for
+    ``"float32"``'s, or where that is missing too the lowest given (a lower bound). ``float32`` is the plain FP32 rate: PyTorch does not use TF32 for
     matrix products unless told (``torch.backends.cuda.matmul.allow_tf32``); give the
     TF32 rate as ``"float32"`` to model that. ``memory_bandwidth``: bytes/s of the
     device memory. ``link_bandwidth``: bytes/s one device sends to its peers (one
@@ -71,11 +71,13 @@ class Hardware:
         }.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"hardware {self.name!r}: {key} must be a positive number")
-        if "float32" not in self.peak_flops:
-            raise ValueError(f"hardware {self.name!r}: peak_flops needs a 'float32' entry")
 
     def peak(self, dtype: str) -> float:
-        return float(self.peak_flops.get(dtype, self.peak_flops["float32"]))
+        if dtype in self.peak_flops:
+            return float(self.peak_flops[dtype])
+        if "float32" in self.peak_flops:
+            return float(self.peak_flops["float32"])
+        return float(min(self.peak_flops.values()))
 
     def describe(self) -> str:
         """One line: the figures the modelled times rest on."""
@@ -193,13 +195,15 @@ ACCELERATORS: dict[str, Hardware] = {
         source="AMD Instinct MI300X data sheet",
     ),
     "Ascend 910B": Hardware(
-        # Huawei publishes no per-chip data sheet of the 910B with these figures. Taken
-        # from Huawei's Ascend 910 announcement (FP16 256 TFLOPS for the 910) and the
-        # figures reported for the 910B (910B3): FP16/BF16 about 313 TFLOPS, 64 GB HBM2e
-        # at about 1.6 TB/s, HCCS 7 links of 56 GB/s (392 GB/s). Estimates: give your own
-        # table (Hardware or a dict) for a measured or vendor-confirmed part.
+        # Huawei publishes no per-chip data sheet of the 910B with these figures (its
+        # Ascend 910 announcement gives FP16 256 TFLOPS for the 910). Figures reported
+        # for the 910B (910B3) by third parties, which disagree with each other: FP16/BF16
+        # about 313 TFLOPS, 64 GB HBM2e at about 1.6 TB/s, HCCS 7 links of 56 GB/s
+        # (392 GB/s both directions). No FP32 figure: FP32 ops take the FP16 rate (a
+        # lower bound of their time). Estimates: give your own table (Hardware or a
+        # dict) for a measured or vendor-confirmed part.
         name="Ascend 910B",
-        peak_flops={"bfloat16": 313 * T, "float16": 313 * T, "float32": 78 * T},
+        peak_flops={"bfloat16": 313 * T, "float16": 313 * T},
         memory_bandwidth=1.6 * T,
         link_bandwidth=196 * G,
         memory_bytes=64 * 10**9,
@@ -339,16 +343,22 @@ def _dtype_name(tensors: list[Any]) -> str:
 
 
 def _group_size(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """The group size a functional collective names in its arguments (its ``group_size``
-    argument), else the default group's size."""
+    """The size of the group a functional collective names in its arguments (its
+    ``group_size``, or the group its ``group_name`` names), else the default group's."""
     from ..torch import _compat
 
     names = [name for name, _ in _compat.op_arguments(func)]
-    if "group_size" in names:
-        index = names.index("group_size")
-        value = kwargs.get("group_size", args[index] if index < len(args) else None)
-        if isinstance(value, int):
+    for argument in ("group_size", "group_name"):
+        if argument not in names:
+            continue
+        index = names.index(argument)
+        value = kwargs.get(argument, args[index] if index < len(args) else None)
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, str):
+            size = _compat.group_size(value)
+            if size is not None:
+                return size
     try:
         import torch.distributed as dist
 

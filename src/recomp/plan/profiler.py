@@ -308,7 +308,6 @@ class StepTimes:
 
     step_s: float  # median step time (forward, loss, backward, update)
     forward_s: dict[str, float]  # median forward time per step, per layer and region path
-    calls_per_step: dict[str, int]  # calls per step, per layer and region path
 
 
 def _time_steps(
@@ -356,7 +355,6 @@ def _time_steps(
     return StepTimes(
         step_s=statistics.median(step_times),
         forward_s={k: statistics.median(v) if v else 0.0 for k, v in forward_times.items()},
-        calls_per_step={k: len(v) for k, v in timer.times.items()},
     )
 
 
@@ -458,7 +456,7 @@ def _region_profiles(
             RegionProfile(
                 path=name,
                 type=type(region).__name__,
-                calls=baseline.calls_per_step[f"{path}.{name}"],
+                calls=sum(1 for span in record.spans if span.candidate == c),
                 forward_s=baseline.forward_s[f"{path}.{name}"],
                 forward_flops=sum(op.flops for op in ops),
                 exclusion_bytes=alone.region_saved_bytes.get(name, 0),

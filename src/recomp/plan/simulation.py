@@ -304,19 +304,14 @@ def _modelled_times(
     """The step's times from the recorded ops' modelled seconds: each layer's and region
     call's forward is the sum of its ops, the step the forward's ops and the backward's."""
     forward_s: dict[str, float] = {}
-    calls: dict[str, int] = {}
     for (path, _), names, record in zip(layers, candidates, recorder.layers):
         forward_s[path] = sum(op.seconds for op in record.ops)
-        calls[path] = record.calls_seen
         for c, (name, _) in enumerate(names):
             spans = {i for i, span in enumerate(record.spans) if span.candidate == c}
-            key = f"{path}.{name}"
-            forward_s[key] = sum(op.seconds for op in record.ops if op.span in spans)
-            calls[key] = len(spans)
+            forward_s[f"{path}.{name}"] = sum(op.seconds for op in record.ops if op.span in spans)
     return StepTimes(
         step_s=sum(op.seconds for op in _every_op(recorder)) + backward_s,
         forward_s=forward_s,
-        calls_per_step=calls,
     )
 
 

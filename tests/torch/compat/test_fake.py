@@ -84,3 +84,13 @@ def test_attention_on_fake_cuda_runs_the_fused_kernels_a_gpu_would_choose():
     assert type(single.grad_fn).__name__ == "ScaledDotProductEfficientAttentionBackward0"
     # Outside the block PyTorch's own choice on a fake device without a driver: math.
     assert "Flash" not in type(plain.grad_fn).__name__
+
+
+def test_group_size_of_a_named_group():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with _compat.fake_process_group(8):
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        assert _compat.group_size(mesh.get_group("tp").group_name) == 4
+        assert _compat.group_size(mesh.get_group("dp").group_name) == 2
+    assert _compat.group_size("no such group") is None

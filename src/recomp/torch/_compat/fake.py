@@ -160,6 +160,25 @@ def _cuda_attention(
         return None
 
 
+def group_size(group_name: str) -> int | None:
+    """The number of ranks of the process group a functional collective names, or None.
+
+    Why: functional collectives (``_c10d_functional.all_reduce(input, op, group_name)``)
+    name their group by a string; the cost model needs its size (a tensor-parallel
+    group inside a larger mesh is smaller than the world).
+    How: ``torch.distributed.distributed_c10d._resolve_process_group``, which the
+    functional collectives use themselves; checked on 2.13.0 and 2.14.1.
+    If it changes: None, and the cost model takes the default group's size.
+    Retired by: a public lookup of a group by name.
+    """
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return int(_resolve_process_group(group_name).size())  # type: ignore[arg-type]
+    except (ImportError, RuntimeError, ValueError, KeyError, AttributeError, TypeError):
+        return None
+
+
 def fake_tensor_type() -> type:
     """The class of fake tensors (for ``isinstance`` checks)."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -180,6 +199,7 @@ __all__ = [
     "fake_process_group",
     "fake_tensor_mode",
     "fake_tensor_type",
+    "group_size",
     "is_fake",
     "is_view_op",
     "reset_dtensor_random",
