@@ -445,3 +445,12 @@ def test_a_measured_profile_and_its_plan_feed_the_estimate():
     assert sum(a.kept_bytes for a in job.layer_activations(prof, plan=plan)[0]) + (
         prof.shared_bytes
     ) == plan.predicted["activation_bytes"]
+
+
+@pytest.mark.parametrize("v", [3, 4])
+def test_interleaved_with_more_stages_per_rank(v):
+    p, m = 4, 8
+    peaks = walk_schedule(schedule_actions("Interleaved1F1B", p, m, stages_per_rank=v))
+    assert [peaks[r].microbatches for r in range(p)] == [
+        closed_form("Interleaved1F1B", p, m, r, v) for r in range(p)
+    ]
