@@ -419,3 +419,38 @@ def test_layouts_from_command_lines():
     with pytest.raises(ValueError, match="name=integer"):
         Parallel.parse("xx=2")
     assert "1F1B" in job.schedule_names()
+
+
+def test_a_measured_profile_and_its_plan_feed_the_estimate():
+    from recomp.plan import make_plan, profile
+
+    torch.manual_seed(0)
+    model = Model(d=32, n=4, vocab=50)
+    ids = torch.randint(0, 50, (2, 16))
+    prof = profile(model, (ids,), lambda out: out.float().square().mean(), steps=1)
+    plan = make_plan(prof, "50%")
+    weights = {
+        path: job.weight_input_bytes(model.get_submodule(path), torch.randn(2, 16, 32))
+        for path in (layer.path for layer in prof.layers)
+    }
+    result = job_memory(
+        model, Parallel(pp=2), activations=prof, plan=plan, weight_input_bytes=weights,
+        schedule="1F1B", microbatches=4,
+    )
+    kept = [lp.kept_bytes for lp in plan.layers]
+    # 1F1B on 2 ranks: rank 0 holds 2 micro-batches of layers 0-1, rank 1 one of 2-3;
+    # the profile's shared bytes (embedding, head, loss) on both stages.
+    assert result.ranks[0].activations == 2 * (kept[0] + kept[1] + prof.shared_bytes)
+    assert result.ranks[1].activations == kept[2] + kept[3] + prof.shared_bytes
+    assert sum(a.kept_bytes for a in job.layer_activations(prof, plan=plan)[0]) + (
+        prof.shared_bytes
+    ) == plan.predicted["activation_bytes"]
+
+
+@pytest.mark.parametrize("v", [3, 4])
+def test_interleaved_with_more_stages_per_rank(v):
+    p, m = 4, 8
+    peaks = walk_schedule(schedule_actions("Interleaved1F1B", p, m, stages_per_rank=v))
+    assert [peaks[r].microbatches for r in range(p)] == [
+        closed_form("Interleaved1F1B", p, m, r, v) for r in range(p)
+    ]

@@ -693,7 +693,7 @@ class JobMemory:
         }
 
     def table(self) -> str:
-        """Per pipeline rank: GiB of parameters, gradients, optimizer states, gathered
+        """Per pipeline rank: GiB (MiB below 1 GiB) of parameters, gradients, optimizer states, gathered
         parameters (ZeRO-3), activations at the peak, the total, and whether it fits."""
         unit, scale = ("GiB", GiB) if self.peak_bytes >= GiB else ("MiB", float(1 << 20))
         header = ["pp rank", "stages", "params", "grads", "optimizer", "gathered",
