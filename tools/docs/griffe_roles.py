@@ -30,6 +30,9 @@ PUBLIC_MODULES = (
     "recomp.plan",
 )
 
+# reST's "text::" before an indented literal block: Markdown reads the indented block as
+# code already, so the text keeps one colon.
+LITERAL_INTRO = re.compile(r"(?<=\S)::(?=\n\n)")
 ROLE = re.compile(r":(?:py:)?(?:func|class|meth|mod|attr|exc|data|obj|const):`~?([^`]+)`")
 
 
@@ -78,7 +81,8 @@ class SphinxRoles(griffe.Extension):
 
     def _walk(self, obj: griffe.Object) -> None:
         if obj.docstring is not None:
-            obj.docstring.value = ROLE.sub(lambda m: self._link(obj, m.group(1)), obj.docstring.value)
+            value = ROLE.sub(lambda m: self._link(obj, m.group(1)), obj.docstring.value)
+            obj.docstring.value = LITERAL_INTRO.sub(":", value)
         for member in obj.members.values():
             if not isinstance(member, griffe.Alias) and member.parent is obj:
                 self._walk(member)
