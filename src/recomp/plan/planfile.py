@@ -247,7 +247,8 @@ def partitioner_option(kept: tuple[str, ...] | list[str]) -> str:
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
-    """Write ``plan`` as indented JSON."""
+    """Write ``plan`` as indented, versioned JSON (the directory is created). Read it
+    back with :func:`load_plan`; ``recomp plan --json`` writes the same format."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     with open(path, "w") as f:
@@ -256,7 +257,9 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
 
 
 def load_plan(source: str | os.PathLike[str] | dict[str, Any] | Plan) -> Plan:
-    """A plan from a JSON file path, a dict, or a :class:`Plan` (returned as is)."""
+    """A plan from a JSON file path, a dict, or a :class:`Plan` (returned as is).
+
+    Raises :class:`PlanFormatError` for a file of a version this recomp cannot read."""
     if isinstance(source, Plan):
         return source
     if isinstance(source, dict):
