@@ -53,7 +53,7 @@ def _requires(block: doc_blocks.Block) -> list[str]:
     needed = [m for m in block.options.get("requires", "").split(",") if m]
     # What a block imports at its top is needed too (a PyTorch-only environment skips
     # the MindSpore blocks).
-    for m in re.finditer(r"^(?:import|from) (mindspore|torch|transformers|peft)\b", block.code, re.M):
+    for m in re.finditer(r"^(?:import|from) (mindspore|mindcv|torch|torchvision|transformers|peft)\b", block.code, re.M):
         needed.append(m.group(1))
     setup = block.options.get("setup")
     needed += {"llama": ["torch", "transformers"], "ms_net": ["mindspore"], "resnet": ["torchvision"]}.get(

@@ -1,7 +1,7 @@
 """Look at the built documentation site as a user would (``make docs-check``).
 
-Serves ``site/`` on localhost, opens the front page, a guide, the reference and the
-troubleshooting page in headless Chromium (Debian's ``chromium`` and
+Serves ``site/`` on localhost, opens the front page, a guide, the mechanism (with its
+picture), the reference and the troubleshooting page in headless Chromium (Debian's ``chromium`` and
 ``chromium-driver``), and fails on a console error (a script error, a resource that does
 not load), on an image that did not load, or on a page without its title. It also checks
 that the built reference shows every public name of ``recomp``, ``recomp.torch``,
@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = {
     "index.html": "out of the recompute",
     "guides/huggingface.html": "hf_activation_checkpointing",
+    "mechanism.html": "What an excluded region is",
     "reference/torch.html": "checkpoint_exclude_wrapper",
     "troubleshooting.html": "DoubleCheckpointError",
 }
