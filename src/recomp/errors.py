@@ -55,9 +55,14 @@ class NestedExclusionError(RecompError):
 
 
 class ReplayMismatchError(RecompError):
-    """The replay of a checkpoint did not run as the forward did (other region calls,
-    other saved tensors). Once ``recomp.torch`` is imported it also derives from
-    ``torch.utils.checkpoint.CheckpointError`` (see ``recomp.torch._replay_errors``)."""
+    """The replay of a checkpoint did not run as the forward did, so its gradients would
+    be wrong: it called excluded regions differently or did not reach one (a Python
+    branch that changed between the two), saved other tensors, issued other collectives
+    (PyTorch), or, with ``determinism_check="values"`` or ``debug=True``, saved other
+    values (state read outside the inputs changed before backward). The message says
+    which and the fix; with ``debug=True`` it lists the ops of both. Once
+    ``recomp.torch`` is imported it also derives from
+    ``torch.utils.checkpoint.CheckpointError``, so either ``except`` clause catches it."""
 
 
 class CachedValueMutatedError(RecompError):
