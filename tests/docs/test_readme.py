@@ -105,10 +105,13 @@ RECOMP_COMMAND = re.compile(r"^(?:\S+=\S+\s+)*(?:\S*python\S*\s+-m\s+)?recomp\s+
 
 def command_lines() -> list[tuple[str, str, str]]:
     found = []
-    for block in doc_blocks.all_blocks("bash"):
+    # bash blocks, and the "$ recomp ..." line above a command's output in text blocks
+    for block in doc_blocks.all_blocks("bash") + doc_blocks.all_blocks("text"):
         text = re.sub(r"\\\n\s*", " ", block.code)
         for line in text.split("\n"):
-            m = RECOMP_COMMAND.match(line.strip())
+            if block.lang == "text" and not line.startswith("$ "):
+                continue
+            m = RECOMP_COMMAND.match(line.removeprefix("$ ").strip())
             if m:
                 args = m.group(2).split(" #", 1)[0]
                 found.append((block.id, m.group(1), args))

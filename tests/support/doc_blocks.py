@@ -12,8 +12,9 @@ otherwise. The comment is ``<!-- docs-test: ... -->`` with any of:
   trainer's environment; PATH (a test file or an example) is what runs it, and must
   exist.
 
-Blocks in other languages are not run; a ``bash`` block's ``recomp ...`` command lines
-are parsed by the command's own argument parser, so that the options a page shows exist.
+Blocks in other languages are not run; the ``recomp ...`` command lines of ``bash``
+blocks, and the ``$ recomp ...`` line above a command's output in ``text`` blocks, are
+parsed by the command's own argument parser, so that the options a page shows exist.
 """
 
 from __future__ import annotations
