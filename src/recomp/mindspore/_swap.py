@@ -30,18 +30,11 @@ Where nothing would move (a CPU device) the tensors stay, unless the host-copy t
 mode is on (``RECOMP_OFFLOAD_HOST_COPY=1`` or :func:`host_copy`): it runs the same
 bookkeeping with copies on the CPU, so that tests see bytes out and in.
 
-What MindSpore 2.10 does not give recomp, and so what is refused with an error saying
-so: a per-op policy in a checkpoint (``checkpoint(..., policy_fn=...)``, HyperParallel's
-``MUST_SWAP`` of an op's output) needs a hook on each op of the checkpoint's forward and
-replay that can hand back a kept output instead of running the op; MindSpore's
-``mindspore.recompute`` has no selective-checkpoint context. Its experimental
-``mindspore.utils.MsDispatchMode`` could be that hook: in PyNative it sees each op of a
-Cell's forward (``func.name``: ``MatMul``, ``BiasAdd``, ``Tanh``), and a probe that
-handed back the forward's ``Tanh`` output in a ``mindspore.recompute`` replay (through
-its ``context_fn``) got the gradients of the model without recompute. recomp does not
-use it yet: matching the ops of the forward with those of the replay is the open part
-(a ``reshape`` dispatched as ``Reshape`` in the forward came back as ``View`` in the
-replay of a recomp checkpoint, and recomp's own ``StopGradient`` ops are dispatched too). ``group_swap`` (one copy of
+Per-op policies in a checkpoint (``policy_fn``, ``MUST_SWAP`` of an op's output) go
+through ``mindspore.MsDispatchMode``: NOTE [ Per-op policies on MindSpore ] in
+``recomp.mindspore._selective``; a ``MUST_SWAP`` output is kept by the checkpoint's swap
+scope like a saved tensor. What MindSpore 2.10 does not give recomp, and so what is
+refused with an error saying so: ``group_swap`` (one copy of
 many small tensors) and ``cpu_pool`` (a pinned host pool) need storage-level copies
 into a shared host buffer; ``swap_tensor_wrapper`` empties a storage in place and
 refills it. recomp does none of these on MindSpore. Mutations of a chosen tensor
@@ -94,20 +87,6 @@ class SwapNotSupportedError(RecompError, NotImplementedError):
 def refuse(option: str, lacks: str, instead: str) -> SwapNotSupportedError:
     return SwapNotSupportedError(
         f"recomp.mindspore: {option} is not available on MindSpore: {lacks}. {instead}"
-    )
-
-
-def refuse_policy_fn(api: str) -> SwapNotSupportedError:
-    return refuse(
-        f"{api}(..., policy_fn=...) (a per-op checkpoint policy, HyperParallel's "
-        "selective checkpointing and MUST_SWAP of an op's output)",
-        "it needs a hook on every op of the checkpoint's forward and replay that can hand "
-        "back a kept output instead of running the op, and mindspore.recompute has no "
-        "selective-checkpoint context (MindSpore's experimental MsDispatchMode is not "
-        "used by recomp)",
-        "Keep an op's output with checkpoint_exclude_wrapper around the op (it is then "
-        "never replayed), or move a layer's saved tensors to the host with "
-        "swap_wrapper(cell, policy_fn=...) (a per-tensor policy) or swap_inputs=True.",
     )
 
 
@@ -562,15 +541,15 @@ class SwapManager(SwapManagerBase):
         return None
 
 
-def checkpoint_swap(api: str, options: dict[str, Any]) -> bool:
-    """Take HyperParallel's swap options of a checkpoint call out of ``options``; whether
-    the checkpoint's inputs go to the host (``swap_inputs=True``). What MindSpore cannot
-    do raises."""
+def checkpoint_swap(api: str, options: dict[str, Any]) -> tuple[Any, bool]:
+    """Take HyperParallel's swap options of a checkpoint call out of ``options``: the
+    per-op ``policy_fn`` (or None) and whether the checkpoint's inputs go to the host
+    (``swap_inputs=True``). What MindSpore cannot do raises."""
     policy_fn = options.pop("policy_fn", None)
     swap_inputs = options.pop("swap_inputs", False)
     check_swap_options(api, options.pop("group_swap", False), options.pop("cpu_pool", None))
     if not isinstance(swap_inputs, bool):
         raise TypeError(f"swap_inputs must be a bool, got {swap_inputs!r}.")
-    if policy_fn is not None:
-        raise refuse_policy_fn(api)
-    return swap_inputs
+    if policy_fn is not None and not callable(policy_fn) and not isinstance(policy_fn, list):
+        raise TypeError(f"policy_fn must be a function or a list of op names, got {policy_fn!r}.")
+    return policy_fn, swap_inputs
