@@ -51,7 +51,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .._engine import ComposedContext
-from .._hooks import CallPart, CheckpointCallView, Stage
+from .._hooks import CallPart
+from .._op_policy import KeptOutput, OpCalls, SelectivePart
 from .._policy import CheckpointPolicy, SwapPolicyError, as_policy, tensor_swapped
 from .._swap_pairs import ScopeSlot, SwapManagerBase
 from ..errors import RecompError
@@ -445,33 +446,6 @@ def _check_swap_options(group_swap: Any, cpu_pool: Any) -> None:
 # --------------------------------------------------------------------------- per op
 
 
-class _SwapEntry:
-    """The kept output of one ``MUST_SWAP`` op call: its structure with :class:`_Kept`
-    leaves (filled once the op has run)."""
-
-    __slots__ = ("out",)
-
-    def __init__(self) -> None:
-        self.out: Any = None
-
-    def fill(self, out: Any, scope: SwapScope, allow_mutation: bool, detach: Any) -> None:
-        def keep(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                return scope.keep(detach(x), allow_mutation)
-            return x
-
-        self.out = _map_out(keep, out)
-
-    def get(self) -> Any:
-        return _map_out(lambda x: x.get() if isinstance(x, _Kept) else x, self.out)
-
-
-def _map_out(fn: Callable[[Any], Any], out: Any) -> Any:
-    if isinstance(out, (list, tuple)) and not hasattr(out, "_fields"):
-        return type(out)(fn(x) for x in out)
-    return fn(out)
-
-
 class _SwapState:
     """Shared by the forward tap, the replay tap and the policy PyTorch calls: for each
     op, the forward's calls that PyTorch does not cache, in order (None: recomputed;
@@ -479,10 +453,17 @@ class _SwapState:
 
     def __init__(self, allow_mutation: bool) -> None:
         self.allow_mutation = allow_mutation
-        self.calls: dict[Any, list[_SwapEntry | None]] = {}
-        self.swapped = False  # some op's output is kept by recomp
-        self.waiting: tuple[Any, _SwapEntry, SwapScope] | None = None
+        self.calls = OpCalls()
+        self.waiting: tuple[Any, KeptOutput, SwapScope] | None = None
         self.detach = _compat.version_sharing_detach() or (lambda t: t.detach())
+
+    def fill(self, entry: KeptOutput, out: Any, scope: SwapScope) -> None:
+        detach, allow_mutation = self.detach, self.allow_mutation
+
+        def keep(x: Any) -> Any:
+            return scope.keep(detach(x), allow_mutation) if isinstance(x, torch.Tensor) else x
+
+        entry.fill(out, keep)
 
     def chose(self, ctx: Any, op: Any, policy: CheckpointPolicy) -> None:
         if getattr(ctx, "is_recompute", False):
@@ -495,15 +476,14 @@ class _SwapState:
                     f"use recomp.torch.checkpoint(..., policy_fn=...) or checkpoint_wrapper "
                     f"(recomp.torch's, not torch.utils.checkpoint's) around it."
                 )
-            entry = _SwapEntry()
-            self.calls.setdefault(op, []).append(entry)
-            self.swapped = True
+            entry = KeptOutput()
+            self.calls.add(op, entry)
             if hasattr(ctx, "op_output"):  # PyTorch asks after the op ran
-                entry.fill(ctx.op_output, scope, self.allow_mutation, self.detach)
+                self.fill(entry, ctx.op_output, scope)
             else:  # before: the forward tap fills it
                 self.waiting = (op, entry, scope)
         elif policy in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
-            self.calls.setdefault(op, []).append(None)
+            self.calls.add(op, None)
 
 
 class _SwapTap(_compat.TorchDispatchMode):
@@ -513,10 +493,10 @@ class _SwapTap(_compat.TorchDispatchMode):
         super().__init__()
         self.state = state
         self.replay = replay
-        self.counters: dict[Any, int] = {}
+        self.cursor = state.calls.cursor()
 
     def __enter__(self) -> Any:
-        self.counters = {}
+        self.cursor = self.state.calls.cursor()
         return super().__enter__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -529,15 +509,16 @@ class _SwapTap(_compat.TorchDispatchMode):
             waiting = state.waiting
             if waiting is not None and waiting[0] is func:
                 state.waiting = None
-                waiting[1].fill(out, waiting[2], state.allow_mutation, state.detach)
+                state.fill(waiting[1], out, waiting[2])
             return out
-        calls = state.calls.get(func)
-        index = self.counters.get(func, 0)
-        self.counters[func] = index + 1
-        entry = calls[index] if calls is not None and index < len(calls) else None
+        entry = self.cursor.next(func)
         if entry is None:
             return func(*args, **kwargs)
-        return entry.get()  # kept by the forward: not recomputed
+        return entry.get(_read)  # kept by the forward: not recomputed
+
+
+def _read(x: Any) -> Any:
+    return x.get() if isinstance(x, _Kept) else x
 
 
 _compat.register_selective_mode_type(_SwapTap)
@@ -615,7 +596,7 @@ class _ReplayTap:
 
     def __enter__(self) -> None:
         tap = None
-        if self.state.swapped:
+        if self.state.calls.kept:
             tap = _SwapTap(self.state, replay=True)
             tap.__enter__()
         self.entered.append(tap)
@@ -664,23 +645,6 @@ def get_class_activation_wrapper() -> type:
 # --------------------------------------------------------------------------- checkpoint
 
 
-class _Selective(CallPart):
-    """``policy_fn=`` of a recomp checkpoint: selective checkpointing, before the user's
-    ``context_fn`` (HyperParallel's order)."""
-
-    stage = Stage.USER
-
-    def __init__(self, policy_fn: Any, group_swap: bool, cpu_pool: Any) -> None:
-        self.policy_fn = policy_fn
-        self.group_swap = group_swap
-        self.cpu_pool = cpu_pool
-
-    def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
-        return create_selective_checkpoint_contexts(
-            self.policy_fn, group_swap=self.group_swap, cpu_pool=self.cpu_pool
-        )
-
-
 class CheckpointSwap:
     """The swap options of one recomp checkpoint call (``policy_fn``, ``swap_inputs``,
     ``group_swap``, ``cpu_pool``)."""
@@ -725,7 +689,14 @@ class CheckpointSwap:
     def part(self) -> CallPart | None:
         if self.policy_fn is None:
             return None  # group_swap without a policy: no selective checkpointing
-        return _Selective(self.policy_fn, self.group_swap, self.cpu_pool)
+        return SelectivePart(
+            functools.partial(
+                create_selective_checkpoint_contexts,
+                self.policy_fn,
+                group_swap=self.group_swap,
+                cpu_pool=self.cpu_pool,
+            )
+        )
 
     @contextlib.contextmanager
     def scope(self, function: Any, context_fn: Any) -> Iterator[Callable[[Any], Any]]:
