@@ -449,13 +449,34 @@ def _check_swap_options(group_swap: Any, cpu_pool: Any) -> None:
 class _SwapState:
     """Shared by the forward tap, the replay tap and the policy PyTorch calls: for each
     op, the forward's calls that PyTorch does not cache, in order (None: recomputed;
-    a :class:`_SwapEntry`: kept by recomp)."""
+    a :class:`KeptOutput`: kept by recomp). With early stop, what an op's output was
+    kept after the forward's last saved tensor is dropped when the forward ends: no
+    replay reaches that op, so its output is neither moved nor brought back."""
 
     def __init__(self, allow_mutation: bool) -> None:
         self.allow_mutation = allow_mutation
         self.calls = OpCalls()
         self.waiting: tuple[Any, KeptOutput, SwapScope] | None = None
         self.detach = _compat.version_sharing_detach() or (lambda t: t.detach())
+        # The checkpoint's save counter where its replay stops early (else None), and
+        # each kept output with the number of tensors saved before its op's own saves.
+        self.saves: Callable[[], int] | None = None
+        self.kept_at: list[tuple[int, KeptOutput]] = []
+
+    def __enter__(self) -> None:
+        # The forward begins directly under the checkpoint's saved-tensors hook.
+        self.saves = _compat.checkpoint_save_counter()
+        self.kept_at = []
+
+    def __exit__(self, *exc_info: Any) -> None:
+        saves, self.saves = self.saves, None
+        kept_at, self.kept_at = self.kept_at, []
+        if saves is None or exc_info[0] is not None:
+            return
+        total = saves()
+        for before, entry in kept_at:
+            if before >= total:  # the replay stops before this op runs
+                entry.fill(entry.out, _drop)
 
     def fill(self, entry: KeptOutput, out: Any, scope: SwapScope) -> None:
         detach, allow_mutation = self.detach, self.allow_mutation
@@ -464,6 +485,8 @@ class _SwapState:
             return scope.keep(detach(x), allow_mutation) if isinstance(x, torch.Tensor) else x
 
         entry.fill(out, keep)
+        if self.saves is not None:
+            self.kept_at.append((self.saves(), entry))
 
     def chose(self, ctx: Any, op: Any, policy: CheckpointPolicy) -> None:
         if getattr(ctx, "is_recompute", False):
@@ -519,6 +542,13 @@ class _SwapTap(_compat.TorchDispatchMode):
 
 def _read(x: Any) -> Any:
     return x.get() if isinstance(x, _Kept) else x
+
+
+def _drop(x: Any) -> Any:
+    """A kept output no replay reads: its scope does not move it (nothing left to move)."""
+    if isinstance(x, _Kept):
+        x.tensor = None
+    return x
 
 
 _compat.register_selective_mode_type(_SwapTap)
@@ -578,7 +608,7 @@ def _selective_contexts(user: Any, allow_cache_entry_mutation: bool, compiled: b
     # if some op was swapped.
     if not _POLICY_SEES_OUTPUT:
         forward = ComposedContext(None, _SwapTap(state, replay=False), forward)
-    return forward, ComposedContext(None, _ReplayTap(state), replay)
+    return ComposedContext(None, state, forward), ComposedContext(None, _ReplayTap(state), replay)
 
 
 #: PyTorch (2.14 on) runs the op before asking the policy and hands it the output.
