@@ -575,14 +575,15 @@ class _ScaleKeptOutside(torch.autograd.Function):
 
 
 class ScaledLinear(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, tag: str | None = None) -> None:
         super().__init__()
         self.fc = nn.Linear(16, 16)
         self.scales: list[torch.Tensor] = []
+        self.tag = tag
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = torch.sigmoid(x.detach()) + 1
-        self.scales.append(rt.swap_tensor_wrapper(scale))
+        self.scales.append(rt.swap_tensor_wrapper(scale, tag=self.tag))
         return _ScaleKeptOutside.apply(self.fc(x), scale)
 
 
@@ -606,6 +607,22 @@ def test_swap_tensor_wrapper_empties_and_refills_in_place(groups: list) -> None:
         assert torch.equal(a, b)  # type: ignore[arg-type]
     assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(256, 256)] * 2
     assert rt.swap_tensor_wrapper(x) is x  # no layer around it: nothing to do
+
+
+def test_swap_tensor_wrapper_tag_names_the_tensors_in_the_trace(groups: list) -> None:  # type: ignore[type-arg]
+    from recomp._testing import offload_events
+
+    model = nn.Sequential(ScaledLinear(tag="scale"), ScaledLinear())
+    for m in model:
+        rt.swap_wrapper(m, policy_fn=lambda t: CheckpointPolicy.MUST_SAVE)
+    x = torch.randn(4, 16, requires_grad=True)
+    loss = model(x).pow(2).sum()
+    with offload_events(default_offloader()) as events:
+        loss.backward()
+    names = [rt.SwapManager().group_name(m, m) for m in model]
+    assert sorted(name for _, name in events) == sorted([f"{names[0]}/scale", names[1]])
+    with pytest.raises(TypeError, match="tag must be a str"):
+        rt.swap_tensor_wrapper(x, tag=3)
 
 
 NEG = torch.ops.aten.neg.default

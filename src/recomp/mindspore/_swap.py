@@ -494,14 +494,15 @@ def swap_tensor_wrapper(
 ) -> Any:
     """HyperParallel's registration of tensors a layer keeps outside autograd's saved
     tensors. Outside a swap scope it returns ``target`` unchanged, as there; inside one
-    it is refused on MindSpore (see NOTE [ Swap on MindSpore ])."""
+    it is refused on MindSpore (see NOTE [ Swap on MindSpore ]), the error naming the
+    tensors by ``tag`` (HyperParallel's debug tag)."""
     check_swap_options("swap_tensor_wrapper", group_swap, cpu_pool)
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"tag must be a str or None, got {tag!r}.")
     if current_scope() is None or not any(True for _ in _tensors_in(target)):
         return target
     raise refuse(
-        "swap_tensor_wrapper inside a swapped layer",
+        f"swap_tensor_wrapper({'' if tag is None else f'tag={tag!r}'}) inside a swapped layer",
         "it empties the tensors' storages in place once copied and refills them at the "
         "layer's backward, and recomp does not resize MindSpore storages in place",
         "Let autograd save the tensor (it is then swapped with the layer's other saved "

@@ -152,8 +152,9 @@ class SwapScope:
         self.offloader = offloader
         self.layer = layer
         self.pending: list[_Kept] = []
-        # Tensors the caller keeps (``swap_tensor_wrapper``): emptied and refilled in place.
-        self.in_place: list[torch.Tensor] = []
+        # Tensors the caller keeps (``swap_tensor_wrapper``), with their tags: emptied
+        # and refilled in place.
+        self.in_place: list[tuple[torch.Tensor, str | None]] = []
 
     def keep(self, tensor: torch.Tensor, allow_mutation: bool = False) -> _Kept:
         kept = _Kept(tensor, allow_mutation)
@@ -209,7 +210,9 @@ class SwapScope:
         self.in_place = []
 
 
-def _put_in_place(group: Any, tensors: list[torch.Tensor], outputs: Any, protected: set[Any]) -> None:
+def _put_in_place(
+    group: Any, tensors: list[tuple[torch.Tensor, str | None]], outputs: Any, protected: set[Any]
+) -> None:
     """Empty the storages of ``tensors`` once copied; refill them when the gradient of the
     layer's output is computed (the start of its backward). With no output that needs a
     gradient there is no such moment: they stay."""
@@ -217,10 +220,10 @@ def _put_in_place(group: Any, tensors: list[torch.Tensor], outputs: Any, protect
     if anchor is None:
         return
     handles = []
-    for t in tensors:
+    for t, tag in tensors:
         if _compat.storage_key(t) in protected:
             continue
-        handle = group.put(t, force=True, in_place=True)
+        handle = group.put(t, force=True, in_place=True, label=tag)
         if handle is not None:
             handles.append(handle)
     if not handles:
@@ -881,8 +884,9 @@ def swap_tensor_wrapper(
     returns their storages are copied to the host and emptied in place; the start of
     the layer's backward (the gradient of its output) refills them. Parameters and
     what shares storage with the layer's output stay. Outside a recomp checkpoint,
-    ``swap`` or swap wrapper call, nothing happens. ``tag`` is accepted for
-    HyperParallel's signature."""
+    ``swap`` or swap wrapper call, nothing happens. ``tag`` (HyperParallel's debug tag)
+    names the tensors in the offloader's trace (``recomp._testing.offload_events``:
+    ``<group>/<tag>``)."""
     _check_swap_options(group_swap, cpu_pool)
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"tag must be a str or None, got {tag!r}.")
@@ -891,7 +895,7 @@ def swap_tensor_wrapper(
         return target
     for t in _tensors_in(target):
         if not _stays_on_device(t):
-            scope.in_place.append(t)
+            scope.in_place.append((t, tag))
     return target
 
 
