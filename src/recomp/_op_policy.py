@@ -97,6 +97,29 @@ class OpCalls:
         return OpCursor(self.calls)
 
 
+class FreshMode:
+    """A re-enterable context that enters a new dispatch mode (``make()``) each time: each
+    replay's cursor starts at the beginning. With ``only_if``, only where the forward
+    kept some op's output (else the replay has nothing to hand back)."""
+
+    def __init__(self, make: Callable[[], Any], only_if: OpCalls | None = None) -> None:
+        self.make = make
+        self.only_if = only_if
+        self.entered: list[Any] = []
+
+    def __enter__(self) -> None:
+        mode = None
+        if self.only_if is None or self.only_if.kept:
+            mode = self.make()
+            mode.__enter__()
+        self.entered.append(mode)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        mode = self.entered.pop()
+        if mode is not None:
+            mode.__exit__(*exc_info)
+
+
 class SelectivePart(CallPart):
     """``policy_fn=`` of a recomp checkpoint: the framework's selective-checkpoint contexts
     (``contexts()`` makes them, once per call), before the user's ``context_fn``

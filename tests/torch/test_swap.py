@@ -516,7 +516,7 @@ def test_must_swap_with_recompute_sessions_and_retain_graph(groups: list) -> Non
 def test_policy_asked_before_the_op_runs(groups: list) -> None:  # type: ignore[type-arg]
     """PyTorch before 2.14 asks the policy before running the op, with no ``op_output``:
     the forward tap fills the entry when the op has run."""
-    from recomp.torch._swap import SwapScope, _scope_active, _SwapState, _SwapTap
+    from recomp.torch._swap import _SCOPES, SwapScope, _SwapState, _SwapTap
 
     class OldContext:
         is_recompute = False
@@ -524,7 +524,7 @@ def test_policy_asked_before_the_op_runs(groups: list) -> None:  # type: ignore[
     state = _SwapState(allow_mutation=False)
     scope = SwapScope("old order")
     x = torch.randn(4, 8)
-    with _scope_active(scope):
+    with _SCOPES.active(scope):
         state.chose(OldContext(), SIN, CheckpointPolicy.MUST_SWAP)
         with _SwapTap(state, replay=False):
             y = torch.sin(x)

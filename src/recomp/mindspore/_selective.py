@@ -38,7 +38,7 @@ from typing import Any
 
 import mindspore
 
-from .._op_policy import KeptOutput, OpCalls, SelectiveCheckpointContext
+from .._op_policy import FreshMode, KeptOutput, OpCalls, SelectiveCheckpointContext
 from .._policy import CheckpointPolicy, SwapPolicyError, as_policy
 from .._pytree import flatten
 from ..errors import RecompError
@@ -167,7 +167,7 @@ def create_selective_checkpoint_contexts(
                     )
                 return entry.get(_read)
 
-    return _Fresh(Recording), _Fresh(Replaying, only_if=calls)
+    return FreshMode(Recording), FreshMode(Replaying, only_if=calls)
 
 
 def _swap_keeper(op_name: str) -> Any:
@@ -186,25 +186,3 @@ def _swap_keeper(op_name: str) -> Any:
 
 def _read(x: Any) -> Any:
     return x.get() if isinstance(x, _Kept) else x
-
-
-class _Fresh:
-    """A re-enterable context that pushes a new mode each time (a replay's cursor starts
-    at the beginning); with ``only_if``, only once the forward kept something."""
-
-    def __init__(self, mode: Any, only_if: OpCalls | None = None) -> None:
-        self.mode = mode
-        self.only_if = only_if
-        self.entered: list[Any] = []
-
-    def __enter__(self) -> None:
-        mode = None
-        if self.only_if is None or self.only_if.kept:
-            mode = self.mode()
-            mode.__enter__()
-        self.entered.append(mode)
-
-    def __exit__(self, *exc_info: Any) -> None:
-        mode = self.entered.pop()
-        if mode is not None:
-            mode.__exit__(*exc_info)

@@ -59,9 +59,10 @@ from mindspore import nn, ops
 from .._policy import CheckpointPolicy, SwapPolicyError, tensor_swapped
 from .._pytree import flatten
 from .._state import is_recomputing
-from .._swap_pairs import ScopeSlot, SwapManagerBase
+from .._swap_pairs import OwnScopes, ScopeSlot, SwapHooks, SwapManagerBase, SwapWrappers
 from ..errors import RecompError
 from . import _compat
+from ._backend import BACKEND
 from ._plain import PlainFunction
 
 __all__ = [
@@ -261,14 +262,14 @@ class SwapScope:
         moving = [k for k in pending if copy_on_cpu or k.device != "CPU"]
         manager = SwapManager()
         if not moving:
-            manager.on_backward(self.layer, outputs, _grad_hook(outputs))
+            manager.prefetch_on_backward(self.layer, outputs)
             return
         group = _Group(self.name or manager.group_name(self.layer, self.function))
         manager.group_recorded(self.layer, group)
         if manager.is_last_layer(self.layer):
             # Its backward comes next: moving it out and back gains nothing. Its
             # backward's start (the gradient of its output) brings its pair back.
-            manager.on_backward(self.layer, outputs, _grad_hook(outputs))
+            manager.prefetch_on_backward(self.layer, outputs)
             return
         protected = {_storage_key(t) for t in _tensors_in(outputs)} - {None}
         for kept in moving:
@@ -282,20 +283,8 @@ class SwapScope:
         self.pending = []
 
 
-def _grad_hook(outputs: Any) -> Callable[[Callable[[], None]], bool]:
-    def hook(bring_back: Callable[[], None]) -> bool:
-        for t in _tensors_in(outputs):
-            if _compat.requires_grad(t):
-                t.register_hook(lambda grad: bring_back())
-                return True
-        return False
-
-    return hook
-
-
 _SCOPES = ScopeSlot("recomp_ms_swap_scope")
 current_scope = _SCOPES.current
-scope_active = _SCOPES.active
 
 
 # --------------------------------------------------------------------------- per tensor
@@ -313,31 +302,20 @@ class AsyncSaveOnCpu:
         if policy_fn is not None and not callable(policy_fn):
             raise TypeError(f"policy_fn must be callable or None, got {policy_fn!r}.")
         self.policy_fn = policy_fn
-        self.entered: list[tuple[Any, SwapScope | None, Any]] = []
+        # No layer around it: the block is the scope, finished when it ends.
+        self.own = OwnScopes(_SCOPES, lambda: SwapScope("async_save_on_cpu"))
+        self.hooks: list[Any] = []
 
     def __enter__(self) -> AsyncSaveOnCpu:
-        own: SwapScope | None = None
-        active = None
-        if current_scope() is None:
-            # No layer around it: the block is the scope, finished when it ends.
-            own = SwapScope("async_save_on_cpu")
-            active = scope_active(own)
-            active.__enter__()
+        self.own.enter()
         hooks = mindspore.saved_tensors_hooks(self.pack_to_host, self.unpack_from_host)
         hooks.__enter__()
-        self.entered.append((hooks, own, active))
+        self.hooks.append(hooks)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        hooks, own, active = self.entered.pop()
-        hooks.__exit__(*exc_info)
-        if own is None:
-            return
-        try:
-            if exc_info[0] is None:
-                own.finish(None)
-        finally:
-            active.__exit__(*exc_info)
+        self.hooks.pop().__exit__(*exc_info)
+        self.own.exit(*exc_info)
 
     def pack_to_host(self, t: Any) -> Any:
         if _stays_on_device(t) or is_recomputing():
@@ -368,28 +346,14 @@ def async_save_on_cpu(
     return AsyncSaveOnCpu(policy_fn)
 
 
-def _layer_of(function: Any) -> Any:
-    layer = function if isinstance(function, nn.Cell) else getattr(function, "__self__", None)
-    return layer if isinstance(layer, nn.Cell) else None
-
-
-@contextlib.contextmanager
-def layer_scope(function: Any, policy_fn: Any = None, *, hooks: bool = True) -> Iterator[Callable[[Any], Any]]:
+def layer_scope(
+    function: Any, policy_fn: Any = None, *, hooks: bool = True
+) -> contextlib.AbstractContextManager[Any]:
     """A swap scope around one call of ``function``; yields ``finish(outputs)``. With
     ``hooks``, what autograd saves inside goes through ``policy_fn`` (else only what
-    an inner :func:`async_save_on_cpu` chooses)."""
-    scope = SwapScope(layer=_layer_of(function), function=function)
-
-    def finish(out: Any) -> Any:
-        scope.finish(out)
-        return out
-
-    with scope_active(scope):
-        if hooks:
-            with AsyncSaveOnCpu(policy_fn):
-                yield finish
-        else:
-            yield finish
+    an inner :func:`async_save_on_cpu` or a per-op ``MUST_SWAP`` chooses)."""
+    scope = SwapScope(layer=BACKEND.module_of(function), function=function)
+    return _SCOPES.layer_call(scope, AsyncSaveOnCpu(policy_fn) if hooks else None)
 
 
 def swap(
@@ -408,35 +372,7 @@ def swap(
         return finish(function(*args, **kwargs))
 
 
-class _SwapHooks:
-    """The forward hooks :func:`swap_wrapper` puts on a Cell."""
-
-    def __init__(self, policy_fn: Any) -> None:
-        self.policy_fn = policy_fn
-        self.active: list[Any] = []
-        self.handles: list[Any] = []
-
-    def before(self, cell: nn.Cell, args: Any) -> None:
-        scope = layer_scope(cell, self.policy_fn)
-        finish = scope.__enter__()
-        self.active.append((scope, finish))
-
-    def after(self, cell: nn.Cell, args: Any, output: Any) -> None:
-        scope, finish = self.active.pop()
-        if output is None:  # the forward raised (an always-called hook) or returned nothing
-            scope.__exit__(RecompError, RecompError("forward raised"), None)  # aborts the scope
-            return
-        try:
-            finish(output)
-        finally:
-            scope.__exit__(None, None, None)
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-_WRAPPED: weakref.WeakKeyDictionary[nn.Cell, _SwapHooks] = weakref.WeakKeyDictionary()
+_WRAPPED = SwapWrappers()
 
 
 def swap_wrapper(
@@ -464,29 +400,14 @@ def swap_wrapper(
         if not callable(module):
             raise TypeError(f"swap_wrapper needs a Cell or a function, got {module!r}.")
         module = PlainFunction(module)
-    old = _WRAPPED.pop(module, None)
-    if old is not None:
-        old.remove()
-    hooks = _SwapHooks(policy_fn)
-    hooks.handles = [
-        module.register_forward_pre_hook(hooks.before),
-        module.register_forward_hook(hooks.after, always_call=True),
-    ]
-    _WRAPPED[module] = hooks
-    return module
+    return _WRAPPED.install(module, SwapHooks(lambda cell: layer_scope(cell, policy_fn)))
 
 
 def unwrap_swaps(module: Any) -> bool:
     """Remove what :func:`swap_wrapper` put on ``module`` and the Cells below it."""
-    if not isinstance(module, nn.Cell) or not _WRAPPED:
+    if not isinstance(module, nn.Cell):
         return False
-    removed = False
-    for _, sub in module.cells_and_names():
-        hooks = _WRAPPED.pop(sub, None)
-        if hooks is not None:
-            hooks.remove()
-            removed = True
-    return removed
+    return _WRAPPED.remove(sub for _, sub in module.cells_and_names())
 
 
 def swap_tensor_wrapper(
@@ -525,6 +446,9 @@ class SwapManager(SwapManagerBase):
 
     def _started(self) -> None:
         self.order = []
+
+    def grad_outputs(self, outputs: Any) -> Iterator[Any]:
+        return (t for t in _tensors_in(outputs) if _compat.requires_grad(t))
 
     def group_recorded(self, layer: Any | None, group: Any) -> None:
         super().group_recorded(layer, group)

@@ -42,7 +42,6 @@ import contextlib
 import functools
 import inspect
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,11 +51,12 @@ from torch import nn
 
 from .._engine import ComposedContext
 from .._hooks import CallPart
-from .._op_policy import KeptOutput, OpCalls, SelectivePart
+from .._op_policy import FreshMode, KeptOutput, OpCalls, SelectivePart
 from .._policy import CheckpointPolicy, SwapPolicyError, as_policy, tensor_swapped
-from .._swap_pairs import ScopeSlot, SwapManagerBase
+from .._swap_pairs import OwnScopes, ScopeSlot, SwapHooks, SwapManagerBase, SwapWrappers
 from ..errors import RecompError
 from . import _compat
+from ._backend import BACKEND
 from ._offload import Offloader, OffloadHandle, default_offloader
 from ._plain import PlainFunction
 
@@ -339,7 +339,6 @@ def _bucket(group: Any, moving: list[_Kept]) -> list[_Kept]:
 
 _SCOPES = ScopeSlot("recomp_swap_scope")
 current_scope = _SCOPES.current
-_scope_active = _SCOPES.active
 
 
 def _tensors_in(tree: Any) -> Iterator[torch.Tensor]:
@@ -379,32 +378,20 @@ class AsyncSaveOnCpu(torch.autograd.graph.saved_tensors_hooks):
         if policy_fn is not None and not callable(policy_fn):
             raise TypeError(f"policy_fn must be callable or None, got {policy_fn!r}.")
         self.policy_fn = policy_fn
-        self.own_scopes: list[tuple[SwapScope, Any]] = []
-        self.swap_options = (group_swap, cpu_pool)
+        self.own = OwnScopes(
+            _SCOPES,
+            lambda: SwapScope("async_save_on_cpu", group_swap=group_swap, cpu_pool=cpu_pool),
+        )
         super().__init__(self.pack_to_host, self.unpack_from_host)
 
     def __enter__(self) -> None:
-        if current_scope() is None:
-            # No layer around it: the block is the scope, finished when it ends.
-            group_swap, cpu_pool = self.swap_options
-            scope = SwapScope("async_save_on_cpu", group_swap=group_swap, cpu_pool=cpu_pool)
-            manager = _scope_active(scope)
-            manager.__enter__()
-            self.own_scopes.append((scope, manager))
-        else:
-            self.own_scopes.append((None, None))  # type: ignore[arg-type]
+        # No layer around it: the block is the scope, finished when it ends.
+        self.own.enter()
         super().__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
         super().__exit__(*exc_info)
-        scope, manager = self.own_scopes.pop()
-        if scope is None:
-            return
-        try:
-            if exc_info[0] is None:
-                scope.finish(None)
-        finally:
-            manager.__exit__(*exc_info)
+        self.own.exit(*exc_info)
 
     def pack_to_host(self, t: torch.Tensor) -> Any:
         if _stays_on_device(t):
@@ -611,33 +598,15 @@ def _selective_contexts(user: Any, allow_cache_entry_mutation: bool, compiled: b
     # if some op was swapped.
     if not _POLICY_SEES_OUTPUT:
         forward = ComposedContext(None, _SwapTap(state, replay=False), forward)
-    return ComposedContext(None, state, forward), ComposedContext(None, _ReplayTap(state), replay)
+    # The replay's tap is on the mode stack only if the forward swapped something.
+    replay_tap = FreshMode(lambda: _SwapTap(state, replay=True), only_if=state.calls)
+    return ComposedContext(None, state, forward), ComposedContext(None, replay_tap, replay)
 
 
 #: PyTorch (2.14 on) runs the op before asking the policy and hands it the output.
 _POLICY_SEES_OUTPUT = "op_output" in inspect.signature(
     torch.utils.checkpoint.SelectiveCheckpointContext
 ).parameters
-
-
-class _ReplayTap:
-    """The replay's tap, on the mode stack only if the forward swapped something."""
-
-    def __init__(self, state: _SwapState) -> None:
-        self.state = state
-        self.entered: list[_SwapTap | None] = []
-
-    def __enter__(self) -> None:
-        tap = None
-        if self.state.calls.kept:
-            tap = _SwapTap(self.state, replay=True)
-            tap.__enter__()
-        self.entered.append(tap)
-
-    def __exit__(self, *exc_info: Any) -> None:
-        tap = self.entered.pop()
-        if tap is not None:
-            tap.__exit__(*exc_info)
 
 
 def _under_compile(args: tuple[Any, ...]) -> bool:
@@ -731,28 +700,20 @@ class CheckpointSwap:
             )
         )
 
-    @contextlib.contextmanager
-    def scope(self, function: Any, context_fn: Any) -> Iterator[Callable[[Any], Any]]:
+    def scope(self, function: Any, context_fn: Any) -> contextlib.AbstractContextManager[Any]:
         """Around the framework's checkpoint of ``function``: yields ``finish(outputs)``."""
         if self.policy_fn is None and not self.swap_inputs and context_fn is None:
-            yield _identity
-            return
-        layer = getattr(function, "__self__", None)
-        layer = layer if isinstance(layer, nn.Module) else None
+            return contextlib.nullcontext(_identity)
         scope = SwapScope(
-            group_swap=self.group_swap, cpu_pool=self.cpu_pool, layer=layer, function=function
+            group_swap=self.group_swap,
+            cpu_pool=self.cpu_pool,
+            layer=BACKEND.module_of(function),
+            function=function,
         )
-
-        def finish(out: Any) -> Any:
-            scope.finish(out)
-            return out
-
-        with _scope_active(scope):
-            if self.swap_inputs:
-                with async_save_on_cpu(group_swap=self.group_swap, cpu_pool=self.cpu_pool):
-                    yield finish
-            else:
-                yield finish
+        hooks = None
+        if self.swap_inputs:
+            hooks = async_save_on_cpu(group_swap=self.group_swap, cpu_pool=self.cpu_pool)
+        return _SCOPES.layer_call(scope, hooks)
 
 
 def _identity(out: Any) -> Any:
@@ -778,54 +739,29 @@ def swap(
         raise ValueError("recomp.torch.swap does not run under torch.compile (eager only).")
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    layer = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
-    layer = layer if isinstance(layer, nn.Module) else None
-    scope = SwapScope(group_swap=group_swap, cpu_pool=cpu_pool, layer=layer, function=function)
-    with _scope_active(scope), async_save_on_cpu(policy_fn, group_swap, cpu_pool):
-        out = function(*args, **kwargs)
-        scope.finish(out)
-    return out
+    with _swapped_call(policy_fn, group_swap, cpu_pool, function) as finish:
+        return finish(function(*args, **kwargs))
 
 
-class _SwapHooks:
-    """The forward hooks ``swap_wrapper`` puts on a module."""
+def _swapped_call(
+    policy_fn: Any, group_swap: bool, cpu_pool: Any, function: Any
+) -> contextlib.AbstractContextManager[Any]:
+    """One call of ``function`` as a swap scope, with the per-tensor hooks."""
+    scope = SwapScope(
+        group_swap=group_swap,
+        cpu_pool=cpu_pool,
+        layer=BACKEND.module_of(function),
+        function=function,
+    )
+    return _SCOPES.layer_call(scope, async_save_on_cpu(policy_fn, group_swap, cpu_pool))
 
-    def __init__(self, policy_fn: Any, group_swap: bool, cpu_pool: Any) -> None:
-        self.policy_fn = policy_fn
-        self.group_swap = group_swap
-        self.cpu_pool = cpu_pool
-        self.active: list[tuple[SwapScope, Any, Any]] = []
-        self.handles: list[Any] = []
 
-    def before(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled() or is_compiling():
-            self.active.append((None, None, None))  # type: ignore[arg-type]
-            return
-        scope = SwapScope(
-            group_swap=self.group_swap, cpu_pool=self.cpu_pool, layer=module, function=module
-        )
-        active = _scope_active(scope)
-        active.__enter__()
-        hooks = async_save_on_cpu(self.policy_fn, self.group_swap, self.cpu_pool)
-        hooks.__enter__()
-        self.active.append((scope, active, hooks))
-
-    def after(self, module: nn.Module, args: Any, output: Any) -> None:
-        scope, active, hooks = self.active.pop()
-        if scope is None:
-            return
-        hooks.__exit__(None, None, None)
-        try:
-            if output is None:  # the forward raised (an always-called hook) or returned nothing
-                scope.abort()
-            else:
-                scope.finish(output)
-        finally:
-            active.__exit__(None, None, None)
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+def _wrapped_call(
+    policy_fn: Any, group_swap: bool, cpu_pool: Any, module: nn.Module
+) -> contextlib.AbstractContextManager[Any] | None:
+    if not torch.is_grad_enabled() or is_compiling():
+        return None
+    return _swapped_call(policy_fn, group_swap, cpu_pool, module)
 
 
 def swap_wrapper(
@@ -846,33 +782,19 @@ def swap_wrapper(
         if not callable(module):
             raise TypeError(f"swap_wrapper needs a module or a function, got {module!r}.")
         module = PlainFunction(module)
-    old = _WRAPPED.pop(module, None)
-    if old is not None:
-        old.remove()
-    hooks = _SwapHooks(policy_fn, group_swap, cpu_pool)
-    hooks.handles = [
-        module.register_forward_pre_hook(hooks.before),
-        module.register_forward_hook(hooks.after, always_call=True),
-    ]
-    _WRAPPED[module] = hooks
-    return module
+    hooks = SwapHooks(functools.partial(_wrapped_call, policy_fn, group_swap, cpu_pool))
+    return _WRAPPED.install(module, hooks)
 
 
 def unwrap_swaps(module: Any) -> bool:
     """Remove what :func:`swap_wrapper` put on ``module`` and on the modules below it;
     whether there was any."""
-    if not isinstance(module, nn.Module) or not _WRAPPED:
+    if not isinstance(module, nn.Module):
         return False
-    removed = False
-    for sub in module.modules():
-        hooks = _WRAPPED.pop(sub, None)
-        if hooks is not None:
-            hooks.remove()
-            removed = True
-    return removed
+    return _WRAPPED.remove(module.modules())
 
 
-_WRAPPED: weakref.WeakKeyDictionary[nn.Module, _SwapHooks] = weakref.WeakKeyDictionary()
+_WRAPPED = SwapWrappers()
 
 
 def swap_tensor_wrapper(
@@ -918,18 +840,8 @@ class SwapManager(SwapManagerBase):
     def _started(self) -> None:
         self.installed = None
 
-    def prefetch_on_backward(self, layer: nn.Module | None, outputs: Any) -> None:
-        """When the gradient of ``layer``'s output is computed, bring back the group of
-        the layer paired before it."""
-
-        def hook(bring_back: Callable[[], None]) -> bool:
-            for t in _tensors_in(outputs):
-                if t.requires_grad:
-                    t.register_hook(lambda grad: bring_back())
-                    return True
-            return False
-
-        self.on_backward(layer, outputs, hook)
+    def grad_outputs(self, outputs: Any) -> Iterator[torch.Tensor]:
+        return (t for t in _tensors_in(outputs) if t.requires_grad)
 
     def group_recorded(self, layer: nn.Module | None, group: Any) -> None:
         super().group_recorded(layer, group)
