@@ -294,14 +294,18 @@ def test_per_op_policy_swaps_and_saves_op_outputs_never_recomputed():
 def test_per_op_policy_as_a_list_with_exclusions_and_mindspore_recompute_contexts():
     ref, model = twins()
     want, plain = counted_grads(ref)
+    log = PhaseLog()
     for i, layer in enumerate(model.layers):
         # The excluded regions' ops run in the forward only: the policy does not see them
         # (else the replay's first MatMul, k's, would be handed q's output).
         layer.attention.q = checkpoint_exclude_wrapper(layer.attention.q)
         layer.attention.core_attention = checkpoint_exclude_wrapper(layer.attention.core_attention)
-        model.layers[i] = checkpoint_wrapper(layer, policy_fn=["MatMul", "BiasAdd"], early_stop=True)
+        model.layers[i] = checkpoint_wrapper(
+            layer, policy_fn=["MatMul", "BiasAdd"], context_fn=log, early_stop=True
+        )
     got, counts = counted_grads(model)
     assert_same(want, got)
+    assert log.phases == ["forward"] * 3 + ["recompute"] * 3  # the user's contexts too
     for op in ("MatMul", "BiasAdd", "Softmax"):  # kept or excluded: never replayed
         assert counts[op] == plain[op]
     assert counts["LayerNorm"] > plain["LayerNorm"]
