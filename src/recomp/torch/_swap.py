@@ -455,7 +455,7 @@ class _SwapState:
 
     def __enter__(self) -> None:
         # The forward begins directly under the checkpoint's saved-tensors hook.
-        self.saves = _compat.checkpoint_save_counter()
+        self.saves = BACKEND.save_counter()
         self.kept_at = []
 
     def __exit__(self, *exc_info: Any) -> None:
