@@ -7,6 +7,7 @@ MindSpore cannot do raises saying so."""
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 
@@ -279,8 +280,13 @@ def test_per_op_policy_swaps_and_saves_op_outputs_never_recomputed():
     for i in range(len(model.layers)):
         model.layers[i] = checkpoint_wrapper(model.layers[i], policy_fn=swap_softmax_save_matmul)
     _swap.STATS.reset()
-    with _swap.host_copy():
-        got, counts = counted_grads(model)
+    gc.disable()  # what a step kept is freed with its graph, not by the collector
+    try:
+        with _swap.host_copy():
+            got, counts = counted_grads(model)
+        assert not [r for r in SwapManager().order if r() is not None]
+    finally:
+        gc.enable()
     assert_same(want, got)
     # kept ops run once, as without checkpointing; the rest runs again in the replay
     assert counts["Softmax"] == plain["Softmax"] == 3
@@ -289,6 +295,21 @@ def test_per_op_policy_swaps_and_saves_op_outputs_never_recomputed():
     # one softmax output (2 x 4 x 4 float32) per layer went to the host and came back
     assert _swap.STATS.offloaded_tensors == 3
     assert _swap.STATS.offloaded_bytes == _swap.STATS.restored_bytes == 3 * 2 * 4 * 4 * 4
+
+    # with swap_inputs=True, each layer's input (2 x 4 x 8 float32) goes in the same group
+    for layer in model.layers:
+        rm.unwrap(layer)
+    for i in range(len(model.layers)):
+        model.layers[i] = checkpoint_wrapper(
+            model.layers[i], policy_fn=swap_softmax_save_matmul, swap_inputs=True
+        )
+    _swap.STATS.reset()
+    with _swap.host_copy():
+        got, counts = counted_grads(model)
+    assert_same(want, got)
+    assert counts["Softmax"] == 3
+    assert _swap.STATS.offloaded_tensors == 6
+    assert _swap.STATS.offloaded_bytes == _swap.STATS.restored_bytes == 3 * (128 + 256)
 
 
 def test_per_op_policy_as_a_list_with_exclusions_and_mindspore_recompute_contexts():

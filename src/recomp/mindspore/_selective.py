@@ -34,6 +34,7 @@ counters are read only after the queue is drained).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import mindspore
@@ -120,20 +121,36 @@ def create_selective_checkpoint_contexts(
             f"allow_cache_entry_mutation must be a bool, got {allow_cache_entry_mutation!r}."
         )
     policy = _policy_of(policy_fn_or_list)
-    mode = _mode_type()
+    recording, replaying = _mode_classes()
     calls = OpCalls()
+    return (
+        FreshMode(functools.partial(recording, policy, calls)),
+        FreshMode(functools.partial(replaying, calls), only_if=calls),
+    )
+
+
+@functools.cache
+def _mode_classes() -> tuple[type, type]:
+    """The two dispatch modes, made once: a class made per call would keep what the
+    forward kept until the garbage collector frees the class (a class is in a
+    reference cycle of its own), not when the checkpoint's graph is freed."""
+    mode = _mode_type()
 
     class Recording(mode):  # type: ignore[misc,valid-type]
+        def __init__(self, policy: Any, calls: OpCalls) -> None:
+            self.policy = policy
+            self.calls = calls
+
         def __ms_dispatch__(self, func: Any, args: Any, kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
             if OPS_HIDDEN.get() or func.name in SAC_IGNORED_OPS:
                 return func(*args, **kwargs)
             with ops_hidden():
-                chosen = as_policy(policy(_FORWARD, func, *args, **kwargs), "policy_fn")
+                chosen = as_policy(self.policy(_FORWARD, func, *args, **kwargs), "policy_fn")
                 inputs = _layouts((args, kwargs)) if chosen in _KEPT else None
             out = func(*args, **kwargs)
             if inputs is None:
-                calls.add(func.name, None)
+                self.calls.add(func.name, None)
                 return out
             with ops_hidden():
                 entry = KeptOutput(inputs)
@@ -141,11 +158,11 @@ def create_selective_checkpoint_contexts(
                     entry.fill(out, _swap_keeper(func.name))
                 else:
                     entry.fill(out, _alias)
-            calls.add(func.name, entry)
+            self.calls.add(func.name, entry)
             return out
 
     class Replaying(mode):  # type: ignore[misc,valid-type]
-        def __init__(self) -> None:
+        def __init__(self, calls: OpCalls) -> None:
             self.cursor = calls.cursor()
 
         def __ms_dispatch__(self, func: Any, args: Any, kwargs: Any = None) -> Any:
@@ -167,7 +184,7 @@ def create_selective_checkpoint_contexts(
                     )
                 return entry.get(_read)
 
-    return FreshMode(Recording), FreshMode(Replaying, only_if=calls)
+    return Recording, Replaying
 
 
 def _swap_keeper(op_name: str) -> Any:
