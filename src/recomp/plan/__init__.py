@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .budget import Budget, BudgetTooSmallError, parse_budget
+from .job import JobMemory, Parallel, Precision, job_memory, model_params
 from .planfile import LayerPlan, Plan, PlanFormatError, load_plan, save_plan
 from .planner import OptionSlot, Profile, make_plan, plan_table, profile_table
 from .solver import (
@@ -42,21 +43,26 @@ __all__ = [
     "Budget",
     "BudgetTooSmallError",
     "Choice",
+    "JobMemory",
     "LayerOptions",
     "LayerPlan",
     "NearTie",
     "Option",
     "OptionSlot",
+    "Parallel",
     "Plan",
     "PlanFormatError",
+    "Precision",
     "Profile",
     "Solution",
     "apply_plan",
     "compile_with_plan",
     "evaluate",
+    "job_memory",
     "load_plan",
     "make_plan",
     "minimum_bytes",
+    "model_params",
     "parse_budget",
     "plan_table",
     "profile",

@@ -42,6 +42,9 @@ with one test per entry that fails when PyTorch changes underneath.
 ``compile``
     Dynamo and AOTAutograd: the wrapper that marks excluded regions in a compiled
     checkpoint, and the partitioner asked at a memory budget for compiled plans.
+``pipelining``
+    Building ``torch.distributed.pipelining``'s schedules on stand-in stages and
+    reading their per-rank action lists: for the whole-job memory estimate.
 ``hf``
     transformers' private layer and model attributes: for the Hugging Face integration
     and the planner's layer finder.
@@ -106,6 +109,7 @@ from .hf import (
     is_hf_checkpoint_call,
     set_hf_checkpoint_function,
 )
+from .pipelining import pipeline_actions, schedule_names
 from .pytree import pytree_generation, pytree_node
 from .saved_tensors import (
     checkpoint_frame,
@@ -167,6 +171,7 @@ __all__ = [
     "ops_named",
     "packed_value",
     "partitioning_backend",
+    "pipeline_actions",
     "pytree_generation",
     "pytree_node",
     "register_selective_mode_type",
@@ -175,6 +180,7 @@ __all__ = [
     "run_at_trace_time",
     "saved_handles",
     "saved_values_readable",
+    "schedule_names",
     "selective_checkpoint_storage",
     "separate_backend",
     "set_hf_checkpoint_function",

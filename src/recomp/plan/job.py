@@ -1,0 +1,909 @@
+"""Whole-job memory per rank: parameters, gradients, optimizer states and activations.
+
+A framework-free estimate (PyTorch is imported only to count a module's parameters, to
+measure a layer's weight inputs, and to read a pipeline schedule's action lists)::
+
+    from recomp.plan.job import Parallel, job_memory
+
+    result = job_memory(
+        model,                                  # a torch module (meta or fake is fine),
+                                                # or model_params(...) / ModelParams
+        parallel=Parallel(dp=8, tp=8, pp=4, zero=1),
+        precision="bf16-adam",                  # or Precision(param="bf16", ...)
+        activations=prof,                       # a recomp.plan Profile of one micro-batch
+        plan=plan,                              # or option="full", or neither: "none"
+        schedule="Interleaved1F1B", microbatches=16,
+        budget="80GiB",
+    )
+    print(result.table())
+
+What each row rests on:
+
+* **parameters, gradients, optimizer states**: per parameter tensor, its elements on this
+  rank: tensors of two or more dimensions divide by the tensor-parallel size (1-D ones,
+  norms and biases, stay whole), expert tensors (paths with an ``experts`` part) by the
+  expert-parallel and expert-tensor-parallel sizes, and each pipeline rank holds the
+  tensors of its stages' layers (what comes before the first layer on the first stage,
+  what comes after the last on the last). ZeRO / FSDP then shard parameters (stage 3),
+  gradients (stage 2 and 3) and optimizer states (stage 1 and up) over the shard group
+  (``Parallel.shard``; default the data- and context-parallel ranks), per tensor and
+  padded along dimension 0 as FSDP2 does (``padding="dim0"``) or as one flat buffer
+  (``padding="flat"``: DeepSpeed, Megatron's distributed optimizer). Bytes per element
+  come from :class:`Precision`.
+* **activations**: per micro-batch and layer, the bytes kept from a micro-batch's
+  forward to its backward (a profile's ``kept_bytes`` under the plan's option), and
+  with a split backward the bytes kept from its input-gradient pass to its
+  weight-gradient pass; per pipeline rank, the schedule's own action list walked step
+  by step (:func:`walk_schedule`), the peak of the live bytes and the step where it
+  occurs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .budget import Budget, format_bytes, parse_budget
+
+GiB = float(1 << 30)
+
+DTYPE_BYTES = {
+    "fp64": 8,
+    "float64": 8,
+    "fp32": 4,
+    "float32": 4,
+    "tf32": 4,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "fp8": 1,
+    "float8": 1,
+    "int8": 1,
+}
+
+
+def dtype_bytes(dtype: int | str | None) -> int:
+    """Bytes per element: a number as given, a dtype name (``"bf16"``, ``"float32"``,
+    ``torch.bfloat16``'s name), or 0 for None."""
+    if dtype is None:
+        return 0
+    if isinstance(dtype, int):
+        if dtype < 0:
+            raise ValueError(f"bytes per element cannot be negative, got {dtype}")
+        return dtype
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+# ----------------------------------------------------------------------------- sharding
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """The parallel layout of the job.
+
+    ``dp``: data-parallel degree (replicas, or shards under ZeRO/FSDP); ``tp``: tensor
+    parallel; ``pp``: pipeline ranks; ``cp``: context parallel; ``ep``: expert parallel
+    and ``etp``: tensor parallel inside each expert (the expert ranks re-split the
+    ``tp * dp * cp`` ranks of one pipeline stage, as Megatron-Core does: the expert
+    data-parallel degree is ``tp * dp * cp / (ep * etp)``). ``zero``: 0 (replicated), 1
+    (optimizer states sharded), 2 (and gradients), 3 (and parameters: FSDP, FSDP2's
+    ``fully_shard``). ``shard``: the ranks each dense tensor is sharded over under
+    ZeRO/FSDP (default ``dp * cp``; less for hybrid sharding). ``stages_per_rank``:
+    pipeline stages per rank (default: the schedule's, 1 or 2). ``etp`` defaults to 1;
+    Megatron-Core's own default is ``etp = tp``: give it when that is your setting."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    zero: int = 0
+    shard: int | None = None
+    stages_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Parallel.{name} is a positive integer, got {value!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"Parallel.zero is 0, 1, 2 or 3, got {self.zero!r}")
+        if self.shard is not None and (self.shard < 1 or (self.dp * self.cp) % self.shard):
+            raise ValueError(
+                f"Parallel.shard ({self.shard}) divides the data- and context-parallel ranks "
+                f"(dp * cp = {self.dp * self.cp})"
+            )
+        if (self.tp * self.dp * self.cp) % (self.ep * self.etp):
+            raise ValueError(
+                f"expert parallel ep={self.ep} x etp={self.etp} does not divide the "
+                f"tp * dp * cp = {self.tp * self.dp * self.cp} ranks of a pipeline stage"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> Parallel:
+        """``"dp=8,tp=8,pp=4,zero=1"`` (commas or spaces; the field names above), for
+        command lines."""
+        fields: dict[str, int] = {}
+        for part in re.split(r"[,\s]+", text.strip()):
+            if not part:
+                continue
+            name, sep, value = part.partition("=")
+            if not sep or name not in cls.__dataclass_fields__ or not value.strip().isdigit():
+                raise ValueError(
+                    f"cannot read {part!r} in parallel layout {text!r}: give name=integer with "
+                    f"names {', '.join(cls.__dataclass_fields__)}"
+                )
+            fields[name] = int(value)
+        return cls(**fields)  # type: ignore[arg-type]
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def dense_shard(self) -> int:
+        """Ranks a dense tensor's ZeRO/FSDP shards spread over (1 without ZeRO)."""
+        return (self.shard or self.dp * self.cp) if self.zero else 1
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks an expert tensor's ZeRO/FSDP shards spread over (its data-parallel
+        ranks: ``tp * dp * cp / (ep * etp)``, scaled by ``shard / (dp * cp)``)."""
+        if not self.zero:
+            return 1
+        edp = self.tp * self.dp * self.cp // (self.ep * self.etp)
+        return max(1, edp * self.dense_shard // (self.dp * self.cp))
+
+    def describe(self) -> str:
+        parts = [f"{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "cp", "ep", "etp")]
+        parts.append(f"zero={self.zero}")
+        if self.zero:
+            parts.append(f"shard={self.dense_shard}")
+        return " ".join(parts) + f" (world {self.world})"
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of what each parameter costs: the parameter itself, its
+    gradient, a master copy kept by the optimizer (None: none), ``optimizer_states``
+    states of ``state`` each (Adam: 2), and under ZeRO-3/FSDP the all-gathered copy the
+    forward and backward compute with (``gathered``, default the parameter's dtype)."""
+
+    param: int | str = "bf16"
+    grad: int | str = "fp32"
+    master: int | str | None = "fp32"
+    optimizer_states: int = 2
+    state: int | str = "fp32"
+    gathered: int | str | None = None
+    name: str = ""
+
+    def per_element(self) -> dict[str, int]:
+        return {
+            "param": dtype_bytes(self.param),
+            "grad": dtype_bytes(self.grad),
+            "optimizer": dtype_bytes(self.master) + self.optimizer_states * dtype_bytes(self.state),
+            "gathered": dtype_bytes(self.gathered if self.gathered is not None else self.param),
+        }
+
+    def describe(self) -> str:
+        b = self.per_element()
+        master = f" + {self.master} master" if self.master is not None else ""
+        return (
+            f"{self.name + ': ' if self.name else ''}{self.param} params, {self.grad} grads, "
+            f"optimizer {self.optimizer_states} x {self.state}{master} = {b['optimizer']} B/param"
+        )
+
+
+PRECISIONS = {
+    # Mixed precision with fp32 master weights and fp32 gradient buffers (Megatron-Core's
+    # main_grad, DeepSpeed bf16 with fp32 grad accumulation): 2 + 4 + 4 + 8 = 18 B/param.
+    "bf16-adam": Precision("bf16", "fp32", "fp32", 2, "fp32", name="bf16-adam"),
+    # bf16 gradients (no fp32 accumulation buffer): 2 + 2 + 4 + 8 = 16 B/param.
+    "bf16-adam-bf16-grads": Precision("bf16", "bf16", "fp32", 2, "fp32", name="bf16-adam-bf16-grads"),
+    # Everything in fp32: 4 + 4 + 8 = 16 B/param.
+    "fp32-adam": Precision("fp32", "fp32", None, 2, "fp32", name="fp32-adam"),
+    # FSDP2 with MixedPrecisionPolicy(param_dtype=bf16): fp32 sharded parameters (they
+    # are the master weights), fp32 sharded gradients, bf16 all-gathered copies.
+    "fsdp2-bf16-adam": Precision("fp32", "fp32", None, 2, "fp32", "bf16", name="fsdp2-bf16-adam"),
+    # SGD with momentum in fp32.
+    "fp32-sgd": Precision("fp32", "fp32", None, 1, "fp32", name="fp32-sgd"),
+}
+
+
+def resolve_precision(precision: str | Precision) -> Precision:
+    if isinstance(precision, Precision):
+        return precision
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"unknown precision preset {precision!r}: use {', '.join(PRECISIONS)} or a Precision"
+        )
+    return PRECISIONS[precision]
+
+
+# --------------------------------------------------------------------------- parameters
+
+FIRST, LAST = "first", "last"
+DEFAULT_EXPERT_PATTERN = r"(^|\.)experts(\.|$)"
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter tensor: its elements, its rows (dimension 0; a flat count where only
+    numbers are known), where it lives (a layer index, or ``"first"`` / ``"last"`` for
+    what comes before / after the layers), its kind: ``"sharded"`` (divided by the
+    tensor-parallel size), ``"replicated"`` or ``"expert"``, and for a sharded one the
+    dimension tensor parallelism splits (0: column-parallel, 1: row-parallel)."""
+
+    name: str
+    numel: int
+    rows: int
+    where: int | str
+    kind: str
+    tp_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("sharded", "replicated", "expert"):
+            raise ValueError(f"parameter {self.name!r}: unknown kind {self.kind!r}")
+        if self.numel < 0 or (self.rows < 1 and self.numel):
+            raise ValueError(f"parameter {self.name!r}: bad size {self.numel} / {self.rows} rows")
+
+
+@dataclass
+class ModelParams:
+    """The parameters of a model, per layer: what :func:`job_memory` divides among the
+    ranks. ``layers``: the layer paths, in order (their count is what the pipeline
+    stages split)."""
+
+    layers: list[str]
+    tensors: list[ParamTensor]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @classmethod
+    def from_counts(
+        cls,
+        layer: Mapping[str, int],
+        num_layers: int,
+        first: Mapping[str, int] | None = None,
+        last: Mapping[str, int] | None = None,
+    ) -> ModelParams:
+        """Numbers given directly: per layer (the same for each) and before / after the
+        layers, element counts by kind: ``{"sharded": ..., "replicated": ...,
+        "expert": ...}``. Shards are then computed from the flat counts (no per-tensor
+        padding is known)."""
+        tensors: list[ParamTensor] = []
+        for where, counts in [(FIRST, first or {})] + [(i, layer) for i in range(num_layers)] + [
+            (LAST, last or {})
+        ]:
+            for kind, n in counts.items():
+                if n:
+                    tensors.append(ParamTensor(f"{where}.{kind}", int(n), int(n), where, kind))
+        return cls([str(i) for i in range(num_layers)], tensors, ["parameter counts given as numbers"])
+
+
+def model_params(
+    model: Any,
+    *,
+    layers: Any = None,
+    expert: str | Callable[[str], bool] = DEFAULT_EXPERT_PATTERN,
+    tp_sharded: Callable[[str, Any], bool | int] | None = None,
+) -> ModelParams:
+    """Per-tensor parameter counts of a torch module (real, on the meta device or fake:
+    only shapes are read). ``layers`` as for :func:`recomp.plan.profile` (default
+    ``model.layers`` or the model's one ``layers`` list); ``expert``: a regular
+    expression on the parameter's path, or a predicate; ``tp_sharded(path, param)``:
+    whether tensor parallelism divides a tensor (default: two or more dimensions, along
+    dimension 0); it may return the dimension instead (0 or 1; ``True`` is 0).
+    Tied parameters count once, where they first appear."""
+    from ._layers import find_layers
+
+    found = find_layers(model, layers)
+    paths = [p for p, _ in found]
+    owner: dict[int, int] = {}
+    for index, (_, module) in enumerate(found):
+        for p in module.parameters():
+            owner.setdefault(id(p), index)
+    is_expert = (
+        expert if callable(expert) else (lambda name, rx=re.compile(expert): bool(rx.search(name)))
+    )
+    tensors = []
+    seen_layer = False
+    for name, p in model.named_parameters():
+        where: int | str
+        if id(p) in owner:
+            seen_layer = True
+            where = owner[id(p)]
+        else:
+            where = LAST if seen_layer else FIRST
+        tp_dim = 0
+        if is_expert(name):
+            kind = "expert"
+        else:
+            split = tp_sharded(name, p) if tp_sharded is not None else p.dim() >= 2
+            kind = "replicated" if split is False else "sharded"
+            if split is not True and split is not False:
+                tp_dim = int(split)
+        numel = int(p.numel())
+        rows = int(p.shape[0]) if p.dim() >= 1 else 1
+        tensors.append(ParamTensor(name, numel, max(rows, 1), where, kind, tp_dim))
+    return ModelParams(paths, tensors, [f"parameters of {type(model).__name__} (shapes read)"])
+
+
+def _local(t: ParamTensor, parallel: Parallel) -> tuple[int, int]:
+    """(elements, rows) of ``t`` on one rank after tensor and expert parallelism (the
+    largest rank's share where a division is not exact). Tensor parallelism splits
+    dimension ``t.tp_dim`` (0: rows, column-parallel; 1: within rows, row-parallel);
+    expert parallelism splits the experts (dimension 0 of a stacked expert tensor, the
+    elements of a per-expert one), then ``etp`` splits within rows."""
+    rows = t.rows
+    row = t.numel // t.rows if t.rows else 0
+    if t.numel == 0 or (rows == t.numel and t.kind != "replicated"):
+        # A flat count (numbers given) or a 1-D tensor: divide the elements.
+        div = {"sharded": parallel.tp, "expert": parallel.ep * parallel.etp}.get(t.kind, 1)
+        n = math.ceil(t.numel / div)
+        return n, n
+    if t.kind == "sharded":
+        if t.tp_dim == 0:
+            rows = math.ceil(rows / parallel.tp)
+        else:
+            row = math.ceil(row / parallel.tp)
+    elif t.kind == "expert":
+        rows = math.ceil(rows / parallel.ep)
+        row = math.ceil(row / parallel.etp)
+    return rows * row, rows
+
+
+def _sharded(elements: int, rows: int, shard: int, padding: str) -> int:
+    """Elements of one ZeRO/FSDP shard (rank 0's, the largest)."""
+    if shard == 1:
+        return elements
+    if padding == "dim0" and rows and elements:
+        return math.ceil(rows / shard) * (elements // rows)
+    return math.ceil(elements / shard)
+
+
+# ---------------------------------------------------------------------------- schedules
+
+Step = tuple[str, int, int]  # (kind F/B/I/W, stage, micro-batch)
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    """The peak of one pipeline rank's activations over the schedule.
+
+    ``peak_bytes`` (in the units of the bytes given: 1 per micro-batch and stage
+    counts micro-batches), reached after step ``step`` (an index into the rank's compute
+    steps), ``action`` (``"4F6"``: stage 4, forward, micro-batch 6); ``held``: the
+    ``(stage, micro-batch, since)`` held then (``since`` ``"F"``: from the forward;
+    ``"I"``: only the part kept for the weight gradients); ``in_flight``: per stage, the
+    most micro-batches it held at once."""
+
+    rank: int
+    peak_bytes: int
+    step: int
+    action: str
+    held: tuple[tuple[int, int, str], ...]
+    in_flight: dict[int, int]
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batch x stage pairs held at the peak."""
+        return len(self.held)
+
+
+def walk_schedule(
+    actions: Mapping[int, Sequence[Step]],
+    stage_bytes: Mapping[int, tuple[int, int]] | None = None,
+) -> dict[int, StagePeak]:
+    """Walk each rank's compute steps and find its activation peak.
+
+    ``stage_bytes[stage] = (kept, weight_kept)``: what one micro-batch keeps on that
+    stage from its forward (``F``) to its backward (``B``), and from its input-gradient
+    pass (``I``) to its weight-gradient pass (``W``). Default ``(1, 1)``: the peak then
+    counts micro-batches. On stage 0 an ``I`` frees nothing: its inputs need no gradient,
+    so ``torch.distributed.pipelining`` runs the whole backward in the ``W`` step. The
+    peak is taken after each step (a forward's activations all live at its end)."""
+    out: dict[int, StagePeak] = {}
+    for rank, steps in actions.items():
+        live: dict[tuple[int, int], str] = {}
+        in_flight: dict[int, int] = {}
+        best: tuple[int, int, str, tuple[tuple[int, int, str], ...]] = (-1, -1, "", ())
+
+        def nbytes(held: Mapping[tuple[int, int], str]) -> int:
+            total = 0
+            for (stage, _), since in held.items():
+                kept, weight = stage_bytes[stage] if stage_bytes is not None else (1, 1)
+                total += kept if since == "F" else weight
+            return total
+
+        for index, (kind, stage, mb) in enumerate(steps):
+            key = (stage, mb)
+            if kind == "F":
+                if key in live:
+                    raise ValueError(f"rank {rank}: forward of {stage}F{mb} runs twice")
+                live[key] = "F"
+            elif key not in live:
+                raise ValueError(f"rank {rank}: step {stage}{kind}{mb} before its forward")
+            elif kind == "B":
+                del live[key]
+            elif kind == "I":
+                if stage != 0:
+                    live[key] = "I"
+            elif kind == "W":
+                del live[key]
+            else:
+                raise ValueError(f"rank {rank}: unknown step kind {kind!r}")
+            count = sum(1 for s, _ in live if s == stage)
+            in_flight[stage] = max(in_flight.get(stage, 0), count)
+            total = nbytes(live)
+            if total > best[0]:
+                held = tuple(sorted((s, m, since) for (s, m), since in live.items()))
+                best = (total, index, f"{stage}{kind}{mb}", held)
+        out[rank] = StagePeak(rank, max(best[0], 0), best[1], best[2], best[3], in_flight)
+    return out
+
+
+def schedule_names() -> list[str]:
+    """The ``torch.distributed.pipelining`` schedules this PyTorch has that
+    :func:`job_memory` reads by name (imports PyTorch)."""
+    from ..torch._compat import schedule_names as names
+
+    return names()
+
+
+def schedule_actions(
+    schedule: str | Mapping[int, Sequence[Step]],
+    pp: int,
+    microbatches: int,
+    stages_per_rank: int | None = None,
+) -> dict[int, list[Step]]:
+    """Per pipeline rank, the compute steps of a ``torch.distributed.pipelining``
+    schedule (by name: ``"1F1B"``, ``"Interleaved1F1B"``, ``"ZBVZeroBubble"``, ...),
+    read from the schedule built on stand-in stages; or your own action lists as given."""
+    if not isinstance(schedule, str):
+        return {int(r): [(str(k), int(s), int(m)) for k, s, m in a] for r, a in schedule.items()}
+    if pp == 1 and schedule in ("1F1B", "GPipe", "none"):
+        # No pipeline: every micro-batch's forward and backward in turn.
+        return {0: [step for m in range(microbatches) for step in (("F", 0, m), ("B", 0, m))]}
+    from ..torch._compat import pipeline_actions
+
+    return pipeline_actions(schedule, pp, microbatches, stages_per_rank)
+
+
+# -------------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class LayerActivation:
+    """What one micro-batch keeps of one layer: from its forward to its backward
+    (``kept_bytes``) and, with a split backward, from its input-gradient to its
+    weight-gradient pass (``weight_bytes``)."""
+
+    path: str
+    option: str
+    kept_bytes: int
+    weight_bytes: int
+
+
+def layer_activations(
+    profile: Any,
+    *,
+    plan: Any = None,
+    option: str | None = None,
+    weight_input_bytes: Mapping[str, int] | None = None,
+) -> tuple[list[LayerActivation], list[str]]:
+    """Per layer of a ``recomp.plan`` profile, the bytes it keeps under ``plan``'s choice
+    (or ``option`` on every layer; neither: ``"none"``), and the notes saying what the
+    weight-gradient figures rest on.
+
+    Between a micro-batch's input-gradient and weight-gradient passes the graph is
+    retained: a layer without checkpoint keeps everything it saved
+    (``no_checkpoint_bytes``); a recomp checkpoint keeps what its option keeps plus, of
+    what the input pass recomputed, the saved tensors of the nodes that still owe
+    weight gradients (the inputs of linears and norms: ``weight_input_bytes[path]``,
+    measured by :func:`weight_input_bytes`), at most ``no_checkpoint_bytes``. Without
+    that figure the bound ``no_checkpoint_bytes`` is used."""
+    from .planfile import NO_CHECKPOINT
+
+    chosen: dict[str, tuple[str, int]] = {}
+    if plan is not None:
+        chosen = {lp.path: (lp.option, lp.kept_bytes) for lp in plan.layers}
+    names = [[o.name for o in layer.options] for layer in profile.layers]
+    out: list[LayerActivation] = []
+    notes: list[str] = []
+    bounded: list[str] = []
+    previous: int | None = None
+    for layer, layer_names in zip(profile.layers, names):
+        kept_given: int | None = None
+        if plan is not None:
+            if layer.path not in chosen:
+                raise ValueError(f"the plan has no layer {layer.path!r} of the profile")
+            name, kept_given = chosen[layer.path]
+        else:
+            name = option or NO_CHECKPOINT
+        if name not in layer_names:
+            raise ValueError(f"layer {layer.path!r} has no option {name!r} (has {layer_names})")
+        index = layer_names.index(name)
+        pair = {(a, b): n for a, b, n in layer.pair_bytes}
+        kept = layer.options[index].kept_bytes + (
+            pair.get((previous, index), 0) if previous is not None else 0
+        )
+        if kept_given is not None:
+            kept = kept_given
+        previous = index
+        if name == NO_CHECKPOINT:
+            weight = max(kept, layer.no_checkpoint_bytes)
+        elif weight_input_bytes is not None and layer.path in weight_input_bytes:
+            weight = min(max(kept, layer.no_checkpoint_bytes), kept + weight_input_bytes[layer.path])
+        else:
+            weight = max(kept, layer.no_checkpoint_bytes)
+            bounded.append(layer.path)
+        out.append(LayerActivation(layer.path, name, kept, weight))
+    if bounded:
+        notes.append(
+            f"{len(bounded)} checkpointed layer(s) without a weight-input figure: between "
+            "input- and weight-gradient passes they are counted at their no-checkpoint bytes "
+            "(an upper bound; weight_input_bytes= gives the exact figure)"
+        )
+    return out, notes
+
+
+def weight_input_bytes(layer: Any, *args: Any, **kwargs: Any) -> int:
+    """Bytes of the tensors that a split backward keeps for one layer's weight gradients
+    when the layer is checkpointed, beyond the layer's own inputs (which the checkpoint
+    keeps anyway): the floating-point inputs of its sub-modules that own parameters
+    needing gradients (linears, norms, convolutions), counted once per storage. A
+    norm's saved statistics (two floats per normalised row) are not counted. Runs the
+    layer's forward once on ``args`` (real, meta or fake tensors)."""
+    import torch
+
+    from ..torch import _compat
+
+    seen: dict[Any, int] = {}
+
+    def key_of(t: Any) -> Any:
+        return _compat.storage_key(t) or ("tensor", id(t))
+
+    # The layer's own inputs: the checkpoint keeps them anyway (its kept bytes).
+    own = {key_of(t) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+
+    def pre_hook(module: Any, inputs: Any) -> None:
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                key = key_of(t)
+                if key in own:
+                    continue
+                try:
+                    size = t.untyped_storage().nbytes()
+                except (RuntimeError, NotImplementedError):
+                    size = t.numel() * t.element_size()
+                seen.setdefault(key, size if size else t.numel() * t.element_size())
+
+    handles = [
+        m.register_forward_pre_hook(pre_hook)
+        for m in layer.modules()
+        if any(p.requires_grad for p in m.parameters(recurse=False))
+    ]
+    try:
+        with torch.enable_grad():
+            layer(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(seen.values())
+
+
+def split_layers(num_layers: int, num_stages: int, counts: Sequence[int] | None = None) -> list[int]:
+    """The stage of each layer: ``counts`` layers per stage, or as even as possible (the
+    first ``num_layers % num_stages`` stages one more)."""
+    if counts is None:
+        if num_layers < num_stages:
+            raise ValueError(f"{num_layers} layers cannot fill {num_stages} pipeline stages")
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 0:
+        raise ValueError(
+            f"stage_layers={list(counts)} does not split {num_layers} layers into {num_stages} stages"
+        )
+    return [s for s, n in enumerate(counts) for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------ result
+
+
+@dataclass
+class RankMemory:
+    """One pipeline rank's memory (every data-, tensor- and expert-parallel rank of it
+    alike; rank 0 of a group where shares differ). Bytes."""
+
+    rank: int
+    stages: tuple[int, ...]
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+    activations: int
+    peak: StagePeak | None
+    param_elements: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.gathered + self.activations
+
+
+@dataclass
+class JobMemory:
+    """What :func:`job_memory` found: per pipeline rank, the memory and what it rests on."""
+
+    ranks: list[RankMemory]
+    parallel: Parallel
+    precision: Precision
+    schedule: str
+    microbatches: int
+    budget_bytes: int | None
+    notes: list[str]
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(r.total for r in self.ranks)
+
+    @property
+    def fits(self) -> bool | None:
+        if self.budget_bytes is None:
+            return None
+        return self.peak_bytes <= self.budget_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "parallel": self.parallel.describe(),
+            "precision": self.precision.describe(),
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "budget_bytes": self.budget_bytes,
+            "fits": self.fits,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "stages": list(r.stages),
+                    "params": r.params,
+                    "grads": r.grads,
+                    "optimizer": r.optimizer,
+                    "gathered": r.gathered,
+                    "activations": r.activations,
+                    "total": r.total,
+                    "param_elements": r.param_elements,
+                    "peak_step": None if r.peak is None else r.peak.action,
+                    "peak_microbatches": None if r.peak is None else r.peak.microbatches,
+                    "in_flight": None if r.peak is None else r.peak.in_flight,
+                }
+                for r in self.ranks
+            ],
+            "notes": self.notes,
+        }
+
+    def table(self) -> str:
+        """Per pipeline rank: GiB (MiB below 1 GiB) of parameters, gradients, optimizer states, gathered
+        parameters (ZeRO-3), activations at the peak, the total, and whether it fits."""
+        unit, scale = ("GiB", GiB) if self.peak_bytes >= GiB else ("MiB", float(1 << 20))
+        header = ["pp rank", "stages", "params", "grads", "optimizer", "gathered",
+                  "activations", f"total {unit}", "peak at", "fits"]
+        rows = []
+        for r in self.ranks:
+            fits = "" if self.budget_bytes is None else ("yes" if r.total <= self.budget_bytes else "NO")
+            at = "" if r.peak is None else f"{r.peak.action} ({r.peak.microbatches} held)"
+            rows.append(
+                [str(r.rank), ",".join(map(str, r.stages))]
+                + [f"{v / scale:.2f}" for v in (r.params, r.grads, r.optimizer, r.gathered,
+                                                r.activations, r.total)]
+                + [at, fits]
+            )
+        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+
+        def line(cells: list[str]) -> str:
+            return "  ".join(
+                c.rjust(w) if 2 <= i <= 7 else c.ljust(w)
+                for i, (c, w) in enumerate(zip(cells, widths))
+            ).rstrip()
+
+        lines = [line(header), line(["-" * w for w in widths]), *map(line, rows)]
+        budget = (
+            "" if self.budget_bytes is None
+            else f"; budget {format_bytes(self.budget_bytes)} per device: "
+            + ("fits" if self.fits else f"does NOT fit (peak {format_bytes(self.peak_bytes)})")
+        )
+        lines.append(
+            f"{self.parallel.describe()}; {self.precision.describe()}; schedule "
+            f"{self.schedule}, {self.microbatches} micro-batches{budget}"
+        )
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def _basis(parallel: Parallel, prec: Precision, padding: str, experts: bool) -> list[str]:
+    """One line per row of the table: what it rests on."""
+    per = prec.per_element()
+    split = (
+        f"elements on the rank: the layers of its stages (+ embeddings on the first, head on "
+        f"the last); 2-D+ tensors / tp={parallel.tp}, 1-D whole"
+        + (f", experts / ep={parallel.ep} x etp={parallel.etp}" if experts else "")
+    )
+
+    def sharded(stage: int) -> str:
+        if parallel.zero < stage:
+            return "not sharded"
+        more = f" (experts {parallel.expert_shard})" if experts else ""
+        return f"ZeRO-{parallel.zero}: sharded over {parallel.dense_shard} ranks{more}, padding {padding}"
+
+    master = f"{prec.master} master + " if prec.master is not None else ""
+    return [
+        f"params: {split}; x {per['param']} B ({prec.param}); {sharded(3)}",
+        f"grads: the same elements x {per['grad']} B ({prec.grad}); {sharded(2)}",
+        f"optimizer: the same elements x {per['optimizer']} B ({master}"
+        f"{prec.optimizer_states} x {prec.state}); {sharded(1)}",
+    ]
+
+
+def job_memory(
+    params: Any,
+    parallel: Parallel | None = None,
+    *,
+    precision: str | Precision = "bf16-adam",
+    activations: Any = None,
+    plan: Any = None,
+    option: str | None = None,
+    weight_input_bytes: Mapping[str, int] | None = None,
+    schedule: str | Mapping[int, Sequence[Step]] = "1F1B",
+    microbatches: int | None = None,
+    stage_layers: Sequence[int] | None = None,
+    padding: str = "dim0",
+    gathered_layers: int = 2,
+    budget: str | int | Budget | None = None,
+    layers: Any = None,
+) -> JobMemory:
+    """Memory per pipeline rank of a training job.
+
+    ``params``: a torch module (real, meta or fake), or a :class:`ModelParams`
+    (:func:`model_params`, :meth:`ModelParams.from_counts`). ``activations``: a
+    ``recomp.plan`` Profile of one micro-batch on one rank (its layers in the order of
+    the model's), with ``plan`` (a Plan of it) or ``option`` choosing what each layer
+    keeps; or a list of :class:`LayerActivation`; or None (parameters and optimizer
+    only). ``schedule``: a ``torch.distributed.pipelining`` schedule name or your own
+    action lists (``{rank: [(kind, stage, micro-batch), ...]}``). ``stage_layers``:
+    layers per stage (default: even). ``padding``: ZeRO/FSDP shards per tensor along
+    dimension 0 (``"dim0"``, FSDP2) or of one flat buffer (``"flat"``).
+    ``gathered_layers``: under ZeRO-3, the layers whose parameters are all-gathered at
+    once (the running one and the one prefetched). ``budget``: bytes per device
+    (``"80GiB"``)."""
+    parallel = parallel or Parallel()
+    prec = resolve_precision(precision)
+    if padding not in ("dim0", "flat"):
+        raise ValueError(f"padding is 'dim0' (FSDP2) or 'flat' (ZeRO), got {padding!r}")
+    if microbatches is None:
+        if activations is not None:
+            raise ValueError("give microbatches= (per step and pipeline) with activations=")
+        # Only the stages' places are read from the schedule: any count it accepts.
+        microbatches = 2 * parallel.pp
+    if microbatches < 1:
+        raise ValueError(f"microbatches is positive, got {microbatches}")
+    model = params if isinstance(params, ModelParams) else model_params(params, layers=layers)
+    notes = list(model.notes)
+    actions = schedule_actions(schedule, parallel.pp, microbatches, parallel.stages_per_rank)
+    stage_rank: dict[int, int] = {}
+    for rank, steps in actions.items():
+        for _, stage, _ in steps:
+            stage_rank.setdefault(stage, rank)
+    num_stages = len(stage_rank)
+    if set(actions) != set(range(parallel.pp)):
+        raise ValueError(
+            f"the schedule has ranks {sorted(actions)}, the layout pp={parallel.pp}"
+        )
+    layer_stage = split_layers(len(model.layers), num_stages, stage_layers)
+
+    # Activations per stage and micro-batch.
+    per_layer: list[LayerActivation] | None = None
+    shared = 0
+    if activations is not None:
+        if isinstance(activations, list):
+            per_layer = activations
+        else:
+            per_layer, more = layer_activations(
+                activations, plan=plan, option=option, weight_input_bytes=weight_input_bytes
+            )
+            notes.extend(more)
+            shared = int(activations.shared_bytes)
+        if len(per_layer) != len(model.layers):
+            raise ValueError(
+                f"the activations cover {len(per_layer)} layers, the model has "
+                f"{len(model.layers)}"
+            )
+    stage_bytes: dict[int, tuple[int, int]] = {s: (0, 0) for s in range(num_stages)}
+    if per_layer is not None:
+        for act, stage in zip(per_layer, layer_stage):
+            kept, weight = stage_bytes[stage]
+            stage_bytes[stage] = (kept + act.kept_bytes, weight + act.weight_bytes)
+        if shared:
+            for stage in {0, num_stages - 1}:
+                kept, weight = stage_bytes[stage]
+                stage_bytes[stage] = (kept + shared, weight + shared)
+            notes.append(
+                f"activations outside the layers ({format_bytes(shared)} per micro-batch: "
+                "embeddings, head, loss) are counted on the first and on the last stage"
+            )
+    peaks = walk_schedule(actions, stage_bytes) if per_layer is not None else {}
+
+    # Parameters per pipeline rank.
+    per = prec.per_element()
+    zero = parallel.zero
+    ranks: list[RankMemory] = []
+    for rank in range(parallel.pp):
+        stages = tuple(sorted(s for s, r in stage_rank.items() if r == rank))
+        own_layers = {i for i, s in enumerate(layer_stage) if s in stages}
+        params_b = grads_b = opt_b = elements = 0
+        layer_gathered: dict[Any, int] = {}
+        for t in model.tensors:
+            if isinstance(t.where, int):
+                if t.where not in own_layers:
+                    continue
+            elif (t.where == FIRST and 0 not in stages) or (
+                t.where == LAST and num_stages - 1 not in stages
+            ):
+                continue
+            local, rows = _local(t, parallel)
+            shard = parallel.expert_shard if t.kind == "expert" else parallel.dense_shard
+            piece = _sharded(local, rows, shard, padding)
+            elements += local
+            params_b += (piece if zero >= 3 else local) * per["param"]
+            grads_b += (piece if zero >= 2 else local) * per["grad"]
+            opt_b += (piece if zero >= 1 else local) * per["optimizer"]
+            layer_gathered[t.where] = layer_gathered.get(t.where, 0) + local
+        gathered = 0
+        if zero >= 3 and layer_gathered:
+            biggest = sorted(layer_gathered.values(), reverse=True)[:gathered_layers]
+            gathered = sum(biggest) * per["gathered"]
+        peak = peaks.get(rank)
+        ranks.append(
+            RankMemory(
+                rank, stages, params_b, grads_b, opt_b, gathered,
+                0 if peak is None else peak.peak_bytes, peak, elements,
+            )
+        )
+    notes[:0] = _basis(parallel, prec, padding, any(t.kind == "expert" for t in model.tensors))
+    if zero >= 3:
+        notes.append(
+            f"gathered: under ZeRO-3/FSDP the unsharded parameters of the {gathered_layers} "
+            "largest layers (or embeddings/head) of the rank, all-gathered at once"
+        )
+    if per_layer is None:
+        notes.append("no activations given: parameters, gradients and optimizer states only")
+    else:
+        notes.append(
+            "activations: per micro-batch, what each layer keeps for backward under its option "
+            "(the profile's kept bytes), summed over the micro-batches the schedule holds at "
+            "its peak; a layer's replay during its own backward adds a transient not counted"
+        )
+    budget_bytes = None
+    if budget is not None:
+        parsed = parse_budget(budget)
+        if parsed.nbytes is None:
+            raise ValueError(f"a device budget is bytes with a unit (80GiB), got {budget!r}")
+        budget_bytes = parsed.nbytes
+    return JobMemory(
+        ranks,
+        parallel,
+        prec,
+        schedule if isinstance(schedule, str) else "given actions",
+        microbatches,
+        budget_bytes,
+        notes,
+    )
