@@ -68,6 +68,7 @@ __all__ = [
     "profile",
     "profile_table",
     "save_plan",
+    "simulate",
     "solve",
     "solve_with_ties",
 ]
@@ -79,6 +80,10 @@ def __getattr__(name: str) -> Any:
         from .profiler import profile
 
         return profile
+    if name == "simulate":
+        from .simulation import simulate
+
+        return simulate
     if name == "apply_plan":
         from .apply import apply_plan
 

@@ -1,7 +1,8 @@
 """The record of one profiled forward: every tensor autograd saves and every ATen op,
 in one sequence, each tagged with the layer and the candidate region it ran in.
 
-``Recorder`` is a dispatch mode (the ops, their FLOPs and times), a saved-tensors hook
+``Recorder`` is a dispatch mode (the ops, their FLOPs and times: measured with a clock,
+or given by a cost model when the ops run on fake tensors), a saved-tensors hook
 (``pack``) and a set of module hooks (the boundaries of layers and of the candidate
 regions' calls). Storages are identified by ``recomp.torch._compat.storage_key``; a
 wrapper subclass (DTensor) is seen through its local tensor, which holds this process's
@@ -23,6 +24,9 @@ from ..torch._collective_cache import kept_results
 from ..torch._compat import TorchDispatchMode
 from .modelcall import flop_formulas, tensors_of
 from .policy import expensive_ops
+
+# The seconds an op takes on a modelled device: (op, args, kwargs, output, FLOPs) -> s.
+OpCost = Callable[[Any, tuple[Any, ...], dict[str, Any], Any, int], float]
 
 
 @dataclass
@@ -79,7 +83,7 @@ class LayerRecord:
 
 def storage_of(t: torch.Tensor) -> tuple[Hashable, int] | None:
     """The (key, bytes) of the storage ``t`` lives in, or None where it has none."""
-    inner = _local_tensor(t)
+    inner = local_tensor(t)
     if inner is not None:
         return storage_of(inner)
     key = _compat.storage_key(t)
@@ -93,7 +97,7 @@ def is_wrapper_subclass(t: type) -> bool:
     return t is not torch.Tensor and hasattr(t, "__tensor_flatten__")
 
 
-def _local_tensor(t: torch.Tensor) -> torch.Tensor | None:
+def local_tensor(t: torch.Tensor) -> torch.Tensor | None:
     """The one tensor a wrapper subclass holds (a DTensor's local shard), else None.
 
     A DTensor reports a storage of its global size that holds no memory; what this
@@ -114,9 +118,10 @@ class Recorder(TorchDispatchMode):
     collectives that DTensor issues are seen, with the tensors a checkpoint's collective
     record would keep (``recomp.torch._collective_cache``)."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], cost: OpCost | None = None) -> None:
         super().__init__()
         self.clock = clock
+        self.cost = cost  # given: each op's seconds come from it, not from the clock
         counter = flop_counter.FlopCounterMode(
             display=False, custom_mapping=flop_formulas(_compat.cpu_attention_ops())
         )
@@ -158,8 +163,9 @@ class Recorder(TorchDispatchMode):
         out, seconds = run_timed(self, func, args, kwargs)
         if seconds is None:  # decomposed: its parts were recorded
             return out
-        formula = self.registry.get(func.overloadpacket)
-        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        flops = op_flops(self.registry, func, args, kwargs, out)
+        if self.cost is not None:
+            seconds = self.cost(func, args, kwargs, out, flops)
         op = RecordedOp(self.next_seq(), self.span, flops, seconds, func in self.expensive)
         if op.expensive:
             for t in tensors_of(out):
@@ -274,6 +280,12 @@ class Recorder(TorchDispatchMode):
             self.span = None
 
         return hook
+
+
+def op_flops(registry: Any, func: Any, args: Any, kwargs: Any, out: Any) -> int:
+    """The FLOPs of one call of ``func`` by ``registry`` (``FlopCounterMode``'s formulas)."""
+    formula = registry.get(func.overloadpacket)
+    return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
 
 
 def run_timed(mode: Any, func: Any, args: Any, kwargs: Any) -> tuple[Any, float | None]:

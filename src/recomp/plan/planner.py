@@ -114,6 +114,9 @@ class Profile:
     notes: list[str] = field(default_factory=list)
     # The checkpoints keep the results of collectives (their exclude_collectives option).
     exclude_collectives: bool = True
+    # What the times rest on: "" measured on ``device`` (``profile``); else the cost
+    # model's figures (``simulate``), which the plan repeats.
+    timing: str = ""
 
     # -- the solver's view ----------------------------------------------------
 
@@ -248,6 +251,8 @@ def make_plan(
         "minimum_bytes": least.kept_bytes,
         "device": profile.device,
     }
+    if profile.timing:
+        predicted["timing"] = profile.timing
     return Plan(
         budget_bytes=budget_bytes,
         layers=layers,
@@ -350,6 +355,8 @@ def plan_table(plan: Plan) -> str:
             f"predicted step {p['step_ms']:.1f} ms = {p['baseline_step_ms']:.1f} ms without "
             f"checkpointing + {p['replay_ms']:.1f} ms replay"
         )
+    if p.get("timing"):
+        lines.append(f"times: {p['timing']}")
     if plan.near_ties:
         within = p.get("tie_tolerance_ms")
         ties = ", ".join(
@@ -395,5 +402,7 @@ def profile_table(profile: Profile) -> str:
         f"outside the layers: {profile.shared_bytes / MiB:.2f} MiB; step without "
         f"checkpointing: {profile.baseline_step_s * 1e3:.1f} ms"
     )
+    if profile.timing:
+        lines.append(f"times: {profile.timing}")
     lines.extend(f"note: {note}" for note in profile.notes)
     return "\n".join(lines)

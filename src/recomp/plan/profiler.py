@@ -34,7 +34,10 @@ not activations.
 
 The parts live in their own modules: the candidates and options (``_options``), the
 record of the instrumented forward (``_recording``), the analysis of each option from
-it (``_analysis``) and the times (``_timing``); this module runs them in order.
+it (``_analysis``) and the times (``_timing``); this module runs them in order. The
+recorded forward (``record_forward``) and the profile built from it (``build_profile``)
+are the same for ``recomp.plan.simulate``, which runs them on fake tensors: every count
+is made once, here, for both.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from ..torch._backend import BACKEND
 from ._analysis import OptionAnalysis, analyse_option, split_storages
 from ._layers import LayerSpec, find_layers
 from ._options import find_candidates, layer_option_sets
-from ._recording import LayerRecord, Recorder, storage_of
+from ._recording import LayerRecord, OpCost, Recorder, storage_of
 from ._timing import ModuleTimer, average_alike_layers, checkpoint_overheads, retime_ops, sync
 from .modelcall import call_model, default_loss, fresh_inputs, tensors_of
 from .planfile import exclude_option
@@ -180,58 +183,112 @@ def _profile(
     # 1. Baseline step time, and forward times of layers and candidate regions.
     baseline = _time_steps(model, forward, optimizer, layers, candidates, device, steps, clock)
     # 2. One instrumented forward, its ops then timed again over ``steps`` forwards.
-    preexisting = _storages_before_the_forward(model, inputs)
-    recorder, loss = _record_forward(forward, layers, candidates, clock)
-    outside = _kept_outside_layers(recorder, loss, preexisting)
-    retime_ops(recorder, forward, steps, clock)
-    average_alike_layers(layers, candidates, recorder.layers, baseline.forward_s)
-    overheads = _Overheads.measure(device, clock)
+    recording = record_forward(model, inputs, forward, layers, candidates, clock)
+    retime_ops(recording.recorder, forward, steps, clock)
+    average_alike_layers(layers, candidates, recording.recorder.layers, baseline.forward_s)
+    overheads = Overheads.measure(device, clock)
     # 3. What every option keeps and replays, each storage counted once.
+    prof = build_profile(
+        layers, candidates, recording, baseline, overheads, device, exclude_collectives
+    )
+    del recording
+    gc.collect()
+    return prof
+
+
+@dataclass
+class Recording:
+    """One instrumented forward: its record, its loss (alive, so that no storage of the
+    record is freed and its address reused), the storages that existed before it
+    (parameters, buffers, inputs) and those kept outside the layers whatever the plan."""
+
+    recorder: Recorder
+    loss: torch.Tensor
+    preexisting: set[Hashable]
+    outside: dict[Hashable, int]
+
+
+def record_forward(
+    model: nn.Module,
+    inputs: Any,
+    forward: Callable[[], torch.Tensor],
+    layers: list[tuple[str, nn.Module]],
+    candidates: list[list[tuple[str, nn.Module]]],
+    clock: Callable[[], float],
+    cost: OpCost | None = None,
+) -> Recording:
+    """Run ``forward`` (the model on ``inputs`` and the loss) once under the recorder:
+    the one record every count of a profile comes from, measured (``profile``) or
+    simulated on fake tensors (``simulate``, whose ``cost`` gives the ops' seconds)."""
+    preexisting = _storages_before_the_forward(model, inputs)
+    recorder, loss = _record_forward(forward, layers, candidates, clock, cost)
+    outside = _kept_outside_layers(recorder, loss, preexisting)
+    return Recording(recorder, loss, preexisting, outside)
+
+
+def build_profile(
+    layers: list[tuple[str, nn.Module]],
+    candidates: list[list[tuple[str, nn.Module]]],
+    recording: Recording,
+    times: StepTimes,
+    overheads: Overheads,
+    device: torch.device,
+    exclude_collectives: bool,
+    notes: list[str] | None = None,
+    timing: str = "",
+) -> Profile:
+    """The profile from one recorded forward: what every option of every layer keeps
+    and replays, each storage counted once, with the times in ``times``."""
+    recorder = recording.recorder
     analysed = [
         [
             analyse_option(
-                record, candidates[index], excluded, preexisting, selective, exclude_collectives
+                record,
+                candidates[index],
+                excluded,
+                recording.preexisting,
+                selective,
+                exclude_collectives,
             )
             for excluded, selective in layer_option_sets(len(candidates[index]))
         ]
         for index, record in enumerate(recorder.layers)
     ]
     private, pairs, shared, spread = split_storages(
-        [[o.kept for o in options] for options in analysed], outside
+        [[o.kept for o in options] for options in analysed], recording.outside
     )
     layer_profiles = [
         LayerProfile(
             path=path,
             type=type(layer).__name__,
-            forward_s=baseline.forward_s[path],
+            forward_s=times.forward_s[path],
             forward_flops=sum(op.flops for op in record.ops),
             no_checkpoint_bytes=sum(analysed[index][OptionSlot.NONE].kept.values()),
             checkpoint_input_bytes=sum(analysed[index][OptionSlot.FULL].kept.values()),
-            regions=_region_profiles(path, record, candidates[index], analysed[index], baseline),
+            regions=_region_profiles(path, record, candidates[index], analysed[index], times),
             options=_option_profiles(
                 analysed[index],
                 private[index],
-                _replay_scale(record, baseline.forward_s[path]),
+                _replay_scale(record, times.forward_s[path]),
                 overheads,
             ),
             pair_bytes=[[a, b, n] for (a, b), n in sorted(pairs[index].items()) if n],
         )
         for index, ((path, layer), record) in enumerate(zip(layers, recorder.layers))
     ]
-    notes = _notes(recorder.layers, spread, exclude_collectives)
-    del loss, recorder
-    gc.collect()
+    all_notes = _notes(recorder.layers, spread, exclude_collectives) + list(notes or [])
     return Profile(
         device=str(device),
-        baseline_step_s=baseline.step_s,
+        baseline_step_s=times.step_s,
         shared_bytes=shared,
         layers=layer_profiles,
         spread_bytes=spread,
         bookkeeping_bytes=overheads.bookkeeping_bytes,
         per_save_s=overheads.per_save_s,
         per_policy_op_s=overheads.per_policy_op_s,
-        notes=notes,
+        notes=all_notes,
         exclude_collectives=exclude_collectives,
+        timing=timing,
     )
 
 
@@ -246,12 +303,11 @@ def _device_of(model: nn.Module, inputs: Any) -> torch.device:
 
 
 @dataclass
-class _Baseline:
-    """The training step without checkpointing, timed."""
+class StepTimes:
+    """The training step without checkpointing, timed (or modelled)."""
 
     step_s: float  # median step time (forward, loss, backward, update)
     forward_s: dict[str, float]  # median forward time per step, per layer and region path
-    calls_per_step: dict[str, int]  # calls per step, per layer and region path
 
 
 def _time_steps(
@@ -263,7 +319,7 @@ def _time_steps(
     device: torch.device,
     steps: int,
     clock: Callable[[], float],
-) -> _Baseline:
+) -> StepTimes:
     """A warm-up step and ``steps`` timed ones, with the layers' and candidate regions'
     forward times (module hooks)."""
     update = optimizer([p for p in model.parameters() if p.requires_grad]) if optimizer else None
@@ -296,10 +352,9 @@ def _time_steps(
                     forward_times[k].append(sum(v))
     finally:
         timer.remove()
-    return _Baseline(
+    return StepTimes(
         step_s=statistics.median(step_times),
         forward_s={k: statistics.median(v) if v else 0.0 for k, v in forward_times.items()},
-        calls_per_step={k: len(v) for k, v in timer.times.items()},
     )
 
 
@@ -317,9 +372,10 @@ def _record_forward(
     layers: list[tuple[str, nn.Module]],
     candidates: list[list[tuple[str, nn.Module]]],
     clock: Callable[[], float],
+    cost: OpCost | None = None,
 ) -> tuple[Recorder, torch.Tensor]:
     """One forward (and loss) under the recorder; its record and the loss."""
-    recorder = Recorder(clock)
+    recorder = Recorder(clock, cost)
     handles = recorder.attach(layers, candidates)
     try:
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), recorder:
@@ -346,7 +402,7 @@ def _kept_outside_layers(
 
 
 @dataclass
-class _Overheads:
+class Overheads:
     """What a checkpoint costs besides the memory it keeps and the ops it replays."""
 
     bookkeeping_bytes: int  # per checkpoint and per excluded call: a saved CPU RNG state
@@ -354,12 +410,23 @@ class _Overheads:
     per_policy_op_s: float  # CPU time per op through a selective policy's dispatch modes
 
     @staticmethod
-    def measure(device: torch.device, clock: Callable[[], float]) -> _Overheads:
+    def measure(device: torch.device, clock: Callable[[], float]) -> Overheads:
         # On a GPU the hooks' CPU time overlaps with the kernels: not added there.
         if device.type != "cpu":
-            return _Overheads(0, 0.0, 0.0)
+            return Overheads(bookkeeping_bytes(device), 0.0, 0.0)
         per_save, per_policy_op = checkpoint_overheads(clock)
-        return _Overheads(int(torch.get_rng_state().nbytes), per_save, per_policy_op)
+        return Overheads(bookkeeping_bytes(device), per_save, per_policy_op)
+
+
+def bookkeeping_bytes(device: torch.device) -> int:
+    """The bytes of ``device``'s memory a checkpoint (and an excluded call) keeps for its
+    replay besides tensors: the CPU random-number state it saves, which lies in the
+    device's memory only when the device is the CPU (a GPU's own state is saved on the
+    CPU as well)."""
+    if device.type != "cpu":
+        return 0
+    with _compat.no_dispatch_modes():
+        return int(torch.get_rng_state().nbytes)
 
 
 def _replay_scale(record: LayerRecord, forward_s: float) -> float:
@@ -374,7 +441,7 @@ def _region_profiles(
     record: LayerRecord,
     candidates: list[tuple[str, nn.Module]],
     options: list[OptionAnalysis],
-    baseline: _Baseline,
+    baseline: StepTimes,
 ) -> list[RegionProfile]:
     """The candidate regions of the layer at ``path``, each with what excluding it alone
     keeps."""
@@ -389,7 +456,7 @@ def _region_profiles(
             RegionProfile(
                 path=name,
                 type=type(region).__name__,
-                calls=baseline.calls_per_step[f"{path}.{name}"],
+                calls=sum(1 for span in record.spans if span.candidate == c),
                 forward_s=baseline.forward_s[f"{path}.{name}"],
                 forward_flops=sum(op.flops for op in ops),
                 exclusion_bytes=alone.region_saved_bytes.get(name, 0),
@@ -399,7 +466,7 @@ def _region_profiles(
 
 
 def _option_profiles(
-    options: list[OptionAnalysis], private: list[int], scale: float, overheads: _Overheads
+    options: list[OptionAnalysis], private: list[int], scale: float, overheads: Overheads
 ) -> list[OptionProfile]:
     """The layer's options with their bytes (``private``: the layer's own share of what
     each keeps) and replay costs (``scale``: seconds of forward per recorded op second)."""

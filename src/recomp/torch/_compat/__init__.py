@@ -42,6 +42,9 @@ with one test per entry that fails when PyTorch changes underneath.
 ``compile``
     Dynamo and AOTAutograd: the wrapper that marks excluded regions in a compiled
     checkpoint, and the partitioner asked at a memory budget for compiled plans.
+``fake``
+    Fake tensors and torch.distributed's fake process group: for the planner's
+    simulation.
 ``pipelining``
     Building ``torch.distributed.pipelining``'s schedules on stand-in stages and
     reading their per-rank action lists: for the whole-job memory estimate.
@@ -102,6 +105,16 @@ from .engine import (
     version,
     view_base,
 )
+from .fake import (
+    fake_process_group,
+    fake_tensor_mode,
+    fake_tensor_type,
+    group_size,
+    is_fake,
+    is_view_op,
+    reset_dtensor_random,
+    target_attention_kernels,
+)
 from .hf import (
     hf_checkpoint_function,
     hf_layer_keeps_cache,
@@ -146,8 +159,12 @@ __all__ = [
     "cpu_attention_ops",
     "dynamo_bypassing_wrapper",
     "fake_mode_of",
+    "fake_process_group",
+    "fake_tensor_mode",
+    "fake_tensor_type",
     "finish_failed_checkpoint",
     "graph_task_id",
+    "group_size",
     "hf_checkpoint_function",
     "hf_layer_keeps_cache",
     "hf_no_split_modules",
@@ -156,7 +173,9 @@ __all__ = [
     "in_tracing_context",
     "is_compiled_graph_node",
     "is_early_stop",
+    "is_fake",
     "is_hf_checkpoint_call",
+    "is_view_op",
     "many_recompiles",
     "mark_as_checkpoint_hook",
     "memory_history_enabled",
@@ -177,6 +196,7 @@ __all__ = [
     "register_selective_mode_type",
     "replace_top_hooks",
     "replay_tensors",
+    "reset_dtensor_random",
     "run_at_trace_time",
     "saved_handles",
     "saved_values_readable",
@@ -186,6 +206,7 @@ __all__ = [
     "set_hf_checkpoint_function",
     "storage_key",
     "swap_module_tensor",
+    "target_attention_kernels",
     "top_checkpoint_hooks",
     "version",
     "version_sharing_detach",
