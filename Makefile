@@ -37,7 +37,7 @@ DOCS_REQUIREMENTS := requirements/docs.txt
 DOCS_STAMP := $(DOCS_VENV)/.installed-$(shell cat pyproject.toml $(DOCS_REQUIREMENTS) | cksum | cut -d' ' -f1)
 SCREENSHOT ?= out/site-front.png
 
-.PHONY: docs docs-check demo test test-system test-all dev-env torch-range-env test-torch-range test-torchtitan trainers-env test-trainers lint typecheck unit clean
+.PHONY: docs docs-check browser demo test test-system test-all dev-env torch-range-env test-torch-range test-torchtitan trainers-env test-trainers lint typecheck unit clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -73,8 +73,15 @@ docs: $(DOCS_STAMP)
 ## The built site as a user sees it: front page, a guide, the reference and
 ## Troubleshooting in headless Chromium (Debian's chromium, chromium-driver); fails on
 ## console errors, images that do not load and public names missing from the reference.
-docs-check: docs
+docs-check: docs browser
 	$(DOCS_PY) tools/docs/check_site.py --site site --screenshot $(SCREENSHOT)
+
+## Debian's Chromium and its driver, installed when missing (as root, or through sudo).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
 ## The main job: a short benchmark of the strategies on both frameworks (table + plot).
 demo: $(STAMP)
