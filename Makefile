@@ -29,7 +29,15 @@ TRAINERS_PY := $(TRAINERS_VENV)/bin/python
 TRAINERS_REQUIREMENTS := requirements/trainers.txt
 TRAINERS_STAMP := $(TRAINERS_VENV)/.installed-$(shell cat pyproject.toml $(TRAINERS_REQUIREMENTS) | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-system test-all dev-env torch-range-env test-torch-range test-torchtitan trainers-env test-trainers lint typecheck unit clean
+# The documentation site (MkDocs), in its own environment: no framework needed, the
+# reference is read from the sources.
+DOCS_VENV ?= .venv-docs
+DOCS_PY := $(DOCS_VENV)/bin/python
+DOCS_REQUIREMENTS := requirements/docs.txt
+DOCS_STAMP := $(DOCS_VENV)/.installed-$(shell cat pyproject.toml $(DOCS_REQUIREMENTS) | cksum | cut -d' ' -f1)
+SCREENSHOT ?= out/site-front.png
+
+.PHONY: docs docs-check browser demo test test-system test-all dev-env torch-range-env test-torch-range test-torchtitan trainers-env test-trainers lint typecheck unit clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +58,30 @@ $(TRAINERS_STAMP): pyproject.toml $(TRAINERS_REQUIREMENTS)
 	test -x $(TRAINERS_PY) || $(PYTHON) -m venv $(TRAINERS_VENV)
 	$(TRAINERS_PY) -m pip install --quiet --disable-pip-version-check --ignore-requires-python -e ".[torch]" -r $(TRAINERS_REQUIREMENTS)
 	rm -f $(TRAINERS_VENV)/.installed-* && touch $@
+
+$(DOCS_STAMP): pyproject.toml $(DOCS_REQUIREMENTS)
+	test -x $(DOCS_PY) || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_PY) -m pip install --quiet --disable-pip-version-check -r $(DOCS_REQUIREMENTS)
+	$(DOCS_PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	rm -f $(DOCS_VENV)/.installed-* && touch $@
+
+## The documentation site, built into site/ with --strict: a broken link or anchor, a page
+## outside the navigation or a docstring reference that does not resolve fails it.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_PY) -m mkdocs build --strict --site-dir site
+
+## The built site as a user sees it: front page, a guide, the reference and
+## Troubleshooting in headless Chromium (Debian's chromium, chromium-driver); fails on
+## console errors, images that do not load and public names missing from the reference.
+docs-check: docs browser
+	$(DOCS_PY) tools/docs/check_site.py --site site --screenshot $(SCREENSHOT)
+
+## Debian's Chromium and its driver, installed when missing (as root, or through sudo).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
 ## The main job: a short benchmark of the strategies on both frameworks (table + plot).
 demo: $(STAMP)
@@ -103,4 +135,4 @@ test-trainers: $(TRAINERS_STAMP)
 	RECOMP_TEST_REQUIRE=torch,megatron.core,deepspeed,lightning,trl $(TRAINERS_PY) -m pytest -q $(PYTEST_PARALLEL) tests/trainers
 
 clean:
-	rm -rf $(VENV) $(RANGE_VENV) $(TITAN_VENV) $(TRAINERS_VENV) out .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(RANGE_VENV) $(TITAN_VENV) $(TRAINERS_VENV) $(DOCS_VENV) site out .pytest_cache .mypy_cache .ruff_cache .hypothesis

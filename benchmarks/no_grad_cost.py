@@ -2,8 +2,8 @@
 under ``torch.no_grad()``, ``torch.inference_mode()`` and ``eval()`` with gradients off,
 against the same model unwrapped.
 
-A small decoder (4 layers, width 64, 32 tokens, batch 4) is wrapped as the README's
-example does it (each layer checkpointed, its attention excluded). Wrapped and unwrapped
+A small decoder (4 layers, width 64, 32 tokens, batch 4) is wrapped as the Get started
+page's example does it (each layer checkpointed, its attention excluded). Wrapped and unwrapped
 forwards are timed interleaved, many rounds, and the ratios of the medians (wall time
 and process CPU time, one intra-op thread) are printed, with the Python function calls one forward makes (``sys.setprofile``), which do not
 depend on the machine's load::

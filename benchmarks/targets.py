@@ -2,10 +2,10 @@
 
 ``recomp bench`` reports what it measures and judges nothing; the targets below are this
 project's own goals for recomp against the other checkpointing strategies, the verdicts
-that README.md in this folder quotes. Run::
+that the Benchmarks page (docs/benchmarks.md) quotes. Run::
 
     python benchmarks/targets.py benchmarks/bench.json             # a text list
-    python benchmarks/targets.py benchmarks/plan.json --markdown   # the table for README.md
+    python benchmarks/targets.py benchmarks/plan.json --markdown   # the table for docs/benchmarks.md
 
 Every file version ``recomp.cli.results.load_report`` reads works. Each target has an id
 unique in a report (``"3a"``, ``"5 torch+inductor"``, ``"6b plan@50%"``), the measured

@@ -43,7 +43,11 @@ __all__ = [
 
 @runtime_checkable
 class RngTracker(Protocol):
-    """What recomp asks of an RNG tracker."""
+    """What recomp asks of an RNG tracker: an object that keeps named random states
+    outside the framework's generators (Megatron-Core's and DeepSpeed's
+    ``get_cuda_rng_tracker()``). Register one with :func:`register_rng_tracker`; every
+    checkpoint then saves its states with the random state and restores them for the
+    replay."""
 
     def get_states(self) -> Any:
         """A snapshot of the tracker's states, unaffected by later draws."""

@@ -92,12 +92,25 @@ CURRENT: contextvars.ContextVar[RecomputeState | None] = contextvars.ContextVar(
 
 
 def get_recompute_state() -> RecomputeState | None:
-    """The state of the innermost recomp checkpoint running here, or None outside one."""
+    """The state of the innermost recomp checkpoint running here, or None outside one.
+
+    Code inside a checkpoint can read whether it runs in the forward or in the replay
+    (``is_recomputing``), which checkpoint call it belongs to
+    (``invocation_id``, the same in a forward and its replays) and keep a resource per
+    call (``get_resource(key, factory)``). The state is per thread and per context."""
     return CURRENT.get()
 
 
 def is_recomputing() -> bool:
-    """True while a recomp checkpoint replays its forward during backward."""
+    """True while a recomp checkpoint replays its forward during backward.
+
+    False in the forward and outside checkpoints. Use it to guard side effects that must
+    happen once (appending to a list, logging, counters); the replay must still compute
+    the same tensors as the forward::
+
+        if not recomp.is_recomputing():
+            self.norms.append(h.detach().norm())
+    """
     state = CURRENT.get()
     return state is not None and state.is_recomputing
 

@@ -1,9 +1,11 @@
-"""The framework-free half of HyperParallel's ``SwapManager``: layer pairs and group names;
-and the slot that holds the swap scope a call runs in.
+"""The framework-free half of HyperParallel's swap names: the ``SwapManager``'s layer pairs
+and group names; the slot that holds the swap scope a call runs in, and the ways a call
+gets one (a layer's call, a block of its own, the hooks ``swap_wrapper`` puts on a layer).
 
 Each framework's ``SwapManager`` (``recomp.torch._swap``, ``recomp.mindspore._swap``)
-derives from :class:`SwapManagerBase` and adds what touches tensors: the hook that
-starts a layer's backward, and where its offloader asks which group to bring back.
+derives from :class:`SwapManagerBase` and adds what touches tensors (which outputs take
+a gradient hook, where its offloader asks which group to bring back); each framework's
+``SwapScope`` chooses and moves the tensors.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, Protocol
 
 
@@ -80,22 +82,27 @@ class SwapManagerBase:
         ref = self.latest.get(first_layer) if first_layer is not None else None
         return ref() if ref is not None else None
 
-    def on_backward(self, layer: Any | None, outputs: Any, hook: Callable[[Callable[[], None]], bool]) -> None:
-        """When the gradient of ``layer``'s output is computed, bring back the group of
-        the layer paired before it. ``hook(fn)`` registers ``fn`` on the gradient of one
-        of the outputs (the framework's part) and says whether it could."""
+    def grad_outputs(self, outputs: Any) -> Iterator[Any]:
+        """The tensors of ``outputs`` whose gradient is computed (the framework's part)."""
+        raise NotImplementedError
+
+    def prefetch_on_backward(self, layer: Any | None, outputs: Any) -> None:
+        """When the gradient of ``layer``'s output is computed (the start of its backward),
+        bring back the group of the layer paired before it."""
         first = self.pairs.get(layer) if layer is not None else None
         first_layer = first() if first is not None else None
         ref = self.latest.get(first_layer) if first_layer is not None else None
         if ref is None:
             return
 
-        def bring_back() -> None:
+        def bring_back(grad: Any) -> None:
             group = ref()
             if group is not None:
                 group.prefetch()
 
-        hook(bring_back)
+        for t in self.grad_outputs(outputs):
+            t.register_hook(bring_back)
+            return
 
     def group_name(self, layer: Any | None, function: Any) -> str:
         """The name of ``layer``'s groups (``swap_group_<n>``, in order of first use)."""
@@ -124,7 +131,9 @@ class SwapManagerBase:
 
 
 
-class _Abortable(Protocol):
+class _Scope(Protocol):
+    def finish(self, outputs: Any) -> None: ...
+
     def abort(self) -> None: ...
 
 
@@ -143,7 +152,7 @@ class ScopeSlot:
         return self._var.get()
 
     @contextlib.contextmanager
-    def active(self, scope: _Abortable) -> Iterator[Any]:
+    def active(self, scope: _Scope) -> Iterator[Any]:
         token = self._var.set(scope)
         try:
             yield scope
@@ -152,3 +161,119 @@ class ScopeSlot:
             raise
         finally:
             self._var.reset(token)
+
+    @contextlib.contextmanager
+    def layer_call(
+        self, scope: _Scope, hooks: contextlib.AbstractContextManager[Any] | None = None
+    ) -> Iterator[Callable[[Any], Any]]:
+        """One call of a layer in ``scope`` (with ``hooks``, the framework's saved-tensors
+        hooks, inside it): yields ``finish(outputs)``, which the call's result goes
+        through (the scope moves what it chose) and which returns it."""
+
+        def finish(out: Any) -> Any:
+            scope.finish(out)
+            return out
+
+        with self.active(scope):
+            if hooks is None:
+                yield finish
+            else:
+                with hooks:
+                    yield finish
+
+
+class OwnScopes:
+    """For a block that is a swap scope of its own where none is around it
+    (``async_save_on_cpu`` outside a layer): the scope ``make()`` gives is finished when
+    the block ends without an exception, aborted otherwise. Re-enterable."""
+
+    def __init__(self, slot: ScopeSlot, make: Callable[[], _Scope]) -> None:
+        self.slot = slot
+        self.make = make
+        self.entered: list[tuple[_Scope, Any] | None] = []
+
+    def enter(self) -> None:
+        own = None
+        if self.slot.current() is None:
+            scope = self.make()
+            active = self.slot.active(scope)
+            active.__enter__()
+            own = (scope, active)
+        self.entered.append(own)
+
+    def exit(self, *exc_info: Any) -> None:
+        own = self.entered.pop()
+        if own is None:
+            return
+        scope, active = own
+        try:
+            if exc_info[0] is None:
+                scope.finish(None)
+        finally:
+            active.__exit__(*exc_info)
+
+
+class SwapHooks:
+    """The forward pre-hook and forward hook ``swap_wrapper`` puts on a layer: each call
+    runs in what ``open_call(layer)`` gives (a :meth:`ScopeSlot.layer_call`, or None for
+    a plain call)."""
+
+    def __init__(
+        self, open_call: Callable[[Any], contextlib.AbstractContextManager[Any] | None]
+    ) -> None:
+        self.open_call = open_call
+        self.active: list[tuple[Any, Any]] = []
+        self.handles: list[Any] = []
+
+    def before(self, layer: Any, args: Any) -> None:
+        call = self.open_call(layer)
+        finish = call.__enter__() if call is not None else None
+        self.active.append((call, finish))
+
+    def after(self, layer: Any, args: Any, output: Any) -> None:
+        call, finish = self.active.pop()
+        if call is None:
+            return
+        if output is None:  # the forward raised (an always-called hook) or returned nothing
+            failed = RuntimeError("the layer's forward raised")
+            call.__exit__(RuntimeError, failed, None)  # aborts the scope
+            return
+        try:
+            finish(output)
+        finally:
+            call.__exit__(None, None, None)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class SwapWrappers:
+    """The layers ``swap_wrapper`` put :class:`SwapHooks` on (held weakly)."""
+
+    def __init__(self) -> None:
+        self.hooks: weakref.WeakKeyDictionary[Any, SwapHooks] = weakref.WeakKeyDictionary()
+
+    def install(self, layer: Any, hooks: SwapHooks) -> Any:
+        """Put ``hooks`` on ``layer`` in place of those it had; returns ``layer``."""
+        old = self.hooks.pop(layer, None)
+        if old is not None:
+            old.remove()
+        hooks.handles = [
+            layer.register_forward_pre_hook(hooks.before),
+            layer.register_forward_hook(hooks.after, always_call=True),
+        ]
+        self.hooks[layer] = hooks
+        return layer
+
+    def remove(self, layers: Iterable[Any]) -> bool:
+        """Take the hooks off ``layers``; whether any had some."""
+        if not self.hooks:
+            return False
+        removed = False
+        for layer in layers:
+            hooks = self.hooks.pop(layer, None)
+            if hooks is not None:
+                hooks.remove()
+                removed = True
+        return removed

@@ -20,7 +20,12 @@ __all__ = [
 
 
 class RecompError(RuntimeError):
-    """Base class of recomp's run-time errors."""
+    """Base class of recomp's run-time errors (a ``RuntimeError``): ``except
+    recomp.RecompError`` catches every error recomp raises while a model runs. Raised
+    itself where no narrower class fits: MindSpore's graph mode, ``torch.jit.script`` of
+    a wrapped model, ``unwrap`` between a forward and its backward, a region output that
+    hides tensors, a trainer setting recomp cannot honour. The message names the module
+    and the fix; Troubleshooting lists the cases."""
 
 
 class RecompInternalError(RecompError):
@@ -44,21 +49,34 @@ def internal_assert(condition: bool, what: str) -> None:
 
 
 class NestedExclusionError(RecompError):
-    """An excluded region was called while another excluded region was running."""
+    """An excluded region was called while another excluded region was running (a
+    ``checkpoint_exclude_wrapper`` inside another one). The outer region already keeps
+    everything inside it out of the replay: remove the inner wrapper."""
 
 
 class ReplayMismatchError(RecompError):
-    """The replay of a checkpoint did not run as the forward did (other region calls,
-    other saved tensors). Once ``recomp.torch`` is imported it also derives from
-    ``torch.utils.checkpoint.CheckpointError`` (see ``recomp.torch._replay_errors``)."""
+    """The replay of a checkpoint did not run as the forward did, so its gradients would
+    be wrong: it called excluded regions differently or did not reach one (a Python
+    branch that changed between the two), saved other tensors, issued other collectives
+    (PyTorch), or, with ``determinism_check="values"`` or ``debug=True``, saved other
+    values (state read outside the inputs changed before backward). The message says
+    which and the fix; with ``debug=True`` it lists the ops of both. Once
+    ``recomp.torch`` is imported it also derives from
+    ``torch.utils.checkpoint.CheckpointError``, so either ``except`` clause catches it."""
 
 
 class CachedValueMutatedError(RecompError):
-    """A cached output or saved tensor of an excluded region was changed in place."""
+    """A cached output or saved tensor of an excluded region was changed in place after
+    the region returned (``out += identity``, ``ReLU(inplace=True)`` after it), or a
+    region changed an input it had saved; its backward would read the changed value.
+    Make the later op out of place, or pass ``copy_output=True`` (``copy_output_fn`` in
+    ``apply_activation_checkpointing``) to cache a copy those changes do not reach."""
 
 
 class OutputNotSavedError(RecompError):
-    """A ``save_output=False`` placeholder reached code other than an excluded region."""
+    """A ``save_output=False`` placeholder reached code other than an excluded region.
+    ``save_output=False`` is only for a region whose output goes straight into another
+    excluded region (whose saved tensors hold it); remove it anywhere else."""
 
 
 class DoubleCheckpointError(RecompError):
@@ -71,7 +89,11 @@ class DoubleCheckpointError(RecompError):
 
 
 class ForeignCheckpointWarning(UserWarning):
-    """An excluded region is replayed by a checkpoint that recomp does not control."""
+    """An excluded region is replayed by a checkpoint that recomp does not control (such
+    as ``mindspore.recompute``, or PyTorch's compiled checkpoint where PyTorch lacks what
+    exclusion under ``torch.compile`` needs): there the exclusion is not in effect, and
+    the gradients stay right. Checkpoint the layer with recomp's ``checkpoint_wrapper``.
+    Issued once per wrapper."""
 
 
 class CollectiveReplayedWarning(UserWarning):
@@ -103,4 +125,7 @@ class ReplayStateWarning(UserWarning):
 
 
 class UnreplayableDropoutWarning(UserWarning):
-    """Recomputed code holds a dropout whose random state the framework cannot restore."""
+    """Recomputed code holds a dropout whose random state the framework cannot restore:
+    on MindSpore, an active subclass of ``nn.Dropout`` with a ``construct`` of its own,
+    which recomp cannot make draw the same mask in the replay. Exclude it
+    (``apply_activation_checkpointing`` does so by itself) or use ``nn.Dropout``."""

@@ -179,6 +179,7 @@ CORE_ORDER = [
     "recomp._pytree",
     "recomp._backend",
     "recomp._hooks",
+    "recomp._op_policy",
     "recomp._rng_trackers",
     "recomp._record",
     "recomp._region",

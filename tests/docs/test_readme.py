@@ -1,13 +1,23 @@
-"""The README's framework examples run as written and print what they say."""
+"""The code blocks of the README and of the documentation site run as written.
+
+The README's two framework examples print what they say; every other Python block under
+``docs/`` and in the README runs (see ``tests/support/doc_blocks.py`` for the markers a
+block may carry: a setup, a continuation, a required module, or the test that runs it
+instead); the ``recomp`` command lines of the ``bash`` blocks parse.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import re
+import shlex
+import warnings
 
 import pytest
 
+import doc_blocks
 import paths
 
 README = paths.README
@@ -30,3 +40,91 @@ def test_readme_example_runs(heading):
     with contextlib.redirect_stdout(out):
         exec(compile(code, f"README {heading}", "exec"), {"__name__": "readme_example"})
     assert out.getvalue().split() == ["1", "1"]
+
+
+# The README's two examples run above, where their output is checked too.
+PYTHON_BLOCKS = [
+    b for b in doc_blocks.all_blocks("python")
+    if not (b.page == README and b.code + "\n" in examples().values())
+]
+
+
+def _requires(block: doc_blocks.Block) -> list[str]:
+    needed = [m for m in block.options.get("requires", "").split(",") if m]
+    # What a block imports at its top is needed too (a PyTorch-only environment skips
+    # the MindSpore blocks).
+    for m in re.finditer(r"^(?:import|from) (mindspore|mindcv|torch|torchvision|transformers|peft)\b", block.code, re.M):
+        needed.append(m.group(1))
+    setup = block.options.get("setup")
+    needed += {"llama": ["torch", "transformers"], "ms_net": ["mindspore"], "resnet": ["torchvision"]}.get(
+        setup or "", ["torch"] if setup else []
+    )
+    return needed
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.id)
+def test_code_block_runs(
+    block: doc_blocks.Block, request: pytest.FixtureRequest, tmp_path, monkeypatch
+) -> None:
+    if "skip" in block.options:
+        runner = block.options["skip"]
+        assert (paths.ROOT / runner).exists(), (
+            f"{block.id}: the block says {runner} runs it, and there is no such file"
+        )
+        pytest.skip(f"run by {runner}")
+    for module in _requires(block):
+        if module == "cuda":
+            torch = pytest.importorskip("torch")
+            if not torch.cuda.is_available():
+                pytest.skip("needs a GPU")
+        else:
+            pytest.importorskip(module)
+    monkeypatch.chdir(tmp_path)  # what a block writes (plan.json) stays out of the tree
+    cache = request.config.stash.setdefault(_NAMESPACES, {})
+    if "continue" in block.options:
+        previous = cache.get(block.page)
+        if previous is None:
+            pytest.skip("the block it continues did not run")
+        names = previous
+    elif "setup" in block.options:
+        names = doc_blocks.SETUPS[block.options["setup"]]()
+    else:
+        names = {}
+    names.setdefault("__name__", "docs_example")
+    cache[block.page] = None
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        exec(compile(block.code, block.id, "exec"), names)
+    cache[block.page] = names
+
+
+_NAMESPACES = pytest.StashKey[dict]()
+
+RECOMP_COMMAND = re.compile(r"^(?:\S+=\S+\s+)*(?:\S*python\S*\s+-m\s+)?recomp\s+(bench|plan|report)\b(.*)$")
+
+
+def command_lines() -> list[tuple[str, str, str]]:
+    found = []
+    # bash blocks, and the "$ recomp ..." line above a command's output in text blocks
+    for block in doc_blocks.all_blocks("bash") + doc_blocks.all_blocks("text"):
+        text = re.sub(r"\\\n\s*", " ", block.code)
+        for line in text.split("\n"):
+            if block.lang == "text" and not line.startswith("$ "):
+                continue
+            m = RECOMP_COMMAND.match(line.removeprefix("$ ").strip())
+            if m:
+                args = m.group(2).split(" #", 1)[0]
+                found.append((block.id, m.group(1), args))
+    return found
+
+
+@pytest.mark.parametrize(("where", "command", "args"), command_lines(), ids=lambda v: str(v)[:40])
+def test_command_line_parses(where: str, command: str, args: str) -> None:
+    module = importlib.import_module(f"recomp.cli.{command}")
+    argv = shlex.split(args)
+    # A command whose options depend on a mode (recomp plan --simulate) says which parser.
+    parser = module.parser_for(argv) if hasattr(module, "parser_for") else module.build_parser()
+    try:
+        parser.parse_args(argv)
+    except SystemExit as exit:
+        assert exit.code == 0, f"{where}: `recomp {command}{args}` does not parse"

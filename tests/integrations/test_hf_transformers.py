@@ -671,20 +671,19 @@ def test_lora_adapter_state_dict_found_after_recomp() -> None:
     assert sorted(peft.get_peft_model_state_dict(model)) == expected
 
 
-# --------------------------------------------------------------------------- README and example
+# --------------------------------------------------------------------------- the HF guide and example
 
 
-def test_readme_hf_example_runs() -> None:
+def test_hf_guide_example_runs() -> None:
     import contextlib
     import io
     import re
 
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Using recomp with Hugging Face transformers", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    text = (ROOT / "docs" / "guides" / "huggingface.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "README HF example", "exec"), {"__name__": "readme_example"})
+        exec(compile(code, "docs/guides/huggingface.md example", "exec"), {"__name__": "readme_example"})
     assert out.getvalue().split() == ["1", "1"]
 
 

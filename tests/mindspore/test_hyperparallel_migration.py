@@ -7,6 +7,7 @@ MindSpore cannot do raises saying so."""
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 
@@ -233,18 +234,127 @@ def test_op_swap_and_swap_inputs_inside_checkpointed_layers():
 
 def test_what_mindspore_cannot_do_raises_saying_so():
     layer = Layer()
-    per_op = lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SWAP  # noqa: E731
-    with pytest.raises(rm.SwapNotSupportedError, match=r"per-op checkpoint policy.*MindSpore"):
-        checkpoint_wrapper(layer, policy_fn=per_op)
-    assert not isinstance(layer, rm.CheckpointWrapper)  # refused before wrapping
-    with pytest.raises(rm.SwapNotSupportedError, match="per-op"):
-        rm.checkpoint(layer, X, policy_fn=per_op)
     with pytest.raises(rm.SwapNotSupportedError, match="group_swap"):
         swap_wrapper(layer, group_swap=True)
     with pytest.raises(rm.SwapNotSupportedError, match="cpu_pool"):
         checkpoint_wrapper(layer, swap_inputs=True, cpu_pool=object())
+    with pytest.raises(rm.SwapNotSupportedError, match="group_swap"):
+        checkpoint_wrapper(layer, policy_fn=lambda ctx, op, *a, **k: True, group_swap=True)
+    with pytest.raises(TypeError, match="policy_fn"):
+        checkpoint_wrapper(layer, policy_fn="Softmax")
+    assert not isinstance(layer, rm.CheckpointWrapper)  # refused before wrapping
     with pytest.raises(TypeError, match="Cells"):
         SwapManager().set_forward_prefetch_layer(layer, gather)
+
+
+class OpCounter(ms.MsDispatchMode):
+    """Counts the ops that run (an op a checkpoint hands back from its cache does not)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def __ms_dispatch__(self, func, args, kwargs=None):
+        self.counts[func.name] = self.counts.get(func.name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def counted_grads(cell):
+    counter = OpCounter()
+    with counter:
+        got = grads(cell, cell.trainable_params(), X)
+    return got, counter.counts
+
+
+def swap_softmax_save_matmul(ctx, op, *args, **kwargs):
+    assert ctx.is_recompute is False  # asked in the forward only
+    if op.name == "Softmax":
+        return CheckpointPolicy.MUST_SWAP
+    if op.name == "MatMul":
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_per_op_policy_swaps_and_saves_op_outputs_never_recomputed():
+    ref, model = twins()
+    want, plain = counted_grads(ref)
+    for i in range(len(model.layers)):
+        model.layers[i] = checkpoint_wrapper(model.layers[i], policy_fn=swap_softmax_save_matmul)
+    _swap.STATS.reset()
+    gc.disable()  # what a step kept is freed with its graph, not by the collector
+    try:
+        with _swap.host_copy():
+            got, counts = counted_grads(model)
+        assert not [r for r in SwapManager().order if r() is not None]
+    finally:
+        gc.enable()
+    assert_same(want, got)
+    # kept ops run once, as without checkpointing; the rest runs again in the replay
+    assert counts["Softmax"] == plain["Softmax"] == 3
+    assert counts["MatMul"] == plain["MatMul"]
+    assert counts["LayerNorm"] == 2 * plain["LayerNorm"]
+    # one softmax output (2 x 4 x 4 float32) per layer went to the host and came back
+    assert _swap.STATS.offloaded_tensors == 3
+    assert _swap.STATS.offloaded_bytes == _swap.STATS.restored_bytes == 3 * 2 * 4 * 4 * 4
+
+    # with swap_inputs=True, each layer's input (2 x 4 x 8 float32) goes in the same group
+    for layer in model.layers:
+        rm.unwrap(layer)
+    for i in range(len(model.layers)):
+        model.layers[i] = checkpoint_wrapper(
+            model.layers[i], policy_fn=swap_softmax_save_matmul, swap_inputs=True
+        )
+    _swap.STATS.reset()
+    with _swap.host_copy():
+        got, counts = counted_grads(model)
+    assert_same(want, got)
+    assert counts["Softmax"] == 3
+    assert _swap.STATS.offloaded_tensors == 6
+    assert _swap.STATS.offloaded_bytes == _swap.STATS.restored_bytes == 3 * (128 + 256)
+
+
+def test_per_op_policy_as_a_list_with_exclusions_and_mindspore_recompute_contexts():
+    ref, model = twins()
+    want, plain = counted_grads(ref)
+    log = PhaseLog()
+    for i, layer in enumerate(model.layers):
+        # The excluded regions' ops run in the forward only: the policy does not see them
+        # (else the replay's first MatMul, k's, would be handed q's output).
+        layer.attention.q = checkpoint_exclude_wrapper(layer.attention.q)
+        layer.attention.core_attention = checkpoint_exclude_wrapper(layer.attention.core_attention)
+        model.layers[i] = checkpoint_wrapper(
+            layer, policy_fn=["MatMul", "BiasAdd"], context_fn=log, early_stop=True
+        )
+    got, counts = counted_grads(model)
+    assert_same(want, got)
+    assert log.phases == ["forward"] * 3 + ["recompute"] * 3  # the user's contexts too
+    for op in ("MatMul", "BiasAdd", "Softmax"):  # kept or excluded: never replayed
+        assert counts[op] == plain[op]
+    assert counts["LayerNorm"] > plain["LayerNorm"]
+    for layer in model.layers:
+        assert layer.attention.core_attention.runs == 1
+
+    # the contexts alone, in MindSpore's own recompute: MUST_SAVE works, MUST_SWAP
+    # needs a recomp checkpoint (its swap scope)
+    cell = Layer()
+
+    def run(policy):
+        def fn(x):
+            return ms.recompute(
+                cell, x, use_reentrant=False, early_stop=False,
+                context_fn=lambda: rm.create_selective_checkpoint_contexts(policy),
+            ).sum()
+        return grads(fn, cell.trainable_params(), X)
+
+    assert_same(grads(lambda x: cell(x).sum(), cell.trainable_params(), X), run(["Softmax"]))
+    with pytest.raises(rm.SwapPolicyError, match="no swap group"):
+        run(lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SWAP)
+
+
+def test_an_invalid_per_op_policy_raises():
+    model = Decoder(1)
+    checkpoint_wrapper(model.layers[0], policy_fn=lambda ctx, op, *a, **k: 42)
+    with pytest.raises(rm.SwapPolicyError, match="returned 42"):
+        grads(model, model.trainable_params(), X)
 
 
 def test_an_invalid_swap_policy_raises():
@@ -303,12 +413,12 @@ def test_swap_tensor_wrapper_returns_its_target_outside_a_swapped_layer_and_rais
 
     class Keeps(nn.Cell):
         def construct(self, x):
-            return rm.swap_tensor_wrapper(x * 2)
+            return rm.swap_tensor_wrapper(x * 2, tag="kv")
 
     cell = swap_wrapper(Keeps())
     # Called outside mindspore.grad: MindSpore 2.10's first gradient after a forward that
     # raised inside mindspore.grad fails in LayerNormGrad (without recomp too).
-    with pytest.raises(rm.SwapNotSupportedError, match="in place"):
+    with pytest.raises(rm.SwapNotSupportedError, match=r"tag='kv'.*in place"):
         cell(X)
 
 

@@ -388,7 +388,7 @@ class ListStack(nn.Cell):
 def test_with_list_inputs_the_total_is_what_the_allocator_holds(strategy):
     """Without checkpoints the inputs' container does not matter (the residual stack
     above compares that mode); on this graph MindSpore's record then reads one
-    activation above what its hooks see (6 against 7.03), see the README."""
+    activation above what its hooks see (6 against 7.03), see docs/tools/report.md."""
     d, rows, layers = 256, 256, 3
     act = rows * d * 4
     model = ListStack(d, layers)

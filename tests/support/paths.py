@@ -10,4 +10,5 @@ TESTS = SUPPORT.parent
 ROOT = TESTS.parent
 SRC = ROOT / "src"
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 BENCHMARKS = ROOT / "benchmarks"

@@ -1,7 +1,7 @@
 """What ``apply_activation_checkpointing`` is asked to select, on a transformers model.
 
-The selection the README documents for a Llama model takes effect, and so does not
-warn. Selections that take no effect warn (``IneffectiveSelectionWarning``) naming
+The selection the Hugging Face guide (docs/guides/huggingface.md) documents for a Llama
+model takes effect, and so does not warn. Selections that take no effect warn (``IneffectiveSelectionWarning``) naming
 what and why, and predicates are checked before anything is wrapped: tested on both
 frameworks in ``tests/core/test_selections.py``.
 """

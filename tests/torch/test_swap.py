@@ -516,7 +516,7 @@ def test_must_swap_with_recompute_sessions_and_retain_graph(groups: list) -> Non
 def test_policy_asked_before_the_op_runs(groups: list) -> None:  # type: ignore[type-arg]
     """PyTorch before 2.14 asks the policy before running the op, with no ``op_output``:
     the forward tap fills the entry when the op has run."""
-    from recomp.torch._swap import SwapScope, _scope_active, _SwapState, _SwapTap
+    from recomp.torch._swap import _SCOPES, SwapScope, _SwapState, _SwapTap
 
     class OldContext:
         is_recompute = False
@@ -524,7 +524,7 @@ def test_policy_asked_before_the_op_runs(groups: list) -> None:  # type: ignore[
     state = _SwapState(allow_mutation=False)
     scope = SwapScope("old order")
     x = torch.randn(4, 8)
-    with _scope_active(scope):
+    with _SCOPES.active(scope):
         state.chose(OldContext(), SIN, CheckpointPolicy.MUST_SWAP)
         with _SwapTap(state, replay=False):
             y = torch.sin(x)
@@ -575,14 +575,15 @@ class _ScaleKeptOutside(torch.autograd.Function):
 
 
 class ScaledLinear(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, tag: str | None = None) -> None:
         super().__init__()
         self.fc = nn.Linear(16, 16)
         self.scales: list[torch.Tensor] = []
+        self.tag = tag
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = torch.sigmoid(x.detach()) + 1
-        self.scales.append(rt.swap_tensor_wrapper(scale))
+        self.scales.append(rt.swap_tensor_wrapper(scale, tag=self.tag))
         return _ScaleKeptOutside.apply(self.fc(x), scale)
 
 
@@ -606,3 +607,67 @@ def test_swap_tensor_wrapper_empties_and_refills_in_place(groups: list) -> None:
         assert torch.equal(a, b)  # type: ignore[arg-type]
     assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(256, 256)] * 2
     assert rt.swap_tensor_wrapper(x) is x  # no layer around it: nothing to do
+
+
+def test_swap_tensor_wrapper_tag_names_the_tensors_in_the_trace(groups: list) -> None:  # type: ignore[type-arg]
+    from recomp._testing import offload_events
+
+    model = nn.Sequential(ScaledLinear(tag="scale"), ScaledLinear())
+    for m in model:
+        rt.swap_wrapper(m, policy_fn=lambda t: CheckpointPolicy.MUST_SAVE)
+    x = torch.randn(4, 16, requires_grad=True)
+    loss = model(x).pow(2).sum()
+    with offload_events(default_offloader()) as events:
+        loss.backward()
+    names = [rt.SwapManager().group_name(m, m) for m in model]
+    assert sorted(name for _, name in events) == sorted([f"{names[0]}/scale", names[1]])
+    with pytest.raises(TypeError, match="tag must be a str"):
+        rt.swap_tensor_wrapper(x, tag=3)
+
+
+NEG = torch.ops.aten.neg.default
+
+
+class NegTail(nn.Module):
+    """A layer whose last op (a neg that saves nothing, read only by the final add) comes
+    after its last saved tensor: a replay that stops there never reaches it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, 2 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(torch.sin(h)) + torch.neg(h)
+
+
+def swap_sin_and_neg(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+    if op is SIN or op is NEG:
+        return CheckpointPolicy.MUST_SWAP
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_must_swap_output_the_backward_never_reads_is_not_brought_back(  # type: ignore[no-untyped-def]
+    groups: list, early_stop: bool  # type: ignore[type-arg]
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(NegTail(16), NegTail(32))
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        rt.checkpoint_wrapper(block, policy_fn=swap_sin_and_neg, early_stop=early_stop)
+    got, counter = step(model, x)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    # never recomputed (the backward of a neg is a neg: one per layer)
+    assert counter.counts.get(SIN, 0) == 0 and counter.counts.get(NEG, 0) == 2
+    sin_out = [4 * 32 * 4, 4 * 64 * 4]  # one (4, 2w) float32 sin output per layer
+    moved = [(g.offloaded_bytes, g.restored_bytes) for g in groups]
+    if early_stop:
+        # the replay stops at fc2's saves, before the neg: its output is not even kept
+        assert moved == [(n, n) for n in sin_out]
+    else:
+        # the replay reaches the neg and reads its kept output: out and back
+        assert moved == [(2 * n, 2 * n) for n in sin_out]

@@ -80,7 +80,7 @@ class Net(nn.Module):
 
 
 def recomp_blocks(net: nn.Module) -> None:
-    """What the README's Lightning section puts in ``configure_model``."""
+    """What the Lightning guide (docs/guides/lightning.md) puts in ``configure_model``."""
     rt.apply_activation_checkpointing(net, checkpoint_fn=Block, exclude_fn=Attention)
 
 

@@ -133,10 +133,11 @@ def test_sft_trainer_defaults_train_as_without_checkpointing(
     assert [(r.region_runs, r.region_skips) for r in regions] == [(STEPS, STEPS)] * 2
 
 
-def test_readme_lines_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The README's lines as written, on this test's model and data; SFTConfig gets what a
+def test_hf_guide_lines_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The Hugging Face guide's lines as written, on this test's model and data; SFTConfig gets what a
     # machine without a GPU and a one-step test need (use_cpu, max_steps, no reports).
-    text = paths.README.read_text().split("### Hugging Face Trainer and TRL", 1)[1]
+    text = (paths.DOCS / "guides" / "huggingface.md").read_text()
+    text = text.split("## Hugging Face Trainer and TRL", 1)[1]
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     monkeypatch.chdir(tmp_path)
     datasets.disable_progress_bars()
@@ -154,6 +155,6 @@ def test_readme_lines_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exec(compile(code, "README TRL example", "exec"), names)
+        exec(compile(code, "docs/guides/huggingface.md TRL example", "exec"), names)
     regions = [m for m in names["trainer"].model.modules() if isinstance(m, ExcludeWrapper)]
     assert [(r.region_runs, r.region_skips) for r in regions] == [(1, 1)] * 2

@@ -111,9 +111,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def simulating(argv: list[str]) -> bool:
+    """Whether a command line is ``recomp plan --simulate MODEL ...``."""
+    return any(a == "--simulate" or a.startswith("--simulate=") for a in argv)
+
+
+def parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser that reads ``argv``: ``recomp plan --simulate``'s own, or this one."""
+    if simulating(argv):
+        from .plan_simulate import build_parser as simulate_parser
+
+        return simulate_parser()
+    return build_parser()
+
+
 def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
-    if any(a == "--simulate" or a.startswith("--simulate=") for a in given):
+    if simulating(given):
         from .plan_simulate import main as simulate_main
 
         return simulate_main(given)

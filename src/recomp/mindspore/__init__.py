@@ -27,6 +27,7 @@ from ._api import (
 )
 from ._dropout import ReplayableDropout
 from ._memory_report import record_saved_tensors
+from ._selective import create_selective_checkpoint_contexts, ignore_sac_ops
 from ._swap import (
     AsyncSaveOnCpu,
     CheckpointPolicy,
@@ -53,6 +54,8 @@ __all__ = [
     "checkpoint",
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
+    "create_selective_checkpoint_contexts",
+    "ignore_sac_ops",
     "record_saved_tensors",
     "swap",
     "swap_tensor_wrapper",

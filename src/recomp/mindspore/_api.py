@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ from mindspore import nn
 
 from .. import _engine, _wrapping
 from .._module_state import warn_unhandled
+from .._op_policy import SelectivePart
 from .._state import get_recompute_state
 from .._wrapping import (
     CHECKPOINT_KWARGS,
@@ -33,6 +35,7 @@ from ._early_stop import EXPLAIN_EARLY_STOP
 from ._graph_mode import pynative_only
 from ._plain import PlainFunction
 from ._replay_reach import REPLAY_REACHES_EVERY_REGION
+from ._selective import create_selective_checkpoint_contexts
 
 # The options a checkpoint wrapper passes to every checkpoint of its Cell:
 # ``mindspore.recompute``'s non-reentrant ones, recomp's own and HyperParallel's swap
@@ -69,11 +72,13 @@ def checkpoint(
     restored for the replay by recomp, including the per-op kernel seeds that
     MindSpore's own restore misses on CPU; ``save_rng_state=False`` turns that off.
 
-    HyperParallel's swap options: ``swap_inputs=True`` moves the inputs the checkpoint
-    saves to the host until the replay (NOTE [ Swap on MindSpore ] in
-    ``recomp.mindspore._swap``); ``policy_fn=`` (a per-op policy), ``group_swap=True``
-    and ``cpu_pool=`` raise :class:`recomp.mindspore.SwapNotSupportedError`, which says
-    what MindSpore lacks.
+    HyperParallel's options: ``policy_fn=`` (per op, see
+    :func:`recomp.mindspore.create_selective_checkpoint_contexts`; ``MUST_SWAP`` keeps an
+    op's output on the host until the replay reads it, never recomputed);
+    ``swap_inputs=True`` moves the inputs the checkpoint saves to the host until the
+    replay (NOTE [ Swap on MindSpore ] in ``recomp.mindspore._swap``);
+    ``group_swap=True`` and ``cpu_pool=`` raise
+    :class:`recomp.mindspore.SwapNotSupportedError`, which says what MindSpore lacks.
     A Cell in training called with a KV cache gets it turned off, with a warning
     (see ``recomp.mindspore._cache``).
 
@@ -85,7 +90,7 @@ def checkpoint(
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
-    swap_inputs = _swap.checkpoint_swap("checkpoint", kwargs)
+    policy_fn, swap_inputs = _swap.checkpoint_swap("checkpoint", kwargs)
     check_callable(function, "checkpoint", "Cell")
     _refuse_value_check(kwargs, "checkpoint")
     check_pynative("checkpoint")
@@ -109,6 +114,8 @@ def checkpoint(
     if kwargs.setdefault("early_stop", False):
         parts.append(EXPLAIN_EARLY_STOP)
     parts.append(REPLAY_REACHES_EVERY_REGION)
+    if policy_fn is not None:
+        parts.append(SelectivePart(functools.partial(create_selective_checkpoint_contexts, policy_fn)))
     if BACKEND.grad_enabled():
         adapt_cache_kwargs(function, kwargs, ExcludeWrapper)
     restore_rng = bool(kwargs.pop("save_rng_state", True))
@@ -122,7 +129,7 @@ def checkpoint(
         restore_rng=restore_rng,
         function=function,
     )
-    if not swap_inputs:
+    if policy_fn is None and not swap_inputs:
         return mindspore.recompute(
             function,
             *args,
@@ -131,9 +138,10 @@ def checkpoint(
             save_rng_state=False,
             **kwargs,
         )
-    # A saved-tensors hook around MindSpore's recompute sees the inputs it saves (its
+    # One swap scope for the call: what MUST_SWAP ops keep and, with swap_inputs, the
+    # inputs MindSpore's recompute saves (a saved-tensors hook around it sees them; its
     # own hooks, inside, take what the block saves).
-    with _swap.layer_scope(function) as finish:
+    with _swap.layer_scope(function, hooks=swap_inputs) as finish:
         return finish(
             mindspore.recompute(
                 function,
@@ -356,7 +364,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)
     _engine.check_flag("exclude_collectives", exclude_collectives)
-    _swap.checkpoint_swap("checkpoint_wrapper", dict(checkpoint_kwargs))  # refused now, not later
+    _swap.checkpoint_swap("checkpoint_wrapper", dict(checkpoint_kwargs))  # checked now, not later
     if not isinstance(module, nn.Cell):
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")

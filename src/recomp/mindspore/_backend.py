@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -13,6 +14,20 @@ from mindspore import ops
 from .._backend import Backend
 from ..errors import RecompError
 from . import _compat
+
+# True where per-op policies look away (``recomp.mindspore._selective``): inside excluded
+# regions, whose ops the replay never runs, and around recomp's own ops in a policy's mode.
+OPS_HIDDEN: contextvars.ContextVar[bool] = contextvars.ContextVar("recomp_ms_ops_hidden", default=False)
+
+
+@contextlib.contextmanager
+def ops_hidden() -> Any:
+    """Within the block, per-op checkpoint policies neither see nor count ops."""
+    token = OPS_HIDDEN.set(True)
+    try:
+        yield
+    finally:
+        OPS_HIDDEN.reset(token)
 
 
 @functools.cache
@@ -119,6 +134,11 @@ class MindSporeBackend(Backend):
         self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]
     ) -> contextlib.AbstractContextManager[Any]:
         return mindspore.saved_tensors_hooks(pack, unpack)
+
+    def region_context(self, name: str) -> Any:
+        # An excluded region's ops run in the forward only: out of sight of per-op
+        # policies, whose forward and replay must see the same ops.
+        return ops_hidden()
 
     def detach(self, t: Any) -> Any:
         # Same memory, no autograd history. Its version counter is its own: the

@@ -30,18 +30,11 @@ Where nothing would move (a CPU device) the tensors stay, unless the host-copy t
 mode is on (``RECOMP_OFFLOAD_HOST_COPY=1`` or :func:`host_copy`): it runs the same
 bookkeeping with copies on the CPU, so that tests see bytes out and in.
 
-What MindSpore 2.10 does not give recomp, and so what is refused with an error saying
-so: a per-op policy in a checkpoint (``checkpoint(..., policy_fn=...)``, HyperParallel's
-``MUST_SWAP`` of an op's output) needs a hook on each op of the checkpoint's forward and
-replay that can hand back a kept output instead of running the op; MindSpore's
-``mindspore.recompute`` has no selective-checkpoint context. Its experimental
-``mindspore.utils.MsDispatchMode`` could be that hook: in PyNative it sees each op of a
-Cell's forward (``func.name``: ``MatMul``, ``BiasAdd``, ``Tanh``), and a probe that
-handed back the forward's ``Tanh`` output in a ``mindspore.recompute`` replay (through
-its ``context_fn``) got the gradients of the model without recompute. recomp does not
-use it yet: matching the ops of the forward with those of the replay is the open part
-(a ``reshape`` dispatched as ``Reshape`` in the forward came back as ``View`` in the
-replay of a recomp checkpoint, and recomp's own ``StopGradient`` ops are dispatched too). ``group_swap`` (one copy of
+Per-op policies in a checkpoint (``policy_fn``, ``MUST_SWAP`` of an op's output) go
+through ``mindspore.MsDispatchMode``: NOTE [ Per-op policies on MindSpore ] in
+``recomp.mindspore._selective``; a ``MUST_SWAP`` output is kept by the checkpoint's swap
+scope like a saved tensor. What MindSpore 2.10 does not give recomp, and so what is
+refused with an error saying so: ``group_swap`` (one copy of
 many small tensors) and ``cpu_pool`` (a pinned host pool) need storage-level copies
 into a shared host buffer; ``swap_tensor_wrapper`` empties a storage in place and
 refills it. recomp does none of these on MindSpore. Mutations of a chosen tensor
@@ -66,9 +59,10 @@ from mindspore import nn, ops
 from .._policy import CheckpointPolicy, SwapPolicyError, tensor_swapped
 from .._pytree import flatten
 from .._state import is_recomputing
-from .._swap_pairs import ScopeSlot, SwapManagerBase
+from .._swap_pairs import OwnScopes, ScopeSlot, SwapHooks, SwapManagerBase, SwapWrappers
 from ..errors import RecompError
 from . import _compat
+from ._backend import BACKEND
 from ._plain import PlainFunction
 
 __all__ = [
@@ -94,20 +88,6 @@ class SwapNotSupportedError(RecompError, NotImplementedError):
 def refuse(option: str, lacks: str, instead: str) -> SwapNotSupportedError:
     return SwapNotSupportedError(
         f"recomp.mindspore: {option} is not available on MindSpore: {lacks}. {instead}"
-    )
-
-
-def refuse_policy_fn(api: str) -> SwapNotSupportedError:
-    return refuse(
-        f"{api}(..., policy_fn=...) (a per-op checkpoint policy, HyperParallel's "
-        "selective checkpointing and MUST_SWAP of an op's output)",
-        "it needs a hook on every op of the checkpoint's forward and replay that can hand "
-        "back a kept output instead of running the op, and mindspore.recompute has no "
-        "selective-checkpoint context (MindSpore's experimental MsDispatchMode is not "
-        "used by recomp)",
-        "Keep an op's output with checkpoint_exclude_wrapper around the op (it is then "
-        "never replayed), or move a layer's saved tensors to the host with "
-        "swap_wrapper(cell, policy_fn=...) (a per-tensor policy) or swap_inputs=True.",
     )
 
 
@@ -282,14 +262,14 @@ class SwapScope:
         moving = [k for k in pending if copy_on_cpu or k.device != "CPU"]
         manager = SwapManager()
         if not moving:
-            manager.on_backward(self.layer, outputs, _grad_hook(outputs))
+            manager.prefetch_on_backward(self.layer, outputs)
             return
         group = _Group(self.name or manager.group_name(self.layer, self.function))
         manager.group_recorded(self.layer, group)
         if manager.is_last_layer(self.layer):
             # Its backward comes next: moving it out and back gains nothing. Its
             # backward's start (the gradient of its output) brings its pair back.
-            manager.on_backward(self.layer, outputs, _grad_hook(outputs))
+            manager.prefetch_on_backward(self.layer, outputs)
             return
         protected = {_storage_key(t) for t in _tensors_in(outputs)} - {None}
         for kept in moving:
@@ -303,20 +283,8 @@ class SwapScope:
         self.pending = []
 
 
-def _grad_hook(outputs: Any) -> Callable[[Callable[[], None]], bool]:
-    def hook(bring_back: Callable[[], None]) -> bool:
-        for t in _tensors_in(outputs):
-            if _compat.requires_grad(t):
-                t.register_hook(lambda grad: bring_back())
-                return True
-        return False
-
-    return hook
-
-
 _SCOPES = ScopeSlot("recomp_ms_swap_scope")
 current_scope = _SCOPES.current
-scope_active = _SCOPES.active
 
 
 # --------------------------------------------------------------------------- per tensor
@@ -334,31 +302,20 @@ class AsyncSaveOnCpu:
         if policy_fn is not None and not callable(policy_fn):
             raise TypeError(f"policy_fn must be callable or None, got {policy_fn!r}.")
         self.policy_fn = policy_fn
-        self.entered: list[tuple[Any, SwapScope | None, Any]] = []
+        # No layer around it: the block is the scope, finished when it ends.
+        self.own = OwnScopes(_SCOPES, lambda: SwapScope("async_save_on_cpu"))
+        self.hooks: list[Any] = []
 
     def __enter__(self) -> AsyncSaveOnCpu:
-        own: SwapScope | None = None
-        active = None
-        if current_scope() is None:
-            # No layer around it: the block is the scope, finished when it ends.
-            own = SwapScope("async_save_on_cpu")
-            active = scope_active(own)
-            active.__enter__()
+        self.own.enter()
         hooks = mindspore.saved_tensors_hooks(self.pack_to_host, self.unpack_from_host)
         hooks.__enter__()
-        self.entered.append((hooks, own, active))
+        self.hooks.append(hooks)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        hooks, own, active = self.entered.pop()
-        hooks.__exit__(*exc_info)
-        if own is None:
-            return
-        try:
-            if exc_info[0] is None:
-                own.finish(None)
-        finally:
-            active.__exit__(*exc_info)
+        self.hooks.pop().__exit__(*exc_info)
+        self.own.exit(*exc_info)
 
     def pack_to_host(self, t: Any) -> Any:
         if _stays_on_device(t) or is_recomputing():
@@ -389,28 +346,14 @@ def async_save_on_cpu(
     return AsyncSaveOnCpu(policy_fn)
 
 
-def _layer_of(function: Any) -> Any:
-    layer = function if isinstance(function, nn.Cell) else getattr(function, "__self__", None)
-    return layer if isinstance(layer, nn.Cell) else None
-
-
-@contextlib.contextmanager
-def layer_scope(function: Any, policy_fn: Any = None, *, hooks: bool = True) -> Iterator[Callable[[Any], Any]]:
+def layer_scope(
+    function: Any, policy_fn: Any = None, *, hooks: bool = True
+) -> contextlib.AbstractContextManager[Any]:
     """A swap scope around one call of ``function``; yields ``finish(outputs)``. With
     ``hooks``, what autograd saves inside goes through ``policy_fn`` (else only what
-    an inner :func:`async_save_on_cpu` chooses)."""
-    scope = SwapScope(layer=_layer_of(function), function=function)
-
-    def finish(out: Any) -> Any:
-        scope.finish(out)
-        return out
-
-    with scope_active(scope):
-        if hooks:
-            with AsyncSaveOnCpu(policy_fn):
-                yield finish
-        else:
-            yield finish
+    an inner :func:`async_save_on_cpu` or a per-op ``MUST_SWAP`` chooses)."""
+    scope = SwapScope(layer=BACKEND.module_of(function), function=function)
+    return _SCOPES.layer_call(scope, AsyncSaveOnCpu(policy_fn) if hooks else None)
 
 
 def swap(
@@ -429,35 +372,7 @@ def swap(
         return finish(function(*args, **kwargs))
 
 
-class _SwapHooks:
-    """The forward hooks :func:`swap_wrapper` puts on a Cell."""
-
-    def __init__(self, policy_fn: Any) -> None:
-        self.policy_fn = policy_fn
-        self.active: list[Any] = []
-        self.handles: list[Any] = []
-
-    def before(self, cell: nn.Cell, args: Any) -> None:
-        scope = layer_scope(cell, self.policy_fn)
-        finish = scope.__enter__()
-        self.active.append((scope, finish))
-
-    def after(self, cell: nn.Cell, args: Any, output: Any) -> None:
-        scope, finish = self.active.pop()
-        if output is None:  # the forward raised (an always-called hook) or returned nothing
-            scope.__exit__(RecompError, RecompError("forward raised"), None)  # aborts the scope
-            return
-        try:
-            finish(output)
-        finally:
-            scope.__exit__(None, None, None)
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-_WRAPPED: weakref.WeakKeyDictionary[nn.Cell, _SwapHooks] = weakref.WeakKeyDictionary()
+_WRAPPED = SwapWrappers()
 
 
 def swap_wrapper(
@@ -485,29 +400,14 @@ def swap_wrapper(
         if not callable(module):
             raise TypeError(f"swap_wrapper needs a Cell or a function, got {module!r}.")
         module = PlainFunction(module)
-    old = _WRAPPED.pop(module, None)
-    if old is not None:
-        old.remove()
-    hooks = _SwapHooks(policy_fn)
-    hooks.handles = [
-        module.register_forward_pre_hook(hooks.before),
-        module.register_forward_hook(hooks.after, always_call=True),
-    ]
-    _WRAPPED[module] = hooks
-    return module
+    return _WRAPPED.install(module, SwapHooks(lambda cell: layer_scope(cell, policy_fn)))
 
 
 def unwrap_swaps(module: Any) -> bool:
     """Remove what :func:`swap_wrapper` put on ``module`` and the Cells below it."""
-    if not isinstance(module, nn.Cell) or not _WRAPPED:
+    if not isinstance(module, nn.Cell):
         return False
-    removed = False
-    for _, sub in module.cells_and_names():
-        hooks = _WRAPPED.pop(sub, None)
-        if hooks is not None:
-            hooks.remove()
-            removed = True
-    return removed
+    return _WRAPPED.remove(sub for _, sub in module.cells_and_names())
 
 
 def swap_tensor_wrapper(
@@ -515,14 +415,15 @@ def swap_tensor_wrapper(
 ) -> Any:
     """HyperParallel's registration of tensors a layer keeps outside autograd's saved
     tensors. Outside a swap scope it returns ``target`` unchanged, as there; inside one
-    it is refused on MindSpore (see NOTE [ Swap on MindSpore ])."""
+    it is refused on MindSpore (see NOTE [ Swap on MindSpore ]), the error naming the
+    tensors by ``tag`` (HyperParallel's debug tag)."""
     check_swap_options("swap_tensor_wrapper", group_swap, cpu_pool)
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"tag must be a str or None, got {tag!r}.")
     if current_scope() is None or not any(True for _ in _tensors_in(target)):
         return target
     raise refuse(
-        "swap_tensor_wrapper inside a swapped layer",
+        f"swap_tensor_wrapper({'' if tag is None else f'tag={tag!r}'}) inside a swapped layer",
         "it empties the tensors' storages in place once copied and refills them at the "
         "layer's backward, and recomp does not resize MindSpore storages in place",
         "Let autograd save the tensor (it is then swapped with the layer's other saved "
@@ -546,6 +447,9 @@ class SwapManager(SwapManagerBase):
     def _started(self) -> None:
         self.order = []
 
+    def grad_outputs(self, outputs: Any) -> Iterator[Any]:
+        return (t for t in _tensors_in(outputs) if _compat.requires_grad(t))
+
     def group_recorded(self, layer: Any | None, group: Any) -> None:
         super().group_recorded(layer, group)
         self.order = [r for r in self.order if r() is not None]
@@ -562,15 +466,15 @@ class SwapManager(SwapManagerBase):
         return None
 
 
-def checkpoint_swap(api: str, options: dict[str, Any]) -> bool:
-    """Take HyperParallel's swap options of a checkpoint call out of ``options``; whether
-    the checkpoint's inputs go to the host (``swap_inputs=True``). What MindSpore cannot
-    do raises."""
+def checkpoint_swap(api: str, options: dict[str, Any]) -> tuple[Any, bool]:
+    """Take HyperParallel's swap options of a checkpoint call out of ``options``: the
+    per-op ``policy_fn`` (or None) and whether the checkpoint's inputs go to the host
+    (``swap_inputs=True``). What MindSpore cannot do raises."""
     policy_fn = options.pop("policy_fn", None)
     swap_inputs = options.pop("swap_inputs", False)
     check_swap_options(api, options.pop("group_swap", False), options.pop("cpu_pool", None))
     if not isinstance(swap_inputs, bool):
         raise TypeError(f"swap_inputs must be a bool, got {swap_inputs!r}.")
-    if policy_fn is not None:
-        raise refuse_policy_fn(api)
-    return swap_inputs
+    if policy_fn is not None and not callable(policy_fn) and not isinstance(policy_fn, list):
+        raise TypeError(f"policy_fn must be a function or a list of op names, got {policy_fn!r}.")
+    return policy_fn, swap_inputs

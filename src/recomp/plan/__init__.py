@@ -17,7 +17,7 @@ Nothing here imports a framework until ``profile`` or ``apply_plan`` is used.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .budget import Budget, BudgetTooSmallError, parse_budget
 from .job import JobMemory, Parallel, Precision, job_memory, model_params
@@ -34,6 +34,10 @@ from .solver import (
     solve,
     solve_with_ties,
 )
+
+if TYPE_CHECKING:  # imported on first use (below); named here for type checkers and docs
+    from .apply import apply_plan, compile_with_plan
+    from .profiler import profile
 
 __all__ = [
     "Budget",

@@ -55,6 +55,11 @@ class PlanFormatError(ValueError):
 
 @dataclass
 class LayerPlan:
+    """The plan of one layer: its module path, the option chosen (``"none"``,
+    ``"full"``, ``"selective"``, a checkpoint with regions excluded, ``"exclude:attn+mlp"``), what
+    the profile predicts it keeps (``kept_bytes``) and replays (``predicted_ms``,
+    ``replay_flops``), its class name and why it was chosen."""
+
     path: str
     option: str
     kept_bytes: int = 0
@@ -88,6 +93,18 @@ class LayerPlan:
 
 @dataclass
 class Plan:
+    """What :func:`make_plan` chose for each layer, with its budget and predictions.
+
+    ``layers`` holds one :class:`LayerPlan` per layer in the model's order;
+    ``budget_bytes`` is the activation-memory budget it fits (``budget`` the budget as
+    given, ``"50%"`` or ``"6GiB"``); ``predicted`` the profile's prediction for the
+    whole plan (kept bytes, replay time and FLOPs); ``near_ties`` the other choices that
+    came within the tie tolerance. :func:`save_plan` writes it as versioned JSON,
+    :func:`load_plan` reads it back, :func:`apply_plan` wraps a model as it says.
+    ``compiled`` is set for a plan made for ``torch.compile`` (its backend and
+    PyTorch's ``activation_memory_budget``), None otherwise.
+    """
+
     budget_bytes: int
     layers: list[LayerPlan]
     budget: str = ""
@@ -230,7 +247,8 @@ def partitioner_option(kept: tuple[str, ...] | list[str]) -> str:
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
-    """Write ``plan`` as indented JSON."""
+    """Write ``plan`` as indented, versioned JSON (the directory is created). Read it
+    back with :func:`load_plan`; ``recomp plan --json`` writes the same format."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     with open(path, "w") as f:
@@ -239,7 +257,9 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
 
 
 def load_plan(source: str | os.PathLike[str] | dict[str, Any] | Plan) -> Plan:
-    """A plan from a JSON file path, a dict, or a :class:`Plan` (returned as is)."""
+    """A plan from a JSON file path, a dict, or a :class:`Plan` (returned as is).
+
+    Raises :class:`PlanFormatError` for a file of a version this recomp cannot read."""
     if isinstance(source, Plan):
         return source
     if isinstance(source, dict):

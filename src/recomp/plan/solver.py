@@ -65,6 +65,9 @@ class LayerOptions:
 
 @dataclass(frozen=True)
 class Solution:
+    """What :func:`solve` returns: ``choice[i]``, the index of the option chosen for
+    layer ``i``, and the plan's total kept bytes, replay seconds and replay FLOPs."""
+
     choice: tuple[int, ...]
     kept_bytes: int
     replay_s: float

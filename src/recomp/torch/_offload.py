@@ -97,6 +97,7 @@ class _Stored:
         "group",
         "host",
         "in_place",
+        "label",
         "nbytes",
         "offloader",
         "reads",
@@ -130,6 +131,8 @@ class _Stored:
         # once refilled (or never emptied, the backward having come first).
         self.in_place: Any = None
         self.back = False
+        # What the caller called it (``swap_tensor_wrapper``'s tag), for the trace.
+        self.label: str | None = None
 
     def changed(self) -> bool:
         src = self.source
@@ -193,13 +196,18 @@ class OffloadGroup:
         self.chained_pass: int | None = None
 
     def put(
-        self, t: torch.Tensor, force: bool = False, in_place: bool = False
+        self,
+        t: torch.Tensor,
+        force: bool = False,
+        in_place: bool = False,
+        label: str | None = None,
     ) -> OffloadHandle | None:
         """Start copying ``t``'s storage to the host; None if ``t`` stays where it is
         (below the size threshold unless ``force``, not on an offloaded device, not a
         plain tensor). ``force``: a swap policy chose ``t`` (``recomp.torch._swap``).
         ``in_place``: the storage itself is emptied once copied, and refilled by
-        :meth:`bring_back_in_place` (tensors the caller keeps, ``swap_tensor_wrapper``)."""
+        :meth:`bring_back_in_place` (tensors the caller keeps, ``swap_tensor_wrapper``).
+        ``label``: the tensor's name in the trace (``group/label``)."""
         off = self.offloader
         if not off._eligible(t, force):
             return None
@@ -213,6 +221,7 @@ class OffloadGroup:
                 stored = off._copy_out(self, source, t.untyped_storage() if in_place else None)
             self.sources[key] = (source, stored)
             self.records.append(weakref.ref(stored))
+            stored.label = label
         stored.views += 1
         return OffloadHandle(stored, t)
 
@@ -564,7 +573,8 @@ def _host_buffer(group: OffloadGroup, stored: _Stored) -> torch.Tensor:
 
 def _group_name(stored: _Stored) -> str:
     group = stored.group()
-    return "?" if group is None else group.name
+    name = "?" if group is None else group.name
+    return name if stored.label is None else f"{name}/{stored.label}"
 
 
 def _event(timing: bool) -> Any:

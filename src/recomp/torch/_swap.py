@@ -42,7 +42,6 @@ import contextlib
 import functools
 import inspect
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,11 +50,13 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .._engine import ComposedContext
-from .._hooks import CallPart, CheckpointCallView, Stage
+from .._hooks import CallPart
+from .._op_policy import FreshMode, KeptOutput, OpCalls, SelectivePart
 from .._policy import CheckpointPolicy, SwapPolicyError, as_policy, tensor_swapped
-from .._swap_pairs import ScopeSlot, SwapManagerBase
+from .._swap_pairs import OwnScopes, ScopeSlot, SwapHooks, SwapManagerBase, SwapWrappers
 from ..errors import RecompError
 from . import _compat
+from ._backend import BACKEND
 from ._offload import Offloader, OffloadHandle, default_offloader
 from ._plain import PlainFunction
 
@@ -151,8 +152,9 @@ class SwapScope:
         self.offloader = offloader
         self.layer = layer
         self.pending: list[_Kept] = []
-        # Tensors the caller keeps (``swap_tensor_wrapper``): emptied and refilled in place.
-        self.in_place: list[torch.Tensor] = []
+        # Tensors the caller keeps (``swap_tensor_wrapper``), with their tags: emptied
+        # and refilled in place.
+        self.in_place: list[tuple[torch.Tensor, str | None]] = []
 
     def keep(self, tensor: torch.Tensor, allow_mutation: bool = False) -> _Kept:
         kept = _Kept(tensor, allow_mutation)
@@ -208,7 +210,9 @@ class SwapScope:
         self.in_place = []
 
 
-def _put_in_place(group: Any, tensors: list[torch.Tensor], outputs: Any, protected: set[Any]) -> None:
+def _put_in_place(
+    group: Any, tensors: list[tuple[torch.Tensor, str | None]], outputs: Any, protected: set[Any]
+) -> None:
     """Empty the storages of ``tensors`` once copied; refill them when the gradient of the
     layer's output is computed (the start of its backward). With no output that needs a
     gradient there is no such moment: they stay."""
@@ -216,10 +220,10 @@ def _put_in_place(group: Any, tensors: list[torch.Tensor], outputs: Any, protect
     if anchor is None:
         return
     handles = []
-    for t in tensors:
+    for t, tag in tensors:
         if _compat.storage_key(t) in protected:
             continue
-        handle = group.put(t, force=True, in_place=True)
+        handle = group.put(t, force=True, in_place=True, label=tag)
         if handle is not None:
             handles.append(handle)
     if not handles:
@@ -335,7 +339,6 @@ def _bucket(group: Any, moving: list[_Kept]) -> list[_Kept]:
 
 _SCOPES = ScopeSlot("recomp_swap_scope")
 current_scope = _SCOPES.current
-_scope_active = _SCOPES.active
 
 
 def _tensors_in(tree: Any) -> Iterator[torch.Tensor]:
@@ -375,32 +378,20 @@ class AsyncSaveOnCpu(torch.autograd.graph.saved_tensors_hooks):
         if policy_fn is not None and not callable(policy_fn):
             raise TypeError(f"policy_fn must be callable or None, got {policy_fn!r}.")
         self.policy_fn = policy_fn
-        self.own_scopes: list[tuple[SwapScope, Any]] = []
-        self.swap_options = (group_swap, cpu_pool)
+        self.own = OwnScopes(
+            _SCOPES,
+            lambda: SwapScope("async_save_on_cpu", group_swap=group_swap, cpu_pool=cpu_pool),
+        )
         super().__init__(self.pack_to_host, self.unpack_from_host)
 
     def __enter__(self) -> None:
-        if current_scope() is None:
-            # No layer around it: the block is the scope, finished when it ends.
-            group_swap, cpu_pool = self.swap_options
-            scope = SwapScope("async_save_on_cpu", group_swap=group_swap, cpu_pool=cpu_pool)
-            manager = _scope_active(scope)
-            manager.__enter__()
-            self.own_scopes.append((scope, manager))
-        else:
-            self.own_scopes.append((None, None))  # type: ignore[arg-type]
+        # No layer around it: the block is the scope, finished when it ends.
+        self.own.enter()
         super().__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
         super().__exit__(*exc_info)
-        scope, manager = self.own_scopes.pop()
-        if scope is None:
-            return
-        try:
-            if exc_info[0] is None:
-                scope.finish(None)
-        finally:
-            manager.__exit__(*exc_info)
+        self.own.exit(*exc_info)
 
     def pack_to_host(self, t: torch.Tensor) -> Any:
         if _stays_on_device(t):
@@ -445,44 +436,47 @@ def _check_swap_options(group_swap: Any, cpu_pool: Any) -> None:
 # --------------------------------------------------------------------------- per op
 
 
-class _SwapEntry:
-    """The kept output of one ``MUST_SWAP`` op call: its structure with :class:`_Kept`
-    leaves (filled once the op has run)."""
-
-    __slots__ = ("out",)
-
-    def __init__(self) -> None:
-        self.out: Any = None
-
-    def fill(self, out: Any, scope: SwapScope, allow_mutation: bool, detach: Any) -> None:
-        def keep(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                return scope.keep(detach(x), allow_mutation)
-            return x
-
-        self.out = _map_out(keep, out)
-
-    def get(self) -> Any:
-        return _map_out(lambda x: x.get() if isinstance(x, _Kept) else x, self.out)
-
-
-def _map_out(fn: Callable[[Any], Any], out: Any) -> Any:
-    if isinstance(out, (list, tuple)) and not hasattr(out, "_fields"):
-        return type(out)(fn(x) for x in out)
-    return fn(out)
-
-
 class _SwapState:
     """Shared by the forward tap, the replay tap and the policy PyTorch calls: for each
     op, the forward's calls that PyTorch does not cache, in order (None: recomputed;
-    a :class:`_SwapEntry`: kept by recomp)."""
+    a :class:`KeptOutput`: kept by recomp). With early stop, what an op's output was
+    kept after the forward's last saved tensor is dropped when the forward ends: no
+    replay reaches that op, so its output is neither moved nor brought back."""
 
     def __init__(self, allow_mutation: bool) -> None:
         self.allow_mutation = allow_mutation
-        self.calls: dict[Any, list[_SwapEntry | None]] = {}
-        self.swapped = False  # some op's output is kept by recomp
-        self.waiting: tuple[Any, _SwapEntry, SwapScope] | None = None
+        self.calls = OpCalls()
+        self.waiting: tuple[Any, KeptOutput, SwapScope] | None = None
         self.detach = _compat.version_sharing_detach() or (lambda t: t.detach())
+        # The checkpoint's save counter where its replay stops early (else None), and
+        # each kept output with the number of tensors saved before its op's own saves.
+        self.saves: Callable[[], int] | None = None
+        self.kept_at: list[tuple[int, KeptOutput]] = []
+
+    def __enter__(self) -> None:
+        # The forward begins directly under the checkpoint's saved-tensors hook.
+        self.saves = BACKEND.save_counter()
+        self.kept_at = []
+
+    def __exit__(self, *exc_info: Any) -> None:
+        saves, self.saves = self.saves, None
+        kept_at, self.kept_at = self.kept_at, []
+        if saves is None or exc_info[0] is not None:
+            return
+        total = saves()
+        for before, entry in kept_at:
+            if before >= total:  # the replay stops before this op runs
+                entry.fill(entry.out, _drop)
+
+    def fill(self, entry: KeptOutput, out: Any, scope: SwapScope) -> None:
+        detach, allow_mutation = self.detach, self.allow_mutation
+
+        def keep(x: Any) -> Any:
+            return scope.keep(detach(x), allow_mutation) if isinstance(x, torch.Tensor) else x
+
+        entry.fill(out, keep)
+        if self.saves is not None:
+            self.kept_at.append((self.saves(), entry))
 
     def chose(self, ctx: Any, op: Any, policy: CheckpointPolicy) -> None:
         if getattr(ctx, "is_recompute", False):
@@ -495,15 +489,14 @@ class _SwapState:
                     f"use recomp.torch.checkpoint(..., policy_fn=...) or checkpoint_wrapper "
                     f"(recomp.torch's, not torch.utils.checkpoint's) around it."
                 )
-            entry = _SwapEntry()
-            self.calls.setdefault(op, []).append(entry)
-            self.swapped = True
+            entry = KeptOutput()
+            self.calls.add(op, entry)
             if hasattr(ctx, "op_output"):  # PyTorch asks after the op ran
-                entry.fill(ctx.op_output, scope, self.allow_mutation, self.detach)
+                self.fill(entry, ctx.op_output, scope)
             else:  # before: the forward tap fills it
                 self.waiting = (op, entry, scope)
         elif policy in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
-            self.calls.setdefault(op, []).append(None)
+            self.calls.add(op, None)
 
 
 class _SwapTap(_compat.TorchDispatchMode):
@@ -513,10 +506,10 @@ class _SwapTap(_compat.TorchDispatchMode):
         super().__init__()
         self.state = state
         self.replay = replay
-        self.counters: dict[Any, int] = {}
+        self.cursor = state.calls.cursor()
 
     def __enter__(self) -> Any:
-        self.counters = {}
+        self.cursor = self.state.calls.cursor()
         return super().__enter__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -529,15 +522,23 @@ class _SwapTap(_compat.TorchDispatchMode):
             waiting = state.waiting
             if waiting is not None and waiting[0] is func:
                 state.waiting = None
-                waiting[1].fill(out, waiting[2], state.allow_mutation, state.detach)
+                state.fill(waiting[1], out, waiting[2])
             return out
-        calls = state.calls.get(func)
-        index = self.counters.get(func, 0)
-        self.counters[func] = index + 1
-        entry = calls[index] if calls is not None and index < len(calls) else None
+        entry = self.cursor.next(func)
         if entry is None:
             return func(*args, **kwargs)
-        return entry.get()  # kept by the forward: not recomputed
+        return entry.get(_read)  # kept by the forward: not recomputed
+
+
+def _read(x: Any) -> Any:
+    return x.get() if isinstance(x, _Kept) else x
+
+
+def _drop(x: Any) -> Any:
+    """A kept output no replay reads: its scope does not move it (nothing left to move)."""
+    if isinstance(x, _Kept):
+        x.tensor = None
+    return x
 
 
 _compat.register_selective_mode_type(_SwapTap)
@@ -597,33 +598,15 @@ def _selective_contexts(user: Any, allow_cache_entry_mutation: bool, compiled: b
     # if some op was swapped.
     if not _POLICY_SEES_OUTPUT:
         forward = ComposedContext(None, _SwapTap(state, replay=False), forward)
-    return forward, ComposedContext(None, _ReplayTap(state), replay)
+    # The replay's tap is on the mode stack only if the forward swapped something.
+    replay_tap = FreshMode(lambda: _SwapTap(state, replay=True), only_if=state.calls)
+    return ComposedContext(None, state, forward), ComposedContext(None, replay_tap, replay)
 
 
 #: PyTorch (2.14 on) runs the op before asking the policy and hands it the output.
 _POLICY_SEES_OUTPUT = "op_output" in inspect.signature(
     torch.utils.checkpoint.SelectiveCheckpointContext
 ).parameters
-
-
-class _ReplayTap:
-    """The replay's tap, on the mode stack only if the forward swapped something."""
-
-    def __init__(self, state: _SwapState) -> None:
-        self.state = state
-        self.entered: list[_SwapTap | None] = []
-
-    def __enter__(self) -> None:
-        tap = None
-        if self.state.swapped:
-            tap = _SwapTap(self.state, replay=True)
-            tap.__enter__()
-        self.entered.append(tap)
-
-    def __exit__(self, *exc_info: Any) -> None:
-        tap = self.entered.pop()
-        if tap is not None:
-            tap.__exit__(*exc_info)
 
 
 def _under_compile(args: tuple[Any, ...]) -> bool:
@@ -662,23 +645,6 @@ def get_class_activation_wrapper() -> type:
 
 
 # --------------------------------------------------------------------------- checkpoint
-
-
-class _Selective(CallPart):
-    """``policy_fn=`` of a recomp checkpoint: selective checkpointing, before the user's
-    ``context_fn`` (HyperParallel's order)."""
-
-    stage = Stage.USER
-
-    def __init__(self, policy_fn: Any, group_swap: bool, cpu_pool: Any) -> None:
-        self.policy_fn = policy_fn
-        self.group_swap = group_swap
-        self.cpu_pool = cpu_pool
-
-    def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
-        return create_selective_checkpoint_contexts(
-            self.policy_fn, group_swap=self.group_swap, cpu_pool=self.cpu_pool
-        )
 
 
 class CheckpointSwap:
@@ -725,30 +691,29 @@ class CheckpointSwap:
     def part(self) -> CallPart | None:
         if self.policy_fn is None:
             return None  # group_swap without a policy: no selective checkpointing
-        return _Selective(self.policy_fn, self.group_swap, self.cpu_pool)
-
-    @contextlib.contextmanager
-    def scope(self, function: Any, context_fn: Any) -> Iterator[Callable[[Any], Any]]:
-        """Around the framework's checkpoint of ``function``: yields ``finish(outputs)``."""
-        if self.policy_fn is None and not self.swap_inputs and context_fn is None:
-            yield _identity
-            return
-        layer = getattr(function, "__self__", None)
-        layer = layer if isinstance(layer, nn.Module) else None
-        scope = SwapScope(
-            group_swap=self.group_swap, cpu_pool=self.cpu_pool, layer=layer, function=function
+        return SelectivePart(
+            functools.partial(
+                create_selective_checkpoint_contexts,
+                self.policy_fn,
+                group_swap=self.group_swap,
+                cpu_pool=self.cpu_pool,
+            )
         )
 
-        def finish(out: Any) -> Any:
-            scope.finish(out)
-            return out
-
-        with _scope_active(scope):
-            if self.swap_inputs:
-                with async_save_on_cpu(group_swap=self.group_swap, cpu_pool=self.cpu_pool):
-                    yield finish
-            else:
-                yield finish
+    def scope(self, function: Any, context_fn: Any) -> contextlib.AbstractContextManager[Any]:
+        """Around the framework's checkpoint of ``function``: yields ``finish(outputs)``."""
+        if self.policy_fn is None and not self.swap_inputs and context_fn is None:
+            return contextlib.nullcontext(_identity)
+        scope = SwapScope(
+            group_swap=self.group_swap,
+            cpu_pool=self.cpu_pool,
+            layer=BACKEND.module_of(function),
+            function=function,
+        )
+        hooks = None
+        if self.swap_inputs:
+            hooks = async_save_on_cpu(group_swap=self.group_swap, cpu_pool=self.cpu_pool)
+        return _SCOPES.layer_call(scope, hooks)
 
 
 def _identity(out: Any) -> Any:
@@ -774,54 +739,29 @@ def swap(
         raise ValueError("recomp.torch.swap does not run under torch.compile (eager only).")
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    layer = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
-    layer = layer if isinstance(layer, nn.Module) else None
-    scope = SwapScope(group_swap=group_swap, cpu_pool=cpu_pool, layer=layer, function=function)
-    with _scope_active(scope), async_save_on_cpu(policy_fn, group_swap, cpu_pool):
-        out = function(*args, **kwargs)
-        scope.finish(out)
-    return out
+    with _swapped_call(policy_fn, group_swap, cpu_pool, function) as finish:
+        return finish(function(*args, **kwargs))
 
 
-class _SwapHooks:
-    """The forward hooks ``swap_wrapper`` puts on a module."""
+def _swapped_call(
+    policy_fn: Any, group_swap: bool, cpu_pool: Any, function: Any
+) -> contextlib.AbstractContextManager[Any]:
+    """One call of ``function`` as a swap scope, with the per-tensor hooks."""
+    scope = SwapScope(
+        group_swap=group_swap,
+        cpu_pool=cpu_pool,
+        layer=BACKEND.module_of(function),
+        function=function,
+    )
+    return _SCOPES.layer_call(scope, async_save_on_cpu(policy_fn, group_swap, cpu_pool))
 
-    def __init__(self, policy_fn: Any, group_swap: bool, cpu_pool: Any) -> None:
-        self.policy_fn = policy_fn
-        self.group_swap = group_swap
-        self.cpu_pool = cpu_pool
-        self.active: list[tuple[SwapScope, Any, Any]] = []
-        self.handles: list[Any] = []
 
-    def before(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled() or is_compiling():
-            self.active.append((None, None, None))  # type: ignore[arg-type]
-            return
-        scope = SwapScope(
-            group_swap=self.group_swap, cpu_pool=self.cpu_pool, layer=module, function=module
-        )
-        active = _scope_active(scope)
-        active.__enter__()
-        hooks = async_save_on_cpu(self.policy_fn, self.group_swap, self.cpu_pool)
-        hooks.__enter__()
-        self.active.append((scope, active, hooks))
-
-    def after(self, module: nn.Module, args: Any, output: Any) -> None:
-        scope, active, hooks = self.active.pop()
-        if scope is None:
-            return
-        hooks.__exit__(None, None, None)
-        try:
-            if output is None:  # the forward raised (an always-called hook) or returned nothing
-                scope.abort()
-            else:
-                scope.finish(output)
-        finally:
-            active.__exit__(None, None, None)
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+def _wrapped_call(
+    policy_fn: Any, group_swap: bool, cpu_pool: Any, module: nn.Module
+) -> contextlib.AbstractContextManager[Any] | None:
+    if not torch.is_grad_enabled() or is_compiling():
+        return None
+    return _swapped_call(policy_fn, group_swap, cpu_pool, module)
 
 
 def swap_wrapper(
@@ -842,33 +782,19 @@ def swap_wrapper(
         if not callable(module):
             raise TypeError(f"swap_wrapper needs a module or a function, got {module!r}.")
         module = PlainFunction(module)
-    old = _WRAPPED.pop(module, None)
-    if old is not None:
-        old.remove()
-    hooks = _SwapHooks(policy_fn, group_swap, cpu_pool)
-    hooks.handles = [
-        module.register_forward_pre_hook(hooks.before),
-        module.register_forward_hook(hooks.after, always_call=True),
-    ]
-    _WRAPPED[module] = hooks
-    return module
+    hooks = SwapHooks(functools.partial(_wrapped_call, policy_fn, group_swap, cpu_pool))
+    return _WRAPPED.install(module, hooks)
 
 
 def unwrap_swaps(module: Any) -> bool:
     """Remove what :func:`swap_wrapper` put on ``module`` and on the modules below it;
     whether there was any."""
-    if not isinstance(module, nn.Module) or not _WRAPPED:
+    if not isinstance(module, nn.Module):
         return False
-    removed = False
-    for sub in module.modules():
-        hooks = _WRAPPED.pop(sub, None)
-        if hooks is not None:
-            hooks.remove()
-            removed = True
-    return removed
+    return _WRAPPED.remove(module.modules())
 
 
-_WRAPPED: weakref.WeakKeyDictionary[nn.Module, _SwapHooks] = weakref.WeakKeyDictionary()
+_WRAPPED = SwapWrappers()
 
 
 def swap_tensor_wrapper(
@@ -880,8 +806,9 @@ def swap_tensor_wrapper(
     returns their storages are copied to the host and emptied in place; the start of
     the layer's backward (the gradient of its output) refills them. Parameters and
     what shares storage with the layer's output stay. Outside a recomp checkpoint,
-    ``swap`` or swap wrapper call, nothing happens. ``tag`` is accepted for
-    HyperParallel's signature."""
+    ``swap`` or swap wrapper call, nothing happens. ``tag`` (HyperParallel's debug tag)
+    names the tensors in the offloader's trace (``recomp._testing.offload_events``:
+    ``<group>/<tag>``)."""
     _check_swap_options(group_swap, cpu_pool)
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"tag must be a str or None, got {tag!r}.")
@@ -890,7 +817,7 @@ def swap_tensor_wrapper(
         return target
     for t in _tensors_in(target):
         if not _stays_on_device(t):
-            scope.in_place.append(t)
+            scope.in_place.append((t, tag))
     return target
 
 
@@ -913,18 +840,8 @@ class SwapManager(SwapManagerBase):
     def _started(self) -> None:
         self.installed = None
 
-    def prefetch_on_backward(self, layer: nn.Module | None, outputs: Any) -> None:
-        """When the gradient of ``layer``'s output is computed, bring back the group of
-        the layer paired before it."""
-
-        def hook(bring_back: Callable[[], None]) -> bool:
-            for t in _tensors_in(outputs):
-                if t.requires_grad:
-                    t.register_hook(lambda grad: bring_back())
-                    return True
-            return False
-
-        self.on_backward(layer, outputs, hook)
+    def grad_outputs(self, outputs: Any) -> Iterator[torch.Tensor]:
+        return (t for t in _tensors_in(outputs) if t.requires_grad)
 
     def group_recorded(self, layer: nn.Module | None, group: Any) -> None:
         super().group_recorded(layer, group)

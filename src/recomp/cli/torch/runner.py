@@ -156,7 +156,8 @@ def _profile(
             def keep(module: nn.Module) -> bool:
                 return id(module) in children
 
-        return profile(torch.compile(model, backend=config.compile), x, loss_fn, keep=keep)
+        compiled: Any = torch.compile(model, backend=config.compile)  # an OptimizedModule
+        return profile(compiled, x, loss_fn, keep=keep)
     return profile(model, x, loss_fn, clock=plan_clock(config), optimizer=sgd)
 
 
