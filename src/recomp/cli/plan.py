@@ -101,10 +101,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="also print the profile: per layer and candidate region, bytes, time, FLOPs",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--simulate",
+        metavar="MODEL",
+        help="plan a published model at full size on fake tensors instead (Llama-3.1, "
+        "Mixtral, DeepSeek-V3, Qwen3-MoE; no GPU needed): see recomp plan --simulate MODEL "
+        "--help",
+    )
     return p
 
 
+def simulating(argv: list[str]) -> bool:
+    """Whether a command line is ``recomp plan --simulate MODEL ...``."""
+    return any(a == "--simulate" or a.startswith("--simulate=") for a in argv)
+
+
+def parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser that reads ``argv``: ``recomp plan --simulate``'s own, or this one."""
+    if simulating(argv):
+        from .plan_simulate import build_parser as simulate_parser
+
+        return simulate_parser()
+    return build_parser()
+
+
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if simulating(given):
+        from .plan_simulate import main as simulate_main
+
+        return simulate_main(given)
     parser = build_parser()
     args = parser.parse_args(argv)
     config, strategy = plan_config(parser, args)

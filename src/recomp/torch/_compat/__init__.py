@@ -51,6 +51,9 @@ with one test per entry that fails when PyTorch changes underneath.
 ``hf``
     transformers' private layer and model attributes: for the Hugging Face integration
     and the planner's layer finder.
+``kernels``
+    ATen's FlashAttention op, grouped matrix multiplies and a transformers config's
+    attention setting: for the simulated published models (``recomp.plan.models``).
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ from .hf import (
     is_hf_checkpoint_call,
     set_hf_checkpoint_function,
 )
+from .kernels import flash_attention_forward, grouped_mm, set_hf_attention
 from .pipelining import pipeline_actions, schedule_names
 from .pytree import pytree_generation, pytree_node
 from .saved_tensors import (
@@ -163,8 +167,10 @@ __all__ = [
     "fake_tensor_mode",
     "fake_tensor_type",
     "finish_failed_checkpoint",
+    "flash_attention_forward",
     "graph_task_id",
     "group_size",
+    "grouped_mm",
     "hf_checkpoint_function",
     "hf_layer_keeps_cache",
     "hf_no_split_modules",
@@ -203,6 +209,7 @@ __all__ = [
     "schedule_names",
     "selective_checkpoint_storage",
     "separate_backend",
+    "set_hf_attention",
     "set_hf_checkpoint_function",
     "storage_key",
     "swap_module_tensor",

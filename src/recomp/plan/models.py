@@ -1,0 +1,666 @@
+"""Models of real size for ``recomp.plan.simulate`` and ``recomp plan --simulate``.
+
+Each model is a Hugging Face transformers config class filled with the dimensions its
+authors published (the ``config.json`` of the released checkpoint, cited per entry), built
+in code: nothing is downloaded, and under ``simulate``'s fake tensors nothing is allocated.
+:class:`SimulatedModel` gives the ``build(mesh)`` and ``inputs(mesh)`` that ``simulate``
+takes, with a tensor-parallel plan written with ``torch.distributed.tensor.parallel``
+(Megatron-style: column-parallel Q/K/V and MLP input projections, row-parallel output
+projections, optionally sequence parallelism on the norms), and expert parallelism for
+the routed experts of mixture-of-experts models.
+
+Fewer layers than the model has can be built (``layers=``): the simulated model keeps one
+layer of each kind (a dense layer and a mixture-of-experts one for DeepSeek-V3) and
+:meth:`SimulatedModel.scale_profile` repeats each simulated layer's profile for the
+layers of its kind in the full model (identical layers save identical bytes).
+
+What is modelled, and how (the limits are written here and in docs/tools/plan-simulate.md):
+
+* routed experts run as one grouped matrix multiply per projection
+  (``torch.nn.functional.grouped_mm``, as torchtitan and transformers' ``grouped_mm``
+  experts do), so that the bytes do not depend on which experts the router picks;
+* expert parallelism of degree ``ep``: each rank holds ``num_experts / ep`` experts and
+  receives, as a balanced all-to-all would deliver, ``tokens x top_k`` token-expert
+  pairs; the all-to-all itself is not simulated (its received buffer is the grouped
+  input the rank keeps);
+* under tensor parallelism a mixture-of-experts block runs on this rank's share of the
+  sequence (sequence parallelism is required there), the router and shared experts
+  replicated;
+* the output head is column-parallel and its logits gathered for the loss (no loss
+  parallelism): they count outside the layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..torch import _compat
+
+#: transformers' model families used here.
+_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A published model: its family, the config values of its release, where they come
+    from, and the parameter count of the transformers model built from them (embeddings
+    and output head included; DeepSeek-V3's multi-token-prediction module, which the
+    transformers model does not build, excluded)."""
+
+    name: str
+    family: str
+    values: dict[str, Any]
+    source: str
+    parameters: int
+    note: str = ""
+
+    @property
+    def moe(self) -> bool:
+        return self.family != "llama"
+
+
+_LLAMA_31 = {
+    "vocab_size": 128256,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 131072,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+
+#: The models, by name. Parameter counts: the published totals (the Hub's safetensors
+#: metadata), which the tests check against the built model exactly.
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            "llama-3.1-8b",
+            "llama",
+            {
+                **_LLAMA_31,
+                "hidden_size": 4096,
+                "intermediate_size": 14336,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+            },
+            "https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json",
+            8_030_261_248,
+        ),
+        ModelSpec(
+            "llama-3.1-70b",
+            "llama",
+            {
+                **_LLAMA_31,
+                "hidden_size": 8192,
+                "intermediate_size": 28672,
+                "num_hidden_layers": 80,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 8,
+            },
+            "https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json",
+            70_553_706_496,
+        ),
+        ModelSpec(
+            "llama-3.1-405b",
+            "llama",
+            {
+                **_LLAMA_31,
+                "hidden_size": 16384,
+                "intermediate_size": 53248,
+                "num_hidden_layers": 126,
+                "num_attention_heads": 128,
+                "num_key_value_heads": 8,
+            },
+            "https://huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json",
+            405_853_388_800,
+        ),
+        ModelSpec(
+            "mixtral-8x22b",
+            "mixtral",
+            {
+                "vocab_size": 32000,
+                "hidden_size": 6144,
+                "intermediate_size": 16384,
+                "num_hidden_layers": 56,
+                "num_attention_heads": 48,
+                "num_key_value_heads": 8,
+                "num_local_experts": 8,
+                "num_experts_per_tok": 2,
+                "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 65536,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                "tie_word_embeddings": False,
+            },
+            "https://huggingface.co/mistralai/Mixtral-8x22B-v0.1/blob/main/config.json",
+            140_620_634_112,
+        ),
+        ModelSpec(
+            "deepseek-v3",
+            "deepseek_v3",
+            {
+                "vocab_size": 129280,
+                "hidden_size": 7168,
+                "intermediate_size": 18432,
+                "moe_intermediate_size": 2048,
+                "num_hidden_layers": 61,
+                "num_attention_heads": 128,
+                "num_key_value_heads": 128,
+                "n_shared_experts": 1,
+                "n_routed_experts": 256,
+                "routed_scaling_factor": 2.5,
+                "kv_lora_rank": 512,
+                "q_lora_rank": 1536,
+                "qk_rope_head_dim": 64,
+                "v_head_dim": 128,
+                "qk_nope_head_dim": 128,
+                "n_group": 8,
+                "topk_group": 4,
+                "num_experts_per_tok": 8,
+                "first_k_dense_replace": 3,
+                "norm_topk_prob": True,
+                "max_position_embeddings": 163840,
+                "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": False,
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 40.0,
+                    "original_max_position_embeddings": 4096,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                },
+            },
+            "https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json",
+            671_026_404_352,
+            note="published as 671B (the paper; the exact count here is the config's); the 61 "
+            "layers of the main model, whose released "
+            "checkpoint's 685B add the multi-token-prediction module (14B)",
+        ),
+        ModelSpec(
+            "qwen3-30b-a3b",
+            "qwen3_moe",
+            {
+                "vocab_size": 151936,
+                "hidden_size": 2048,
+                "intermediate_size": 6144,
+                "moe_intermediate_size": 768,
+                "num_hidden_layers": 48,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 4,
+                "head_dim": 128,
+                "num_experts": 128,
+                "num_experts_per_tok": 8,
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 40960,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                "tie_word_embeddings": False,
+            },
+            "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json",
+            30_532_122_624,
+        ),
+        ModelSpec(
+            "qwen3-235b-a22b",
+            "qwen3_moe",
+            {
+                "vocab_size": 151936,
+                "hidden_size": 4096,
+                "intermediate_size": 12288,
+                "moe_intermediate_size": 1536,
+                "num_hidden_layers": 94,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 4,
+                "head_dim": 128,
+                "num_experts": 128,
+                "num_experts_per_tok": 8,
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 40960,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                "tie_word_embeddings": False,
+            },
+            "https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json",
+            235_093_634_560,
+        ),
+    )
+}
+
+
+def model_names() -> list[str]:
+    return list(MODELS)
+
+
+def spec(name: str) -> ModelSpec:
+    """The model called ``name`` (case-insensitive), or a ``KeyError`` naming the known ones."""
+    key = name.lower()
+    if key not in MODELS:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    return MODELS[key]
+
+
+def _classes(family: str) -> tuple[Any, Any]:
+    """The config and causal-LM classes, from their own modules (importing them through
+    ``transformers``' top level first indexes every model it has: seconds)."""
+    import importlib
+
+    config_name, model_name = _FAMILIES[family]
+    package = f"transformers.models.{family}"
+    config_module = importlib.import_module(f"{package}.configuration_{family}")
+    model_module = importlib.import_module(f"{package}.modeling_{family}")
+    return getattr(config_module, config_name), getattr(model_module, model_name)
+
+
+def layer_kinds(model: ModelSpec | str, num_layers: int | None = None) -> list[str]:
+    """Per layer of the model (or of its first ``num_layers``): ``"dense"`` or ``"moe"``."""
+    s = spec(model) if isinstance(model, str) else model
+    n = s.values["num_hidden_layers"] if num_layers is None else num_layers
+    if s.family == "llama":
+        return ["dense"] * n
+    if s.family == "deepseek_v3":
+        k = s.values["first_k_dense_replace"]
+        return ["dense" if i < k else "moe" for i in range(n)]
+    if s.family == "qwen3_moe":
+        step, only = s.values["decoder_sparse_step"], set(s.values["mlp_only_layers"])
+        return ["moe" if i not in only and (i + 1) % step == 0 else "dense" for i in range(n)]
+    return ["moe"] * n
+
+
+def hf_config(model: ModelSpec | str, num_layers: int | None = None) -> Any:
+    """The transformers config of the model, with ``num_layers`` layers if given (keeping
+    at least one layer of each kind the full model has: for DeepSeek-V3 its dense layers
+    become ``min(3, num_layers - 1)``). Attention runs through the FlashAttention kernel
+    (:func:`flash_attention`)."""
+    s = spec(model) if isinstance(model, str) else model
+    values = dict(s.values)
+    if num_layers is not None:
+        kinds = sorted(set(layer_kinds(s)))
+        if num_layers < len(kinds):
+            raise ValueError(
+                f"{s.name} has layers of kinds {kinds}: simulate at least {len(kinds)} layers"
+            )
+        values["num_hidden_layers"] = num_layers
+        if s.family == "deepseek_v3":
+            values["first_k_dense_replace"] = min(values["first_k_dense_replace"], num_layers - 1)
+    config_class, _ = _classes(s.family)
+    config = config_class(**values)
+    _compat.set_hf_attention(config, register_flash_attention())
+    return config
+
+
+def parameter_count(model: ModelSpec | str, num_layers: int | None = None) -> int:
+    """Parameters of the transformers model, built on the meta device (no memory)."""
+    s = spec(model) if isinstance(model, str) else model
+    _, model_class = _classes(s.family)
+    with torch.device("meta"):
+        built = model_class(hf_config(s, num_layers))
+    return sum(p.numel() for p in built.parameters())
+
+
+#: The name under which :func:`flash_attention` is registered with transformers.
+FLASH_ATTENTION = "recomp_fa"  # (a name with "flash" in it sends transformers to flash-attn)
+
+
+def register_flash_attention() -> str:
+    """Register :func:`flash_attention` with transformers' attention functions (once)
+    and return its name, for ``config._attn_implementation``."""
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    if FLASH_ATTENTION not in AttentionInterface():
+        AttentionInterface.register(FLASH_ATTENTION, flash_attention)
+        # The mask: none without padding, as for transformers' flash attention.
+        AttentionMaskInterface.register(FLASH_ATTENTION, flash_attention_mask)
+    return FLASH_ATTENTION
+
+
+def flash_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention through ATen's FlashAttention op, the kernel a training run on a
+    recent GPU takes. PyTorch's ``scaled_dot_product_attention`` chooses its kernel by
+    asking the device, which fake tensors without a driver cannot answer (it falls back
+    to the math kernel, which keeps the ``s x s`` scores); called directly, the op keeps
+    what FlashAttention keeps: the query, key and value, the output and the row-wise
+    log-sum-exp. Grouped key-value heads are passed as they are (as flash-attn keeps
+    them); a value head narrower than the query's (DeepSeek's MLA) is zero-padded to it,
+    as transformers' flash path does. Padding masks are not modelled (causal only)."""
+    q_dim, v_dim = query.shape[-1], value.shape[-1]
+    if v_dim < q_dim:
+        value = torch.nn.functional.pad(value, (0, q_dim - v_dim))
+    out = _compat.flash_attention_forward(
+        query, key, value, dropout if module.training else 0.0, scaling
+    )
+    return out[..., :v_dim].transpose(1, 2).contiguous(), None
+
+
+class GroupedExperts(nn.Module):
+    """Routed experts as grouped matrix multiplies: the weights of transformers' experts
+    (``gate_up_proj`` ``(E, 2I, H)``, ``down_proj`` ``(E, H, I)``) for this rank's
+    ``local`` experts, called as transformers' experts module is. Token-expert pairs are
+    sorted by expert and each projection is one ``grouped_mm`` over them, so the work
+    and the saved bytes depend on the number of pairs only. Under expert parallelism the
+    router's global expert ids are folded onto the local experts (``id % local``): the
+    pairs a balanced all-to-all delivers to this rank."""
+
+    def __init__(self, local: int, hidden: int, intermediate: int, act: Callable[..., Any]):
+        super().__init__()
+        self.local = local
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(local, hidden, intermediate))
+        self.act_fn = act
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        ids = (top_k_index.reshape(-1) % self.local).to(torch.int32)
+        order = torch.argsort(ids)
+        pairs = hidden_states[order // k].to(self.gate_up_proj.dtype)
+        # histc, not bincount: its output's shape does not depend on the data
+        counts = torch.histc(ids.float(), bins=self.local, min=0, max=self.local - 1)
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        gate_up = _compat.grouped_mm(pairs, self.gate_up_proj.transpose(-2, -1), offsets)
+        gate, up = gate_up.chunk(2, -1)
+        out = _compat.grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offsets)
+        out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        unsorted = torch.empty_like(out).index_copy_(0, order, out)
+        return unsorted.view(tokens, k, -1).sum(1).to(hidden_states.dtype)
+
+
+@dataclass
+class SimulatedModel:
+    """``build(mesh)`` and ``inputs(mesh)`` of one published model for ``simulate``.
+
+    ``layers``: layers built (None: all). ``tp``: tensor-parallel degree (the mesh's size
+    when a mesh is given); ``sp``: sequence parallelism on the norms and the residual
+    stream; ``ep``: expert-parallel degree of the routed experts (default: ``tp``).
+    ``batch`` and ``seq``: this rank's micro-batch (sequences and tokens each)."""
+
+    name: str
+    layers: int | None = None
+    batch: int = 1
+    seq: int = 4096
+    dtype: torch.dtype = torch.bfloat16
+    tp: int = 1
+    sp: bool = False
+    ep: int | None = None
+    device: str = "cuda"
+    spec: ModelSpec = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.spec = spec(self.name)
+        errors = self.check()
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    @property
+    def expert_parallel(self) -> int:
+        return self.tp if self.ep is None else self.ep
+
+    def check(self) -> list[str]:
+        """What does not go together, each with its fix."""
+        v, errors = self.spec.values, []
+        if self.tp < 1 or self.batch < 1 or self.seq < 1:
+            errors.append("tp, batch and seq are positive integers")
+            return errors
+        heads, kv = v["num_attention_heads"], v.get("num_key_value_heads", v["num_attention_heads"])
+        if heads % self.tp or kv % self.tp:
+            divisors = [t for t in (1, 2, 4, 8, 16, 32, 64) if heads % t == 0 and kv % t == 0]
+            errors.append(
+                f"{self.spec.name} has {heads} attention heads and {kv} key-value heads: "
+                f"--tp must divide both (one of {divisors})"
+            )
+        if self.sp and self.seq % self.tp:
+            errors.append(f"sequence parallelism splits --seq {self.seq} over --tp {self.tp}: "
+                          f"choose a multiple of {self.tp}")
+        if self.spec.moe:
+            experts = _num_experts(self.spec)
+            if experts % self.expert_parallel:
+                errors.append(
+                    f"{self.spec.name} has {experts} routed experts: --ep must divide it"
+                )
+            if self.tp > 1 and not self.sp:
+                errors.append(
+                    f"{self.spec.name} is a mixture of experts: under --tp its expert blocks "
+                    "run on this rank's share of the sequence, add --sp"
+                )
+        elif self.ep not in (None, 1):
+            errors.append(f"{self.spec.name} has no experts: drop --ep")
+        return errors
+
+    def config(self) -> Any:
+        return hf_config(self.spec, self.layers)
+
+    def kinds(self) -> list[str]:
+        """Per simulated layer, its kind."""
+        return _kinds_of(self.spec, self.config())
+
+    def full_kinds(self) -> list[str]:
+        return layer_kinds(self.spec)
+
+    # -- simulate's callables -------------------------------------------------------
+
+    def build(self, mesh: Any = None) -> nn.Module:
+        """The model on ``self.device`` in ``self.dtype`` (under ``simulate``'s fake mode:
+        fake tensors), parallelised over ``mesh`` (None: one rank)."""
+        _, model_class = _classes(self.spec.family)
+        config = self.config()
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_class(config)
+                if self.spec.moe:
+                    self._replace_experts(model, config)
+        finally:
+            torch.set_default_dtype(previous)
+        model.train()
+        if mesh is not None and mesh.size() > 1:
+            parallelize(model, mesh, self.spec, sp=self.sp)
+        return model
+
+    def inputs(self, mesh: Any = None) -> dict[str, Any]:
+        """This rank's micro-batch: token ids, labels (the model computes the loss) and
+        the positions (sequence parallelism embeds a share of the sequence, the rotary
+        embedding needs all of it)."""
+        vocab = self.spec.values["vocab_size"]
+        with torch.device(self.device):
+            ids = torch.randint(0, vocab, (self.batch, self.seq))
+            positions = torch.arange(self.seq).unsqueeze(0).expand(self.batch, -1)
+        return {"input_ids": ids, "labels": ids, "position_ids": positions, "use_cache": False}
+
+    def _replace_experts(self, model: nn.Module, config: Any) -> None:
+        local = _num_experts(self.spec) // self.expert_parallel
+        for module in model.modules():
+            experts = getattr(module, "experts", None)
+            if experts is None or not hasattr(experts, "gate_up_proj"):
+                continue
+            _, two_i, hidden = experts.gate_up_proj.shape
+            module.experts = GroupedExperts(local, hidden, two_i // 2, experts.act_fn)
+
+    # -- scaling ----------------------------------------------------------------------
+
+    def layer_counts(self) -> list[int]:
+        """Per simulated layer, how many layers of the full model its profile stands for:
+        the last simulated layer of each kind stands for the full model's layers of that
+        kind beyond the simulated ones before it."""
+        kinds, full = self.kinds(), self.full_kinds()
+        counts = [1] * len(kinds)
+        for kind in set(kinds):
+            last = max(i for i, k in enumerate(kinds) if k == kind)
+            counts[last] += full.count(kind) - kinds.count(kind)
+        return counts
+
+    def scale_profile(self, profile: Any) -> Any:
+        """The profile of the full model: each simulated layer's profile repeated for the
+        layers it stands for (:meth:`layer_counts`), renamed ``model.layers.<i>``, with its
+        neighbour-shared bytes; the profile's notes say so."""
+        counts = self.layer_counts()
+        if len(profile.layers) != len(counts):
+            raise ValueError(
+                f"the profile has {len(profile.layers)} layers, the simulated model "
+                f"{len(counts)}"
+            )
+        if all(c == 1 for c in counts):
+            return profile
+        import copy
+
+        layers: list[Any] = []
+        prefix = profile.layers[0].path.rsplit(".", 1)[0]
+        for layer, count in zip(profile.layers, counts):
+            for _ in range(count):
+                clone = copy.deepcopy(layer)
+                clone.path = f"{prefix}.{len(layers)}"
+                layers.append(clone)
+        # The step grows by the added layers' forward and backward, the backward taken
+        # as twice the forward (the matrix products' ratio).
+        added_s = sum(3 * p.forward_s * (c - 1) for p, c in zip(profile.layers, counts))
+        note = (
+            f"{len(counts)} layers simulated, scaled to the {sum(counts)} of {self.spec.name}: "
+            + ", ".join(f"{p.path} x{c}" for p, c in zip(profile.layers, counts))
+            + "; the step without checkpointing grows by 3x the added layers' forward"
+        )
+        return replace(
+            profile,
+            layers=layers,
+            baseline_step_s=profile.baseline_step_s + added_s,
+            notes=[*profile.notes, note],
+        )
+
+
+def _kinds_of(s: ModelSpec, config: Any) -> list[str]:
+    values = dict(s.values)
+    values["num_hidden_layers"] = config.num_hidden_layers
+    if s.family == "deepseek_v3":
+        values["first_k_dense_replace"] = config.first_k_dense_replace
+    return layer_kinds(replace(s, values=values))
+
+
+def _num_experts(s: ModelSpec) -> int:
+    v = s.values
+    return int(v.get("n_routed_experts") or v.get("num_local_experts") or v["num_experts"])
+
+
+def parallelize(model: nn.Module, mesh: Any, s: ModelSpec, *, sp: bool) -> None:
+    """Tensor parallelism over ``mesh`` (1-D), Megatron's layout, with sequence
+    parallelism when ``sp``: column-parallel Q/K/V (or MLA's up-projections) and MLP
+    input projections, row-parallel output projections, a row-parallel (vocabulary-
+    sharded) embedding and a column-parallel head whose logits are gathered. Mixture-of-
+    experts blocks get this rank's share of the sequence as a plain tensor (their
+    experts are sharded by expert parallelism, see :class:`GroupedExperts`). Parameters
+    are not broadcast (``src_data_rank=None``), as a fake process group requires."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    residual = Shard(1) if sp else Replicate()
+    top: dict[str, Any] = {
+        # The embedding's output stays whole: transformers builds the causal mask and the
+        # positions from it. The first layer takes this rank's share of it (below).
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
+    }
+    if sp:
+        top["model.norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top, src_data_rank=None)
+    if sp:
+        model.model.layers[0].register_forward_pre_hook(  # type: ignore[index,union-attr]
+            _SequenceShare(mesh.size(), mesh.get_local_rank()), with_kwargs=True
+        )
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        attn, mlp = layer.self_attn, layer.mlp
+        plan: dict[str, Any] = {
+            "self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": residual},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=True,
+            ),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=residual),
+        }
+        if getattr(attn, "q_b_proj", None) is not None:  # MLA: shard the up-projections
+            plan["self_attn.q_b_proj"] = ColwiseParallel()
+            plan["self_attn.kv_b_proj"] = ColwiseParallel()
+        else:
+            if getattr(attn, "q_proj", None) is not None:
+                plan["self_attn.q_proj"] = ColwiseParallel()
+            for name in ("k_proj", "v_proj"):
+                if getattr(attn, name, None) is not None:
+                    plan[f"self_attn.{name}"] = ColwiseParallel()
+        if sp:
+            plan["input_layernorm"] = SequenceParallel()
+            plan["post_attention_layernorm"] = SequenceParallel()
+        if hasattr(mlp, "experts"):
+            plan["mlp"] = PrepareModuleInput(
+                input_layouts=(residual,), desired_input_layouts=(residual,), use_local_output=True
+            )
+        else:
+            plan["mlp"] = PrepareModuleInput(
+                input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+            plan["mlp.gate_proj"] = ColwiseParallel()
+            plan["mlp.up_proj"] = ColwiseParallel()
+            plan["mlp.down_proj"] = RowwiseParallel(output_layouts=residual)
+        parallelize_module(layer, mesh, plan, src_data_rank=None)
+        _localise_heads(attn, mesh.size())
+
+
+class _SequenceShare:
+    """A forward pre-hook: the layer's ``hidden_states`` become this rank's share of the
+    sequence (a copy, so that the whole embedding output is not kept alive by it)."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self.size, self.rank = size, rank
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        def share(t: torch.Tensor) -> torch.Tensor:
+            return t.chunk(self.size, dim=1)[self.rank].contiguous()
+
+        if args:
+            return (share(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": share(kwargs["hidden_states"])}
+
+
+def _localise_heads(attn: nn.Module, tp: int) -> None:
+    """Attention modules that keep a head count for reshapes (MLA's ``num_heads``) see
+    this rank's heads."""
+    for name in ("num_heads",):
+        if hasattr(attn, name):
+            setattr(attn, name, getattr(attn, name) // tp)
