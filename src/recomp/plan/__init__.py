@@ -38,6 +38,7 @@ from .solver import (
 if TYPE_CHECKING:  # imported on first use (below); named here for type checkers and docs
     from .apply import apply_plan, compile_with_plan
     from .profiler import profile
+    from .simulation import simulate
 
 __all__ = [
     "Budget",
