@@ -76,6 +76,7 @@ class LayerRecord:
     end: int = -1
     calls_seen: int = 0
     input_keys: dict[Hashable, int] = field(default_factory=dict)
+    output_keys: dict[Hashable, int] = field(default_factory=dict)
     saves: list[SavedTensor] = field(default_factory=list)
     ops: list[RecordedOp] = field(default_factory=list)
     spans: list[RegionSpan] = field(default_factory=list)
@@ -239,8 +240,13 @@ class Recorder(TorchDispatchMode):
 
     def layer_exit(self, index: int):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self.layers[index].end = self.next_seq()
+            record = self.layers[index]
+            record.end = self.next_seq()
             self.layer = None
+            for t in tensors_of(output):
+                found = storage_of(t)
+                if found is not None:
+                    record.output_keys[found[0]] = found[1]
             self.pinned.extend(tensors_of(output))
 
         return hook
