@@ -226,7 +226,7 @@ def parse_option(option: str) -> tuple[str, tuple[str, ...]]:
     ``("exclude", ("attn",))``: the checkpoint and its exclusions (``is_selective`` tells
     whether expensive ops' outputs are kept too)."""
     rest = option
-    if option == SELECTIVE or option == FULL_SWAP_INPUTS:
+    if option in (SELECTIVE, FULL_SWAP_INPUTS):
         return FULL_CHECKPOINT, ()
     if option == SWAP:
         return SWAP, ()
