@@ -45,13 +45,17 @@ def analyse_swap_options(
     ``full+swap-inputs`` (``full``: the layer's full checkpoint): the checkpoint's saved
     inputs are moved; it keeps the rest of what the full checkpoint keeps (the kept
     results of collectives) and replays the same ops. ``swap``: no checkpoint; every
-    storage the layer's forward saves is moved, except parameters and the output's."""
+    storage the layer's forward saves is moved, except parameters and the output's.
+    Tensor subclasses that wrap a local tensor (DTensor) are not moved: recomp's
+    offloader copies plain tensors only."""
     stays = parameters | set(record.output_keys)
 
     def moved(keys: dict[Hashable, int]) -> dict[Hashable, int]:
         return {k: n for k, n in keys.items() if k not in stays}
 
-    inputs_moved = moved(record.input_keys)
+    inputs_moved = moved(
+        {k: n for k, n in record.input_keys.items() if k not in record.wrapped_inputs}
+    )
     swap_inputs = OptionAnalysis(
         FULL_SWAP_INPUTS,
         {k: n for k, n in full.kept.items() if k not in inputs_moved},
@@ -63,7 +67,9 @@ def analyse_swap_options(
         full.collective_bytes,
         sum(inputs_moved.values()),
     )
-    saved = moved({s.key: s.nbytes for s in record.saves if not s.is_parameter})
+    saved = moved(
+        {s.key: s.nbytes for s in record.saves if not s.is_parameter and not s.wrapped}
+    )
     kept = {
         s.key: s.nbytes
         for s in record.saves

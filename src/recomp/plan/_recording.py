@@ -38,6 +38,8 @@ class SavedTensor:
     nbytes: int
     is_parameter: bool
     span: int | None  # index in the layer's ``spans`` of the region call it was saved in
+    # A tensor subclass wrapping a local tensor (DTensor): recomp's swap leaves it be.
+    wrapped: bool = False
 
 
 @dataclass
@@ -77,6 +79,7 @@ class LayerRecord:
     calls_seen: int = 0
     input_keys: dict[Hashable, int] = field(default_factory=dict)
     output_keys: dict[Hashable, int] = field(default_factory=dict)
+    wrapped_inputs: set[Hashable] = field(default_factory=set)  # inputs that are DTensors
     saves: list[SavedTensor] = field(default_factory=list)
     ops: list[RecordedOp] = field(default_factory=list)
     spans: list[RegionSpan] = field(default_factory=list)
@@ -151,7 +154,14 @@ class Recorder(TorchDispatchMode):
         if found is not None:
             key, nbytes = found
             self.current_record().saves.append(
-                SavedTensor(self.next_seq(), key, nbytes, isinstance(t, nn.Parameter), self.span)
+                SavedTensor(
+                    self.next_seq(),
+                    key,
+                    nbytes,
+                    isinstance(t, nn.Parameter),
+                    self.span,
+                    is_wrapper_subclass(type(t)),
+                )
             )
         return t
 
@@ -234,6 +244,8 @@ class Recorder(TorchDispatchMode):
                 found = storage_of(t)
                 if found is not None:
                     record.input_keys[found[0]] = found[1]
+                    if is_wrapper_subclass(type(t)):
+                        record.wrapped_inputs.add(found[0])
                     self.pinned.append(t)
 
         return hook
