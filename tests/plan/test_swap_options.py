@@ -222,3 +222,41 @@ def test_named_accelerators_carry_their_host_link() -> None:
     assert Hardware.from_dict(HOST).host_bandwidth == 1e9
     with pytest.raises(ValueError, match="host_bandwidth"):
         Hardware.from_dict({**HOST, "host_bandwidth": 0})
+
+
+def test_hugging_face_decoder_layers_keyword_inputs_stay(swaps: dict) -> None:  # type: ignore[type-arg]
+    """A Llama decoder layer takes its rotary embeddings, mask and positions as keyword
+    arguments: PyTorch's checkpoint holds those itself, so ``swap_inputs`` moves only the
+    hidden states; ``swap`` moves everything the layer saves. Bytes as recomp moves them,
+    gradients exact."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100,
+    )  # fmt: skip
+
+    def hf_build(mesh: object = None) -> nn.Module:
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config)
+
+    def hf_inputs(mesh: object = None) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+        return {"input_ids": ids, "labels": ids}
+
+    def hf_grads(model: nn.Module) -> list[torch.Tensor]:
+        model.zero_grad()
+        model(**hf_inputs()).loss.backward()
+        return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    prof = simulate(hf_build, hf_inputs, device="cpu", hardware=HOST)
+    want = hf_grads(hf_build())
+    for option in (FULL_SWAP_INPUTS, SWAP):
+        swaps["groups"].clear()
+        model = hf_build()
+        apply_plan(model, with_options(prof, option))
+        got = hf_grads(model)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), option
+        moved = [(g.offloaded_bytes, g.restored_bytes) for g in swaps["groups"]]
+        assert moved == [(layer.option(option).swap_bytes,) * 2 for layer in prof.layers], option
+    hidden = 2 * 16 * 64 * 4
+    assert [layer.option(FULL_SWAP_INPUTS).swap_bytes for layer in prof.layers] == [hidden] * 2

@@ -43,7 +43,8 @@ def analyse_swap_options(
     there).
 
     ``full+swap-inputs`` (``full``: the layer's full checkpoint): the checkpoint's saved
-    inputs are moved; it keeps the rest of what the full checkpoint keeps (the kept
+    inputs are moved (the tensors among its positional arguments: PyTorch's checkpoint
+    holds keyword arguments and tensors nested in containers itself); it keeps the rest of what the full checkpoint keeps (the kept
     results of collectives) and replays the same ops. ``swap``: no checkpoint; every
     storage the layer's forward saves is moved, except parameters and the output's.
     Tensor subclasses that wrap a local tensor (DTensor) are not moved: recomp's
@@ -54,11 +55,17 @@ def analyse_swap_options(
         return {k: n for k, n in keys.items() if k not in stays}
 
     inputs_moved = moved(
-        {k: n for k, n in record.input_keys.items() if k not in record.wrapped_inputs}
+        {
+            k: n
+            for k, n in record.input_keys.items()
+            if k in record.positional_keys and k not in record.wrapped_inputs
+        }
     )
+    # Keyword and nested inputs the checkpoint holds itself: on the device, even where a
+    # positional argument shares their storage (which is then copied all the same).
     swap_inputs = OptionAnalysis(
         FULL_SWAP_INPUTS,
-        {k: n for k, n in full.kept.items() if k not in inputs_moved},
+        {k: n for k, n in full.kept.items() if k not in inputs_moved or k in record.held_keys},
         full.replay_ops,
         {},
         0,

@@ -80,6 +80,10 @@ class LayerRecord:
     input_keys: dict[Hashable, int] = field(default_factory=dict)
     output_keys: dict[Hashable, int] = field(default_factory=dict)
     wrapped_inputs: set[Hashable] = field(default_factory=set)  # inputs that are DTensors
+    # Storages of the tensors among its positional arguments (not nested in containers),
+    # which a checkpoint saves as autograd saved tensors (the others it holds itself).
+    positional_keys: set[Hashable] = field(default_factory=set)
+    held_keys: set[Hashable] = field(default_factory=set)  # storages of the other inputs
     saves: list[SavedTensor] = field(default_factory=list)
     ops: list[RecordedOp] = field(default_factory=list)
     spans: list[RegionSpan] = field(default_factory=list)
@@ -240,6 +244,15 @@ class Recorder(TorchDispatchMode):
                 )
             self.layer = index
             record.start = self.next_seq()
+            for t in args:
+                found = storage_of(t) if isinstance(t, torch.Tensor) else None
+                if found is not None:
+                    record.positional_keys.add(found[0])
+            nested = [a for a in args if not isinstance(a, torch.Tensor)]
+            for t in tensors_of((nested, kwargs)):
+                found = storage_of(t)
+                if found is not None:
+                    record.held_keys.add(found[0])
             for t in tensors_of((args, kwargs)):
                 found = storage_of(t)
                 if found is not None:
