@@ -260,3 +260,54 @@ def test_hugging_face_decoder_layers_keyword_inputs_stay(swaps: dict) -> None:  
         assert moved == [(layer.option(option).swap_bytes,) * 2 for layer in prof.layers], option
     hidden = 2 * 16 * 64 * 4
     assert [layer.option(FULL_SWAP_INPUTS).swap_bytes for layer in prof.layers] == [hidden] * 2
+
+
+@pytest.mark.system  # about 14 s here: DTensor's first calls and a measured profile
+def test_dtensor_saved_tensors_stay(swaps: dict, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def,type-arg]
+    """Layers parallelised with DTensor (a process group of one, gloo) save DTensors,
+    which the offloader does not copy: the swap's predicted bytes leave them out and
+    equal what moves."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        class Net(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                torch.manual_seed(0)
+                self.layers = nn.ModuleList(
+                    nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+                    for _ in range(2)
+                )
+                for layer in self.layers:
+                    parallelize_module(layer, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                for layer in self.layers:
+                    x = layer(x)
+                return x
+
+        monkeypatch.setattr(profiler_module, "host_link", lambda device: (1e9, "given"))
+        x = torch.randn(BATCH, WIDTH, requires_grad=True)
+        prof = profiler_module.profile(Net(), x, steps=1)
+        for option in (SWAP, FULL_SWAP_INPUTS):
+            swaps["groups"].clear()
+            model = Net()
+            apply_plan(model, with_options(prof, option))
+            model(x).pow(2).mean().backward()
+            moved = [g.offloaded_bytes for g in swaps["groups"]]
+            assert moved == [layer.option(option).swap_bytes for layer in prof.layers], option
+        swap = prof.layers[0].option(SWAP)
+        assert 0 < swap.swap_bytes < prof.layers[0].no_checkpoint_bytes
+    finally:
+        dist.destroy_process_group()
