@@ -23,6 +23,12 @@ replay runs, following the rules recomp and ``torch.utils.checkpoint`` apply:
 * a checkpoint that keeps collectives' results (``exclude_collectives=True``, under a
   process group): also the results of the collectives outside excluded regions that
   come before its last saved tensor, which its replay reads instead of communicating;
+* where the device has a host link (``host_link``: CUDA; ``simulate``: a hardware
+  table with ``host_bandwidth``), the swap options: ``full+swap-inputs`` keeps what
+  the full checkpoint keeps less its positional tensor inputs, ``swap`` what the layer
+  saves less what moves; what moves is every saved plain-tensor storage that is
+  neither a parameter's nor the layer output's (``_analysis.analyse_swap_options``),
+  and its copies cost what the next layer's compute does not hide;
 * the replay runs the layer's ops that come before the checkpoint's last saved tensor
   (early stop), except those inside excluded regions; its time is the ops' share of the
   layer's measured forward time.
