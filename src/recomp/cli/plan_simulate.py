@@ -21,7 +21,9 @@ from typing import Any
 GiB = float(1 << 30)
 
 #: The uniform strategies shown beside the plan, when the profile has them.
-UNIFORM = ("none", "full", "selective", "exclude:self_attn", "exclude:mlp")
+UNIFORM = (
+    "none", "full", "selective", "exclude:self_attn", "exclude:mlp", "full+swap-inputs", "swap",
+)
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ._recording import LayerRecord, RecordedOp, RegionSpan
-from .planfile import NO_CHECKPOINT, exclude_option
+from .planfile import FULL_SWAP_INPUTS, NO_CHECKPOINT, SWAP, exclude_option
 
 
 @dataclass
@@ -26,6 +26,66 @@ class OptionAnalysis:
     hooked_saves: int = 0  # saved tensors that go through a Python hook (checkpointed)
     policy_ops: int = 0  # ops that pass a selective policy's dispatch modes (forward, replay)
     collective_bytes: int = 0  # part of kept: results of collectives the replay reads
+    swap_bytes: int = 0  # moved to the host after the forward and back for backward
+
+
+def analyse_swap_options(
+    record: LayerRecord,
+    full: OptionAnalysis,
+    preexisting: set[Hashable],
+    parameters: set[Hashable],
+) -> list[OptionAnalysis]:
+    """The layer's two swap options, by the rules of ``recomp.torch``'s swap (NOTE [ Swap
+    scopes ]): when the layer returns, each saved storage that is not a parameter's and
+    does not share storage with the layer's output is copied to the host (once per
+    storage) and brought back for backward; what is moved stays on the device only where
+    something else holds it (the user's inputs, another layer's saved tensors: counted
+    there).
+
+    ``full+swap-inputs`` (``full``: the layer's full checkpoint): the checkpoint's saved
+    inputs are moved (the tensors among its positional arguments: PyTorch's checkpoint
+    holds keyword arguments and tensors nested in containers itself); it keeps the rest of what the full checkpoint keeps (the kept
+    results of collectives) and replays the same ops. ``swap``: no checkpoint; every
+    storage the layer's forward saves is moved, except parameters and the output's.
+    Tensor subclasses that wrap a local tensor (DTensor) are not moved: recomp's
+    offloader copies plain tensors only."""
+    stays = parameters | set(record.output_keys)
+
+    def moved(keys: dict[Hashable, int]) -> dict[Hashable, int]:
+        return {k: n for k, n in keys.items() if k not in stays}
+
+    inputs_moved = moved(
+        {
+            k: n
+            for k, n in record.input_keys.items()
+            if k in record.positional_keys and k not in record.wrapped_inputs
+        }
+    )
+    # Keyword and nested inputs the checkpoint holds itself: on the device, even where a
+    # positional argument shares their storage (which is then copied all the same).
+    swap_inputs = OptionAnalysis(
+        FULL_SWAP_INPUTS,
+        {k: n for k, n in full.kept.items() if k not in inputs_moved or k in record.held_keys},
+        full.replay_ops,
+        {},
+        0,
+        full.hooked_saves,
+        0,
+        full.collective_bytes,
+        sum(inputs_moved.values()),
+    )
+    saved = moved(
+        {s.key: s.nbytes for s in record.saves if not s.is_parameter and not s.wrapped}
+    )
+    kept = {
+        s.key: s.nbytes
+        for s in record.saves
+        if not s.is_parameter and s.key not in saved and s.key not in preexisting
+    }
+    swap = OptionAnalysis(
+        SWAP, kept, [], {}, 0, len(record.saves), 0, 0, sum(saved.values())
+    )
+    return [swap_inputs, swap]
 
 
 def analyse_option(

@@ -38,6 +38,8 @@ class SavedTensor:
     nbytes: int
     is_parameter: bool
     span: int | None  # index in the layer's ``spans`` of the region call it was saved in
+    # A tensor subclass wrapping a local tensor (DTensor): recomp's swap leaves it be.
+    wrapped: bool = False
 
 
 @dataclass
@@ -76,6 +78,12 @@ class LayerRecord:
     end: int = -1
     calls_seen: int = 0
     input_keys: dict[Hashable, int] = field(default_factory=dict)
+    output_keys: dict[Hashable, int] = field(default_factory=dict)
+    wrapped_inputs: set[Hashable] = field(default_factory=set)  # inputs that are DTensors
+    # Storages of the tensors among its positional arguments (not nested in containers),
+    # which a checkpoint saves as autograd saved tensors (the others it holds itself).
+    positional_keys: set[Hashable] = field(default_factory=set)
+    held_keys: set[Hashable] = field(default_factory=set)  # storages of the other inputs
     saves: list[SavedTensor] = field(default_factory=list)
     ops: list[RecordedOp] = field(default_factory=list)
     spans: list[RegionSpan] = field(default_factory=list)
@@ -150,7 +158,14 @@ class Recorder(TorchDispatchMode):
         if found is not None:
             key, nbytes = found
             self.current_record().saves.append(
-                SavedTensor(self.next_seq(), key, nbytes, isinstance(t, nn.Parameter), self.span)
+                SavedTensor(
+                    self.next_seq(),
+                    key,
+                    nbytes,
+                    isinstance(t, nn.Parameter),
+                    self.span,
+                    is_wrapper_subclass(type(t)),
+                )
             )
         return t
 
@@ -229,18 +244,34 @@ class Recorder(TorchDispatchMode):
                 )
             self.layer = index
             record.start = self.next_seq()
+            for t in args:
+                found = storage_of(t) if isinstance(t, torch.Tensor) else None
+                if found is not None:
+                    record.positional_keys.add(found[0])
+            nested = [a for a in args if not isinstance(a, torch.Tensor)]
+            for t in tensors_of((nested, kwargs)):
+                found = storage_of(t)
+                if found is not None:
+                    record.held_keys.add(found[0])
             for t in tensors_of((args, kwargs)):
                 found = storage_of(t)
                 if found is not None:
                     record.input_keys[found[0]] = found[1]
+                    if is_wrapper_subclass(type(t)):
+                        record.wrapped_inputs.add(found[0])
                     self.pinned.append(t)
 
         return hook
 
     def layer_exit(self, index: int):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self.layers[index].end = self.next_seq()
+            record = self.layers[index]
+            record.end = self.next_seq()
             self.layer = None
+            for t in tensors_of(output):
+                found = storage_of(t)
+                if found is not None:
+                    record.output_keys[found[0]] = found[1]
             self.pinned.extend(tensors_of(output))
 
         return hook

@@ -86,7 +86,9 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
     ``partitioner`` layers are left alone too, and ``partitioner+exclude:A+B`` wraps ``A``
     and ``B`` as exclusions inside a checkpoint whose policy leaves every other op to
     PyTorch's partitioner: compiled, the regions are never recomputed (compile the model
-    with the plan's budget: :func:`recomp.plan.compile_with_plan`). Every checkpoint gets
+    with the plan's budget: :func:`recomp.plan.compile_with_plan`). ``full+swap-inputs``
+    gives the ``checkpoint_wrapper`` ``swap_inputs=True``; ``swap`` gives the layer
+    ``recomp.torch.swap_wrapper`` (no checkpoint). Every checkpoint gets
     the plan's ``exclude_collectives`` (the profile's: True unless it was made with
     False), so it keeps the results of collectives as predicted. Whatever a wrapper
     returns is assigned back to the parent module, so wrappers that return a new
@@ -101,6 +103,7 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
         _compat,
         checkpoint_exclude_wrapper,
         checkpoint_wrapper,
+        swap_wrapper,
     )
 
     plan = load_plan(plan)
@@ -129,6 +132,10 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
         ]
         work.append((layer_plan.path, layer, regions))
     for (path, layer, regions), layer_plan in zip(work, plan.layers):
+        if layer_plan.swapped:
+            parent, name = _parent(model, path)
+            setattr(parent, name, swap_wrapper(layer))
+            continue
         if not layer_plan.checkpointed:
             continue
         for region_path, region in regions:
@@ -140,6 +147,8 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
             options["context_fn"] = selective_context_fn()
         elif layer_plan.partitioner:
             options["context_fn"] = partitioner_context_fn()
+        elif layer_plan.swap_inputs:
+            options["swap_inputs"] = True
         setattr(parent, name, checkpoint_wrapper(layer, **options))
     return given
 

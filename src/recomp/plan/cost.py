@@ -49,7 +49,10 @@ class Hardware:
     matrix products unless told (``torch.backends.cuda.matmul.allow_tf32``); give the
     TF32 rate as ``"float32"`` to model that. ``memory_bandwidth``: bytes/s of the
     device memory. ``link_bandwidth``: bytes/s one device sends to its peers (one
-    direction) inside a node. ``source``: where the figures come from."""
+    direction) inside a node. ``host_bandwidth``: bytes/s between the device and the
+    host's memory (one direction; the PCIe link), or None where the device has no host
+    link to swap activations over: the planner offers its swap options only with it.
+    ``source``: where the figures come from."""
 
     name: str
     peak_flops: Mapping[str, float]
@@ -58,6 +61,7 @@ class Hardware:
     source: str = ""
     memory_bytes: int | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    host_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -68,6 +72,7 @@ class Hardware:
             **{f"peak_flops[{k!r}]": v for k, v in self.peak_flops.items()},
             "memory_bandwidth": self.memory_bandwidth,
             "link_bandwidth": self.link_bandwidth,
+            **({} if self.host_bandwidth is None else {"host_bandwidth": self.host_bandwidth}),
         }.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"hardware {self.name!r}: {key} must be a positive number")
@@ -84,7 +89,13 @@ class Hardware:
         flops = ", ".join(f"{k} {v / T:g} TFLOP/s" for k, v in self.peak_flops.items())
         text = (
             f"roofline of {self.name} ({flops} dense; memory {self.memory_bandwidth / T:g} "
-            f"TB/s; link {self.link_bandwidth / G:g} GB/s per direction)"
+            f"TB/s; link {self.link_bandwidth / G:g} GB/s per direction"
+            + (
+                ""
+                if self.host_bandwidth is None
+                else f"; host {self.host_bandwidth / G:g} GB/s per direction"
+            )
+            + ")"
         )
         if self.source:
             text += f", from {self.source}"
@@ -93,7 +104,7 @@ class Hardware:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Hardware:
         known = {"name", "peak_flops", "memory_bandwidth", "link_bandwidth", "source",
-                 "memory_bytes", "notes"}  # fmt: skip
+                 "memory_bytes", "notes", "host_bandwidth"}  # fmt: skip
         unknown = set(data) - known
         if unknown:
             raise ValueError(
@@ -110,7 +121,11 @@ class Hardware:
 
 # Each figure is the data sheet's dense peak (a sheet that quotes "with sparsity" figures
 # is halved, as its footnote says). Link bandwidth: the sheet's total NVLink / Infinity
-# Fabric bandwidth per device is both directions; one direction is half of it.
+# Fabric bandwidth per device is both directions; one direction is half of it. Host
+# bandwidth: the device's PCIe link to the host, one direction (a sheet's "PCIe Gen5:
+# 128 GB/s" is both directions of a x16 link: 64 GB/s each way; Gen4 x16: 32 GB/s).
+GEN5_X16 = 64 * G
+GEN4_X16 = 32 * G
 ACCELERATORS: dict[str, Hardware] = {
     "H100 SXM": Hardware(
         # NVIDIA H100 Tensor Core GPU datasheet (nvidia.com, H100 SXM column): FP64 34
@@ -129,6 +144,8 @@ ACCELERATORS: dict[str, Hardware] = {
         link_bandwidth=450 * G,
         memory_bytes=80 * 10**9,
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM)",
+        # The same datasheet: "PCIe Gen5: 128GB/s" (x16, both directions).
+        host_bandwidth=GEN5_X16,
     ),
     "H200": Hardware(
         # NVIDIA H200 Tensor Core GPU datasheet (nvidia.com, H200 SXM column): the
@@ -146,6 +163,8 @@ ACCELERATORS: dict[str, Hardware] = {
         link_bandwidth=450 * G,
         memory_bytes=141 * 10**9,
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM)",
+        # The same datasheet: "PCIe Gen5: 128GB/s" (x16, both directions).
+        host_bandwidth=GEN5_X16,
     ),
     "B200": Hardware(
         # NVIDIA HGX B200 specifications (nvidia.com/en-us/data-center/hgx, 8-GPU board,
@@ -164,6 +183,9 @@ ACCELERATORS: dict[str, Hardware] = {
         link_bandwidth=900 * G,
         memory_bytes=180 * 10**9,
         source="NVIDIA HGX B200 specifications (per GPU)",
+        # Each B200 of an HGX board has a PCIe Gen5 x16 link to the host (NVIDIA DGX
+        # B200 user guide: PCIe Gen5 switches between the GPUs and the CPUs).
+        host_bandwidth=GEN5_X16,
     ),
     "A100 80GB": Hardware(
         # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column): FP64 9.7, FP32
@@ -175,6 +197,8 @@ ACCELERATORS: dict[str, Hardware] = {
         link_bandwidth=300 * G,
         memory_bytes=80 * 10**9,
         source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)",
+        # The same datasheet: "PCIe Gen4: 64GB/s" (x16, both directions).
+        host_bandwidth=GEN4_X16,
     ),
     "MI300X": Hardware(
         # AMD Instinct MI300X accelerator data sheet (amd.com): peak FP16/BF16 1,307.4
@@ -193,6 +217,8 @@ ACCELERATORS: dict[str, Hardware] = {
         link_bandwidth=448 * G,
         memory_bytes=192 * 10**9,
         source="AMD Instinct MI300X data sheet",
+        # The same data sheet: bus type PCIe Gen 5 x16 (128 GB/s both directions).
+        host_bandwidth=GEN5_X16,
     ),
     "Ascend 910B": Hardware(
         # Huawei publishes no per-chip data sheet of the 910B with these figures (its
@@ -208,6 +234,8 @@ ACCELERATORS: dict[str, Hardware] = {
         link_bandwidth=196 * G,
         memory_bytes=64 * 10**9,
         source="figures reported for the Ascend 910B3 (no Huawei data sheet; estimates)",
+        # Reported for the 910B: a PCIe 4.0 x16 host interface (an estimate, as above).
+        host_bandwidth=GEN4_X16,
         notes=("estimated figures",),
     ),
 }

@@ -12,7 +12,9 @@
 ``option`` is ``none`` (not checkpointed), ``full`` (checkpointed),
 ``exclude:A+B`` (checkpointed, with the sub-modules at paths ``A`` and ``B`` inside the
 layer excluded from the replay), ``selective`` (checkpointed, the outputs of its
-expensive ops kept: ``recomp.plan.policy``) or ``selective+exclude:A+B`` (both).
+expensive ops kept: ``recomp.plan.policy``), ``selective+exclude:A+B`` (both),
+``full+swap-inputs`` (checkpointed, its saved inputs on the host until the replay) or
+``swap`` (not checkpointed, what it saves on the host until backward).
 ``predicted_ms`` is the replay time of the layer. ``near_ties``: per layer, the options
 it could have taken in a plan that fits and is predicted as fast within the tolerance
 (the choice a tie-break made). ``exclude_collectives``: the option every checkpoint
@@ -44,6 +46,12 @@ FULL_CHECKPOINT = "full"
 EXCLUDE_PREFIX = "exclude:"
 SELECTIVE = "selective"
 SELECTIVE_PREFIX = "selective+"
+# Swap options (offered where the device has a host link): a full checkpoint whose saved
+# inputs wait on the host until the replay (``checkpoint_wrapper(..., swap_inputs=True)``),
+# and no checkpoint with what autograd saves in the layer on the host until backward
+# (``swap_wrapper``).
+FULL_SWAP_INPUTS = "full+swap-inputs"
+SWAP = "swap"
 # Compiled plans: PyTorch's partitioner decides, the named regions kept whole.
 PARTITIONER = "partitioner"
 PARTITIONER_PREFIX = "partitioner+"
@@ -78,12 +86,22 @@ class LayerPlan:
         """Whether the layer gets a checkpoint wrapper (a compiled plan's layer only when
         it keeps regions whole: the wrapper carries their mark)."""
         kind, regions = parse_option(self.option)
-        return kind != NO_CHECKPOINT and (kind != PARTITIONER or bool(regions))
+        return kind not in (NO_CHECKPOINT, SWAP) and (kind != PARTITIONER or bool(regions))
 
     @property
     def partitioner(self) -> bool:
         """Whether the layer is left to PyTorch's partitioner (a compiled plan)."""
         return parse_option(self.option)[0] == PARTITIONER
+
+    @property
+    def swap_inputs(self) -> bool:
+        """Whether the layer's checkpoint keeps its inputs on the host (``full+swap-inputs``)."""
+        return self.option == FULL_SWAP_INPUTS
+
+    @property
+    def swapped(self) -> bool:
+        """Whether the layer is not checkpointed and swaps what it saves (``swap``)."""
+        return self.option == SWAP
 
     @property
     def selective(self) -> bool:
@@ -208,8 +226,10 @@ def parse_option(option: str) -> tuple[str, tuple[str, ...]]:
     ``("exclude", ("attn",))``: the checkpoint and its exclusions (``is_selective`` tells
     whether expensive ops' outputs are kept too)."""
     rest = option
-    if option == SELECTIVE:
+    if option in (SELECTIVE, FULL_SWAP_INPUTS):
         return FULL_CHECKPOINT, ()
+    if option == SWAP:
+        return SWAP, ()
     if option == PARTITIONER:
         return PARTITIONER, ()
     if option.startswith(PARTITIONER_PREFIX):
@@ -226,7 +246,8 @@ def parse_option(option: str) -> tuple[str, tuple[str, ...]]:
             return "exclude", regions
     raise PlanFormatError(
         f"unknown layer option {option!r}: use none, full, exclude:PATH[+PATH...] "
-        "(sub-module paths inside the layer), selective or selective+exclude:PATH[+PATH...]; "
+        "(sub-module paths inside the layer), selective or selective+exclude:PATH[+PATH...], "
+        f"{FULL_SWAP_INPUTS} or {SWAP}; "
         "in a plan for a compiled model partitioner or partitioner+exclude:PATH[+PATH...]"
     )
 

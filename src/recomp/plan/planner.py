@@ -22,7 +22,16 @@ from enum import IntEnum
 from typing import Any
 
 from .budget import Budget, format_bytes, parse_budget
-from .planfile import FULL_CHECKPOINT, NO_CHECKPOINT, LayerPlan, Plan, is_selective, parse_option
+from .planfile import (
+    FULL_CHECKPOINT,
+    FULL_SWAP_INPUTS,
+    NO_CHECKPOINT,
+    SWAP,
+    LayerPlan,
+    Plan,
+    is_selective,
+    parse_option,
+)
 from .solver import LayerOptions, Option, evaluate, minimum_bytes, solve_with_ties
 
 MiB = float(1 << 20)
@@ -33,7 +42,8 @@ class OptionSlot(IntEnum):
     solver's choices and in ``pair_bytes``: no checkpoint first, then full checkpoint,
     then the exclusions (from ``EXCLUSIONS`` on), then the selective options (the
     checkpoint keeps its expensive ops' outputs: ``selective``, then
-    ``selective+exclude:...`` in the order of the exclusions)."""
+    ``selective+exclude:...`` in the order of the exclusions), and last, where the
+    device has a host link, the swap options (``full+swap-inputs``, then ``swap``)."""
 
     NONE = 0
     FULL = 1
@@ -60,7 +70,9 @@ class OptionProfile:
     the bytes it may share with its neighbour (``LayerProfile.pair_bytes``).
     ``region_saved_bytes``: per excluded region, what recomp's counter will report.
     ``collective_bytes``: the part of ``kept_bytes`` that holds results of collectives,
-    which the checkpoint keeps so that its replay does not communicate."""
+    which the checkpoint keeps so that its replay does not communicate. ``swap_bytes``:
+    what a swap option moves to the host each way (``replay_s`` includes ``swap_s``, the
+    part of those copies the compute around them does not hide)."""
 
     name: str
     kept_bytes: int
@@ -68,6 +80,10 @@ class OptionProfile:
     replay_flops: int
     region_saved_bytes: dict[str, int] = field(default_factory=dict)
     collective_bytes: int = 0
+    # The swap options: bytes moved to the host after the forward and back for backward,
+    # and the seconds of ``replay_s`` the copies add (what compute does not hide).
+    swap_bytes: int = 0
+    swap_s: float = 0.0
 
 
 @dataclass
@@ -272,6 +288,13 @@ def explain(layer: LayerProfile, option: OptionProfile) -> str:
     more = format_bytes(option.kept_bytes - full.kept_bytes)
     saved_ms = (full.replay_s - option.replay_s) * 1e3
     kind, regions = parse_option(option.name)
+    if option.name in (SWAP, FULL_SWAP_INPUTS):
+        what = "swap, no checkpoint" if option.name == SWAP else "checkpoint, inputs on the host"
+        return (
+            f"{what}: moves {format_bytes(option.swap_bytes)} to the host and back "
+            f"({option.swap_s * 1e3:.1f} ms of it not hidden by compute), keeps "
+            f"{format_bytes(option.kept_bytes)}, replays {(option.replay_s - option.swap_s) * 1e3:.1f} ms"
+        )
     if is_selective(option.name):
         what = "keep expensive ops' outputs" + (f", exclude {'+'.join(regions)}" if regions else "")
         return f"{what}: saves {saved_ms:.1f} ms of replay for {more} more than full"

@@ -23,6 +23,12 @@ replay runs, following the rules recomp and ``torch.utils.checkpoint`` apply:
 * a checkpoint that keeps collectives' results (``exclude_collectives=True``, under a
   process group): also the results of the collectives outside excluded regions that
   come before its last saved tensor, which its replay reads instead of communicating;
+* where the device has a host link (``host_link``: CUDA; ``simulate``: a hardware
+  table with ``host_bandwidth``), the swap options: ``full+swap-inputs`` keeps what
+  the full checkpoint keeps less its positional tensor inputs, ``swap`` what the layer
+  saves less what moves; what moves is every saved plain-tensor storage that is
+  neither a parameter's nor the layer output's (``_analysis.analyse_swap_options``),
+  and its copies cost what the next layer's compute does not hide;
 * the replay runs the layer's ops that come before the checkpoint's last saved tensor
   (early stop), except those inside excluded regions; its time is the ops' share of the
   layer's measured forward time.
@@ -48,7 +54,7 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,13 +63,13 @@ from torch import nn
 from .._rng_trackers import capture_tracker_states
 from ..torch import _compat
 from ..torch._backend import BACKEND
-from ._analysis import OptionAnalysis, analyse_option, split_storages
+from ._analysis import OptionAnalysis, analyse_option, analyse_swap_options, split_storages
 from ._layers import LayerSpec, find_layers
 from ._options import find_candidates, layer_option_sets
 from ._recording import LayerRecord, OpCost, Recorder, storage_of
 from ._timing import ModuleTimer, average_alike_layers, checkpoint_overheads, retime_ops, sync
 from .modelcall import call_model, default_loss, fresh_inputs, tensors_of
-from .planfile import exclude_option
+from .planfile import SWAP, exclude_option
 from .planner import LayerProfile, OptionProfile, OptionSlot, Profile, RegionProfile
 
 __all__ = ["find_candidates", "find_layers", "profile"]
@@ -82,6 +88,7 @@ def profile(
     exclude_collectives: bool = True,
     keep: Callable[[nn.Module], bool] | None = None,
     backend: str | None = None,
+    swap: bool = True,
 ) -> Any:
     """Profile ``model`` on ``inputs`` for :func:`recomp.plan.make_plan`.
 
@@ -104,6 +111,10 @@ def profile(
     reach (DTensor's all-gathers and reduce-scatters, ...), and does not replay them.
     Collectives run only under a process group: in a distributed job call ``profile`` on
     every rank, where the model runs parallelised; each rank profiles its own share.
+    ``swap``: offer the swap options (``full+swap-inputs``, ``swap``) where the device
+    has a host link: on CUDA, whose host bandwidth one timed pinned copy each way
+    measures; on the CPU there is no host to swap to and the profile notes it. False:
+    never.
 
     The model is not changed: the profile runs on a deep copy, and the random number
     generators are restored afterwards.
@@ -132,6 +143,8 @@ def profile(
         )
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
+    if not isinstance(swap, bool):
+        raise ValueError(f"swap must be True or False, got {swap!r}")
     if not isinstance(exclude_collectives, bool):
         raise ValueError(f"exclude_collectives must be True or False, got {exclude_collectives!r}")
     clocks = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -151,6 +164,7 @@ def profile(
             clocks[clock],
             optimizer,
             exclude_collectives,
+            swap,
         )
     finally:
         BACKEND.set_rng_state(rng)
@@ -169,9 +183,11 @@ def _profile(
     clock: Callable[[], float],
     optimizer: Callable[[list[nn.Parameter]], Any] | None,
     exclude_collectives: bool = True,
+    swap: bool = True,
 ) -> Profile:
     """The profile of ``model`` (the caller's copy, which this trains)."""
     device = _device_of(model, inputs)
+    host_bandwidth, swap_note = host_link(device) if swap else (None, "")
     layers = find_layers(model, layer_spec)
     candidates = [find_candidates(layer, exclude) for _, layer in layers]
     inputs = fresh_inputs(inputs)
@@ -189,11 +205,51 @@ def _profile(
     overheads = Overheads.measure(device, clock)
     # 3. What every option keeps and replays, each storage counted once.
     prof = build_profile(
-        layers, candidates, recording, baseline, overheads, device, exclude_collectives
+        layers,
+        candidates,
+        recording,
+        baseline,
+        overheads,
+        device,
+        exclude_collectives,
+        [swap_note] if swap_note else None,
+        host_bandwidth=host_bandwidth,
     )
     del recording
     gc.collect()
     return prof
+
+
+# One timed copy each way of this many bytes measures the host link.
+HOST_COPY_BYTES = 64 << 20
+
+
+def host_link(device: torch.device) -> tuple[float | None, str]:
+    """The bytes/s one direction of ``device``'s link to the host carries (the slower of
+    one timed pinned copy each way, after a warm-up copy), or None where the device has
+    none to swap over; and a note for the profile."""
+    if device.type != "cuda":
+        return None, (
+            f"no swap options: the {device.type} device has no host link to swap over "
+            "(its activations already live in host memory)"
+        )
+    host = torch.empty(HOST_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(HOST_COPY_BYTES, dtype=torch.uint8, device=device)
+    seconds = []
+    with torch.cuda.device(device):
+        for target, source in ((host, on_device), (on_device, host), (host, on_device)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            target.copy_(source, non_blocking=True)
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+    bandwidth = HOST_COPY_BYTES / max(seconds[1:])
+    del host, on_device
+    return bandwidth, (
+        f"swap options: host link measured at {bandwidth / 1e9:.1f} GB/s per direction "
+        f"(one pinned copy of {HOST_COPY_BYTES >> 20} MiB each way)"
+    )
 
 
 @dataclass
@@ -206,6 +262,7 @@ class Recording:
     loss: torch.Tensor
     preexisting: set[Hashable]
     outside: dict[Hashable, int]
+    parameters: set[Hashable] = field(default_factory=set)  # the parameters' storages
 
 
 def record_forward(
@@ -223,7 +280,10 @@ def record_forward(
     preexisting = _storages_before_the_forward(model, inputs)
     recorder, loss = _record_forward(forward, layers, candidates, clock, cost)
     outside = _kept_outside_layers(recorder, loss, preexisting)
-    return Recording(recorder, loss, preexisting, outside)
+    parameters = {
+        found[0] for p in model.parameters() if (found := storage_of(p)) is not None
+    }
+    return Recording(recorder, loss, preexisting, outside, parameters)
 
 
 def build_profile(
@@ -236,9 +296,12 @@ def build_profile(
     exclude_collectives: bool,
     notes: list[str] | None = None,
     timing: str = "",
+    host_bandwidth: float | None = None,
 ) -> Profile:
     """The profile from one recorded forward: what every option of every layer keeps
-    and replays, each storage counted once, with the times in ``times``."""
+    and replays, each storage counted once, with the times in ``times``. With
+    ``host_bandwidth`` (bytes/s each way between the device and the host) every layer
+    also gets the swap options (``full+swap-inputs``, ``swap``) after the others."""
     recorder = recording.recorder
     analysed = [
         [
@@ -254,6 +317,13 @@ def build_profile(
         ]
         for index, record in enumerate(recorder.layers)
     ]
+    if host_bandwidth is not None:
+        for options, record in zip(analysed, recorder.layers):
+            options.extend(
+                analyse_swap_options(
+                    record, options[OptionSlot.FULL], recording.preexisting, recording.parameters
+                )
+            )
     private, pairs, shared, spread = split_storages(
         [[o.kept for o in options] for options in analysed], recording.outside
     )
@@ -271,6 +341,7 @@ def build_profile(
                 private[index],
                 _replay_scale(record, times.forward_s[path]),
                 overheads,
+                _swap_transfer(host_bandwidth, layers, index, times),
             ),
             pair_bytes=[[a, b, n] for (a, b), n in sorted(pairs[index].items()) if n],
         )
@@ -465,14 +536,50 @@ def _region_profiles(
     return profiles
 
 
+# The swap options' time model: the copy of a layer's tensors to the host runs beside
+# the next layer's forward, the copy back beside the next layer's backward (its gradient
+# reads bring the layer before back ahead: ``SwapManager``'s default pairing), taken as
+# this many of its forwards. Only what a copy takes beyond that compute shows in the step.
+BACKWARD_PER_FORWARD = 2.0
+
+
+def _swap_transfer(
+    host_bandwidth: float | None,
+    layers: list[tuple[str, nn.Module]],
+    index: int,
+    times: StepTimes,
+) -> Callable[[int], float] | None:
+    """Seconds of the step a layer's swap of ``n`` bytes each way adds: per direction
+    ``max(0, n / host_bandwidth - the overlapping compute)`` (see ``BACKWARD_PER_FORWARD``);
+    the last layer has no next layer to overlap with."""
+    if host_bandwidth is None:
+        return None
+    after = layers[index + 1][0] if index + 1 < len(layers) else None
+    forward_after = times.forward_s.get(after, 0.0) if after is not None else 0.0
+
+    def exposed(nbytes: int) -> float:
+        copy = nbytes / host_bandwidth
+        return max(0.0, copy - forward_after) + max(
+            0.0, copy - BACKWARD_PER_FORWARD * forward_after
+        )
+
+    return exposed
+
+
 def _option_profiles(
-    options: list[OptionAnalysis], private: list[int], scale: float, overheads: Overheads
+    options: list[OptionAnalysis],
+    private: list[int],
+    scale: float,
+    overheads: Overheads,
+    transfer: Callable[[int], float] | None = None,
 ) -> list[OptionProfile]:
     """The layer's options with their bytes (``private``: the layer's own share of what
-    each keeps) and replay costs (``scale``: seconds of forward per recorded op second)."""
+    each keeps) and replay costs (``scale``: seconds of forward per recorded op second;
+    ``transfer``: the exposed seconds of a swap of so many bytes each way)."""
     profiles = []
     for o, result in enumerate(options):
-        checkpoints = 0 if o == OptionSlot.NONE else 1
+        checkpoints = 0 if o == OptionSlot.NONE or result.name == SWAP else 1
+        swap_s = transfer(result.swap_bytes) if transfer is not None and result.swap_bytes else 0.0
         profiles.append(
             OptionProfile(
                 name=result.name,
@@ -480,10 +587,13 @@ def _option_profiles(
                 + overheads.bookkeeping_bytes * (checkpoints + result.excluded_calls),
                 replay_s=scale * sum(op.seconds for op in result.replay_ops)
                 + overheads.per_save_s * result.hooked_saves
-                + overheads.per_policy_op_s * result.policy_ops,
+                + overheads.per_policy_op_s * result.policy_ops
+                + swap_s,
                 replay_flops=sum(op.flops for op in result.replay_ops),
                 region_saved_bytes=result.region_saved_bytes,
                 collective_bytes=result.collective_bytes,
+                swap_bytes=result.swap_bytes,
+                swap_s=swap_s,
             )
         )
     return profiles

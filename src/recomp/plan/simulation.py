@@ -74,6 +74,7 @@ def simulate(
     exclude: Callable[[nn.Module], bool] | None = None,
     exclude_collectives: bool = True,
     hardware: str | dict[str, Any] | Hardware | None = None,
+    swap: bool = True,
 ) -> Profile:
     """The profile ``profile()`` would measure on one rank of the target, simulated on
     fake tensors (see the module docstring); give it to ``make_plan``.
@@ -88,7 +89,9 @@ def simulate(
     ``profile()``. ``hardware``: the accelerator the times are modelled for, a name
     (``recomp.plan.cost.ACCELERATORS``: "H100 SXM", "H200", "B200", "A100 80GB",
     "MI300X", "Ascend 910B"), a table (a dict, a ``Hardware``, or the path of a JSON
-    file with the same keys), or None: times zero.
+    file with the same keys), or None: times zero. ``swap``: offer the swap options
+    (``full+swap-inputs``, ``swap``) where the hardware has a ``host_bandwidth``; False:
+    never.
 
     No process group, mode or default is left behind, errors included. Refused: a
     process group already initialised in this process when ``world_size`` is above 1.
@@ -96,6 +99,8 @@ def simulate(
     target = _check_arguments(build, inputs, world_size, device, dtype, loss_fn)
     if not isinstance(exclude_collectives, bool):
         raise ValueError(f"exclude_collectives must be True or False, got {exclude_collectives!r}")
+    if not isinstance(swap, bool):
+        raise ValueError(f"swap must be True or False, got {swap!r}")
     spec = None if hardware is None else resolve_hardware(hardware)
     if world_size > 1:
         import torch.distributed as dist
@@ -134,6 +139,7 @@ def simulate(
                 target,
                 spec,
                 world_size,
+                swap,
             )
     finally:
         torch.set_rng_state(rng)
@@ -202,6 +208,7 @@ def _simulate(
     device: torch.device,
     spec: Hardware | None,
     world_size: int,
+    swap: bool = True,
 ) -> Profile:
     layers = find_layers(model, layer_spec)
     candidates = [find_candidates(layer, exclude) for _, layer in layers]
@@ -244,6 +251,13 @@ def _simulate(
         + ": bytes and FLOPs are counted as a profile on that device counts them; times "
         + ("come from the cost model" if spec is not None else "are zero")
     ]
+    host_bandwidth = spec.host_bandwidth if spec is not None and swap else None
+    if swap and host_bandwidth is None:
+        notes.append(
+            "no swap options: "
+            + ("no hardware given" if spec is None else f"{spec.name} has no host_bandwidth")
+            + " (the host link's bytes/s per direction, which the swap options' copies use)"
+        )
     prof = build_profile(
         layers,
         candidates,
@@ -254,6 +268,7 @@ def _simulate(
         exclude_collectives,
         notes,
         timing=NO_HARDWARE if spec is None else spec.describe() + backward_note,
+        host_bandwidth=host_bandwidth,
     )
     del recording
     return prof
