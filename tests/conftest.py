@@ -1,4 +1,4 @@
-import importlib
+import importlib.util
 import os
 import sys
 
@@ -30,11 +30,38 @@ def pytest_configure(config):  # type: ignore[no-untyped-def]
     )
 
 
+# The planner's simulation needs PyTorch 2.13 or newer (recomp.plan.simulate refuses
+# older releases): these files test it, and skip on an older PyTorch.
+SIMULATION_TESTS = {
+    "test_simulate.py",
+    "test_simulated_models.py",
+    "test_swap_options.py",
+    "test_plan_simulate.py",
+    "test_simulate_parallel.py",
+    "test_kernels.py",
+    "test_fake.py",
+}
+
+
+def _simulation_unsupported():  # type: ignore[no-untyped-def]
+    if importlib.util.find_spec("torch") is None:
+        return None  # the files skip themselves without torch
+    from recomp.torch._compat import simulation_unsupported
+
+    return simulation_unsupported()
+
+
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
-    # Inductor builds C++ for every graph: what it compiles is a system-level test too.
+    simulation = [item for item in items if item.path.name in SIMULATION_TESTS]
+    unsupported = _simulation_unsupported() if simulation else None
     for item in items:
+        # Inductor builds C++ for every graph: what it compiles is a system-level test too.
         if item.get_closest_marker("inductor") is not None:
             item.add_marker(pytest.mark.system)
+    if unsupported:
+        for item in simulation:
+            if "refuses_old_pytorch" not in item.name:
+                item.add_marker(pytest.mark.skip(reason=unsupported))
 
 
 @pytest.fixture

@@ -55,6 +55,8 @@ def _requires(block: doc_blocks.Block) -> list[str]:
     # the MindSpore blocks).
     for m in re.finditer(r"^(?:import|from) (mindspore|mindcv|torch|torchvision|transformers|peft)\b", block.code, re.M):
         needed.append(m.group(1))
+    if re.search(r"\b(simulate|SimulatedModel)\(", block.code):
+        needed.append("simulation")  # the planner's simulation: PyTorch 2.13 or newer
     setup = block.options.get("setup")
     needed += {"llama": ["torch", "transformers"], "ms_net": ["mindspore"], "resnet": ["torchvision"]}.get(
         setup or "", ["torch"] if setup else []
@@ -73,7 +75,13 @@ def test_code_block_runs(
         )
         pytest.skip(f"run by {runner}")
     for module in _requires(block):
-        if module == "cuda":
+        if module == "simulation":
+            pytest.importorskip("torch")
+            from recomp.torch import _compat
+
+            if _compat.simulation_unsupported():
+                pytest.skip(_compat.simulation_unsupported())
+        elif module == "cuda":
             torch = pytest.importorskip("torch")
             if not torch.cuda.is_available():
                 pytest.skip("needs a GPU")

@@ -465,3 +465,14 @@ def test_the_causal_sdpa_recipe_for_hugging_face_models_runs_flash_attention():
     # each layer's memory-efficient kernel) are gone.
     assert masked.layers[1].checkpoint_input_bytes - causal.layers[1].checkpoint_input_bytes == seq * seq
     assert masked.layers[1].no_checkpoint_bytes - causal.layers[1].no_checkpoint_bytes >= 2 * seq * seq
+
+
+def test_simulation_refuses_old_pytorch() -> None:
+    """Before PyTorch 2.13 fused attention on fake CUDA tensors aborts the process:
+    simulate refuses up front, naming the version and the alternative."""
+    from recomp.torch._compat import simulation_unsupported
+
+    if simulation_unsupported() is None:
+        pytest.skip("this PyTorch runs the simulation")
+    with pytest.raises(RuntimeError, match=r"needs PyTorch 2\.13 or newer.*recomp\.plan\.profile"):
+        simulate(lambda mesh: torch.nn.Linear(2, 2), lambda mesh: torch.zeros(1, 2))

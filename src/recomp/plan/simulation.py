@@ -96,6 +96,9 @@ def simulate(
     No process group, mode or default is left behind, errors included. Refused: a
     process group already initialised in this process when ``world_size`` is above 1.
     """
+    unsupported = _compat.simulation_unsupported()
+    if unsupported is not None:
+        raise RuntimeError(unsupported)
     target = _check_arguments(build, inputs, world_size, device, dtype, loss_fn)
     if not isinstance(exclude_collectives, bool):
         raise ValueError(f"exclude_collectives must be True or False, got {exclude_collectives!r}")

@@ -109,6 +109,7 @@ from .engine import (
     view_base,
 )
 from .fake import (
+    SIMULATION_MIN_TORCH,
     fake_process_group,
     fake_tensor_mode,
     fake_tensor_type,
@@ -116,6 +117,7 @@ from .fake import (
     is_fake,
     is_view_op,
     reset_dtensor_random,
+    simulation_unsupported,
     target_attention_kernels,
 )
 from .hf import (
@@ -144,6 +146,7 @@ from .saved_tensors import (
 
 __all__ = [
     "PLANNABLE_BACKENDS",
+    "SIMULATION_MIN_TORCH",
     "TorchDispatchMode",
     "activation_memory_budget",
     "attach_cuda_oom_observer",
@@ -211,6 +214,7 @@ __all__ = [
     "separate_backend",
     "set_hf_attention",
     "set_hf_checkpoint_function",
+    "simulation_unsupported",
     "storage_key",
     "swap_module_tensor",
     "target_attention_kernels",

@@ -32,6 +32,35 @@ def fake_tensor_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+SIMULATION_MIN_TORCH = (2, 13)
+
+
+def simulation_unsupported() -> str | None:
+    """Why this PyTorch cannot run the planner's simulation, or None where it can.
+
+    Why: the simulation runs fused attention kernels and the fake process group on fake
+    CUDA tensors without a driver; on PyTorch 2.9.1 the flash-attention op aborts the
+    process there (a C++ abort no Python code can catch), so it is refused up front.
+    Checked on 2.13.0 and 2.14.1; 2.10 to 2.12 are not tested and refused.
+    If it changes: raise the bound here when an older release is checked.
+    Retired by: dropping support for PyTorch before 2.13.
+    """
+    parts = torch.__version__.split("+")[0].split(".")
+    try:
+        version = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return None
+    if version >= SIMULATION_MIN_TORCH:
+        return None
+    want = ".".join(map(str, SIMULATION_MIN_TORCH))
+    return (
+        f"recomp.plan.simulate needs PyTorch {want} or newer (this is {torch.__version__}): "
+        "on older releases fused attention on fake CUDA tensors aborts the process. "
+        f"Upgrade PyTorch to run the simulation, or plan on the real model with "
+        "recomp.plan.profile"
+    )
+
+
 def is_fake(t: Any) -> bool:
     """Whether ``t`` is a fake tensor (a tensor without data)."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -196,6 +225,7 @@ def is_view_op(func: Any) -> bool:
 
 
 __all__ = [
+    "SIMULATION_MIN_TORCH",
     "fake_process_group",
     "fake_tensor_mode",
     "fake_tensor_type",
@@ -203,5 +233,6 @@ __all__ = [
     "is_fake",
     "is_view_op",
     "reset_dtensor_random",
+    "simulation_unsupported",
     "target_attention_kernels",
 ]
