@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.system, pytest.mark.timeout(2
 torch = pytest.importorskip("torch")
 
 import paper_gpt  # noqa: E402
+from profile_counts import profile_counts  # noqa: E402
 from recomp.plan import simulate  # noqa: E402
 from recomp.plan.planner import Profile  # noqa: E402
 from simulate_parallel_cases import BATCH, SEQ, SIZES  # noqa: E402
@@ -23,28 +24,6 @@ from simulate_parallel_cases import BATCH, SEQ, SIZES  # noqa: E402
 WORLD_SIZE = 2
 
 
-def _counts(prof: Profile) -> dict:
-    """Every count of a profile that is not a time."""
-    return {
-        "shared": prof.shared_bytes,
-        "spread": prof.spread_bytes,
-        "bookkeeping": prof.bookkeeping_bytes,
-        "layers": [
-            {
-                "path": layer.path,
-                "none": layer.no_checkpoint_bytes,
-                "input": layer.checkpoint_input_bytes,
-                "flops": layer.forward_flops,
-                "pairs": layer.pair_bytes,
-                "regions": [(r.path, r.calls, r.forward_flops, r.exclusion_bytes) for r in layer.regions],
-                "options": [
-                    (o.name, o.kept_bytes, o.replay_flops, o.region_saved_bytes, o.collective_bytes)
-                    for o in layer.options
-                ],
-            }
-            for layer in prof.layers
-        ],
-    }
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +43,10 @@ def test_simulated_counts_equal_each_ranks_measured_profile(reports, parallel, k
         device="cpu",
         exclude_collectives=keep,
     )
-    expected = _counts(simulated)
+    expected = profile_counts(simulated)
     for report in reports:
         measured = Profile.from_dict(report["profiles"][f"{parallel} keep={keep}"])
-        assert _counts(measured) == expected, report["rank"]
+        assert profile_counts(measured) == expected, report["rank"]
     # The comparison is not vacuous: collectives were seen, and kept when asked.
     kept = [o.collective_bytes for layer in simulated.layers for o in layer.options]
     assert (max(kept) > 0) is keep

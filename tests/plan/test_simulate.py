@@ -26,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import paper_gpt  # noqa: E402
+from profile_counts import profile_counts  # noqa: E402
 from recomp.plan import make_plan, plan_table, profile, profile_table, save_plan, simulate  # noqa: E402
 from recomp.plan.cost import ACCELERATORS, Hardware, OpCostModel, resolve_hardware  # noqa: E402
 from recomp.plan.planner import Profile  # noqa: E402
@@ -36,28 +37,6 @@ SBH = S * B * H
 ATTENTION = 5 * A * S / H  # the paper's 5as/h (softmax, its dropout mask, dropout output)
 
 
-def _counts(prof: Profile) -> dict:
-    """Every count of a profile that is not a time."""
-    return {
-        "shared": prof.shared_bytes,
-        "spread": prof.spread_bytes,
-        "bookkeeping": prof.bookkeeping_bytes,
-        "layers": [
-            {
-                "path": layer.path,
-                "none": layer.no_checkpoint_bytes,
-                "input": layer.checkpoint_input_bytes,
-                "flops": layer.forward_flops,
-                "pairs": layer.pair_bytes,
-                "regions": [(r.path, r.calls, r.forward_flops, r.exclusion_bytes) for r in layer.regions],
-                "options": [
-                    (o.name, o.kept_bytes, o.replay_flops, o.region_saved_bytes, o.collective_bytes)
-                    for o in layer.options
-                ],
-            }
-            for layer in prof.layers
-        ],
-    }
 
 
 # --------------------------------------------------------------------------- against profile()
@@ -76,7 +55,7 @@ def test_simulated_counts_equal_the_measured_profile_on_cpu():
         functools.partial(paper_gpt.inputs, seq=32, batch=2, hidden=SMALL["hidden"]),
         device="cpu",
     )
-    assert _counts(simulated) == _counts(measured)
+    assert profile_counts(simulated) == profile_counts(measured)
     assert simulated.bookkeeping_bytes == torch.get_rng_state().nbytes > 0
     # Every option differs from the others somewhere: the comparison is not vacuous.
     options = simulated.layers[1].options
@@ -104,7 +83,7 @@ def test_simulated_counts_equal_the_measured_profile_of_a_hugging_face_model():
     torch.manual_seed(0)
     measured = profile(build(None), inputs(None), steps=1, clock="cpu")
     simulated = simulate(build, inputs, device="cpu")
-    assert _counts(simulated) == _counts(measured)
+    assert profile_counts(simulated) == profile_counts(measured)
 
 
 # --------------------------------------------------------------------------- the paper's Table 2
