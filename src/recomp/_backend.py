@@ -33,6 +33,16 @@ class StateChange(NamedTuple):
     updated: bool
 
 
+def addressing_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int | None, ...]:
+    """``stride`` with the entries that never address memory left out (``None``): those of
+    dimensions of size 1, and all of them when the tensor is empty. Two tensors that differ
+    only there hold the same elements at the same places; a replay may hand back either (a
+    clone of a (1, 4) tensor with strides (1, 1) has strides (4, 1))."""
+    if 0 in shape:
+        return (None,) * len(shape)
+    return tuple(None if size == 1 else step for size, step in zip(shape, stride, strict=True))
+
+
 class Backend:
     """Defaults shared by the frameworks; abstract methods raise ``NotImplementedError``."""
 
@@ -210,7 +220,7 @@ class Backend:
     def layout(self, t: Any) -> Hashable:
         """What must match between a forward input and its replay (shape, strides, dtype)."""
         shape, stride, _ = self.geometry(t)
-        return (shape, stride, t.dtype)
+        return (shape, addressing_strides(shape, stride), t.dtype)
 
     def same_kind(self, t: Any, base: Any) -> bool:
         """Whether ``t`` can be a view of ``base`` (same element type and device)."""

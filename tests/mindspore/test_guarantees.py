@@ -429,7 +429,7 @@ def test_training_steps_keep_memory_flat():
     figures = run_measured(LEAK_CHILD.replace("STEPS", str(LEAK_STEPS)), timeout=600)
     assert figures["invocations"] == 2 * (10 + LEAK_STEPS)
     assert figures["alive"] == 0
-    extra = figures["recomp"] - figures["bare"]
+    extra = figures["recomp"] - max(figures["bare"], 0)  # a heap that shrank grew by nothing
     assert extra <= LEAK_STEPS * LEAK_BOUND_PER_STEP + LEAK_SLACK, figures
 
 

@@ -217,5 +217,7 @@ result = {
 """
     )
     assert result["runs"] == 2200
-    # 64 KiB over 2,000 steps: a leak of one 16x32 float activation a step would be 4 MiB
-    assert result["recomp"] - result["plain"] < 64 << 10, result
+    # 64 KiB over 2,000 steps: a leak of one 16x32 float activation a step would be 4 MiB.
+    # The heap can also shrink by as much in a run (the allocator hands pages back), so a
+    # plain run that shrank counts as no growth, not as a negative allowance.
+    assert result["recomp"] - max(result["plain"], 0) < 64 << 10, result

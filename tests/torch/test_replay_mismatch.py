@@ -82,3 +82,43 @@ def test_other_checkpoint_errors_stay_pytorchs():
     with pytest.raises(RuntimeError) as info:
         out.backward()
     assert not isinstance(info.value, recomp.ReplayMismatchError)
+
+
+class _Sin(nn.Module):
+    def forward(self, t):
+        return t.sin()
+
+
+def test_a_replay_that_passes_a_region_another_input_shape_raises():
+    """The region's input is made inside the checkpoint, so the region keeps none of it and
+    takes the replay's; a replay that makes another one is refused, naming the region."""
+    region = rt.checkpoint_exclude_wrapper(_Sin(), name="sin")
+
+    def body(t):
+        h = t * 2
+        return region(h[:2] if recomp.is_recomputing() else h).cos()
+
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(recomp.ReplayMismatchError, match="region 'sin' a different input"):
+        rt.checkpoint(body, x).sum().backward()
+
+
+def test_strides_of_size_one_dimensions_may_differ_in_the_replay():
+    """A (1, 4) tensor with strides (1, 1) and one with strides (4, 1) hold the same elements
+    at the same places: a replay that passes the region the other one is not a mismatch
+    (a kept output copied with another layout does that, seen with nested checkpoints)."""
+    region = rt.checkpoint_exclude_wrapper(_Sin(), name="sin")
+
+    def body(t):
+        h = (t * 2).t()  # (1, 4), strides (1, 1)
+        if recomp.is_recomputing():
+            h = torch.empty(1, 4).copy_(h)  # strides (4, 1)
+        return region(h).cos()
+
+    x = torch.randn(4, 1, requires_grad=True)
+    rt.checkpoint(body, x).sum().backward()
+    expected = x.detach().requires_grad_()
+    body_plain = (expected * 2).t().sin().cos().sum()
+    body_plain.backward()
+    torch.testing.assert_close(x.grad, expected.grad)
+    assert region.region_runs == 1

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .. import _pytree
-from .._backend import Backend, StateChange
+from .._backend import Backend, StateChange, addressing_strides
 from ..errors import OutputNotSavedError
 from . import _compat
 
@@ -179,7 +179,8 @@ class TorchBackend(Backend):
         return p
 
     def layout(self, t: torch.Tensor) -> Hashable:
-        return (tuple(t.shape), t.stride(), t.dtype, t.device)
+        shape = tuple(t.shape)
+        return (shape, addressing_strides(shape, t.stride()), t.dtype, t.device)
 
     def same_kind(self, t: torch.Tensor, base: torch.Tensor) -> bool:
         return t.dtype == base.dtype and t.device == base.device
