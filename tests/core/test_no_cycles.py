@@ -116,3 +116,43 @@ def test_mindspore_dropout_with_kept_masks_leaves_no_tensor_in_a_cycle():
     x = tensor(2, 5, 16)
     grad_fn = ms.grad(lambda t: (blocks(t) ** 2).sum(), None, blocks.trainable_params())
     assert tensors_left_in_cycles(lambda: grad_fn(x), lambda o: isinstance(o, ms.Tensor)) == 0
+
+
+@pytest.mark.parametrize("how", ["swap_wrapper", "swap_inputs", "must_swap_policy"])
+def test_torch_swap_step_leaves_no_tensor_in_a_cycle(how, monkeypatch):
+    """Tensors copied out to the host and back (the offloader's host-copy mode on CPU) go
+    with the step's graph, as the tensors a plain checkpoint keeps do."""
+    torch = pytest.importorskip("torch")
+    import recomp.torch as rt
+    from recomp.torch import CheckpointPolicy
+    from recomp.torch._offload import ENV_HOST_COPY, default_offloader
+    from torch_models import Block, stack
+
+    monkeypatch.setenv(ENV_HOST_COPY, "1")
+
+    def swap_linear_outputs(ctx, op, *args, **kwargs):
+        if op is torch.ops.aten.addmm.default:
+            return CheckpointPolicy.MUST_SWAP
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    model = stack(3)
+    for i, block in enumerate(model):
+        assert isinstance(block, Block)
+        if how == "swap_wrapper":
+            rt.swap_wrapper(block)
+        elif how == "swap_inputs":
+            model[i] = rt.checkpoint_wrapper(block, swap_inputs=True)
+        else:
+            model[i] = rt.checkpoint_wrapper(block, policy_fn=swap_linear_outputs)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    offloader = default_offloader()
+    moved = []
+    monkeypatch.setattr(offloader, "group_opened", moved.append)
+
+    def step():
+        model(x).pow(2).sum().backward()
+        model.zero_grad(set_to_none=True)
+        offloader.synchronize()
+
+    assert tensors_left_in_cycles(step, lambda o: isinstance(o, torch.Tensor)) == 0
+    assert moved and all(g.offloaded_bytes > 0 for g in moved)  # the swap did run
