@@ -28,7 +28,7 @@ from typing import Any
 
 import paths
 
-FENCE = re.compile(r"^```(\w*)\s*$")
+FENCE = re.compile(r"^( *)```(\w*)\s*$")  # indented inside a list item too
 MARK = re.compile(r"<!--\s*docs-test:(.*?)-->")
 
 
@@ -67,15 +67,17 @@ def blocks(page: Path) -> list[Block]:
             i += 1
             continue
         start = i
+        indent = m.group(1)
         j = i + 1
-        while j < len(lines) and not lines[j].startswith("```"):
+        while j < len(lines) and lines[j].rstrip() != indent + "```":
             j += 1
         options: dict[str, str] = {}
         if start > 0:
             mark = MARK.search(lines[start - 1])
             if mark:
                 options = parse_options(mark.group(1))
-        found.append(Block(page, start + 1, m.group(1), "\n".join(lines[start + 1 : j]), options))
+        code = "\n".join(line.removeprefix(indent) for line in lines[start + 1 : j])
+        found.append(Block(page, start + 1, m.group(2), code, options))
         i = j + 1
     return found
 
@@ -148,7 +150,8 @@ def _decoder() -> dict[str, Any]:
 
 
 def _llama() -> dict[str, Any]:
-    """A tiny Hugging Face Llama as ``model`` with its layer and attention classes."""
+    """A tiny Hugging Face Llama as ``model`` (its ``config``) with its layer and attention
+    classes."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
@@ -164,6 +167,7 @@ def _llama() -> dict[str, Any]:
     )
     return {
         "torch": torch,
+        "config": config,
         "model": LlamaForCausalLM(config),
         "ids": torch.randint(0, 100, (2, 16)),
         "LlamaAttention": LlamaAttention,
