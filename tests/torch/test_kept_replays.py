@@ -342,3 +342,56 @@ def test_a_backward_run_from_a_hook_over_the_same_checkpoint(early_stop, nested)
     assert torch.equal(expected[0], got[0])
     if nested == "grad":
         assert torch.equal(expected[1], got[1])
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_a_backward_from_a_hook_reads_part_of_what_the_outer_pass_kept(early_stop):
+    # The hook runs a backward from an intermediate output of the checkpoint: the nested
+    # pass needs only the first saved tensors, which the outer pass, still running, reads
+    # after it. The nested pass replays for itself and leaves the outer pass its own.
+    def run(checkpoint):
+        a = torch.tensor([0.3, 1.1], requires_grad=True)
+
+        def fn(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = t.sin().cos()
+            return h, h.sin()
+
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+            h, out = checkpoint(fn, a)
+        seen = []
+
+        def hook(*_unused):
+            seen.append(a.grad)
+            h.backward(torch.ones_like(h), retain_graph=True)
+
+        out.grad_fn.register_hook(hook)
+        out.sum().backward(retain_graph=True)
+        assert seen == [None]
+        return a.grad
+
+    def torch_checkpoint(fn, x):
+        return torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False)
+
+    assert torch.equal(run(torch_checkpoint), run(rt.checkpoint))
+
+
+def test_a_gradient_taken_inside_the_checkpointed_function():
+    # The replay runs a backward of its own (autograd.grad with create_graph): what the
+    # replay saves during that inner pass belongs to the pass that asked for the replay.
+    def grad_of(fn):
+        def taken(t: torch.Tensor) -> torch.Tensor:
+            with torch.enable_grad():
+                return torch.autograd.grad(fn(t).sum(), t, create_graph=True)[0]
+
+        return taken
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return t.sin().exp().sin()
+
+    def checkpointed(f):
+        return lambda t: rt.checkpoint(f, t)
+
+    x = torch.tensor([0.3, 1.1, -0.7], requires_grad=True)
+    expected = grad_of(grad_of(fn))(x)
+    assert torch.equal(grad_of(checkpointed(grad_of(fn)))(x), expected)
+    assert torch.equal(grad_of(checkpointed(grad_of(checkpointed(fn))))(x), expected)

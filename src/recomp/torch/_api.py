@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -97,6 +98,15 @@ def checkpoint(
         value_check_option(kwargs, debug=False, name="", compiled=True)
         return _compile.checkpoint(function, args, kwargs, context_fn)
     check_callable(function, "checkpoint", "module")
+    if _TORCH_CALL.pending:
+        _TORCH_CALL.pending = False
+        raise RecompError(
+            "recomp.torch.checkpoint was called again by the function it called as "
+            "PyTorch's checkpoint: torch.utils.checkpoint.checkpoint had been replaced by a "
+            "function that calls recomp's checkpoint before recomp.torch was imported, and "
+            "recomp took that replacement for PyTorch's own. Import recomp.torch before "
+            "replacing torch.utils.checkpoint.checkpoint."
+        )
     if not torch.is_grad_enabled() and get_recompute_state() is None:
         # NOTE [ Nothing to checkpoint without gradients ]: no graph is built, so nothing
         # is saved, kept or replayed. Outside every recomp checkpoint, the call is the
@@ -131,18 +141,41 @@ def checkpoint(
     )
     with torch_debug_off, swap.scope(function, context_fn) as finish:
         try:
-            return finish(
-                torch.utils.checkpoint.checkpoint(
-                    function,
-                    *args,
-                    use_reentrant=False,
-                    context_fn=call.context_fn,
-                    **kwargs,
-                )
-            )
+            return finish(_torch_checkpoint(function, args, kwargs, call.context_fn))
         except BaseException as exc:
             _compat.finish_failed_checkpoint(exc)  # PyTorch 2.9 leaves it open
             raise
+
+
+class _TorchCall(threading.local):
+    """Whether this thread called PyTorch's checkpoint and it has not started the call's
+    contexts yet: a recomp checkpoint entered then was called by that function itself."""
+
+    pending = False
+
+
+_TORCH_CALL = _TorchCall()
+
+
+def _torch_checkpoint(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context_fn: Callable[[], tuple[Any, Any]],
+) -> Any:
+    """PyTorch's checkpoint (as bound when recomp was imported) on ``function``."""
+
+    def started() -> tuple[Any, Any]:
+        _TORCH_CALL.pending = False
+        return context_fn()
+
+    _TORCH_CALL.pending = True
+    try:
+        return _compile.torch_checkpoint(
+            function, *args, use_reentrant=False, context_fn=started, **kwargs
+        )
+    finally:
+        _TORCH_CALL.pending = False
 
 
 #: Options of PyTorch's checkpoint itself, never passed on to the checkpointed function.

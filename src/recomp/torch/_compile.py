@@ -65,6 +65,13 @@ from . import _compat
 _checkpoint_depth = 0
 
 
+#: PyTorch's checkpoint function as it was when recomp was imported. recomp calls this one,
+#: never the module attribute: a project tried with recomp may have replaced
+#: ``torch.utils.checkpoint.checkpoint`` by recomp's checkpoint (or by a function that
+#: routes to it), which would then call itself without end.
+torch_checkpoint: Callable[..., Any] = torch.utils.checkpoint.checkpoint
+
+
 #: True while Dynamo traces the code (recomp then takes the compiled path). PyTorch's own
 #: function, not a wrapper around it: it is asked on every region call.
 is_compiling: Callable[[], bool] = torch.compiler.is_compiling
@@ -85,10 +92,10 @@ def checkpoint(
         # Nested in another recomp checkpoint: the count is already non-zero, and the
         # write would happen inside the outer checkpoint's traced body, which Dynamo
         # of PyTorch 2.9 refuses (a graph break; 2.13 allows it).
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+        return torch_checkpoint(function, *args, use_reentrant=False, **kwargs)
     _checkpoint_depth += 1
     try:
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+        return torch_checkpoint(function, *args, use_reentrant=False, **kwargs)
     finally:
         _checkpoint_depth -= 1
 

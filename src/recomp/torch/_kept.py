@@ -79,6 +79,8 @@ class RecomputeHandle:
         "_holders",
         "_kept",
         "_lock",
+        "_replaying_for",
+        "_running",
         "session",
     )
 
@@ -96,6 +98,13 @@ class RecomputeHandle:
         # Holder -> the backward pass that read and dropped its tensor: a replay later in
         # that same pass does not keep it again (no node of the pass reads it twice).
         self._consumed: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        # The backward passes that kept tensors here and have not ended: another pass (one
+        # run from a hook inside them) does not read what they kept.
+        self._running: set[int] = set()
+        # The passes whose unpack is running this checkpoint's replay (innermost last):
+        # what the replay saves is that pass's, also what it saves while a backward runs
+        # inside the replayed code (a gradient taken in the checkpointed function).
+        self._replaying_for: list[int] = []
         self._lock = threading.Lock()
         self.session: _Session | None = None
 
@@ -125,6 +134,7 @@ class RecomputeHandle:
             unpack = self._checkpoint_unpack
             if unpack is None:  # not reached: the hook is installed only with it
                 raise RecompError("recomp: a kept-replay unpack ran without its checkpoint")
+            self._replaying_for.append(current)
             try:
                 unpack(holder)  # replays in this pass; _Capture keeps every tensor
             except CheckpointError as exc:
@@ -132,6 +142,8 @@ class RecomputeHandle:
                 if mismatch is None:
                     raise
                 raise mismatch from exc
+            finally:
+                self._replaying_for.pop()
             with self._lock:
                 found = self._find(holder, current)
             if found is None:
@@ -155,20 +167,36 @@ class RecomputeHandle:
         return value
 
     def _find(self, holder: Any, current: int) -> tuple[int, torch.Tensor] | None:
-        """What a replay kept for ``holder``: this pass's own first, else another pass's
-        (an earlier pass of a zero-bubble schedule); with the pass that kept it."""
+        """What a replay kept for ``holder``: this pass's own first, else that of a pass
+        that has ended (an earlier pass of a zero-bubble schedule, or a replay run ahead
+        of backward); with the pass that kept it. A pass still running (this one runs
+        from a hook inside it) keeps its tensors: this pass replays for itself."""
         by_pass = self._kept.get(holder)
         if not by_pass:
             return None
         if current in by_pass:
             return current, by_pass[current]
-        return next(iter(by_pass.items()))
+        for keeper, value in by_pass.items():
+            if keeper not in self._running:
+                return keeper, value
+        return None
 
     def keep(self, holder: Any, value: torch.Tensor) -> None:
-        current = _compat.graph_task_id()
+        replaying_for = self._replaying_for
+        current = replaying_for[-1] if replaying_for else _compat.graph_task_id()
         with self._lock:
-            if current == -1 or self._consumed.get(holder) != current:
-                self._kept.setdefault(holder, {})[current] = value
+            if current != -1 and self._consumed.get(holder) == current:
+                return
+            self._kept.setdefault(holder, {})[current] = value
+            if current == -1 or current in self._running:
+                return
+            self._running.add(current)
+        if not _compat.at_pass_end(lambda: self._pass_ended(current)):
+            self._pass_ended(current)
+
+    def _pass_ended(self, task: int) -> None:
+        with self._lock:
+            self._running.discard(task)
 
     def replay_now(self) -> None:
         """Run the replay outside backward; its tensors are kept until read."""

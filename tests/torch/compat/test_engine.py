@@ -52,6 +52,33 @@ def test_in_backward_is_true_only_inside_a_backward():
     assert seen == [True]
 
 
+def test_at_pass_end_runs_when_its_own_pass_ends():
+    events = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            task = _compat.graph_task_id()
+            assert _compat.at_pass_end(lambda: events.append(("end", task)))
+            if not events:  # the outer pass: a pass run from here ends before it
+                events.append(("nested from", task))
+                with torch.enable_grad():
+                    Probe.apply(x * 1).sum().backward()
+                events.append(("back in", task))
+            return g
+
+    x = torch.randn(2, requires_grad=True)
+    assert not _compat.at_pass_end(lambda: events.append("outside"))
+    Probe.apply(x * 1).sum().backward()
+    outer, inner = events[0][1], events[1][1]
+    assert inner != outer
+    assert events == [("nested from", outer), ("end", inner), ("back in", outer), ("end", outer)]
+
+
 def test_node_finishes_in_this_pass_follows_the_pass_inputs():
     seen = []
 

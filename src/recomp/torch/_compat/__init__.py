@@ -98,6 +98,7 @@ from .dispatch import (
     version_sharing_detach,
 )
 from .engine import (
+    at_pass_end,
     graph_task_id,
     in_backward,
     module_tensor,
@@ -149,6 +150,7 @@ __all__ = [
     "SIMULATION_MIN_TORCH",
     "TorchDispatchMode",
     "activation_memory_budget",
+    "at_pass_end",
     "attach_cuda_oom_observer",
     "checkpoint_debug_switch",
     "checkpoint_frame",

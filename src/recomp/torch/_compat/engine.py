@@ -9,7 +9,7 @@ Tested by ``tests/torch/compat/test_engine.py``.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -91,6 +91,30 @@ def graph_task_id() -> int:
     """
     query = getattr(torch._C, "_current_graph_task_id", None)
     return int(query()) if query is not None else -1
+
+
+def at_pass_end(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` when the backward pass running on this thread ends; False (and
+    nothing queued) outside one.
+
+    Why: a checkpoint's kept replay must know whether the pass that kept a tensor is
+    still running: a backward run from a hook inside it (a nested pass) must replay for
+    itself and leave that pass its tensors, while a later pass over the retained graph
+    (a zero-bubble schedule's weight pass) reads what the finished one kept.
+    How: ``torch.autograd.Variable._execution_engine.queue_callback``, which runs the
+    callback when the current graph task finishes (not when it fails).
+    If it changes: False, and every pass counts as finished: a nested pass reads the
+    enclosing pass's tensors (PyTorch's checkpoint replays there instead).
+    Retired by: a public "at the end of this backward" hook.
+    """
+    if graph_task_id() == -1:
+        return False
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None:
+        return False
+    queue(callback)
+    return True
 
 
 def node_finishes_in_this_pass() -> bool:

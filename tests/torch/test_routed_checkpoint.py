@@ -1,0 +1,134 @@
+"""``torch.utils.checkpoint.checkpoint`` replaced by recomp's checkpoint.
+
+Trying recomp on a project that calls PyTorch's checkpoint (its code, or its test suite)
+is most simply done by replacing the module attribute: with recomp's own function, or
+with a function that sends the non-reentrant calls to it. recomp then calls PyTorch's
+checkpoint function as it was when recomp was imported, never the replacement, which
+would call recomp again without end. ``checkpoint_sequential``, which looks the name up
+in its module at each call, goes through the replacement too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.checkpoint as tuc
+from torch import nn
+
+import recomp
+import recomp.torch as rt
+from torch_models import assert_same_grads, grads_of, stack, twin
+
+TORCH_CHECKPOINT = tuc.checkpoint  # PyTorch's, taken before any test replaces it
+
+
+class Counted(nn.Module):
+    """A block that counts its forward runs (the forward, then each replay)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return self.block(x)
+
+
+class CallsCheckpoint(nn.Module):
+    """Each block through ``torch.utils.checkpoint.checkpoint``, looked up at each call."""
+
+    def __init__(self, blocks: nn.Sequential) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Counted(b) for b in blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+        return x
+
+
+def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).sum()
+
+
+def renamed(grads: dict, prefix: str) -> dict:
+    """Gradients keyed as in the plain stack: without ``prefix`` and the ``Counted`` level."""
+    return {k.removeprefix(prefix).replace(".block.", ".", 1): v for k, v in grads.items()}
+
+
+def route_non_reentrant(calls: list[str]):
+    original = TORCH_CHECKPOINT
+
+    def route(function, *args, use_reentrant=None, **kwargs):
+        if use_reentrant is False:
+            calls.append("recomp")
+            return rt.checkpoint(function, *args, use_reentrant=False, **kwargs)
+        calls.append("torch")
+        return original(function, *args, use_reentrant=use_reentrant, **kwargs)
+
+    return route
+
+
+@pytest.mark.parametrize("replacement", ["recomp", "router"])
+def test_replaced_torch_checkpoint_runs_recomp_once_per_call(monkeypatch, replacement):
+    ref = stack(3)
+    x = torch.randn(4, 8, requires_grad=True)
+    _, expected = grads_of(twin(ref), loss_fn, x)
+
+    calls: list[str] = []
+    monkeypatch.setattr(
+        tuc, "checkpoint", rt.checkpoint if replacement == "recomp" else route_non_reentrant(calls)
+    )
+    model = CallsCheckpoint(twin(ref))
+    _, actual = grads_of(model, loss_fn, x)
+    assert_same_grads(expected, renamed(actual, "blocks."))
+    # One forward and one replay per block: recomp checkpointed each call, once.
+    assert [b.runs for b in model.blocks] == [2, 2, 2]
+    if replacement == "router":
+        assert calls == ["recomp"] * 3
+
+
+def test_checkpoint_sequential_goes_through_the_replacement(monkeypatch):
+    ref = stack(4)
+    x = torch.randn(4, 8, requires_grad=True)
+    _, expected = grads_of(twin(ref), loss_fn, x)
+
+    calls: list[str] = []
+    monkeypatch.setattr(tuc, "checkpoint", route_non_reentrant(calls))
+    model = twin(ref)
+    counted = nn.Sequential(*(Counted(b) for b in model))
+
+    class Sequential(nn.Module):
+        def forward(self, y: torch.Tensor) -> torch.Tensor:
+            return tuc.checkpoint_sequential(counted, 2, y, use_reentrant=False)
+
+    holder = Sequential()
+    holder.counted = counted
+    _, actual = grads_of(holder, loss_fn, x)
+    assert_same_grads(expected, renamed(actual, "counted."))
+    # checkpoint_sequential checkpoints every segment but the last: two blocks replay.
+    assert [b.runs for b in counted] == [2, 2, 1, 1]
+    assert calls == ["recomp"]
+
+
+def test_a_replacement_made_before_recomp_was_imported_is_named(monkeypatch):
+    """recomp bound the replacement as PyTorch's checkpoint (it was imported after it):
+    the loop it would make is refused at its first turn, with what to do instead."""
+    from recomp.torch import _compile
+
+    calls: list[str] = []
+    route = route_non_reentrant(calls)
+    monkeypatch.setattr(tuc, "checkpoint", route)
+    monkeypatch.setattr(_compile, "torch_checkpoint", route)
+    model = CallsCheckpoint(stack(1))
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(recomp.RecompError, match=r"Import recomp\.torch before replacing"):
+        model(x)
+    # The model's call, then recomp's call of the replacement, refused there.
+    assert calls == ["recomp", "recomp"]
+    assert model.blocks[0].runs == 0
+    # Nothing stays open: with PyTorch's checkpoint back, the same model trains.
+    monkeypatch.setattr(_compile, "torch_checkpoint", TORCH_CHECKPOINT)
+    loss_fn(model(x)).backward()
+    assert model.blocks[0].runs == 2
