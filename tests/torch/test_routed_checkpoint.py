@@ -132,3 +132,48 @@ def test_a_replacement_made_before_recomp_was_imported_is_named(monkeypatch):
     monkeypatch.setattr(_compile, "torch_checkpoint", TORCH_CHECKPOINT)
     loss_fn(model(x)).backward()
     assert model.blocks[0].runs == 2
+
+
+SUITE_FILE = '''
+import torch
+import recomp
+from torch.utils.checkpoint import checkpoint
+
+def test_checkpoint_routed():
+    seen = []
+
+    def body(x):
+        seen.append(recomp.is_recomputing())
+        return x.sin().cos()
+
+    x = torch.randn(3, requires_grad=True)
+    checkpoint(body, x, use_reentrant=False).sum().backward()
+    assert seen == [False, True]  # recomp's state in the replay: recomp's checkpoint ran
+
+def test_checkpoint_graph_execution_group():
+    assert False  # named as a deliberate difference: an expected failure
+'''
+
+
+@pytest.mark.parametrize("plain", [False, pytest.param(True, marks=pytest.mark.system)])
+def test_the_suite_tool_routes_a_test_files_checkpoint_calls(tmp_path, plain):
+    """tools/torch_checkpoint_suite.py on a test file written like PyTorch's: its calls
+    reach recomp's checkpoint, and a deliberate difference is an expected failure;
+    ``--plain`` leaves PyTorch's checkpoint (the first test then fails)."""
+    import subprocess
+    import sys
+
+    from paths import ROOT
+
+    (tmp_path / "test_suite_like.py").write_text(SUITE_FILE)
+    command = [sys.executable, str(ROOT / "tools" / "torch_checkpoint_suite.py"), "test_suite_like.py"]
+    command += ["--plain"] if plain else []
+    run = subprocess.run(
+        [*command, "--", "-q", "-p", "no:randomly"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if plain:
+        assert "2 failed" in run.stdout, run.stdout + run.stderr
+    else:
+        assert "1 passed, 1 xfailed" in run.stdout, run.stdout + run.stderr
+        assert "checkpoint calls: 1 to recomp, 0 reentrant ones to PyTorch" in run.stdout
