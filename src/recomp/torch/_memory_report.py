@@ -538,12 +538,14 @@ def _describe(t: Any) -> tuple[Any, int, tuple[int, ...], str, str]:
     return key, BACKEND.storage_nbytes(t), tuple(t.shape), _dtype_name(t.dtype), str(t.device)
 
 
-def _span(shape: Iterable[int], stride: Iterable[int]) -> int:
-    """Elements a strided tensor reaches (what keeping it would have held at least)."""
+def _span(shape: Iterable[int], stride: Iterable[int | None]) -> int:
+    """Elements a strided tensor reaches (what keeping it would have held at least).
+    A dimension of size 1 steps nowhere: its stride may be given as None (a layout,
+    ``addressing_strides``)."""
     shape, stride = list(shape), list(stride)
     if any(s == 0 for s in shape):
         return 0
-    return 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride) if n > 1 and st is not None)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
