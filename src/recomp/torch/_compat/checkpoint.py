@@ -302,7 +302,7 @@ def checkpoint_wrapper_function(parent: Any) -> Any:
     then checkpoints with ``recomp.torch.checkpoint_wrapper`` instead).
     Retired by: a public class for PyTorch's checkpoint wrapper that takes its function
     before it registers the module.
-    Checked on PyTorch 2.14.1.
+    Checked on PyTorch 2.13.0 and 2.14.1.
     """
     slot = _checkpoint_wrapper_slot()
     init = getattr(slot[0], "__init__", None) if slot is not None else None
