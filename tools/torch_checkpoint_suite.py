@@ -7,11 +7,19 @@ Point it at the test files of a PyTorch source checkout of the version you run::
         ~/pytorch/test/test_utils.py
 
 Every ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` the tests make
-(directly, through ``checkpoint_sequential``, or through the name a test module imported)
-goes to ``recomp.torch.checkpoint``; reentrant calls stay PyTorch's. ``--plain`` runs the
-same selection without the replacement, to tell PyTorch's own failures on this machine
+(directly, through ``checkpoint_sequential``, through the name a test module imported, or
+through PyTorch's ``checkpoint_wrapper`` / ``apply_activation_checkpointing`` with
+``CheckpointImpl.NO_REENTRANT``, which call it under a name of their own) goes to
+``recomp.torch.checkpoint``; reentrant calls stay PyTorch's. The wrapper's tests run the
+same way::
+
+    python tools/torch_checkpoint_suite.py \\
+        ~/pytorch/test/distributed/fsdp/test_checkpoint_wrapper.py
+
+``--plain`` runs the same selection without the replacement, to tell PyTorch's own failures on this machine
 from recomp's. By default only tests whose name mentions checkpointing are collected
-(``-k``); anything after ``--`` goes to pytest.
+(``-k``; a file whose name mentions it, as the wrapper's does, is collected whole);
+anything after ``--`` goes to pytest.
 
 Where recomp differs from PyTorch on purpose, the test is marked as an expected failure
 with the reason (``DIFFERENCES``): with the replacement it must still fail, or the
@@ -21,6 +29,7 @@ difference is gone and the entry should go too.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Any
 
@@ -40,6 +49,10 @@ DIFFERENCES = {
 
 DEFAULT_SELECTION = "checkpoint or Checkpoint or checkpointing"
 
+#: Where PyTorch's checkpoint_wrapper keeps the checkpoint function it calls by default.
+WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+WRAPPER_NAME = "torch_utils_checkpoint"
+
 
 class RoutePlugin:
     """A pytest plugin: the replacement is made at configure time, before any test module
@@ -47,7 +60,7 @@ class RoutePlugin:
 
     def __init__(self, route: bool) -> None:
         self.route = route
-        self.calls = {"recomp": 0, "torch": 0}
+        self.calls = {"recomp": 0, "torch": 0, "wrapper": 0}
 
     def pytest_configure(self, config: Any) -> None:
         if not self.route:
@@ -70,6 +83,21 @@ class RoutePlugin:
 
         tuc.checkpoint = routed  # type: ignore[assignment]
 
+        # PyTorch's checkpoint_wrapper binds the function under its own name when its
+        # module is imported (which a conftest may have done already): its default
+        # checkpoint (CheckpointImpl.NO_REENTRANT / REENTRANT) goes through the same router.
+        try:
+            wrappers = importlib.import_module(WRAPPER_MODULE)
+        except ImportError:  # a build without torch.distributed
+            return
+        if callable(getattr(wrappers, WRAPPER_NAME, None)):
+
+            def through_wrapper(function: Any, *args: Any, **kwargs: Any) -> Any:
+                calls["wrapper"] += 1
+                return routed(function, *args, **kwargs)
+
+            setattr(wrappers, WRAPPER_NAME, through_wrapper)
+
     def pytest_collection_modifyitems(self, config: Any, items: list[Any]) -> None:
         if not self.route:
             return
@@ -84,7 +112,8 @@ class RoutePlugin:
         if self.route:
             terminalreporter.write_line(
                 f"checkpoint calls: {self.calls['recomp']} to recomp, "
-                f"{self.calls['torch']} reentrant ones to PyTorch"
+                f"{self.calls['torch']} reentrant ones to PyTorch; "
+                f"{self.calls['wrapper']} of all these through PyTorch's checkpoint_wrapper"
             )
 
 

@@ -11,6 +11,7 @@ do elsewhere is unchanged. The same in a Lightning run: ``tests/trainers/test_li
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -86,6 +87,35 @@ def test_checkpoint_wrapper_around_modules_holding_recomp_wrappers_is_refused(ch
         torch_wrapper(model)
     if not checkpoint:
         assert "apply_activation_checkpointing(model, checkpoint_fn=" in str(info.value)
+
+
+@pytest.mark.parametrize("how", ["checkpoint_wrapper", "apply_activation_checkpointing"])
+def test_pytorchs_wrapper_given_recomps_checkpoint_keeps_the_exclusion(how):
+    """``checkpoint_wrapper(block, checkpoint_fn=recomp.torch.checkpoint)`` around blocks
+    whose attention recomp excludes checkpoints with recomp: not refused, the gradients
+    are those of the model without checkpointing, and each step runs the attention once
+    while the rest of the block replays."""
+    ref = stack(2)
+    model = exclude_attention(twin(ref), checkpoint=False)
+    wrap = functools.partial(torch_wrapper, checkpoint_fn=rt.checkpoint)
+    if how == "checkpoint_wrapper":
+        for i in range(len(model)):
+            model[i] = wrap(model[i])
+    else:
+        torch_apply(model, checkpoint_wrapper_fn=wrap, check_fn=lambda m: isinstance(m, Block))
+    assert all(isinstance(m, TorchCheckpointWrapper) for m in model)
+    blocks = [m._checkpoint_wrapped_module for m in model]
+    mlp_runs = [0, 0]  # of the MLP's first linear (the replay stops before the MLP ends)
+    for i, b in enumerate(blocks):
+        b.mlp[0].register_forward_hook(lambda *_, i=i: mlp_runs.__setitem__(i, mlp_runs[i] + 1))
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    for step in (1, 2):
+        _, expected = grads_of(ref, loss_fn, x)
+        _, actual = grads_of(model, loss_fn, x)
+        actual = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in actual.items()}
+        assert_same_grads(expected, actual)
+        assert [(b.attn.region_runs, b.attn.region_skips) for b in blocks] == [(step, step)] * 2
+        assert mlp_runs == [2 * step, 2 * step]  # forward and replay: the block is checkpointed
 
 
 def test_other_wrappers_are_left_alone():

@@ -152,20 +152,40 @@ def test_checkpoint_routed():
 
 def test_checkpoint_graph_execution_group():
     assert False  # named as a deliberate difference: an expected failure
+
+def test_checkpoint_wrapper_routed():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    seen = []
+
+    class Body(torch.nn.Module):
+        def forward(self, x):
+            seen.append(recomp.is_recomputing())
+            return x.sin().cos()
+
+    x = torch.randn(3, requires_grad=True)
+    checkpoint_wrapper(Body())(x).sum().backward()  # CheckpointImpl.NO_REENTRANT
+    assert seen == [False, True]
 '''
+
+# Imported before the tool replaces anything: the wrapper's module has bound PyTorch's
+# checkpoint under its own name by then.
+CONFTEST = "import torch.distributed.algorithms._checkpoint.checkpoint_wrapper  # noqa: F401\n"
 
 
 @pytest.mark.parametrize("plain", [False, pytest.param(True, marks=pytest.mark.system)])
 def test_the_suite_tool_routes_a_test_files_checkpoint_calls(tmp_path, plain):
     """tools/torch_checkpoint_suite.py on a test file written like PyTorch's: its calls
-    reach recomp's checkpoint, and a deliberate difference is an expected failure;
-    ``--plain`` leaves PyTorch's checkpoint (the first test then fails)."""
+    reach recomp's checkpoint, those PyTorch's ``checkpoint_wrapper`` makes too (its module
+    imported by a conftest, before the tool's replacement), and a deliberate difference is
+    an expected failure; ``--plain`` leaves PyTorch's checkpoint (every test then fails)."""
     import subprocess
     import sys
 
     from paths import ROOT
 
     (tmp_path / "test_suite_like.py").write_text(SUITE_FILE)
+    (tmp_path / "conftest.py").write_text(CONFTEST)
     command = [sys.executable, str(ROOT / "tools" / "torch_checkpoint_suite.py"), "test_suite_like.py"]
     command += ["--plain"] if plain else []
     run = subprocess.run(
@@ -173,7 +193,10 @@ def test_the_suite_tool_routes_a_test_files_checkpoint_calls(tmp_path, plain):
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     if plain:
-        assert "2 failed" in run.stdout, run.stdout + run.stderr
+        assert "3 failed" in run.stdout, run.stdout + run.stderr
     else:
-        assert "1 passed, 1 xfailed" in run.stdout, run.stdout + run.stderr
-        assert "checkpoint calls: 1 to recomp, 0 reentrant ones to PyTorch" in run.stdout
+        assert "2 passed, 1 xfailed" in run.stdout, run.stdout + run.stderr
+        assert (
+            "checkpoint calls: 2 to recomp, 0 reentrant ones to PyTorch; "
+            "1 of all these through PyTorch's checkpoint_wrapper"
+        ) in run.stdout

@@ -23,11 +23,14 @@ turn off, as early as it can see the second checkpoint:
 
 An excluded region under a plain checkpoint with no recomp checkpoint around it
 is still only warned about, in backward (``ForeignCheckpointWarning``), unless
-PyTorch's wrapper is the one that took it.
+PyTorch's wrapper is the one that took it. PyTorch's wrapper given recomp's function
+(``checkpoint_wrapper(module, checkpoint_fn=recomp.torch.checkpoint)``) checkpoints with
+recomp: it is not refused.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NoReturn
 
 from torch import nn
@@ -95,6 +98,11 @@ def _refuse_checkpoint_wrapper(parent: nn.Module, name: str, module: Any) -> Non
     checkpointed, excluded = _recomp_wrapped(module)
     if not checkpointed and not excluded:
         return
+    if _is_recomp_checkpoint(_compat.checkpoint_wrapper_function(parent)):
+        # checkpoint_wrapper(module, checkpoint_fn=recomp.torch.checkpoint): the wrapper
+        # checkpoints with recomp, which keeps excluded regions out of its replay (nested
+        # recomp checkpoints are recomp's too).
+        return
     what = type(module).__name__
     renames = (
         f"it would also insert '{name}.' into the name of every parameter below it. "
@@ -122,6 +130,20 @@ def _refuse_checkpoint_wrapper(parent: nn.Module, name: str, module: Any) -> Non
             "LightningModule.configure_model) and turn the other activation checkpointing off. "
         )
     raise DoubleCheckpointError(message + TRAINER_SWITCHES)
+
+
+def _is_recomp_checkpoint(function: Any) -> bool:
+    """Whether ``function`` (a wrapper's ``checkpoint_fn``, maybe a ``functools.partial``)
+    is ``recomp.torch.checkpoint``."""
+    from ._api import checkpoint
+
+    for _ in range(8):
+        if function is checkpoint:
+            return True
+        if not isinstance(function, functools.partial):
+            return False
+        function = function.func
+    return False
 
 
 def _recomp_wrapped(module: nn.Module) -> tuple[list[str], list[str]]:

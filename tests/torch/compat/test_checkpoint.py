@@ -176,3 +176,30 @@ def test_checkpoint_wrapper_takes_the_module_it_checkpoints():
         assert seen == [False, False]
     finally:
         handle.remove()
+
+
+def test_checkpoint_wrapper_function_is_the_one_the_wrapper_is_given():
+    import functools
+
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrappers
+
+    def mine(function, *args, **kwargs):
+        return function(*args, **kwargs)
+
+    seen = []
+
+    def hook(parent, name, module):
+        if _compat.checkpoint_wrapper_takes(parent, name):
+            seen.append(_compat.checkpoint_wrapper_function(parent))
+
+    handle = torch.nn.modules.module.register_module_module_registration_hook(hook)
+    try:
+        wrappers.checkpoint_wrapper(torch.nn.Linear(2, 2), checkpoint_fn=mine)
+        wrappers.checkpoint_wrapper(torch.nn.Linear(2, 2))
+        wrapper = wrappers.CheckpointWrapper(torch.nn.Linear(2, 2), checkpoint_fn=mine)
+    finally:
+        handle.remove()
+    assert seen == [mine, None, mine]
+    assert isinstance(wrapper.checkpoint_fn, functools.partial) and wrapper.checkpoint_fn.func is mine
+    # Outside a wrapper's construction it cannot tell.
+    assert _compat.checkpoint_wrapper_function(wrapper) is _compat.UNKNOWN_CHECKPOINT_FUNCTION

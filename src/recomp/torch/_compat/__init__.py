@@ -59,9 +59,11 @@ with one test per entry that fails when PyTorch changes underneath.
 from __future__ import annotations
 
 from .checkpoint import (
+    UNKNOWN_CHECKPOINT_FUNCTION,
     checkpoint_debug_switch,
     checkpoint_holders,
     checkpoint_save_counter,
+    checkpoint_wrapper_function,
     checkpoint_wrapper_takes,
     close_enclosing_checkpoint,
     finish_failed_checkpoint,
@@ -148,6 +150,7 @@ from .saved_tensors import (
 __all__ = [
     "PLANNABLE_BACKENDS",
     "SIMULATION_MIN_TORCH",
+    "UNKNOWN_CHECKPOINT_FUNCTION",
     "TorchDispatchMode",
     "activation_memory_budget",
     "at_pass_end",
@@ -160,6 +163,7 @@ __all__ = [
     "checkpoint_plain_arguments",
     "checkpoint_rng_states",
     "checkpoint_save_counter",
+    "checkpoint_wrapper_function",
     "checkpoint_wrapper_takes",
     "close_enclosing_checkpoint",
     "compiled_backend_name",

@@ -280,6 +280,45 @@ def _checkpoint_wrapper_slot() -> tuple[type, str] | None:
     return _WRAPPER_SLOT  # type: ignore[return-value]
 
 
+#: ``checkpoint_wrapper_function``'s answer when it cannot tell.
+UNKNOWN_CHECKPOINT_FUNCTION = object()
+
+
+def checkpoint_wrapper_function(parent: Any) -> Any:
+    """The ``checkpoint_fn`` given to PyTorch's checkpoint wrapper ``parent`` while it is
+    being built: None for PyTorch's own checkpoint (its default),
+    ``UNKNOWN_CHECKPOINT_FUNCTION`` where it cannot be found.
+
+    Why: users pass recomp's function to PyTorch's wrapper
+    (``checkpoint_wrapper(module, checkpoint_fn=recomp.torch.checkpoint)``). Around
+    modules recomp excludes that is a recomp checkpoint, not a plain one, and must not be
+    refused; but the wrapper registers the module (where recomp looks) before it stores
+    the function (``CheckpointWrapper.checkpoint_fn`` is set after
+    ``ActivationWrapper.__init__`` returns).
+    How: the wrapper's ``__init__`` is on the stack then, one of the frames that led to
+    the registration hook: its local ``checkpoint_fn`` is the argument.
+    If it changes (other names, another order): ``UNKNOWN_CHECKPOINT_FUNCTION``, and
+    recomp refuses the wrapper as it refuses one with PyTorch's checkpoint (the user
+    then checkpoints with ``recomp.torch.checkpoint_wrapper`` instead).
+    Retired by: a public class for PyTorch's checkpoint wrapper that takes its function
+    before it registers the module.
+    Checked on PyTorch 2.13.0 and 2.14.1.
+    """
+    slot = _checkpoint_wrapper_slot()
+    init = getattr(slot[0], "__init__", None) if slot is not None else None
+    code = getattr(init, "__code__", None)
+    if code is None:
+        return UNKNOWN_CHECKPOINT_FUNCTION
+    frame: Any = sys._getframe(1)
+    for _ in range(16):  # hook <- Module.__setattr__ <- ActivationWrapper.__init__ <- here
+        if frame is None:
+            break
+        if frame.f_code is code and frame.f_locals.get("self") is parent:
+            return frame.f_locals.get("checkpoint_fn", UNKNOWN_CHECKPOINT_FUNCTION)
+        frame = frame.f_back
+    return UNKNOWN_CHECKPOINT_FUNCTION
+
+
 def checkpoint_wrapper_takes(parent: Any, name: str) -> bool:
     """Whether registering a module as ``parent.<name>`` is PyTorch's checkpoint wrapper
     (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper``,
