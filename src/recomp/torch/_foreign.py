@@ -134,11 +134,12 @@ def _refuse_checkpoint_wrapper(parent: nn.Module, name: str, module: Any) -> Non
 
 def _is_recomp_checkpoint(function: Any) -> bool:
     """Whether ``function`` (a wrapper's ``checkpoint_fn``, maybe a ``functools.partial``)
-    is ``recomp.torch.checkpoint``."""
-    from ._api import checkpoint
-
+    is ``recomp.torch.checkpoint`` (told by name: ``_api`` imports this module)."""
     for _ in range(8):
-        if function is checkpoint:
+        if (
+            getattr(function, "__module__", None) == "recomp.torch._api"
+            and getattr(function, "__qualname__", None) == "checkpoint"
+        ):
             return True
         if not isinstance(function, functools.partial):
             return False
