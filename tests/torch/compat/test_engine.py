@@ -33,8 +33,8 @@ def test_view_base_is_the_root_of_a_view_chain():
     assert _compat.view_base(w.t().t()) is w
 
 
-def test_in_backward_is_true_only_inside_a_backward():
-    seen = []
+def probe(in_backward):
+    """An identity autograd function whose backward calls ``in_backward()`` first."""
 
     class Probe(torch.autograd.Function):
         @staticmethod
@@ -43,9 +43,15 @@ def test_in_backward_is_true_only_inside_a_backward():
 
         @staticmethod
         def backward(ctx, g):
-            seen.append(_compat.in_backward())
+            in_backward()
             return g
 
+    return Probe
+
+
+def test_in_backward_is_true_only_inside_a_backward():
+    seen = []
+    Probe = probe(lambda: seen.append(_compat.in_backward()))
     x = torch.randn(2, requires_grad=True)
     assert not _compat.in_backward()
     Probe.apply(x).sum().backward()
@@ -55,22 +61,16 @@ def test_in_backward_is_true_only_inside_a_backward():
 def test_at_pass_end_runs_when_its_own_pass_ends():
     events = []
 
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
+    def in_backward():
+        task = _compat.graph_task_id()
+        assert _compat.at_pass_end(lambda: events.append(("end", task)))
+        if not events:  # the outer pass: a pass run from here ends before it
+            events.append(("nested from", task))
+            with torch.enable_grad():
+                Probe.apply(x * 1).sum().backward()
+            events.append(("back in", task))
 
-        @staticmethod
-        def backward(ctx, g):
-            task = _compat.graph_task_id()
-            assert _compat.at_pass_end(lambda: events.append(("end", task)))
-            if not events:  # the outer pass: a pass run from here ends before it
-                events.append(("nested from", task))
-                with torch.enable_grad():
-                    Probe.apply(x * 1).sum().backward()
-                events.append(("back in", task))
-            return g
-
+    Probe = probe(in_backward)
     x = torch.randn(2, requires_grad=True)
     assert not _compat.at_pass_end(lambda: events.append("outside"))
     Probe.apply(x * 1).sum().backward()
