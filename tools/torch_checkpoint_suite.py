@@ -16,6 +16,15 @@ same way::
     python tools/torch_checkpoint_suite.py \\
         ~/pytorch/test/distributed/fsdp/test_checkpoint_wrapper.py
 
+A module that bound PyTorch's function under a name of its own before the replacement
+(imported by a conftest or a plugin) is rebound to the router too; one imported later binds
+the router itself. Hugging Face transformers' ``modeling_utils`` is such a module (its
+``testing_utils`` imports it), so its gradient-checkpointing tests run the same way, from a
+transformers checkout whose version matches the installed one::
+
+    python tools/torch_checkpoint_suite.py tests/models/llama/test_modeling_llama.py \\
+        -k gradient_checkpointing
+
 ``--plain`` runs the same selection without the replacement, to tell PyTorch's own failures on this machine
 from recomp's. By default only tests whose name mentions checkpointing are collected
 (``-k``; a file whose name mentions it, as the wrapper's does, is collected whole);
@@ -54,6 +63,23 @@ WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 WRAPPER_NAME = "torch_utils_checkpoint"
 
 
+def rebind_early_bindings(original: Any, replacement: Any) -> list[str]:
+    """Point every module-level name bound to ``original`` at ``replacement``, in the
+    modules imported so far, except recomp's own; return the names, as ``module.name``."""
+    rebound = []
+    for module_name, module in list(sys.modules.items()):
+        if module_name == "recomp" or module_name.startswith("recomp."):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            if value is original:
+                setattr(module, name, replacement)
+                rebound.append(f"{module_name}.{name}")
+    return rebound
+
+
 class RoutePlugin:
     """A pytest plugin: the replacement is made at configure time, before any test module
     imports ``checkpoint`` from ``torch.utils.checkpoint``."""
@@ -61,6 +87,7 @@ class RoutePlugin:
     def __init__(self, route: bool) -> None:
         self.route = route
         self.calls = {"recomp": 0, "torch": 0, "wrapper": 0}
+        self.rebound: list[str] = []
 
     def pytest_configure(self, config: Any) -> None:
         if not self.route:
@@ -89,14 +116,21 @@ class RoutePlugin:
         try:
             wrappers = importlib.import_module(WRAPPER_MODULE)
         except ImportError:  # a build without torch.distributed
-            return
-        if callable(getattr(wrappers, WRAPPER_NAME, None)):
+            wrappers = None
+        if wrappers is not None and callable(getattr(wrappers, WRAPPER_NAME, None)):
 
             def through_wrapper(function: Any, *args: Any, **kwargs: Any) -> Any:
                 calls["wrapper"] += 1
                 return routed(function, *args, **kwargs)
 
             setattr(wrappers, WRAPPER_NAME, through_wrapper)
+
+        # Modules imported before this point (by a conftest, or by the packages pytest
+        # loads) that bound PyTorch's function under a name of their own, as
+        # ``from torch.utils.checkpoint import checkpoint`` does: Hugging Face
+        # transformers' modeling_utils, which its testing_utils imports. Modules
+        # imported later bind the router itself. recomp's own binding stays PyTorch's.
+        self.rebound = rebind_early_bindings(torch_checkpoint, routed)
 
     def pytest_collection_modifyitems(self, config: Any, items: list[Any]) -> None:
         if not self.route:
@@ -115,6 +149,10 @@ class RoutePlugin:
                 f"{self.calls['torch']} reentrant ones to PyTorch; "
                 f"{self.calls['wrapper']} of all these through PyTorch's checkpoint_wrapper"
             )
+            if self.rebound:
+                terminalreporter.write_line(
+                    "names bound to PyTorch's checkpoint before the replacement, rebound: " + ", ".join(self.rebound)
+                )
 
 
 def main(argv: list[str] | None = None) -> int:

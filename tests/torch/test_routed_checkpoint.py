@@ -166,19 +166,46 @@ def test_checkpoint_wrapper_routed():
     x = torch.randn(3, requires_grad=True)
     checkpoint_wrapper(Body())(x).sum().backward()  # CheckpointImpl.NO_REENTRANT
     assert seen == [False, True]
+
+def test_checkpoint_bound_before_the_tool():
+    import bound_early
+
+    seen = []
+
+    def body(x):
+        seen.append(recomp.is_recomputing())
+        return x.sin().cos()
+
+    x = torch.randn(3, requires_grad=True)
+    bound_early.run(body, x).sum().backward()
+    assert seen == [False, True]
+'''
+
+# A module that binds PyTorch's checkpoint at import, as Hugging Face transformers'
+# modeling_utils does, and calls it through that name.
+BOUND_EARLY = '''
+from torch.utils.checkpoint import checkpoint
+
+def run(function, x):
+    return checkpoint(function, x, use_reentrant=False)
 '''
 
 # Imported before the tool replaces anything: the wrapper's module has bound PyTorch's
 # checkpoint under its own name by then.
-CONFTEST = "import torch.distributed.algorithms._checkpoint.checkpoint_wrapper  # noqa: F401\n"
+CONFTEST = (
+    "import torch.distributed.algorithms._checkpoint.checkpoint_wrapper  # noqa: F401\n"
+    "import bound_early  # noqa: F401\n"
+)
 
 
 @pytest.mark.parametrize("plain", [False, pytest.param(True, marks=pytest.mark.system)])
 def test_the_suite_tool_routes_a_test_files_checkpoint_calls(tmp_path, plain):
     """tools/torch_checkpoint_suite.py on a test file written like PyTorch's: its calls
     reach recomp's checkpoint, those PyTorch's ``checkpoint_wrapper`` makes too (its module
-    imported by a conftest, before the tool's replacement), and a deliberate difference is
-    an expected failure; ``--plain`` leaves PyTorch's checkpoint (every test then fails)."""
+    imported by a conftest, before the tool's replacement), and so do those made through a
+    name another module bound to PyTorch's function when the conftest imported it; a
+    deliberate difference is an expected failure; ``--plain`` leaves PyTorch's checkpoint
+    (every test then fails)."""
     import subprocess
     import sys
 
@@ -186,6 +213,7 @@ def test_the_suite_tool_routes_a_test_files_checkpoint_calls(tmp_path, plain):
 
     (tmp_path / "test_suite_like.py").write_text(SUITE_FILE)
     (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "bound_early.py").write_text(BOUND_EARLY)
     command = [sys.executable, str(ROOT / "tools" / "torch_checkpoint_suite.py"), "test_suite_like.py"]
     command += ["--plain"] if plain else []
     run = subprocess.run(
@@ -193,10 +221,11 @@ def test_the_suite_tool_routes_a_test_files_checkpoint_calls(tmp_path, plain):
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     if plain:
-        assert "3 failed" in run.stdout, run.stdout + run.stderr
+        assert "4 failed" in run.stdout, run.stdout + run.stderr
     else:
-        assert "2 passed, 1 xfailed" in run.stdout, run.stdout + run.stderr
+        assert "3 passed, 1 xfailed" in run.stdout, run.stdout + run.stderr
         assert (
-            "checkpoint calls: 2 to recomp, 0 reentrant ones to PyTorch; "
+            "checkpoint calls: 3 to recomp, 0 reentrant ones to PyTorch; "
             "1 of all these through PyTorch's checkpoint_wrapper"
         ) in run.stdout
+        assert "rebound: bound_early.checkpoint" in run.stdout
