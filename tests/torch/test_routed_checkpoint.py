@@ -139,16 +139,20 @@ import torch
 import recomp
 from torch.utils.checkpoint import checkpoint
 
-def test_checkpoint_routed():
+def phases(run):
+    """recomp's state at each run of a body checkpointed by ``run(body, x)``."""
     seen = []
 
     def body(x):
         seen.append(recomp.is_recomputing())
         return x.sin().cos()
 
-    x = torch.randn(3, requires_grad=True)
-    checkpoint(body, x, use_reentrant=False).sum().backward()
-    assert seen == [False, True]  # recomp's state in the replay: recomp's checkpoint ran
+    run(body, torch.randn(3, requires_grad=True)).sum().backward()
+    return seen
+
+def test_checkpoint_routed():
+    # recomp's state in the replay: recomp's checkpoint ran
+    assert phases(lambda f, x: checkpoint(f, x, use_reentrant=False)) == [False, True]
 
 def test_checkpoint_graph_execution_group():
     assert False  # named as a deliberate difference: an expected failure
@@ -156,29 +160,21 @@ def test_checkpoint_graph_execution_group():
 def test_checkpoint_wrapper_routed():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    seen = []
-
     class Body(torch.nn.Module):
-        def forward(self, x):
-            seen.append(recomp.is_recomputing())
-            return x.sin().cos()
+        def __init__(self, f):
+            super().__init__()
+            self.f = f
 
-    x = torch.randn(3, requires_grad=True)
-    checkpoint_wrapper(Body())(x).sum().backward()  # CheckpointImpl.NO_REENTRANT
-    assert seen == [False, True]
+        def forward(self, x):
+            return self.f(x)
+
+    # CheckpointImpl.NO_REENTRANT
+    assert phases(lambda f, x: checkpoint_wrapper(Body(f))(x)) == [False, True]
 
 def test_checkpoint_bound_before_the_tool():
     import bound_early
 
-    seen = []
-
-    def body(x):
-        seen.append(recomp.is_recomputing())
-        return x.sin().cos()
-
-    x = torch.randn(3, requires_grad=True)
-    bound_early.run(body, x).sum().backward()
-    assert seen == [False, True]
+    assert phases(bound_early.run) == [False, True]
 '''
 
 # A module that binds PyTorch's checkpoint at import, as Hugging Face transformers'
