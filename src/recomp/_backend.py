@@ -307,7 +307,6 @@ class Backend:
         raise NotImplementedError
 
 
-@functools.cache
 def tensor_path(backend: Backend, module: Any, tensor: Any) -> str | None:
     """The path below ``module`` (``"0.weight"``) of the parameter or buffer that is
     ``tensor`` or shares its memory (an alias such as a transpose), or None. For error
@@ -328,6 +327,7 @@ def tensor_path(backend: Backend, module: Any, tensor: Any) -> str | None:
     return None
 
 
+@functools.cache
 def _looks_like_batchnorm(cls: type) -> bool:
     return any("batchnorm" in c.__name__.lower() for c in cls.__mro__)
 
