@@ -173,6 +173,7 @@ def test_the_checks_see_a_bad_import(tmp_path):
 # modules that cannot be understood one without the other.
 CORE_ORDER = [
     "recomp.errors",
+    "recomp._selection",
     "recomp._state",
     "recomp._policy",
     "recomp._swap_pairs",
