@@ -146,6 +146,10 @@ def _no_call() -> RegionCall | None:
     return None
 
 
+# The instance attribute of a wrapped module that holds its region (``recomp._wrapping``).
+REGION_ATTRIBUTE = "_recomp_region"
+
+
 class ExcludedRegion:
     """The engine behind ``checkpoint_exclude_wrapper``: one per wrapper.
 
@@ -185,6 +189,11 @@ class ExcludedRegion:
         self.module: Callable[[], Any] = _no_call
         self._warned_foreign = False
         self._warned_bypass = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (deepcopy, pickle of the model) has made no call yet, and the module it
+        # belongs to is found from the checkpointed module when a message needs it.
+        return {**self.__dict__, "last_call": _no_call, "module": _no_call}
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call ``fn`` (the wrapped module) as this region: recorded in a checkpoint's
@@ -248,7 +257,14 @@ def _nested(inner: ExcludedRegion, outer: ExcludedRegion, inv: Invocation) -> Ne
     inner_path = outer_path = None
     where = ""
     if root is not None:
-        paths = {id(m): p for p, m in walk_named(backend.named_children, root)}
+        named = walk_named(backend.named_children, root)
+        for _, module in named:  # regions of a copied model know no module: found here
+            region = vars(module).get(REGION_ATTRIBUTE)
+            if region is inner and inner_module is None:
+                inner_module = module
+            elif region is outer and outer_module is None:
+                outer_module = module
+        paths = {id(m): p for p, m in named}
         inner_path, outer_path = paths.get(id(inner_module)), paths.get(id(outer_module))
         if inner_path and outer_path:
             where = f", both in the checkpointed {type(root).__name__}"

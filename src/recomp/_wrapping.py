@@ -21,6 +21,7 @@ from typing import Any
 
 from ._engine import ExcludedRegion
 from ._record import weak_or_nothing
+from ._region import REGION_ATTRIBUTE
 from ._selection import Selection, walk_named
 from .errors import (
     EarlierExclusionsWarning,
@@ -32,7 +33,7 @@ from .errors import (
 
 # Instance attributes recomp sets on a wrapped module (all removed by unwrap).
 CHECKPOINT_KWARGS = "_recomp_checkpoint_kwargs"
-REGION = "_recomp_region"
+REGION = REGION_ATTRIBUTE
 # A ``forward``/``construct`` assigned on the instance before wrapping: it would
 # shadow the mixin's method, so it is moved here while the module is wrapped.
 MOVED_METHOD = "_recomp_instance_method"

@@ -11,6 +11,7 @@ small decoder: an embedding, blocks of attention and MLP, a head.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from types import SimpleNamespace
 
@@ -430,14 +431,16 @@ def test_nested_exclusions_are_named_by_their_paths(fw):
     fw.api.checkpoint_exclude_wrapper(model.layers[0].mlp)
     fw.api.checkpoint_exclude_wrapper(model.layers[0])
     fw.api.checkpoint_wrapper(model)
-    with pytest.raises(recomp.NestedExclusionError) as info:
-        fw.grads(model, fw.tensor(2, 4))
-    message = str(info.value)
-    assert (
-        "Excluded region 'layers.0.mlp' (Mlp) was called inside excluded region 'layers.0' "
-        "(Block), both in the checkpointed Net." in message
-    )
-    assert "remove the inner checkpoint_exclude_wrapper (around 'layers.0.mlp' (Mlp))" in message
+    # A copy of the wrapped model names them the same way.
+    for each in (model, copy.deepcopy(model)):
+        with pytest.raises(recomp.NestedExclusionError) as info:
+            fw.grads(each, fw.tensor(2, 4))
+        message = str(info.value)
+        assert (
+            "Excluded region 'layers.0.mlp' (Mlp) was called inside excluded region 'layers.0' "
+            "(Block), both in the checkpointed Net." in message
+        )
+        assert "remove the inner checkpoint_exclude_wrapper (around 'layers.0.mlp' (Mlp))" in message
 
 
 def test_nested_exclusions_in_a_function_are_named_by_the_path_inside_the_outer_one(fw):
