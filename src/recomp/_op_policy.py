@@ -9,10 +9,11 @@ each replay walks them with its own :class:`OpCursor`: the n-th call of an op in
 replay is the n-th call of that op in the forward. Ops that are not asked (ignored ops,
 ops of excluded regions) are not counted on either side.
 
-Each framework sees its ops its own way (``recomp.torch._swap``: a dispatch mode below
-PyTorch's selective checkpointing, for ``MUST_SWAP``; ``recomp.mindspore._selective``:
-``mindspore.MsDispatchMode`` for every policy) and keeps the leaves of an output its own
-way (a detached alias, a swap scope's host copy); the matching is here.
+Each framework sees its ops its own way (``recomp.torch._swap.selective``: a dispatch
+mode below PyTorch's selective checkpointing, for ``MUST_SWAP``;
+``recomp.mindspore._selective``: ``mindspore.MsDispatchMode`` for every policy) and keeps
+the leaves of an output its own way (a detached alias, a swap scope's host copy); the
+matching is here.
 """
 
 from __future__ import annotations

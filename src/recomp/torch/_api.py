@@ -84,7 +84,7 @@ def checkpoint(
     :func:`create_selective_checkpoint_contexts`; ``CheckpointPolicy.MUST_SWAP``
     keeps an op's output on the host until backward), ``swap_inputs=True`` (the
     checkpoint's own saved inputs go to the host until the replay), ``group_swap``
-    and ``cpu_pool`` (NOTE [ Swap scopes ] in ``recomp.torch._swap``).
+    and ``cpu_pool`` (NOTE [ Swap scopes ] in ``recomp.torch._swap.scope``).
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
