@@ -671,3 +671,58 @@ def test_must_swap_output_the_backward_never_reads_is_not_brought_back(  # type:
     else:
         # the replay reaches the neg and reads its kept output: out and back
         assert moved == [(2 * n, 2 * n) for n in sin_out]
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("hooked", [{"determinism_check": "values"}, {"debug": True}])
+def test_must_swap_output_is_dropped_by_the_invocation_under_other_hooks(  # type: ignore[no-untyped-def]
+    groups: list, early_stop: bool, hooked: dict  # type: ignore[type-arg]
+) -> None:
+    """The value check and the debug log push saved-tensor hooks of their own on top of the
+    checkpoint's, inside the stage where the save counter is asked: a counter asked again
+    there (by the per-op policy itself) finds no checkpoint and drops nothing. The
+    invocation, which asks once below them, drops the neg's output as without them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(NegTail(16), NegTail(32))
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        rt.checkpoint_wrapper(
+            block, policy_fn=swap_sin_and_neg, early_stop=early_stop, **hooked
+        )
+    got, counter = step(model, x)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert counter.counts.get(SIN, 0) == 0 and counter.counts.get(NEG, 0) == 2
+    sin_out = [4 * 32 * 4, 4 * 64 * 4]  # one (4, 2w) float32 sin output per layer
+    moved = [(g.offloaded_bytes, g.restored_bytes) for g in groups]
+    if early_stop:
+        assert moved == [(n, n) for n in sin_out]  # the neg's output is not even kept
+    else:
+        assert moved == [(2 * n, 2 * n) for n in sin_out]
+
+
+def test_must_swap_output_in_a_nested_checkpoint_is_dropped(groups: list) -> None:  # type: ignore[type-arg]
+    """The enclosing checkpoint's replay re-runs a nested one whole and reads back its
+    region calls and collectives, which it therefore keeps; but a re-run keeps op outputs
+    of its own, so the nested forward's kept outputs that its own replay never reaches are
+    dropped there too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(NegTail(16), NegTail(32))
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        rt.checkpoint_wrapper(block, policy_fn=swap_sin_and_neg, early_stop=True)
+    model.zero_grad()
+    xr = x.detach().requires_grad_(True)
+    loss = rt.checkpoint(model, xr).pow(2).sum()
+    sin_out = [4 * 32 * 4, 4 * 64 * 4]
+    # the two layers' forward groups: each sin output, not the neg's
+    assert [g.offloaded_bytes for g in groups] == sin_out
+    counter = OpCounter()
+    with counter:
+        loss.backward()
+    got = [p.grad for p in model.parameters()] + [xr.grad]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)  # type: ignore[arg-type]
+    assert [g.restored_bytes for g in groups[:2]] == sin_out

@@ -21,7 +21,6 @@ from ..._engine import ComposedContext
 from ..._op_policy import FreshMode, KeptOutput, OpCalls
 from ..._policy import CheckpointPolicy, SwapPolicyError, as_policy
 from .. import _compat
-from .._backend import BACKEND
 from .pool import _check_swap_options
 from .scope import SwapScope, _Kept, _read, current_scope, is_compiling
 
@@ -46,34 +45,23 @@ def ignore_sac_ops(ignore_ops: list[Any]) -> None:
 class _SwapState:
     """Shared by the forward tap, the replay tap and the policy PyTorch calls: for each
     op, the forward's calls that PyTorch does not cache, in order (None: recomputed;
-    a :class:`KeptOutput`: kept by recomp). With early stop, what an op's output was
-    kept after the forward's last saved tensor is dropped when the forward ends: no
-    replay reaches that op, so its output is neither moved nor brought back."""
+    a :class:`KeptOutput`: kept by recomp). Each kept output is an entry of the
+    checkpoint call's log of kept op outputs (``recomp._op_policy``): with early stop,
+    one kept after the forward's last saved tensor is dropped when the forward ends
+    (rule 8): no replay reaches that op, so its output is neither moved nor brought
+    back."""
 
     def __init__(self, allow_mutation: bool) -> None:
         self.allow_mutation = allow_mutation
         self.calls = OpCalls()
         self.waiting: tuple[Any, KeptOutput, SwapScope] | None = None
         self.detach = _compat.version_sharing_detach() or (lambda t: t.detach())
-        # The checkpoint's save counter where its replay stops early (else None), and
-        # each kept output with the number of tensors saved before its op's own saves.
-        self.saves: Callable[[], int] | None = None
-        self.kept_at: list[tuple[int, KeptOutput]] = []
 
     def __enter__(self) -> None:
-        # The forward begins directly under the checkpoint's saved-tensors hook.
-        self.saves = BACKEND.save_counter()
-        self.kept_at = []
+        self.calls.forward_started()
 
     def __exit__(self, *exc_info: Any) -> None:
-        saves, self.saves = self.saves, None
-        kept_at, self.kept_at = self.kept_at, []
-        if saves is None or exc_info[0] is not None:
-            return
-        total = saves()
-        for before, entry in kept_at:
-            if before >= total:  # the replay stops before this op runs
-                entry.fill(entry.out, _drop)
+        pass
 
     def fill(self, entry: KeptOutput, out: Any, scope: SwapScope) -> None:
         detach, allow_mutation = self.detach, self.allow_mutation
@@ -81,9 +69,7 @@ class _SwapState:
         def keep(x: Any) -> Any:
             return scope.keep(detach(x), allow_mutation) if isinstance(x, torch.Tensor) else x
 
-        entry.fill(out, keep)
-        if self.saves is not None:
-            self.kept_at.append((self.saves(), entry))
+        self.calls.fill(entry, out, keep, _drop)
 
     def chose(self, ctx: Any, op: Any, policy: CheckpointPolicy) -> None:
         if getattr(ctx, "is_recompute", False):
