@@ -642,22 +642,38 @@ class NegTail(nn.Module):
         return self.fc2(torch.sin(h)) + torch.neg(h)
 
 
+def neg_tail_model() -> tuple[nn.Sequential, torch.Tensor, list[torch.Tensor]]:
+    """Two NegTail layers, an input, and the gradients of the model without checkpointing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(NegTail(16), NegTail(32))
+    x = torch.randn(4, 16)
+    return model, x, grads(model, x)
+
+
 def swap_sin_and_neg(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
     if op is SIN or op is NEG:
         return CheckpointPolicy.MUST_SWAP
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+#: Checkpoint options that push saved-tensor hooks of their own on top of the checkpoint's.
+OTHER_HOOKS = {"none": {}, "value check": {"determinism_check": "values"}, "debug": {"debug": True}}
+
+
+@pytest.mark.parametrize("hooked", list(OTHER_HOOKS))
 @pytest.mark.parametrize("early_stop", [True, False])
 def test_must_swap_output_the_backward_never_reads_is_not_brought_back(  # type: ignore[no-untyped-def]
-    groups: list, early_stop: bool  # type: ignore[type-arg]
+    groups: list, early_stop: bool, hooked: str  # type: ignore[type-arg]
 ) -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(NegTail(16), NegTail(32))
-    x = torch.randn(4, 16)
-    want = grads(model, x)
+    """The value check and the debug log push saved-tensor hooks of their own on top of the
+    checkpoint's, inside the stage where the invocation asks for the save counter: a
+    counter asked again there (by the per-op policy itself) would find no checkpoint and
+    drop nothing. The invocation, which asks once below them, drops as without them."""
+    model, x, want = neg_tail_model()
     for block in model:
-        rt.checkpoint_wrapper(block, policy_fn=swap_sin_and_neg, early_stop=early_stop)
+        rt.checkpoint_wrapper(
+            block, policy_fn=swap_sin_and_neg, early_stop=early_stop, **OTHER_HOOKS[hooked]
+        )
     got, counter = step(model, x)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
@@ -673,44 +689,12 @@ def test_must_swap_output_the_backward_never_reads_is_not_brought_back(  # type:
         assert moved == [(2 * n, 2 * n) for n in sin_out]
 
 
-@pytest.mark.parametrize("early_stop", [True, False])
-@pytest.mark.parametrize("hooked", [{"determinism_check": "values"}, {"debug": True}])
-def test_must_swap_output_is_dropped_by_the_invocation_under_other_hooks(  # type: ignore[no-untyped-def]
-    groups: list, early_stop: bool, hooked: dict  # type: ignore[type-arg]
-) -> None:
-    """The value check and the debug log push saved-tensor hooks of their own on top of the
-    checkpoint's, inside the stage where the save counter is asked: a counter asked again
-    there (by the per-op policy itself) finds no checkpoint and drops nothing. The
-    invocation, which asks once below them, drops the neg's output as without them."""
-    torch.manual_seed(0)
-    model = nn.Sequential(NegTail(16), NegTail(32))
-    x = torch.randn(4, 16)
-    want = grads(model, x)
-    for block in model:
-        rt.checkpoint_wrapper(
-            block, policy_fn=swap_sin_and_neg, early_stop=early_stop, **hooked
-        )
-    got, counter = step(model, x)
-    for a, b in zip(want, got):
-        assert torch.equal(a, b)
-    assert counter.counts.get(SIN, 0) == 0 and counter.counts.get(NEG, 0) == 2
-    sin_out = [4 * 32 * 4, 4 * 64 * 4]  # one (4, 2w) float32 sin output per layer
-    moved = [(g.offloaded_bytes, g.restored_bytes) for g in groups]
-    if early_stop:
-        assert moved == [(n, n) for n in sin_out]  # the neg's output is not even kept
-    else:
-        assert moved == [(2 * n, 2 * n) for n in sin_out]
-
-
 def test_must_swap_output_in_a_nested_checkpoint_is_dropped(groups: list) -> None:  # type: ignore[type-arg]
     """The enclosing checkpoint's replay re-runs a nested one whole and reads back its
     region calls and collectives, which it therefore keeps; but a re-run keeps op outputs
     of its own, so the nested forward's kept outputs that its own replay never reaches are
     dropped there too."""
-    torch.manual_seed(0)
-    model = nn.Sequential(NegTail(16), NegTail(32))
-    x = torch.randn(4, 16)
-    want = grads(model, x)
+    model, x, want = neg_tail_model()
     for block in model:
         rt.checkpoint_wrapper(block, policy_fn=swap_sin_and_neg, early_stop=True)
     model.zero_grad()
@@ -719,9 +703,7 @@ def test_must_swap_output_in_a_nested_checkpoint_is_dropped(groups: list) -> Non
     sin_out = [4 * 32 * 4, 4 * 64 * 4]
     # the two layers' forward groups: each sin output, not the neg's
     assert [g.offloaded_bytes for g in groups] == sin_out
-    counter = OpCounter()
-    with counter:
-        loss.backward()
+    loss.backward()
     got = [p.grad for p in model.parameters()] + [xr.grad]
     for a, b in zip(want, got):
         assert torch.equal(a, b)  # type: ignore[arg-type]
