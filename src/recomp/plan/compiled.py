@@ -62,7 +62,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..torch import _compat
 from ._layers import find_layers
-from .budget import Budget, BudgetTooSmallError, parse_budget
+from ..errors import BudgetTooSmallError
+from .budget import Budget, parse_budget
 from .modelcall import call_model, default_loss, fresh_inputs, tensors_of
 from .planfile import LayerPlan, Plan, partitioner_option
 

@@ -35,7 +35,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .budget import BudgetTooSmallError
+from ..errors import BudgetTooSmallError
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .. import _engine, _wrapping
+from .._hyperparallel import without_noop
 from .._module_state import warn_unhandled
 from .._state import get_recompute_state
 from .._wrapping import (
@@ -88,6 +89,7 @@ def checkpoint(
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
+    context_fn = without_noop(context_fn)  # HyperParallel's no-op: none (torch.compile wants that)
     if _compile.is_compiling():
         swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
         context_fn = swap.compiled_context_fn(context_fn)
