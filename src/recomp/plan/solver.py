@@ -37,6 +37,18 @@ from dataclasses import dataclass, field
 
 from ..errors import BudgetTooSmallError
 
+__all__ = [
+    "Choice",
+    "LayerOptions",
+    "NearTie",
+    "Option",
+    "Solution",
+    "evaluate",
+    "minimum_bytes",
+    "solve",
+    "solve_with_ties",
+]
+
 
 @dataclass(frozen=True)
 class Option:

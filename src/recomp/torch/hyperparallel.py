@@ -53,30 +53,30 @@ from ._swap import (
     swap_wrapper,
 )
 
+# The 18 names of hyper_parallel.core.activation_memory.api.__all__, and SwapManager,
+# PinnedMemoryPool and AsyncSaveOnCpu of its swap module.
 __all__ = [
-    # hyper_parallel.core.activation_memory.api.__all__, in its order
-    "CheckpointPolicy",
-    "checkpoint",
-    "swap",
-    "checkpoint_wrapper",
-    "checkpoint_exclude_wrapper",
-    "swap_wrapper",
-    "swap_tensor_wrapper",
-    "recompute_handle_collector_ctx",
-    "recompute_handle",
-    "recompute_session_ctx",
-    "clear_recompute_session",
-    "ignore_sac_ops",
-    "create_selective_checkpoint_contexts",
-    "create_native_selective_checkpoint_contexts",
-    "async_save_on_cpu",
-    "get_class_activation_wrapper",
-    "noop_context_fn",
-    "is_compiling",
-    # hyper_parallel.core.activation_memory.swap
     "AsyncSaveOnCpu",
+    "CheckpointPolicy",
     "PinnedMemoryPool",
     "SwapManager",
+    "async_save_on_cpu",
+    "checkpoint",
+    "checkpoint_exclude_wrapper",
+    "checkpoint_wrapper",
+    "clear_recompute_session",
+    "create_native_selective_checkpoint_contexts",
+    "create_selective_checkpoint_contexts",
+    "get_class_activation_wrapper",
+    "ignore_sac_ops",
+    "is_compiling",
+    "noop_context_fn",
+    "recompute_handle",
+    "recompute_handle_collector_ctx",
+    "recompute_session_ctx",
+    "swap",
+    "swap_tensor_wrapper",
+    "swap_wrapper",
 ]
 
 
