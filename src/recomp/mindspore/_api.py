@@ -74,8 +74,9 @@ def checkpoint(
     MindSpore's own restore misses on CPU; ``save_rng_state=False`` turns that off.
 
     HyperParallel's options: ``policy_fn=`` (per op, see
-    :func:`recomp.mindspore.hyperparallel.create_selective_checkpoint_contexts`; ``MUST_SWAP`` keeps an
-    op's output on the host until the replay reads it, never recomputed);
+    :func:`recomp.mindspore.hyperparallel.create_selective_checkpoint_contexts`;
+    ``MUST_SWAP`` keeps an op's output on the host until the replay reads it, never
+    recomputed);
     ``swap_inputs=True`` moves the inputs the checkpoint saves to the host until the
     replay (NOTE [ Swap on MindSpore ] in ``recomp.mindspore._swap``);
     ``group_swap=True`` and ``cpu_pool=`` raise

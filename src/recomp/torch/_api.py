@@ -81,11 +81,14 @@ def checkpoint(
     communicating again. ``exclude_collectives=False`` communicates again in
     the replay and keeps nothing.
 
-    HyperParallel's options: ``policy_fn`` (per op, see
-    :func:`create_selective_checkpoint_contexts`; ``CheckpointPolicy.MUST_SWAP``
-    keeps an op's output on the host until backward), ``swap_inputs=True`` (the
-    checkpoint's own saved inputs go to the host until the replay), ``group_swap``
-    and ``cpu_pool`` (NOTE [ Swap scopes ] in ``recomp.torch._swap``).
+    HyperParallel's options: ``policy_fn`` (per op, a function or a list of ops to
+    save, see :func:`recomp.torch.hyperparallel.create_selective_checkpoint_contexts`;
+    ``CheckpointPolicy.MUST_SWAP`` keeps an op's output on the host until backward),
+    ``swap_inputs=True`` (the checkpoint's own saved inputs go to the host until the
+    replay), ``group_swap`` and ``cpu_pool`` (a
+    :class:`recomp.torch.hyperparallel.PinnedMemoryPool`; NOTE [ Swap scopes ] in
+    ``recomp.torch._swap``). ``context_fn=noop_context_fn()`` (HyperParallel's) is no
+    ``context_fn``.
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
