@@ -16,6 +16,7 @@ __all__ = [
     "IneffectiveSelectionWarning",
     "NestedExclusionError",
     "OutputNotSavedError",
+    "ParameterChangedError",
     "PlanFormatError",
     "RecompError",
     "RecompInternalError",
@@ -81,6 +82,47 @@ class CachedValueMutatedError(RecompError):
     region changed an input it had saved; its backward would read the changed value.
     Make the later op out of place, or pass ``copy_output=True`` (``copy_output_fn`` in
     ``apply_activation_checkpointing``) to cache a copy those changes do not reach."""
+
+
+class ParameterChangedError(RecompError):
+    """A parameter or buffer that a checkpointed forward (or an excluded region) read was
+    changed in place between that forward and its backward: an optimizer step, weight
+    clipping or another update ran before a backward that still needed the forward (a
+    GAN's ``opt_d.step()`` between ``d_loss.backward(retain_graph=True)`` and
+    ``g_loss.backward()``). The replay would recompute with the new values, and the
+    gradients would be wrong; without checkpointing autograd refuses the same step. Run
+    every backward that needs a forward before changing the parameters it read, or run
+    the forward again after the change. The message names the module and the tensor."""
+
+
+def changed_before_backward(
+    tensors: list[tuple[str, str | None]], owner: str, reader: str
+) -> ParameterChangedError:
+    """The error for ``tensors`` (``("parameter", "0.weight")``, ``("buffer", None)`` for
+    one without a known name) of ``owner`` (``"the checkpointed Block"``), changed in
+    place before ``reader`` (``"its replay"``) read them."""
+    groups: dict[str, list[str]] = {}
+    for kind, path in tensors:
+        groups.setdefault(kind, []).append(repr(path) if path else "")
+    parts = []
+    for kind, paths in groups.items():
+        named = [p for p in paths if p]
+        shown = ", ".join(named[:4]) + (f" and {len(named) - 4} more" if len(named) > 4 else "")
+        unnamed = len(paths) - len(named)
+        if named:
+            parts.append(f"{kind}{'s' if len(named) > 1 else ''} {shown}")
+        if unnamed:
+            parts.append(f"{unnamed} {kind}{'s' if unnamed > 1 else ''} of unknown name")
+    what = " and ".join(parts)
+    return ParameterChangedError(
+        f"{what[0].upper()}{what[1:]} of {owner} changed in place between this checkpoint's forward and its "
+        f"backward, so {reader} would use the new values and the gradients would be wrong "
+        "(without checkpointing, autograd refuses this step too). An optimizer step, weight "
+        "clipping or another in-place update before this backward is the usual cause: run "
+        "every backward that needs this forward before the change (step after backward), or "
+        "run the forward again after it (in a GAN step: the generator's loss through a new "
+        "forward of the discriminator after its optimizer step)."
+    )
 
 
 class OutputNotSavedError(RecompError):

@@ -27,7 +27,7 @@ from . import _compat, _compile, _hf, _kept, _swap
 from ._backend import BACKEND
 from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
-from ._foreign import refuse_enclosing_checkpoint, watch_checkpoint_wrappers
+from ._foreign import refuse_enclosing_checkpoint
 from ._hf import adapt_hf_layer_call, guard_model_cache
 from ._offload import Offloader, resolve
 from ._plain import PlainFunction
@@ -325,7 +325,6 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
     warn_unhandled(BACKEND, module, "checkpoint_wrapper")
-    watch_checkpoint_wrappers()
     return _wrapping.wrap_in_place(
         _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
@@ -373,7 +372,6 @@ def checkpoint_exclude_wrapper(
     if not isinstance(module, nn.Module):
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
-    watch_checkpoint_wrappers()
     return _wrapping.wrap_in_place(_MODEL_OPS, module, ExcludeWrapper, {REGION: region})
 
 
