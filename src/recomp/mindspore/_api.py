@@ -92,7 +92,8 @@ def checkpoint(
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
-    context_fn = without_noop(context_fn)  # HyperParallel's no-op context_fn: none
+    if context_fn is not None:  # HyperParallel's no-op context_fn: none
+        context_fn = without_noop(context_fn)
     policy_fn, swap_inputs = _swap.checkpoint_swap("checkpoint", kwargs)
     check_callable(function, "checkpoint", "Cell")
     _refuse_value_check(kwargs, "checkpoint")

@@ -92,7 +92,8 @@ def checkpoint(
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
-    context_fn = without_noop(context_fn)  # HyperParallel's no-op: none (torch.compile wants that)
+    if context_fn is not None:  # HyperParallel's no-op: none (torch.compile wants that)
+        context_fn = without_noop(context_fn)
     if _compile.is_compiling():
         swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
         context_fn = swap.compiled_context_fn(context_fn)
