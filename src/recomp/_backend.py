@@ -307,6 +307,26 @@ class Backend:
         raise NotImplementedError
 
 
+def tensor_path(backend: Backend, module: Any, tensor: Any) -> str | None:
+    """The path below ``module`` (``"0.weight"``) of the parameter or buffer that is
+    ``tensor`` or shares its memory (an alias such as a transpose), or None. For error
+    messages: it walks the module tree."""
+    key = backend.storage_key(tensor)
+    stack: list[tuple[str, Any]] = [("", module)]
+    seen: set[int] = set()
+    while stack:
+        prefix, current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for name, held, _ in backend.module_state(current):
+            if held is tensor or (key is not None and backend.storage_key(held) == key):
+                return prefix + name
+        for name, child in reversed(backend.named_children(current)):
+            stack.append((f"{prefix}{name}.", child))
+    return None
+
+
 @functools.cache
 def _looks_like_batchnorm(cls: type) -> bool:
     return any("batchnorm" in c.__name__.lower() for c in cls.__mro__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from .errors import RecompError
+from .errors import SwapPolicyError
 
 
 class CheckpointPolicy(enum.IntEnum):
@@ -24,11 +24,6 @@ class CheckpointPolicy(enum.IntEnum):
     MUST_RECOMPUTE = 2
     PREFER_RECOMPUTE = 3
     MUST_SWAP = 4
-
-
-class SwapPolicyError(RecompError, ValueError):
-    """A policy function returned something that is not a policy, or a swap was asked
-    for where none can happen."""
 
 
 def as_policy(value: Any, where: str) -> CheckpointPolicy:

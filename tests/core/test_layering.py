@@ -173,8 +173,10 @@ def test_the_checks_see_a_bad_import(tmp_path):
 # modules that cannot be understood one without the other.
 CORE_ORDER = [
     "recomp.errors",
+    "recomp._moved",
     "recomp._state",
     "recomp._policy",
+    "recomp._hyperparallel",
     "recomp._swap_pairs",
     "recomp._pytree",
     "recomp._backend",

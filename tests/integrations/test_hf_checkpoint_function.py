@@ -372,3 +372,52 @@ def test_refuses_a_model_without_hf_layers() -> None:
         hf_activation_checkpointing(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="non-reentrant"):
         hf_activation_checkpointing(llama(), use_reentrant=True)
+
+
+def test_t5_where_bit_equality_holds_and_where_hfs_switch_changes_the_model() -> None:
+    """HF's switch changes T5's forward itself (its attention layers without a relative
+    bias make their zero position bias require gradients when ``gradient_checkpointing``
+    is set, a workaround for reentrant checkpoints), so autograd sums T5's gradients in
+    another order: under the switch recomp equals HF's own checkpointing bit for bit, and
+    both differ from no checkpointing by rounding. recomp's own wrapper leaves the
+    forward alone and equals no checkpointing bit for bit."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.1, decoder_start_token_id=0, pad_token_id=0,
+    )
+    plain = T5ForConditionalGeneration(config).train()
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(2))
+
+    def grads(model: torch.nn.Module) -> list[torch.Tensor]:
+        torch.manual_seed(123)  # dropout
+        model(input_ids=ids, labels=labels).loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    expected = grads(plain)
+    hf_own = copy.deepcopy(plain)
+    hf_own.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    through_switch = copy.deepcopy(plain)
+    wrapped = copy.deepcopy(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # HF's note that use_cache is turned off
+        hf_grads = grads(hf_own)
+        hf_activation_checkpointing(through_switch)
+        switch_grads = grads(through_switch)
+    apply_activation_checkpointing(wrapped, checkpoint_fn=T5Block)
+    wrapped_grads = grads(wrapped)
+
+    assert all(torch.equal(a, b) for a, b in zip(expected, wrapped_grads))
+    assert all(torch.equal(a, b) for a, b in zip(hf_grads, switch_grads))
+    # What changes the forward: the switch's flag on every T5Attention.
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    flags = {m.gradient_checkpointing for m in through_switch.modules() if isinstance(m, T5Attention)}
+    assert flags == {True}
+    assert {m.gradient_checkpointing for m in wrapped.modules() if isinstance(m, T5Attention)} == {False}
+    for a, b in zip(expected, switch_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -12,7 +12,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import recomp.torch as rt
-from recomp.torch import CheckpointPolicy, SwapPolicyError
+import recomp.torch.hyperparallel as hp
+from recomp.errors import SwapPolicyError
+from recomp.torch import CheckpointPolicy
 from recomp.torch._offload import ENV_HOST_COPY, default_offloader
 
 SIN = torch.ops.aten.sin.default
@@ -109,11 +111,9 @@ def test_names_exported() -> None:
     for name in (
         "CheckpointPolicy", "create_selective_checkpoint_contexts", "noop_context_fn",
         "is_compiling", "ignore_sac_ops", "async_save_on_cpu", "AsyncSaveOnCpu",
-        "SwapPolicyError",
     ):
-        assert name in rt.__all__ and hasattr(rt, name)
-    assert rt.noop_context_fn() is torch.utils.checkpoint.noop_context_fn
-    assert rt.is_compiling() is False
+        assert name in hp.__all__ and hasattr(hp, name)
+    assert hp.is_compiling() is False
 
 
 @pytest.mark.parametrize("policy", [swap_sin, recompute_all])
@@ -210,7 +210,7 @@ def test_async_save_on_cpu_per_tensor_policy(groups: list) -> None:  # type: ign
 
     model.zero_grad()
     xr = x.detach().requires_grad_(True)
-    with rt.async_save_on_cpu(policy):
+    with hp.async_save_on_cpu(policy):
         loss = model(xr).pow(2).sum()
     loss.backward()
     got = [p.grad for p in model.parameters()] + [xr.grad]
@@ -227,7 +227,7 @@ def test_async_save_on_cpu_invalid_policy() -> None:
     x = torch.randn(4, 4, requires_grad=True)
     with (
         pytest.raises(SwapPolicyError, match="MUST_SAVE or MUST_SWAP"),
-        rt.async_save_on_cpu(lambda t: CheckpointPolicy.PREFER_SAVE),
+        hp.async_save_on_cpu(lambda t: CheckpointPolicy.PREFER_SAVE),
     ):
         torch.sin(x)
 
@@ -239,7 +239,7 @@ def test_must_swap_needs_a_recomp_checkpoint() -> None:
             torch.sin,
             x,
             use_reentrant=False,
-            context_fn=lambda: rt.create_selective_checkpoint_contexts(swap_sin),
+            context_fn=lambda: hp.create_selective_checkpoint_contexts(swap_sin),
         )
 
 
@@ -251,7 +251,7 @@ def test_user_context_fn_with_must_swap(groups: list) -> None:  # type: ignore[t
         return torch.sin(x @ w) @ w  # the second matmul saves sin's output
 
     out = rt.checkpoint(
-        layer, x, context_fn=lambda: rt.create_selective_checkpoint_contexts(swap_sin)
+        layer, x, context_fn=lambda: hp.create_selective_checkpoint_contexts(swap_sin)
     )
     counter = OpCounter()
     with counter:
@@ -270,7 +270,7 @@ def test_list_policy_and_group_swap_without_policy() -> None:
     for a, b in zip(want, got):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="OpOverload"):
-        rt.create_selective_checkpoint_contexts([torch.ops.aten.addmm])
+        hp.create_selective_checkpoint_contexts([torch.ops.aten.addmm])
     with pytest.raises(TypeError, match="swap_inputs"):
         rt.checkpoint(torch.sin, torch.randn(2, requires_grad=True), swap_inputs=1)
 
@@ -327,7 +327,7 @@ def test_swap_wrapper_exact_bytes_and_no_replay(groups: list) -> None:  # type: 
     assert counter.counts.get(SIN, 0) == 0
     expected = saved_by_block()
     assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(expected, expected)] * 3
-    assert [g.name for g in groups] == [rt.SwapManager().group_name(b, b) for b in model]
+    assert [g.name for g in groups] == [hp.SwapManager().group_name(b, b) for b in model]
 
 
 def test_swap_function_with_per_tensor_policy(groups: list) -> None:  # type: ignore[type-arg]
@@ -348,9 +348,9 @@ def test_swap_function_with_per_tensor_policy(groups: list) -> None:  # type: ig
 
 
 def test_swap_manager_is_one_object() -> None:
-    assert rt.SwapManager() is rt.SwapManager()
+    assert hp.SwapManager() is hp.SwapManager()
     with pytest.raises(TypeError, match="modules"):
-        rt.SwapManager().set_forward_prefetch_layer(lambda x: x, nn.Linear(2, 2))
+        hp.SwapManager().set_forward_prefetch_layer(lambda x: x, nn.Linear(2, 2))
 
 
 def _prefetch_order(
@@ -363,7 +363,7 @@ def _prefetch_order(
     monkeypatch.setattr(off, "trace", lambda event, name: events.append((event, name)))
     x = torch.randn(4, 16, requires_grad=True)
     model(x).pow(2).sum().backward()
-    names = {rt.SwapManager().group_name(b, b): f"L{i}" for i, b in enumerate(model)}
+    names = {hp.SwapManager().group_name(b, b): f"L{i}" for i, b in enumerate(model)}
     kinds: dict[str, set[str]] = {}
     ahead: list[str] = []
     for event, name in events:
@@ -389,7 +389,7 @@ def test_prefetch_follows_set_pairs(groups: list, monkeypatch) -> None:  # type:
     model = make_model(4)
     for block in model:
         rt.checkpoint_wrapper(block, swap_inputs=True)
-    manager = rt.SwapManager()
+    manager = hp.SwapManager()
     manager.set_forward_prefetch_layer(model[1], model[3])  # L3's backward brings L1 back
     manager.set_forward_prefetch_layer(model[0], model[2])  # L2's backward brings L0 back
     try:
@@ -412,7 +412,7 @@ def test_native_contexts_and_wrapper_class() -> None:
     out = rt.checkpoint(
         lambda t: torch.sin(t).exp(),
         x,
-        context_fn=lambda: rt.create_native_selective_checkpoint_contexts(save_sin),
+        context_fn=lambda: hp.create_native_selective_checkpoint_contexts(save_sin),
     )
     counter = OpCounter()
     with counter:
@@ -423,11 +423,11 @@ def test_native_contexts_and_wrapper_class() -> None:
             torch.sin,
             x,
             use_reentrant=False,
-            context_fn=lambda: rt.create_native_selective_checkpoint_contexts(swap_sin),
+            context_fn=lambda: hp.create_native_selective_checkpoint_contexts(swap_sin),
         )
     block = rt.checkpoint_wrapper(nn.Linear(2, 2))
     excluded = rt.checkpoint_exclude_wrapper(nn.Linear(2, 2))
-    wrapper = rt.get_class_activation_wrapper()
+    wrapper = hp.get_class_activation_wrapper()
     assert isinstance(block, wrapper) and isinstance(excluded, wrapper)
     assert not isinstance(nn.Linear(2, 2), wrapper)
 
@@ -450,7 +450,7 @@ def test_group_swap_packs_small_tensors_in_one_copy(groups: list) -> None:  # ty
 
 
 def test_cpu_pool_is_reused_and_empty_after_each_step(groups: list) -> None:  # type: ignore[type-arg]
-    pool = rt.PinnedMemoryPool(max_host_bytes=1 << 16)
+    pool = hp.PinnedMemoryPool(max_host_bytes=1 << 16)
     model = make_model()
     x = torch.randn(4, 16)
     want = grads(model, x)
@@ -465,13 +465,13 @@ def test_cpu_pool_is_reused_and_empty_after_each_step(groups: list) -> None:  # 
         reserved.append(pool.reserved_bytes)
     # 3 layers x (input 256 B -> 1 KiB block, sin output 512 B -> 1 KiB block)
     assert reserved == [6 * 1024] * 3
-    small = rt.PinnedMemoryPool(max_host_bytes=2048)
+    small = hp.PinnedMemoryPool(max_host_bytes=2048)
     for block in model:
         rt.checkpoint_wrapper(rt.unwrap(block), swap_inputs=True, cpu_pool=small)
     with pytest.raises(RuntimeError, match="PinnedMemoryPool capacity exceeded"):
         model(torch.randn(4, 16, requires_grad=True))
     with pytest.raises(TypeError, match="cpu_pool"):
-        rt.async_save_on_cpu(cpu_pool=object())
+        hp.async_save_on_cpu(cpu_pool=object())
 
 
 def test_unwrap_removes_swap_hooks(groups: list) -> None:  # type: ignore[type-arg]
@@ -583,7 +583,7 @@ class ScaledLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = torch.sigmoid(x.detach()) + 1
-        self.scales.append(rt.swap_tensor_wrapper(scale, tag=self.tag))
+        self.scales.append(hp.swap_tensor_wrapper(scale, tag=self.tag))
         return _ScaleKeptOutside.apply(self.fc(x), scale)
 
 
@@ -606,7 +606,7 @@ def test_swap_tensor_wrapper_empties_and_refills_in_place(groups: list) -> None:
     for a, b in zip(want, got):
         assert torch.equal(a, b)  # type: ignore[arg-type]
     assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(256, 256)] * 2
-    assert rt.swap_tensor_wrapper(x) is x  # no layer around it: nothing to do
+    assert hp.swap_tensor_wrapper(x) is x  # no layer around it: nothing to do
 
 
 def test_swap_tensor_wrapper_tag_names_the_tensors_in_the_trace(groups: list) -> None:  # type: ignore[type-arg]
@@ -619,10 +619,10 @@ def test_swap_tensor_wrapper_tag_names_the_tensors_in_the_trace(groups: list) ->
     loss = model(x).pow(2).sum()
     with offload_events(default_offloader()) as events:
         loss.backward()
-    names = [rt.SwapManager().group_name(m, m) for m in model]
+    names = [hp.SwapManager().group_name(m, m) for m in model]
     assert sorted(name for _, name in events) == sorted([f"{names[0]}/scale", names[1]])
     with pytest.raises(TypeError, match="tag must be a str"):
-        rt.swap_tensor_wrapper(x, tag=3)
+        hp.swap_tensor_wrapper(x, tag=3)
 
 
 NEG = torch.ops.aten.neg.default

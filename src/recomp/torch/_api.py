@@ -11,6 +11,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .. import _engine, _wrapping
+from .._hyperparallel import without_noop
 from .._module_state import warn_unhandled
 from .._state import get_recompute_state
 from .._wrapping import (
@@ -26,7 +27,7 @@ from . import _compat, _compile, _hf, _kept, _swap
 from ._backend import BACKEND
 from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
-from ._foreign import refuse_enclosing_checkpoint, watch_checkpoint_wrappers
+from ._foreign import refuse_enclosing_checkpoint
 from ._hf import adapt_hf_layer_call, guard_model_cache
 from ._offload import Offloader, resolve
 from ._plain import PlainFunction
@@ -80,14 +81,19 @@ def checkpoint(
     communicating again. ``exclude_collectives=False`` communicates again in
     the replay and keeps nothing.
 
-    HyperParallel's options: ``policy_fn`` (per op, see
-    :func:`create_selective_checkpoint_contexts`; ``CheckpointPolicy.MUST_SWAP``
-    keeps an op's output on the host until backward), ``swap_inputs=True`` (the
-    checkpoint's own saved inputs go to the host until the replay), ``group_swap``
-    and ``cpu_pool`` (NOTE [ Swap scopes ] in ``recomp.torch._swap.scope``).
+    HyperParallel's options: ``policy_fn`` (per op, a function or a list of ops to
+    save, see :func:`recomp.torch.hyperparallel.create_selective_checkpoint_contexts`;
+    ``CheckpointPolicy.MUST_SWAP`` keeps an op's output on the host until backward),
+    ``swap_inputs=True`` (the checkpoint's own saved inputs go to the host until the
+    replay), ``group_swap`` and ``cpu_pool`` (a
+    :class:`recomp.torch.hyperparallel.PinnedMemoryPool`; NOTE [ Swap scopes ] in
+    ``recomp.torch._swap.scope``). ``context_fn=noop_context_fn()`` (HyperParallel's) is no
+    ``context_fn``.
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
+    if context_fn is not None:  # HyperParallel's no-op: none (torch.compile wants that)
+        context_fn = without_noop(context_fn)
     if _compile.is_compiling():
         swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
         context_fn = swap.compiled_context_fn(context_fn)
@@ -320,7 +326,6 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
     warn_unhandled(BACKEND, module, "checkpoint_wrapper")
-    watch_checkpoint_wrappers()
     return _wrapping.wrap_in_place(
         _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
@@ -368,7 +373,6 @@ def checkpoint_exclude_wrapper(
     if not isinstance(module, nn.Module):
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
-    watch_checkpoint_wrappers()
     return _wrapping.wrap_in_place(_MODEL_OPS, module, ExcludeWrapper, {REGION: region})
 
 

@@ -59,14 +59,12 @@ with one test per entry that fails when PyTorch changes underneath.
 from __future__ import annotations
 
 from .checkpoint import (
-    UNKNOWN_CHECKPOINT_FUNCTION,
     checkpoint_debug_switch,
     checkpoint_holders,
     checkpoint_save_counter,
-    checkpoint_wrapper_function,
-    checkpoint_wrapper_takes,
     close_enclosing_checkpoint,
     finish_failed_checkpoint,
+    guard_checkpoint_wrapper,
     is_early_stop,
     mark_as_checkpoint_hook,
     replace_top_hooks,
@@ -150,7 +148,6 @@ from .saved_tensors import (
 __all__ = [
     "PLANNABLE_BACKENDS",
     "SIMULATION_MIN_TORCH",
-    "UNKNOWN_CHECKPOINT_FUNCTION",
     "TorchDispatchMode",
     "activation_memory_budget",
     "at_pass_end",
@@ -163,8 +160,6 @@ __all__ = [
     "checkpoint_plain_arguments",
     "checkpoint_rng_states",
     "checkpoint_save_counter",
-    "checkpoint_wrapper_function",
-    "checkpoint_wrapper_takes",
     "close_enclosing_checkpoint",
     "compiled_backend_name",
     "compiled_original",
@@ -180,6 +175,7 @@ __all__ = [
     "graph_task_id",
     "group_size",
     "grouped_mm",
+    "guard_checkpoint_wrapper",
     "hf_checkpoint_function",
     "hf_layer_keeps_cache",
     "hf_no_split_modules",
