@@ -109,7 +109,7 @@ def test_the_wrapper_checkpoints_with_hyperparallel_s_options():
 
 
 def test_group_swap_without_a_policy_adds_no_selective_checkpointing(monkeypatch):
-    import recomp.torch._swap as swap
+    import recomp.torch._swap.checkpoint as swap  # where checkpoint() makes its contexts
 
     made = []
     real = swap.create_selective_checkpoint_contexts
