@@ -122,6 +122,7 @@ from .fake import (
     target_attention_kernels,
 )
 from .hf import (
+    hf_causal_mask_as_on_device,
     hf_checkpoint_function,
     hf_layer_keeps_cache,
     hf_no_split_modules,
@@ -176,6 +177,7 @@ __all__ = [
     "group_size",
     "grouped_mm",
     "guard_checkpoint_wrapper",
+    "hf_causal_mask_as_on_device",
     "hf_checkpoint_function",
     "hf_layer_keeps_cache",
     "hf_no_split_modules",
