@@ -45,8 +45,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
-    checkpoint as torch_checkpoint,
     create_selective_checkpoint_contexts,
+)
+from torch.utils.checkpoint import (
+    checkpoint as torch_checkpoint,
 )
 
 import recomp.torch as rt
