@@ -12,13 +12,12 @@ Tested by ``tests/torch/compat/test_checkpoint.py``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,23 +108,31 @@ def _is_checkpoint_pack_hook(pack: Any) -> bool:
     ).startswith(_CHECKPOINT_HOOK_QUALNAMES)
 
 
-@contextlib.contextmanager
-def replace_top_hooks(
-    pack: Callable[[Any], Any], unpack: Callable[[Any], Any], original: tuple[Any, Any]
-) -> Iterator[None]:
+class replace_top_hooks:
     """Swap the top saved-tensors hook pair for (pack, unpack), and put ``original`` back.
 
     Private: the push/pop functions behind ``saved_tensors_hooks``. Replacing
     the pair in place (rather than pushing another on top) keeps the
     checkpoint's own pack hook on top, which PyTorch and recomp look for.
+    Entered around every forward and replay of a checkpoint: a class, not a generator.
     """
-    torch._C._autograd._pop_saved_tensors_default_hooks()
-    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
-    try:
-        yield
-    finally:
+
+    __slots__ = ("original", "pack", "unpack")
+
+    def __init__(
+        self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any], original: tuple[Any, Any]
+    ) -> None:
+        self.pack = pack
+        self.unpack = unpack
+        self.original = original
+
+    def __enter__(self) -> None:
         torch._C._autograd._pop_saved_tensors_default_hooks()
-        torch._C._autograd._push_saved_tensors_default_hooks(*original)
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        torch._C._autograd._push_saved_tensors_default_hooks(*self.original)
 
 
 # --------------------------------------------------------------------------- kept replays
