@@ -498,7 +498,9 @@ def hf_activation_checkpointing(
     ``gradient_checkpointing_enable()`` (``Trainer`` and TRL call it for
     ``gradient_checkpointing=True``; PEFT) keeps recomp as the function, with the keyword
     arguments it was given; ``use_reentrant=True`` among them warns and is not followed
-    (recomp's checkpoint is non-reentrant). ``activation_checkpointing_disable()`` turns
+    (recomp's checkpoint is non-reentrant). HF's ``every_n_layers`` keeps its meaning
+    and its ``offload=True`` is recomp's ``swap_inputs=True`` (each layer's inputs in host
+    memory until its replay). ``activation_checkpointing_disable()`` turns
     the layers' checkpointing off (the excluded modules then run as plain calls). Other
     options pass to :func:`checkpoint` (HF's keyword arguments win on a key both name).
     :func:`unwrap` undoes it. ``model`` is the HF model (a ``PreTrainedModel``, or a
