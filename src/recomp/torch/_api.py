@@ -23,7 +23,7 @@ from .._wrapping import (
     default_name,
 )
 from ..errors import RecompError
-from . import _compat, _compile, _hf, _kept, _swap
+from . import _compat, _compile, _hf, _kept, _partition, _swap
 from ._backend import BACKEND
 from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
@@ -43,6 +43,7 @@ CHECKPOINT_OPTIONS = (
     "early_stop",
     "exclude_collectives",
     "group_swap",
+    "partition_inputs",
     "policy_fn",
     "preserve_rng_state",
     "swap_inputs",
@@ -60,6 +61,7 @@ def checkpoint(
     swap_inputs: bool = False,
     group_swap: bool = False,
     cpu_pool: Any = None,
+    partition_inputs: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Checkpoint ``function(*args, **kwargs)`` with recomp's recompute state installed.
@@ -81,6 +83,13 @@ def checkpoint(
     communicating again. ``exclude_collectives=False`` communicates again in
     the replay and keeps nothing.
 
+    ``partition_inputs=group`` (a ``torch.distributed`` process group, usually the
+    tensor-parallel one) keeps each floating-point input the checkpoint saves split
+    over the group until the replay, 1/n per rank, and gathers it there (one
+    all-gather per input): Megatron-Core's ``distribute_saved_activations`` and
+    DeepSpeed's ``partition_activations``; NOTE [ Partitioned checkpoint inputs ] in
+    ``recomp.torch._partition``.
+
     HyperParallel's options: ``policy_fn`` (per op, a function or a list of ops to
     save, see :func:`recomp.torch.hyperparallel.create_selective_checkpoint_contexts`;
     ``CheckpointPolicy.MUST_SWAP`` keeps an op's output on the host until backward),
@@ -95,6 +104,11 @@ def checkpoint(
     if context_fn is not None:  # HyperParallel's no-op: none (torch.compile wants that)
         context_fn = without_noop(context_fn)
     if _compile.is_compiling():
+        if partition_inputs is not None:
+            raise ValueError(
+                "recomp.torch.checkpoint under torch.compile does not support "
+                "partition_inputs: it runs in eager mode only."
+            )
         swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
         context_fn = swap.compiled_context_fn(context_fn)
         # PyTorch's partitioner never recomputes a functional collective (which is what
@@ -122,6 +136,7 @@ def checkpoint(
         # enclosing checkpoint finds the same nested calls as its forward did.
         return function(*args, **_function_kwargs(kwargs))
     swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
+    partitioned = None if partition_inputs is None else _partition.for_call(partition_inputs)
     adapt_hf_layer_call(function, kwargs)
     name = _checkpointed_name(function)
     refuse_enclosing_checkpoint(name)
@@ -145,9 +160,13 @@ def checkpoint(
         align_rng=kwargs.get("preserve_rng_state", True),
         function=function,
     )
-    with torch_debug_off, swap.scope(function, context_fn) as finish:
+    saved_inputs = None if partitioned is None else partitioned.hooks()
+    with torch_debug_off, swap.scope(function, context_fn, saved_inputs) as finish:
         try:
-            return finish(_torch_checkpoint(function, args, kwargs, call.context_fn))
+            out = finish(_torch_checkpoint(function, args, kwargs, call.context_fn))
+            if partitioned is not None:
+                partitioned.forward_done()
+            return out
         except BaseException as exc:
             _compat.finish_failed_checkpoint(exc)  # PyTorch 2.9 leaves it open
             raise
