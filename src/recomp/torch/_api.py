@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,7 @@ from . import _compat, _compile, _hf, _kept, _partition, _swap
 from ._backend import BACKEND
 from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
-from ._foreign import refuse_enclosing_checkpoint
+from ._foreign import check_checkpoint_wrapper, refuse_enclosing_checkpoint
 from ._hf import adapt_hf_layer_call, guard_model_cache
 from ._offload import Offloader, resolve
 from ._plain import PlainFunction
@@ -595,3 +596,8 @@ _MODEL_OPS = _wrapping.ModelOps(
     check_reachable=lambda module, api: None,
     rebase_foreign=_rebase_parametrization,
 )
+
+
+# Settled at import: PyTorch's wrapper checks what it takes from now on (see
+# ``_compat.guard_checkpoint_wrapper``); nothing else of recomp's is installed globally.
+_compat.guard_checkpoint_wrapper(functools.partial(check_checkpoint_wrapper, checkpoint))

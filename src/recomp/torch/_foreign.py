@@ -80,7 +80,9 @@ def refuse_enclosing_checkpoint(name: str) -> None:
     )
 
 
-def _check_checkpoint_wrapper(module: Any, checkpoint_fn: Any, reentrant: bool) -> Any:
+def check_checkpoint_wrapper(
+    recomp_checkpoint: Any, module: Any, checkpoint_fn: Any, reentrant: bool
+) -> Any:
     """Called by PyTorch's checkpoint wrapper before it takes ``module`` (installed when
     this module is imported). Around modules recomp excludes (and none it checkpoints),
     PyTorch's own non-reentrant checkpoint becomes recomp's: returns
@@ -88,7 +90,8 @@ def _check_checkpoint_wrapper(module: Any, checkpoint_fn: Any, reentrant: bool) 
     switches (accelerate's and Lightning's FSDP activation checkpointing, with
     ``offload_wrapper`` around it) checkpoint with the exclusions in effect. Raises where
     recomp checkpoints ``module`` or modules below it (two checkpoints), or where the
-    wrapper asks for the reentrant checkpoint or another function."""
+    wrapper asks for the reentrant checkpoint or another function. ``recomp_checkpoint``:
+    ``recomp.torch.checkpoint`` (``_api`` installs this check with it bound)."""
     if not isinstance(module, nn.Module):
         return None
     checkpointed, excluded = _recomp_wrapped(module)
@@ -100,9 +103,7 @@ def _check_checkpoint_wrapper(module: Any, checkpoint_fn: Any, reentrant: bool) 
         # recomp checkpoints are recomp's too).
         return None
     if not checkpointed and checkpoint_fn is None and not reentrant:
-        from ._api import checkpoint  # _api imports this module
-
-        return checkpoint
+        return recomp_checkpoint
     what = type(module).__name__
     renames = (
         f"it would also insert '_checkpoint_wrapped_module.' into the name of every "
@@ -169,8 +170,3 @@ def _recomp_wrapped(module: nn.Module) -> tuple[list[str], list[str]]:
 def _shown(paths: list[str], limit: int = 3) -> str:
     shown = ", ".join(p or "itself" for p in paths[:limit])
     return shown if len(paths) <= limit else f"{shown} and {len(paths) - limit} more"
-
-
-# Settled at import: PyTorch's wrapper checks what it takes from now on (see
-# ``_compat.guard_checkpoint_wrapper``); nothing else of recomp's is installed globally.
-_compat.guard_checkpoint_wrapper(_check_checkpoint_wrapper)
