@@ -129,6 +129,7 @@ from .hf import (
     hf_layer_keeps_cache,
     hf_no_split_modules,
     is_hf_checkpoint_call,
+    is_hf_offload_checkpoint,
     set_hf_checkpoint_function,
 )
 from .kernels import flash_attention_forward, grouped_mm, set_hf_attention
@@ -189,6 +190,7 @@ __all__ = [
     "is_early_stop",
     "is_fake",
     "is_hf_checkpoint_call",
+    "is_hf_offload_checkpoint",
     "is_view_op",
     "many_recompiles",
     "mark_as_checkpoint_hook",
