@@ -89,8 +89,8 @@ class TorchBackend(Backend):
     def in_backward(self) -> bool:
         return _compat.in_backward()
 
-    def storage_key(self, t: torch.Tensor) -> Hashable | None:
-        return _compat.storage_key(t)
+    # Read per tensor input and per saved tensor of every region call: no wrapper.
+    storage_key = staticmethod(_compat.storage_key)
 
     def parameters_of(self, fn: Any) -> list[Any]:
         owner = getattr(fn, "__self__", fn)  # a module, or a module's bound forward
