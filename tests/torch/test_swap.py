@@ -5,6 +5,8 @@ and back per layer counted exactly."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -56,6 +58,26 @@ def swap_sin(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
     return CheckpointPolicy.MUST_SWAP if op is SIN else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+#: PyTorch's own offload members (``torch.utils.checkpoint.CheckpointPolicy``), where it has them.
+TORCH_OFFLOAD = [
+    getattr(torch.utils.checkpoint.CheckpointPolicy, name)
+    for name in ("MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD")
+    if hasattr(torch.utils.checkpoint.CheckpointPolicy, name)
+]
+needs_offload_members = pytest.mark.skipif(
+    not TORCH_OFFLOAD, reason="this PyTorch's CheckpointPolicy has no offload members"
+)
+
+
+def offload_sin(member):  # type: ignore[no-untyped-def]
+    """A policy returning PyTorch's ``member`` for sin."""
+
+    def policy(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return member if op is SIN else torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
 def recompute_all(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -93,9 +115,10 @@ def test_policy_values() -> None:
     assert as_policy(False, "f") is CheckpointPolicy.PREFER_RECOMPUTE
     torch_policy = torch.utils.checkpoint.CheckpointPolicy.MUST_RECOMPUTE
     assert as_policy(torch_policy, "f") is CheckpointPolicy.MUST_RECOMPUTE
-    # Newer PyTorch has MUST_CPU_OFFLOAD in its own enum (2.9 has not): not a HyperParallel policy.
-    offload = getattr(torch.utils.checkpoint.CheckpointPolicy, "MUST_CPU_OFFLOAD", None)
-    for bad in (7, 0, "MUST_SAVE", None, *([offload] if offload is not None else [])):
+    # PyTorch's offload members (2.14 has them, 2.9 not) are HyperParallel's swap.
+    for offload in TORCH_OFFLOAD:
+        assert as_policy(offload, "f") is CheckpointPolicy.MUST_SWAP
+    for bad in (7, 0, "MUST_SAVE", None):
         with pytest.raises(SwapPolicyError, match="not a policy"):
             as_policy(bad, "f")
 
@@ -304,6 +327,88 @@ def test_must_swap_under_compile_raises() -> None:
     )
     with pytest.raises(Exception, match="does not support swap_inputs"):
         g(torch.randn(4, 8, requires_grad=True))
+
+
+
+# --------------------------------------------------------------------------- PyTorch's offload
+
+
+@needs_offload_members
+@pytest.mark.parametrize("name", ["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"])
+def test_pytorch_offload_policies_swap_in_a_recomp_checkpoint(groups: list, name: str) -> None:  # type: ignore[type-arg]
+    member = getattr(torch.utils.checkpoint.CheckpointPolicy, name)
+    model = make_model()
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        rt.checkpoint_wrapper(block, policy_fn=offload_sin(member))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a swap group is there: PREFER_ is no fallback
+        got, counter = step(model, x)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert counter.counts.get(SIN, 0) == 0  # kept, never recomputed
+    # one sin output (4 x 32 float32) per layer to the host and back, as MUST_SWAP
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(512, 512)] * 3
+
+
+@needs_offload_members
+def test_prefer_cpu_offload_without_a_recomp_checkpoint_is_saved_and_said_once() -> None:
+    from recomp._policy import _FALLBACKS_SAID
+
+    _FALLBACKS_SAID.clear()
+    member = torch.utils.checkpoint.CheckpointPolicy.PREFER_CPU_OFFLOAD
+    model = make_model(2)
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+
+    def run(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(
+            block, h, use_reentrant=False,
+            context_fn=lambda: hp.create_selective_checkpoint_contexts(offload_sin(member)),
+        )
+
+    x1 = x.detach().requires_grad_(True)
+    with pytest.warns(UserWarning, match="PREFER_CPU_OFFLOAD .* saved on the device") as said:
+        loss = run(model[1], run(model[0], x1)).pow(2).sum()
+    assert len([w for w in said if "PREFER_CPU_OFFLOAD" in str(w.message)]) == 1
+    model.zero_grad()
+    counter = OpCounter()
+    with counter:
+        loss.backward()
+    got = [p.grad for p in model.parameters()] + [x1.grad]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert counter.counts.get(SIN, 0) == 0  # saved by PyTorch: not recomputed
+
+
+@needs_offload_members
+def test_must_cpu_offload_without_a_recomp_checkpoint_names_what_was_returned() -> None:
+    member = torch.utils.checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD
+    block = make_model(1)[0]
+    with pytest.raises(SwapPolicyError, match=r"returned MUST_CPU_OFFLOAD for aten\.sin.* recomp"):
+        torch.utils.checkpoint.checkpoint(
+            block, torch.randn(4, 16, requires_grad=True), use_reentrant=False,
+            context_fn=lambda: hp.create_selective_checkpoint_contexts(offload_sin(member)),
+        )
+
+
+@needs_offload_members
+def test_pytorch_offload_policies_under_compile_are_pytorchs_to_place() -> None:
+    member = torch.utils.checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x @ w) * 2
+
+    x = torch.randn(4, 8, requires_grad=True)
+    want = torch.autograd.grad(layer(x).sum(), (x, w))
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: rt.checkpoint(layer, x, policy_fn=offload_sin(member)),
+                      backend="aot_eager")
+    got = torch.autograd.grad(f(x).sum(), (x, w))
+    for a, b in zip(want, got):
+        torch.testing.assert_close(a, b)
 
 
 # --------------------------------------------------------------------------- swap, manager

@@ -10,7 +10,10 @@ changed::
         swap_wrapper,
     )
 
-Every name of that module's ``__all__`` is here. Where HyperParallel defines a
+Every name of that module's ``__all__`` is here, and the public helpers of
+``hyper_parallel.distributed``'s ``attention_swap`` and ``activation_checkpoint``
+modules (``recomp.torch._hp_distributed``: NOTE [ Attention swap ], NOTE [
+Selective-checkpointing presets ]). Where HyperParallel defines a
 behaviour, these names follow it: :func:`checkpoint` and :func:`checkpoint_wrapper`
 pass ``early_stop=True`` unless told otherwise and refuse a non-bool one
 (``ValueError``), run non-reentrant whatever ``use_reentrant`` says (in eager mode),
@@ -31,6 +34,15 @@ from typing import Any
 from .._hyperparallel import check_early_stop, noop_context_fn, without_noop
 from . import _api
 from ._api import checkpoint_exclude_wrapper
+from ._hp_distributed import (
+    apply_attention_swap,
+    attention_swap_policy,
+    compile_selective_checkpoint_policy,
+    ensure_fsdp_ops_sac_ignored,
+    ensure_profiler_ops_sac_ignored,
+    make_selective_checkpoint_context_fn,
+    validate_attention_swap,
+)
 from ._kept import (
     clear_recompute_session,
     recompute_handle,
@@ -53,23 +65,30 @@ from ._swap import (
     swap_wrapper,
 )
 
-# The 18 names of hyper_parallel.core.activation_memory.api.__all__, and SwapManager,
-# PinnedMemoryPool and AsyncSaveOnCpu of its swap module.
+# The 18 names of hyper_parallel.core.activation_memory.api.__all__, SwapManager,
+# PinnedMemoryPool and AsyncSaveOnCpu of its swap module, and the public names of
+# hyper_parallel.distributed's attention_swap and activation_checkpoint modules.
 __all__ = [
     "AsyncSaveOnCpu",
     "CheckpointPolicy",
     "PinnedMemoryPool",
     "SwapManager",
+    "apply_attention_swap",
     "async_save_on_cpu",
+    "attention_swap_policy",
     "checkpoint",
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
     "clear_recompute_session",
+    "compile_selective_checkpoint_policy",
     "create_native_selective_checkpoint_contexts",
     "create_selective_checkpoint_contexts",
+    "ensure_fsdp_ops_sac_ignored",
+    "ensure_profiler_ops_sac_ignored",
     "get_class_activation_wrapper",
     "ignore_sac_ops",
     "is_compiling",
+    "make_selective_checkpoint_context_fn",
     "noop_context_fn",
     "recompute_handle",
     "recompute_handle_collector_ctx",
@@ -77,6 +96,7 @@ __all__ = [
     "swap",
     "swap_tensor_wrapper",
     "swap_wrapper",
+    "validate_attention_swap",
 ]
 
 

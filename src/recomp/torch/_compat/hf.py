@@ -101,6 +101,28 @@ def is_hf_checkpoint_call(layer: Any, function: Any) -> bool:
     return wrapped is not None and function.func is wrapped
 
 
+def is_hf_offload_checkpoint(function: Any) -> bool:
+    """Whether ``function`` is the checkpoint function HF builds for
+    ``activation_checkpointing_enable(offload=True)``: PyTorch's ``checkpoint`` called
+    inside ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, which moves what the
+    checkpoint saves itself (its inputs) to pinned host memory until the replay.
+
+    Why: HF defines it as a closure (``checkpoint_func``) local to
+    ``PreTrainedModel._activation_checkpointing_enable``, with no attribute saying what it
+    is; ``hf_activation_checkpointing`` reads it as recomp's ``swap_inputs=True``.
+    If it changes: False, and HF's offload switch is refused with the error for a
+    checkpoint function recomp does not know (never PyTorch's checkpoint in recomp's
+    place, which would replay the excluded regions).
+    Retired by: an option of HF's checkpointing that names the offload.
+    Checked on transformers 5.24.0.
+    """
+    return (
+        getattr(function, "__module__", None) == "transformers.modeling_utils"
+        and getattr(function, "__qualname__", "")
+        == "PreTrainedModel._activation_checkpointing_enable.<locals>.checkpoint_func"
+    )
+
+
 def hf_causal_mask_as_on_device() -> Any:
     """A context in which transformers decides whether to build a causal mask for SDPA
     as it does on real tensors, where its inputs are fake (``recomp.plan.simulate``).

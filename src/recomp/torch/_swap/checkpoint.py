@@ -83,8 +83,22 @@ class CheckpointSwap:
             )
         )
 
-    def scope(self, function: Any, context_fn: Any) -> contextlib.AbstractContextManager[Any]:
-        """Around the framework's checkpoint of ``function``: yields ``finish(outputs)``."""
+    def scope(
+        self, function: Any, context_fn: Any, saved_inputs: Any = None
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Around the framework's checkpoint of ``function``: yields ``finish(outputs)``.
+        ``saved_inputs``: other saved-tensors hooks for the checkpoint's own saved inputs
+        (``partition_inputs``: ``recomp.torch._partition``), which ``swap_inputs`` cannot
+        be given with."""
+        if saved_inputs is not None:
+            if self.swap_inputs:
+                raise ValueError(
+                    "checkpoint(..., partition_inputs=group) keeps the inputs split over the "
+                    "group on the device; it cannot be combined with swap_inputs=True. Pass "
+                    "one of them."
+                )
+            if self.policy_fn is None and context_fn is None:
+                return _hooks_only(saved_inputs)
         if self.policy_fn is None and not self.swap_inputs and context_fn is None:
             return contextlib.nullcontext(_identity)
         scope = SwapScope(
@@ -93,10 +107,17 @@ class CheckpointSwap:
             layer=BACKEND.module_of(function),
             function=function,
         )
-        hooks = None
+        hooks = saved_inputs
         if self.swap_inputs:
             hooks = async_save_on_cpu(group_swap=self.group_swap, cpu_pool=self.cpu_pool)
         return _SCOPES.layer_call(scope, hooks)
+
+
+@contextlib.contextmanager
+def _hooks_only(hooks: Any) -> Any:
+    """A call that swaps nothing, with hooks on its saved inputs: no swap scope."""
+    with hooks:
+        yield _identity
 
 
 def _identity(out: Any) -> Any:

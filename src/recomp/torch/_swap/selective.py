@@ -19,7 +19,13 @@ from torch import nn
 
 from ..._engine import ComposedContext
 from ..._op_policy import FreshMode, KeptOutput, OpCalls
-from ..._policy import CheckpointPolicy, SwapPolicyError, as_policy
+from ..._policy import (
+    CheckpointPolicy,
+    SwapPolicyError,
+    as_policy,
+    is_offload_member,
+    swap_or_save,
+)
 from .. import _compat
 from .pool import _check_swap_options
 from .scope import SwapScope, _Kept, _read, current_scope, is_compiling
@@ -71,14 +77,16 @@ class _SwapState:
 
         self.calls.fill(entry, out, keep, _drop)
 
-    def chose(self, ctx: Any, op: Any, policy: CheckpointPolicy) -> None:
+    def chose(self, ctx: Any, op: Any, policy: CheckpointPolicy, asked: Any = None) -> None:
+        """``asked``: what the policy function returned, where that is not ``policy``."""
         if getattr(ctx, "is_recompute", False):
             return
         if policy is CheckpointPolicy.MUST_SWAP:
             scope = current_scope()
             if scope is None:
+                name = getattr(asked, "name", policy.name)
                 raise SwapPolicyError(
-                    f"The policy returned MUST_SWAP for {op} but no swap group is active: "
+                    f"The policy returned {name} for {op} but no swap group is active: "
                     f"use recomp.torch.checkpoint(..., policy_fn=...) or checkpoint_wrapper "
                     f"(recomp.torch's, not torch.utils.checkpoint's) around it."
                 )
@@ -164,15 +172,23 @@ def _selective_contexts(user: Any, allow_cache_entry_mutation: bool, compiled: b
     state = _SwapState(allow_cache_entry_mutation)
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        chosen = as_policy(user(ctx, op, *args, **kwargs), "policy_fn")
+        value = user(ctx, op, *args, **kwargs)
+        chosen = as_policy(value, "policy_fn")
         if chosen is CheckpointPolicy.MUST_SWAP:
             if compiled or _under_compile(args):
+                if is_offload_member(value):  # PyTorch's own: its compiler's to place
+                    return value
                 raise SwapPolicyError(
                     f"CheckpointPolicy.MUST_SWAP (for {op}) is not supported under "
-                    f"torch.compile: return MUST_SAVE for it there, or keep the layer "
-                    f"out of the compiled region."
+                    f"torch.compile: return MUST_SAVE for it there (or PyTorch's "
+                    f"MUST_CPU_OFFLOAD), or keep the layer out of the compiled region."
                 )
-            state.chose(ctx, op, chosen)
+            if current_scope() is None:  # the same in the forward and the replay
+                saved = swap_or_save(value, op, _NO_SCOPE)
+                if saved is not None:
+                    state.chose(ctx, op, saved)
+                    return _TorchPolicy.PREFER_SAVE
+            state.chose(ctx, op, chosen, value)
             return _TorchPolicy.MUST_RECOMPUTE
         state.chose(ctx, op, chosen)
         return _TorchPolicy.__members__[chosen.name]
@@ -191,6 +207,11 @@ def _selective_contexts(user: Any, allow_cache_entry_mutation: bool, compiled: b
     replay_tap = FreshMode(lambda: _SwapTap(state, replay=True), only_if=state.calls)
     return ComposedContext(None, state, forward), ComposedContext(None, replay_tap, replay)
 
+
+_NO_SCOPE = (
+    "no recomp checkpoint is around these contexts (torch.utils.checkpoint's checkpoint "
+    "has no swap group)"
+)
 
 #: PyTorch (2.14 on) runs the op before asking the policy and hands it the output.
 _POLICY_SEES_OUTPUT = "op_output" in inspect.signature(
