@@ -201,7 +201,7 @@ class CheckpointCall:
         self.replaying: list[CallPart] = []
         self.ending: list[CallPart] = []
         for part in parts:
-            hears_replay, hears_end = _listens(type(part))
+            hears_replay, hears_end = _listens(type(part))  # type: ignore[arg-type]  # classes hash by identity
             if hears_replay:
                 self.replaying.append(part)
             if hears_end:

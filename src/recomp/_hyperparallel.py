@@ -53,3 +53,18 @@ def check_early_stop(early_stop: Any) -> None:
             f"early_stop must be a bool (True or False), got {type(early_stop).__name__} "
             f"{early_stop!r}."
         )
+
+
+def wrapper_options(options: dict[str, Any], early_stop: bool | None) -> dict[str, Any]:
+    """HyperParallel's ``checkpoint_wrapper`` options as recomp's, on both frameworks:
+    ``early_stop`` a bool (``early_stop`` here: its default, None for none), no
+    ``use_reentrant`` (not followed), HyperParallel's no-op ``context_fn`` as none."""
+    options = dict(options)
+    if early_stop is not None:
+        options.setdefault("early_stop", early_stop)
+    if "early_stop" in options:
+        check_early_stop(options["early_stop"])
+    options.pop("use_reentrant", None)
+    if "context_fn" in options and without_noop(options["context_fn"]) is None:
+        del options["context_fn"]
+    return options

@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 import mindspore
 
-from .._hyperparallel import check_early_stop, noop_context_fn, without_noop
+from .._hyperparallel import check_early_stop, noop_context_fn, without_noop, wrapper_options
 from .._wrapping import WrapperMixin
 from . import _api
 from ._api import checkpoint_exclude_wrapper
@@ -124,14 +124,7 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     bool (False unless given), and ``use_reentrant`` is not followed. The Cell is
     wrapped in place, as by :func:`recomp.mindspore.checkpoint_wrapper` (parameter
     names and ``isinstance`` unchanged; ``recomp.mindspore.unwrap`` undoes it)."""
-    options = dict(checkpoint_kwargs)
-    if "early_stop" in options:
-        check_early_stop(options["early_stop"])
-    options.pop("use_reentrant", None)
-    if "context_fn" in options:
-        options["context_fn"] = without_noop(options["context_fn"])
-        if options["context_fn"] is None:
-            del options["context_fn"]
+    options = wrapper_options(checkpoint_kwargs, early_stop=None)
     return _api.checkpoint_wrapper(module, **options)
 
 

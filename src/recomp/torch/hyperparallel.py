@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._hyperparallel import check_early_stop, noop_context_fn, without_noop
+from .._hyperparallel import check_early_stop, noop_context_fn, without_noop, wrapper_options
 from . import _api
 from ._api import checkpoint_exclude_wrapper
 from ._hp_distributed import (
@@ -176,11 +176,5 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     must be a bool, and ``use_reentrant`` is not followed. The module is wrapped in
     place, as by :func:`recomp.torch.checkpoint_wrapper` (names, ``state_dict`` and
     ``isinstance`` unchanged; ``recomp.torch.unwrap`` undoes it)."""
-    options = dict(checkpoint_kwargs)
-    check_early_stop(options.setdefault("early_stop", True))
-    options.pop("use_reentrant", None)
-    if "context_fn" in options:
-        options["context_fn"] = without_noop(options["context_fn"])
-        if options["context_fn"] is None:
-            del options["context_fn"]
+    options = wrapper_options(checkpoint_kwargs, early_stop=True)
     return _api.checkpoint_wrapper(module, **options)

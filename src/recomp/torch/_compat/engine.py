@@ -269,7 +269,7 @@ def module_attributes(module: torch.nn.Module, names: tuple[str, ...]) -> list[o
     buffers = state.get("_buffers")
     children = state.get("_modules")
     if (
-        not _plain_lookup(type(module), names)
+        not _plain_lookup(type(module), names)  # type: ignore[arg-type]  # classes hash by identity
         or not isinstance(params, dict)
         or not isinstance(buffers, dict)
         or not isinstance(children, dict)
