@@ -351,15 +351,9 @@ def test_another_checkpoint_function_is_refused_not_used() -> None:
 def host_copies(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The offloader's host-copy mode (CPU tensors copied as a device's would be); every
     offload group opened in the test, in order."""
-    from recomp.torch._offload import ENV_HOST_COPY, default_offloader
+    from host_copies import recorded_host_copies
 
-    monkeypatch.setenv(ENV_HOST_COPY, "1")
-    opened: list[Any] = []
-    offloader = default_offloader()
-    monkeypatch.setattr(offloader, "group_opened", opened.append)
-    yield opened
-    offloader.synchronize()
-    assert offloader.pending_copies == 0
+    yield from recorded_host_copies(monkeypatch)
 
 
 def test_hf_offload_switch_moves_the_checkpoint_inputs_to_the_host(host_copies: list[Any]) -> None:

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import recomp.torch as rt
 import recomp.torch.hyperparallel as hp
-from recomp.torch._offload import ENV_HOST_COPY, default_offloader
+from host_copies import recorded_host_copies
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,13 +25,7 @@ MM = torch.ops.aten.mm.default
 
 @pytest.fixture
 def groups(monkeypatch: pytest.MonkeyPatch) -> list:  # type: ignore[type-arg]
-    monkeypatch.setenv(ENV_HOST_COPY, "1")
-    opened: list = []  # type: ignore[type-arg]
-    off = default_offloader()
-    monkeypatch.setattr(off, "group_opened", opened.append)
-    yield opened
-    off.synchronize()
-    assert off.pending_copies == 0
+    yield from recorded_host_copies(monkeypatch)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import recomp.torch as rt
 import recomp.torch.hyperparallel as hp
+from host_copies import recorded_host_copies
 from recomp.errors import SwapPolicyError
 from recomp.torch import CheckpointPolicy
 from recomp.torch._offload import ENV_HOST_COPY, default_offloader
@@ -85,13 +86,7 @@ def recompute_all(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
 @pytest.fixture
 def groups(monkeypatch: pytest.MonkeyPatch) -> list:  # type: ignore[type-arg]
     """Host-copy mode on; every offload group opened in the test, in order."""
-    monkeypatch.setenv(ENV_HOST_COPY, "1")
-    opened: list = []  # type: ignore[type-arg]
-    off = default_offloader()
-    monkeypatch.setattr(off, "group_opened", opened.append)
-    yield opened
-    off.synchronize()
-    assert off.pending_copies == 0
+    yield from recorded_host_copies(monkeypatch)
 
 
 def step(model: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], OpCounter]:
