@@ -51,7 +51,9 @@ class AsyncSaveOnCpu(torch.autograd.graph.saved_tensors_hooks):
             _SCOPES,
             lambda: SwapScope("async_save_on_cpu", group_swap=group_swap, cpu_pool=cpu_pool),
         )
-        super().__init__(self.pack_to_host, self.unpack_from_host)
+        # A function of the policy, not a bound method: the hooks object would hold
+        # itself (a reference cycle per swapped call, freed only by the collector).
+        super().__init__(functools.partial(_pack_to_host, policy_fn), _read)
 
     def __enter__(self) -> None:
         # No layer around it: the block is the scope, finished when it ends.
@@ -63,16 +65,20 @@ class AsyncSaveOnCpu(torch.autograd.graph.saved_tensors_hooks):
         self.own.exit(*exc_info)
 
     def pack_to_host(self, t: torch.Tensor) -> Any:
-        if _stays_on_device(t):
-            return t
-        if self.policy_fn is not None and not tensor_swapped(self.policy_fn(t)):
-            return t
-        scope = current_scope()
-        if scope is None:
-            return t
-        return scope.keep(t)
+        return _pack_to_host(self.policy_fn, t)
 
     unpack_from_host = staticmethod(_read)
+
+
+def _pack_to_host(policy_fn: Callable[[torch.Tensor], Any] | None, t: torch.Tensor) -> Any:
+    if _stays_on_device(t):
+        return t
+    if policy_fn is not None and not tensor_swapped(policy_fn(t)):
+        return t
+    scope = current_scope()
+    if scope is None:
+        return t
+    return scope.keep(t)
 
 
 def async_save_on_cpu(
