@@ -165,6 +165,10 @@ class Backend:
         """``module``'s direct sub-modules, with their attribute names."""
         return []
 
+    def module_attributes(self, module: Any, names: tuple[str, ...]) -> list[Any]:
+        """``getattr(module, name, None)`` for each of ``names``."""
+        return [getattr(module, name, None) for name in names]
+
     def is_training(self, module: Any) -> bool:
         raise NotImplementedError
 
@@ -200,12 +204,13 @@ class Backend:
         forward updates now (empty in eval mode or without tracked statistics); a reason,
         for a module that looks like a BatchNorm but keeps none under
         ``running_stat_names``; None for any other module."""
-        found = [getattr(module, name, None) for name in self.running_stat_names]
-        tensors = [t for t in found if self.is_tensor(t)]
+        found = self.module_attributes(module, self.running_stat_names)
+        tensors = [t for t in found if t is not None and self.is_tensor(t)]
         if tensors:
             return tensors if self.is_training(module) else []
-        tracked = getattr(module, "track_running_stats", True) is not False
-        if not tracked or not _looks_like_batchnorm(module.__class__):
+        if not _looks_like_batchnorm(module.__class__):  # cached per class: asked first
+            return None
+        if getattr(module, "track_running_stats", True) is False:
             return None
         if not self.is_training(module):
             return []

@@ -93,7 +93,6 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 from ._backend import Backend, StateChange
@@ -102,19 +101,23 @@ from ._region import ExcludedRegion
 from .errors import ReplayStateWarning, RunningStatisticsWarning, changed_before_backward
 
 
-def _replayed_modules(backend: Backend, root: Any, path: str) -> Iterator[tuple[str, Any]]:
-    """``root`` and the modules below it that a replay of ``root`` runs (each once)."""
+def _replayed_modules(backend: Backend, root: Any, path: str) -> list[tuple[str, Any]]:
+    """``root`` and the modules below it that a replay of ``root`` runs (each once), in
+    depth-first order. Walked at every checkpoint call of a module: a list filled in one
+    loop (no generator to resume per module)."""
     seen: set[int] = set()
+    found: list[tuple[str, Any]] = []
     stack = [(path, root)]
     while stack:
         where, module = stack.pop()
         if id(module) in seen or isinstance(vars(module).get("_recomp_region"), ExcludedRegion):
             continue
         seen.add(id(module))
-        yield where, module
-        children = list(backend.named_children(module))
+        found.append((where, module))
+        children = backend.named_children(module)
         for name, child in reversed(children):
             stack.append((f"{where}.{name}" if where else name, child))
+    return found
 
 
 class _Slot:

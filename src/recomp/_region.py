@@ -63,10 +63,13 @@ Rules the code relies on (cited by number where it enforces them):
      placement is told to abort.
   8. With early stop, calls recorded after the checkpoint's last saved tensor
      lose what they hold at the end of the forward (``drop_cache``, for every
-     log of the invocation; the save counter is asked once, when the forward
-     starts): the replay stops before, or in the boundary of, such a region.
-     Not for checkpoints nested in another recomp checkpoint, whose replay
-     re-runs them whole (``Invocation.add_child``).
+     log of the invocation: region calls, collectives, op outputs kept by a
+     per-op policy; the save counter is asked once, when the forward starts):
+     the replay stops before, or in the boundary of, such a region, and before
+     such an op. Not, in a checkpoint nested in another recomp checkpoint, for
+     the logs that the enclosing replay reads back when it re-runs the nested
+     call whole (``Invocation.add_child``; region calls and collectives: a
+     re-run keeps op outputs of its own).
 
 NOTE [ Deferred inputs ]
 

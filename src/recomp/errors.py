@@ -1,8 +1,14 @@
-"""Errors raised by recomp. Each message names the region involved and the fix."""
+"""Every error and warning class recomp defines. Each message names what is involved and
+the fix.
+
+The classes are the same objects wherever recomp raises them (the framework packages,
+the planner); import them from here. ``recomp`` re-exports them all.
+"""
 
 from __future__ import annotations
 
 __all__ = [
+    "BudgetTooSmallError",
     "CachedValueMutatedError",
     "CollectiveReplayedWarning",
     "DoubleCheckpointError",
@@ -13,11 +19,15 @@ __all__ = [
     "NestedExclusionError",
     "OutputNotSavedError",
     "ParameterChangedError",
+    "PlanFormatError",
     "RecompError",
     "RecompInternalError",
     "ReplayMismatchError",
+    "ReplayStateWarning",
     "RunningStatisticsWarning",
     "SelectionError",
+    "SwapNotSupportedError",
+    "SwapPolicyError",
     "UnreplayableDropoutWarning",
     "WrapperNotReachedWarning",
 ]
@@ -205,3 +215,52 @@ class UnreplayableDropoutWarning(UserWarning):
     on MindSpore, an active subclass of ``nn.Dropout`` with a ``construct`` of its own,
     which recomp cannot make draw the same mask in the replay. Exclude it
     (``apply_activation_checkpointing`` does so by itself) or use ``nn.Dropout``."""
+
+
+# --------------------------------------------------------------------------- swap
+
+
+class SwapPolicyError(RecompError, ValueError):
+    """A policy function returned something that is not a policy (a
+    ``CheckpointPolicy`` or a bool), or a swap was asked for where none can happen
+    (``MUST_SWAP`` with no recomp checkpoint around it, or under ``torch.compile``).
+    Raised by both frameworks; also a ``ValueError``."""
+
+
+class SwapNotSupportedError(RecompError, NotImplementedError):
+    """A part of HyperParallel's activation-memory API that recomp cannot run on
+    MindSpore 2.10 PyNative: ``group_swap``, ``cpu_pool`` and ``PinnedMemoryPool``,
+    ``swap_tensor_wrapper`` inside a swapped layer, recompute sessions, PyTorch's
+    native selective checkpointing. The message says what MindSpore lacks and what to
+    do instead. Also a ``NotImplementedError``."""
+
+
+# --------------------------------------------------------------------------- planner
+
+
+def format_bytes(n: float) -> str:
+    """Bytes as MiB (or GiB from 1 GiB on), for messages (the planner's too)."""
+    if abs(n) >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / float(1 << 20):.2f} MiB"
+
+
+class BudgetTooSmallError(ValueError):
+    """The planner's memory budget is below the least activation memory any plan keeps
+    (``recomp.plan.make_plan``, ``recomp plan``). ``budget_bytes`` and
+    ``minimum_bytes`` say by how much; the message names the budget to give. A
+    ``ValueError``, raised before anything runs (not a ``RecompError``)."""
+
+    def __init__(self, budget_bytes: int, minimum_bytes: int, detail: str = "") -> None:
+        self.budget_bytes = budget_bytes
+        self.minimum_bytes = minimum_bytes
+        super().__init__(
+            f"memory budget {format_bytes(budget_bytes)} is below {format_bytes(minimum_bytes)}, "
+            f"the least activation memory any plan keeps{detail}. Give a budget of at least "
+            f"{format_bytes(minimum_bytes)} (or 0%), or make the layers smaller (batch, sequence)."
+        )
+
+
+class PlanFormatError(ValueError):
+    """A plan file that this version of recomp cannot read (``recomp.plan.load_plan``):
+    another format version, or a field missing or of the wrong type. A ``ValueError``."""

@@ -80,19 +80,30 @@ def refuse_enclosing_checkpoint(name: str) -> None:
     )
 
 
-def _refuse_checkpoint_wrapper(module: Any, checkpoint_fn: Any) -> None:
+def check_checkpoint_wrapper(
+    recomp_checkpoint: Any, module: Any, checkpoint_fn: Any, reentrant: bool
+) -> Any:
     """Called by PyTorch's checkpoint wrapper before it takes ``module`` (installed when
-    this module is imported): raise if recomp wrapped ``module`` or modules below it."""
+    this module is imported). Around modules recomp excludes (and none it checkpoints),
+    PyTorch's own non-reentrant checkpoint becomes recomp's: returns
+    ``recomp.torch.checkpoint`` as the wrapper's ``checkpoint_fn``, so that the trainers'
+    switches (accelerate's and Lightning's FSDP activation checkpointing, with
+    ``offload_wrapper`` around it) checkpoint with the exclusions in effect. Raises where
+    recomp checkpoints ``module`` or modules below it (two checkpoints), or where the
+    wrapper asks for the reentrant checkpoint or another function. ``recomp_checkpoint``:
+    ``recomp.torch.checkpoint`` (``_api`` installs this check with it bound)."""
     if not isinstance(module, nn.Module):
-        return
+        return None
     checkpointed, excluded = _recomp_wrapped(module)
     if not checkpointed and not excluded:
-        return
+        return None
     if _is_recomp_checkpoint(checkpoint_fn):
         # checkpoint_wrapper(module, checkpoint_fn=recomp.torch.checkpoint): the wrapper
         # checkpoints with recomp, which keeps excluded regions out of its replay (nested
         # recomp checkpoints are recomp's too).
-        return
+        return None
+    if not checkpointed and checkpoint_fn is None and not reentrant:
+        return recomp_checkpoint
     what = type(module).__name__
     renames = (
         f"it would also insert '_checkpoint_wrapped_module.' into the name of every "
@@ -111,13 +122,18 @@ def _refuse_checkpoint_wrapper(module: Any, checkpoint_fn: Any) -> None:
             "other activation checkpointing off. "
         )
     else:
+        asked = (
+            "the reentrant checkpoint (checkpoint_impl=CheckpointImpl.REENTRANT)"
+            if reentrant
+            else f"another checkpoint function ({checkpoint_fn!r})"
+        )
         message = (
             f"PyTorch's checkpoint_wrapper is wrapping {what}, which holds modules that recomp "
-            f"excludes ({_shown(excluded)}): they are kept out of the replay of recomp's "
-            f"checkpoints only, and this plain checkpoint would replay them; {renames} "
-            "Checkpoint with recomp instead (recomp.torch.apply_activation_checkpointing(model, "
-            "checkpoint_fn=..., exclude_fn=...); with Lightning, in "
-            "LightningModule.configure_model) and turn the other activation checkpointing off. "
+            f"excludes ({_shown(excluded)}), with {asked}: that checkpoint would replay them "
+            f"(recomp stands in for PyTorch's own non-reentrant checkpoint only); {renames} "
+            "Leave checkpoint_impl and checkpoint_fn at their defaults, or checkpoint with "
+            "recomp (recomp.torch.apply_activation_checkpointing(model, checkpoint_fn=..., "
+            "exclude_fn=...)). "
         )
     raise DoubleCheckpointError(message + TRAINER_SWITCHES)
 
@@ -154,8 +170,3 @@ def _recomp_wrapped(module: nn.Module) -> tuple[list[str], list[str]]:
 def _shown(paths: list[str], limit: int = 3) -> str:
     shown = ", ".join(p or "itself" for p in paths[:limit])
     return shown if len(paths) <= limit else f"{shown} and {len(paths) - limit} more"
-
-
-# Settled at import: PyTorch's wrapper checks what it takes from now on (see
-# ``_compat.guard_checkpoint_wrapper``); nothing else of recomp's is installed globally.
-_compat.guard_checkpoint_wrapper(_refuse_checkpoint_wrapper)

@@ -256,7 +256,7 @@ class _UnpackThroughHandle:
 
     def __init__(self, handle: RecomputeHandle) -> None:
         self.handle = handle
-        self._stack: contextlib.ExitStack | None = None
+        self._replaced: Any = None
         self._collector: list[RecomputeHandle] | None = None
 
     def __enter__(self) -> None:
@@ -272,14 +272,14 @@ class _UnpackThroughHandle:
             self._collector = _COLLECTOR.get()
             if self._collector is not None:
                 self._collector.append(handle)
-        stack = contextlib.ExitStack()
-        stack.enter_context(_compat.replace_top_hooks(pack, handle.unpack, hooks))
-        self._stack = stack
+        replaced = _compat.replace_top_hooks(pack, handle.unpack, hooks)
+        replaced.__enter__()
+        self._replaced = replaced
 
     def __exit__(self, *exc_info: Any) -> None:
-        stack, self._stack = self._stack, None
-        if stack is not None:
-            stack.close()
+        replaced, self._replaced = self._replaced, None
+        if replaced is not None:
+            replaced.__exit__(None, None, None)
         collector, self._collector = self._collector, None
         if exc_info[0] is not None and collector is not None and self.handle in collector:
             collector.remove(self.handle)  # a forward that failed has nothing to replay
@@ -300,11 +300,11 @@ class _Capture:
 
     def __init__(self, handle: RecomputeHandle) -> None:
         self.handle_ref = weakref.ref(handle)
-        self._stacks: list[contextlib.ExitStack] = []
+        # Per entry (innermost last): the hooks it replaced, or None.
+        self._entries: list[Any] = []
 
     def __enter__(self) -> None:
-        stack = contextlib.ExitStack()
-        self._stacks.append(stack)
+        self._entries.append(None)
         handle = self.handle_ref()
         if handle is None:
             return
@@ -329,10 +329,14 @@ class _Capture:
             return kept
 
         _compat.mark_as_checkpoint_hook(pack, replay_pack)
-        stack.enter_context(_compat.replace_top_hooks(pack, replay_unpack, hooks))
+        replaced = _compat.replace_top_hooks(pack, replay_unpack, hooks)
+        replaced.__enter__()
+        self._entries[-1] = replaced
 
     def __exit__(self, *exc_info: Any) -> None:
-        self._stacks.pop().close()
+        replaced = self._entries.pop()
+        if replaced is not None:
+            replaced.__exit__(None, None, None)
 
 
 class KeptReplays(CallPart):

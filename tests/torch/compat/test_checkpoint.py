@@ -159,6 +159,10 @@ def test_an_early_stop_passes_through_the_replay_context():
     assert not _compat.is_early_stop(None) and not _compat.is_early_stop(ValueError())
 
 
+def made_kwargs(wrapper):
+    return dict(wrapper.checkpoint_fn.keywords)
+
+
 def test_checkpoint_wrapper_is_guarded_with_the_arguments_it_is_given():
     """The guard (installed by ``recomp.torch``) sees the module and the function however
     they are passed, runs before anything is wrapped, and is installed once."""
@@ -167,7 +171,7 @@ def test_checkpoint_wrapper_is_guarded_with_the_arguments_it_is_given():
     import recomp.torch as rt
 
     init = wrappers.CheckpointWrapper.__init__
-    assert _compat.guard_checkpoint_wrapper(lambda module, fn: None)  # already there
+    assert _compat.guard_checkpoint_wrapper(lambda module, fn, reentrant: None)  # already there
     assert wrappers.CheckpointWrapper.__init__ is init
 
     def mine(function, *args, **kwargs):
@@ -175,13 +179,27 @@ def test_checkpoint_wrapper_is_guarded_with_the_arguments_it_is_given():
 
     excluded = rt.checkpoint_exclude_wrapper(torch.nn.Linear(2, 2))
     for build in (
-        lambda: wrappers.checkpoint_wrapper(excluded),
         lambda: wrappers.checkpoint_wrapper(excluded, checkpoint_fn=mine),
         lambda: wrappers.CheckpointWrapper(excluded, wrappers.CheckpointImpl.NO_REENTRANT, mine),
-        lambda: wrappers.CheckpointWrapper(mod=excluded),
+        lambda: wrappers.CheckpointWrapper(excluded, wrappers.CheckpointImpl.REENTRANT),
+        lambda: wrappers.checkpoint_wrapper(
+            excluded, checkpoint_impl=wrappers.CheckpointImpl.REENTRANT
+        ),
     ):
         with pytest.raises(recomp.DoubleCheckpointError):
             build()
+    # PyTorch's own non-reentrant checkpoint, however asked for: recomp's checkpoint is
+    # put in its place, with the wrapper's keyword arguments.
+    for build in (
+        lambda: wrappers.checkpoint_wrapper(excluded, preserve_rng_state=False),
+        lambda: wrappers.CheckpointWrapper(mod=excluded),
+        lambda: wrappers.CheckpointWrapper(excluded, wrappers.CheckpointImpl.NO_REENTRANT),
+    ):
+        made = build()
+        assert made.checkpoint_fn.func is rt.checkpoint
+    assert made_kwargs(wrappers.checkpoint_wrapper(excluded, preserve_rng_state=False)) == {
+        "preserve_rng_state": False
+    }
     # recomp's own function, positionally or by keyword: a recomp checkpoint, accepted.
     by_keyword = wrappers.checkpoint_wrapper(excluded, checkpoint_fn=rt.checkpoint)
     positional = wrappers.CheckpointWrapper(

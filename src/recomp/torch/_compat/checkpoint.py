@@ -12,13 +12,12 @@ Tested by ``tests/torch/compat/test_checkpoint.py``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,23 +108,31 @@ def _is_checkpoint_pack_hook(pack: Any) -> bool:
     ).startswith(_CHECKPOINT_HOOK_QUALNAMES)
 
 
-@contextlib.contextmanager
-def replace_top_hooks(
-    pack: Callable[[Any], Any], unpack: Callable[[Any], Any], original: tuple[Any, Any]
-) -> Iterator[None]:
+class replace_top_hooks:
     """Swap the top saved-tensors hook pair for (pack, unpack), and put ``original`` back.
 
     Private: the push/pop functions behind ``saved_tensors_hooks``. Replacing
     the pair in place (rather than pushing another on top) keeps the
     checkpoint's own pack hook on top, which PyTorch and recomp look for.
+    Entered around every forward and replay of a checkpoint: a class, not a generator.
     """
-    torch._C._autograd._pop_saved_tensors_default_hooks()
-    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
-    try:
-        yield
-    finally:
+
+    __slots__ = ("original", "pack", "unpack")
+
+    def __init__(
+        self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any], original: tuple[Any, Any]
+    ) -> None:
+        self.pack = pack
+        self.unpack = unpack
+        self.original = original
+
+    def __enter__(self) -> None:
         torch._C._autograd._pop_saved_tensors_default_hooks()
-        torch._C._autograd._push_saved_tensors_default_hooks(*original)
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        torch._C._autograd._push_saved_tensors_default_hooks(*self.original)
 
 
 # --------------------------------------------------------------------------- kept replays
@@ -263,11 +270,14 @@ def _close_checkpoint_frame(frame: Any, exc: BaseException) -> bool:
 # --------------------------------------------------------------------------- PyTorch's checkpoint_wrapper
 
 
-def guard_checkpoint_wrapper(check: Callable[[Any, Any], None]) -> bool:
-    """Have PyTorch's checkpoint wrapper call ``check(module, checkpoint_fn)`` before it
-    takes ``module`` (``checkpoint_fn`` None for PyTorch's own checkpoint, its default);
-    an error ``check`` raises leaves nothing wrapped. True if installed (once per
-    process; later calls change nothing).
+def guard_checkpoint_wrapper(check: Callable[[Any, Any, bool], Any]) -> bool:
+    """Have PyTorch's checkpoint wrapper call ``check(module, checkpoint_fn, reentrant)``
+    before it takes ``module`` (``checkpoint_fn`` None for PyTorch's own checkpoint, its
+    default; ``reentrant`` whether its ``checkpoint_impl`` asks for the reentrant one); an
+    error ``check`` raises leaves nothing wrapped, a function it returns becomes the
+    wrapper's ``checkpoint_fn`` (called with the wrapper's keyword arguments, as
+    PyTorch calls a ``checkpoint_fn`` it is given). True if installed (once per process;
+    later calls change nothing).
 
     Why: trainers checkpoint through this wrapper (Lightning's
     ``FSDPStrategy(activation_checkpointing_policy=...)``, Accelerate's FSDP
@@ -280,7 +290,8 @@ def guard_checkpoint_wrapper(check: Callable[[Any, Any], None]) -> bool:
     registers (each slice of a ``ModuleList``, in every model's forward) and changes the
     hook count that compiled graphs guard on.
     How: the class's ``__init__`` is replaced by one that binds its arguments to the
-    original's signature (``mod``, ``checkpoint_fn``), calls ``check``, then the original.
+    original's signature (``mod``, ``checkpoint_impl``, ``checkpoint_fn``), calls
+    ``check``, then the original, with ``checkpoint_fn`` replaced where ``check`` says.
     If it changes (the class moves, other parameter names): nothing is installed (False),
     and recomp finds the plain checkpoint at the first training forward instead
     (``DoubleCheckpointError`` from a recomp checkpoint or excluded region inside it).
@@ -305,10 +316,18 @@ def guard_checkpoint_wrapper(check: Callable[[Any, Any], None]) -> bool:
     if not {"mod", "checkpoint_fn"} <= set(signature.parameters):
         return False
 
+    reentrant_impl = getattr(getattr(wrappers, "CheckpointImpl", None), "REENTRANT", None)
+
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind(self, *args, **kwargs)
-        check(bound.arguments["mod"], bound.arguments.get("checkpoint_fn"))
+        impl = bound.arguments.get("checkpoint_impl")
+        reentrant = impl is not None and impl == reentrant_impl
+        replacement = check(bound.arguments["mod"], bound.arguments.get("checkpoint_fn"), reentrant)
+        if replacement is not None:
+            bound.arguments["checkpoint_fn"] = replacement
+            original(*bound.args, **bound.kwargs)
+            return
         original(self, *args, **kwargs)
 
     __init__._recomp_guard = check  # type: ignore[attr-defined]
