@@ -3,7 +3,8 @@
 One small object per framework (``recomp.torch._backend.BACKEND``,
 ``recomp.mindspore._backend.BACKEND``) subclasses :class:`Backend` and
 overrides what differs: what a tensor is, storage identity, the boundary
-function, random state. Framework names and the wording of framework-specific
+function, random state; its ``modules`` (a :class:`Modules`) answers what the
+engine asks about the framework's modules. Framework names and the wording of framework-specific
 advice live here too, so the engine's messages stay framework-free.
 """
 
@@ -53,6 +54,11 @@ class Backend:
     #: True where reading a version counter needs the framework's work queue drained
     #: first; the engine then calls :meth:`sync` once per batch of reads
     versions_need_sync = False
+    #: the framework's :class:`Modules`; ``modules`` is one of it, built with this backend
+    modules_class: type[Modules]
+
+    def __init__(self) -> None:
+        self.modules = self.modules_class(self)
 
     @property
     def package(self) -> str:
@@ -93,10 +99,6 @@ class Backend:
     def sync(self) -> None:
         """Wait until version counters reflect every queued in-place operation."""
 
-    def parameters_of(self, fn: Any) -> list[Any]:
-        """The parameters of a module (empty for a plain function)."""
-        return []
-
     def detach(self, t: Any) -> Any:
         """An alias of ``t`` without autograd history, sharing its memory."""
         raise NotImplementedError
@@ -132,89 +134,6 @@ class Backend:
         """Write ``src``'s values into ``dst`` in place, unrecorded by autograd (the replay
         repeating an in-place change a region made to its input in the forward)."""
         raise NotImplementedError
-
-    # -- modules ------------------------------------------------------------------
-
-    # Attribute names under which the framework's BatchNorm modules keep the running
-    # statistics that their training forward updates.
-    running_stat_names: tuple[str, ...] = ()
-
-    def module_of(self, fn: Any) -> Any | None:
-        """The module a checkpointed function runs: the module itself, or the module of a
-        bound method (a wrapper's ``forward``); None for any other function."""
-        return None
-
-    def running_module(self, frame: Any) -> Any | None:
-        """The innermost module whose ``forward``/``construct`` runs at ``frame`` or
-        below it on the Python stack (its first argument, whatever it is called)."""
-        while frame is not None:
-            code = frame.f_code
-            if code.co_name in ("forward", "construct") and code.co_argcount:
-                owner = frame.f_locals.get(code.co_varnames[0])
-                if owner is not None and self.module_of(owner) is owner:
-                    return owner
-            frame = frame.f_back
-        return None
-
-    def operation_name(self, obj: Any) -> str | None:
-        """The name of the framework operation ``obj``, if it is one (a MindSpore
-        primitive); None otherwise. Used to name what saved a tensor."""
-        return None
-
-    def named_children(self, module: Any) -> list[tuple[str, Any]]:
-        """``module``'s direct sub-modules, with their attribute names."""
-        return []
-
-    def module_attributes(self, module: Any, names: tuple[str, ...]) -> list[Any]:
-        """``getattr(module, name, None)`` for each of ``names``."""
-        return [getattr(module, name, None) for name in names]
-
-    def is_training(self, module: Any) -> bool:
-        raise NotImplementedError
-
-    # -- state outside the autograd graph (``recomp._module_state``) ----------------
-
-    #: Whether version counters show every in-place write to a module's state (buffers,
-    #: parameters without gradients). Where they do not, the first forward of a module
-    #: copies all of it and compares (NOTE [ Which state a checkpoint call copies ]).
-    state_versions_track_writes = False
-
-    def module_state(self, module: Any) -> list[tuple[str, Any, str]]:
-        """The tensors ``module`` itself holds (not its children's), as ``(name, tensor,
-        kind)``; ``kind`` is ``"parameter"`` (trains), ``"frozen"`` (a parameter without
-        gradients) or ``"buffer"``."""
-        raise NotImplementedError
-
-    def same_values(self, a: Any, b: Any) -> bool:
-        """Whether two tensors of one shape and type hold equal values."""
-        raise NotImplementedError
-
-    def module_tensor(self, module: Any, name: str) -> Any:
-        """The tensor ``module`` holds under ``name`` now (None if none)."""
-        return getattr(module, name, None)
-
-    def state_for_replay(self, changes: list[StateChange]) -> Any:
-        """A context in which each ``change.module`` holds ``change.seen``'s value under
-        its name, and after which it holds ``change.live`` as it was. This default
-        copies values in and back out (the module keeps its tensor objects)."""
-        return _copied_state(self, changes)
-
-    def running_statistics(self, module: Any) -> list[Any] | str | None:
-        """For ``module`` alone (not its children): the running-statistics tensors its
-        forward updates now (empty in eval mode or without tracked statistics); a reason,
-        for a module that looks like a BatchNorm but keeps none under
-        ``running_stat_names``; None for any other module."""
-        found = self.module_attributes(module, self.running_stat_names)
-        tensors = [t for t in found if t is not None and self.is_tensor(t)]
-        if tensors:
-            return tensors if self.is_training(module) else []
-        if not _looks_like_batchnorm(module.__class__):  # cached per class: asked first
-            return None
-        if getattr(module, "track_running_stats", True) is False:
-            return None
-        if not self.is_training(module):
-            return []
-        return f"no tensor attribute named {' or '.join(self.running_stat_names)}"
 
     # -- views --------------------------------------------------------------------
 
@@ -312,6 +231,103 @@ class Backend:
         raise NotImplementedError
 
 
+class Modules:
+    """The questions the engine asks about a framework's modules (``nn.Module``,
+    ``nn.Cell``): which module a function runs, its children, its own state, its mode.
+
+    A backend's ``modules`` (one object, built with the backend it asks about
+    tensors). Kept apart from :class:`Backend`'s questions about tensors: module walks
+    and ``recomp._module_state`` ask only these."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def parameters_of(self, fn: Any) -> list[Any]:
+        """The parameters of a module (empty for a plain function)."""
+        return []
+
+    # Attribute names under which the framework's BatchNorm modules keep the running
+    # statistics that their training forward updates.
+    running_stat_names: tuple[str, ...] = ()
+
+    def module_of(self, fn: Any) -> Any | None:
+        """The module a checkpointed function runs: the module itself, or the module of a
+        bound method (a wrapper's ``forward``); None for any other function."""
+        return None
+
+    def running_module(self, frame: Any) -> Any | None:
+        """The innermost module whose ``forward``/``construct`` runs at ``frame`` or
+        below it on the Python stack (its first argument, whatever it is called)."""
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name in ("forward", "construct") and code.co_argcount:
+                owner = frame.f_locals.get(code.co_varnames[0])
+                if owner is not None and self.module_of(owner) is owner:
+                    return owner
+            frame = frame.f_back
+        return None
+
+    def operation_name(self, obj: Any) -> str | None:
+        """The name of the framework operation ``obj``, if it is one (a MindSpore
+        primitive); None otherwise. Used to name what saved a tensor."""
+        return None
+
+    def named_children(self, module: Any) -> list[tuple[str, Any]]:
+        """``module``'s direct sub-modules, with their attribute names."""
+        return []
+
+    def module_attributes(self, module: Any, names: tuple[str, ...]) -> list[Any]:
+        """``getattr(module, name, None)`` for each of ``names``."""
+        return [getattr(module, name, None) for name in names]
+
+    def is_training(self, module: Any) -> bool:
+        raise NotImplementedError
+
+    # -- state outside the autograd graph (``recomp._module_state``) ----------------
+
+    #: Whether version counters show every in-place write to a module's state (buffers,
+    #: parameters without gradients). Where they do not, the first forward of a module
+    #: copies all of it and compares (NOTE [ Which state a checkpoint call copies ]).
+    state_versions_track_writes = False
+
+    def module_state(self, module: Any) -> list[tuple[str, Any, str]]:
+        """The tensors ``module`` itself holds (not its children's), as ``(name, tensor,
+        kind)``; ``kind`` is ``"parameter"`` (trains), ``"frozen"`` (a parameter without
+        gradients) or ``"buffer"``."""
+        raise NotImplementedError
+
+    def same_values(self, a: Any, b: Any) -> bool:
+        """Whether two tensors of one shape and type hold equal values."""
+        raise NotImplementedError
+
+    def module_tensor(self, module: Any, name: str) -> Any:
+        """The tensor ``module`` holds under ``name`` now (None if none)."""
+        return getattr(module, name, None)
+
+    def state_for_replay(self, changes: list[StateChange]) -> Any:
+        """A context in which each ``change.module`` holds ``change.seen``'s value under
+        its name, and after which it holds ``change.live`` as it was. This default
+        copies values in and back out (the module keeps its tensor objects)."""
+        return _copied_state(self.backend, changes)
+
+    def running_statistics(self, module: Any) -> list[Any] | str | None:
+        """For ``module`` alone (not its children): the running-statistics tensors its
+        forward updates now (empty in eval mode or without tracked statistics); a reason,
+        for a module that looks like a BatchNorm but keeps none under
+        ``running_stat_names``; None for any other module."""
+        found = self.module_attributes(module, self.running_stat_names)
+        tensors = [t for t in found if t is not None and self.backend.is_tensor(t)]
+        if tensors:
+            return tensors if self.is_training(module) else []
+        if not _looks_like_batchnorm(module.__class__):  # cached per class: asked first
+            return None
+        if getattr(module, "track_running_stats", True) is False:
+            return None
+        if not self.is_training(module):
+            return []
+        return f"no tensor attribute named {' or '.join(self.running_stat_names)}"
+
+
 def tensor_path(backend: Backend, module: Any, tensor: Any) -> str | None:
     """The path below ``module`` (``"0.weight"``) of the parameter or buffer that is
     ``tensor`` or shares its memory (an alias such as a transpose), or None. For error
@@ -324,10 +340,10 @@ def tensor_path(backend: Backend, module: Any, tensor: Any) -> str | None:
         if id(current) in seen:
             continue
         seen.add(id(current))
-        for name, held, _ in backend.module_state(current):
+        for name, held, _ in backend.modules.module_state(current):
             if held is tensor or (key is not None and backend.storage_key(held) == key):
                 return prefix + name
-        for name, child in reversed(backend.named_children(current)):
+        for name, child in reversed(backend.modules.named_children(current)):
             stack.append((f"{prefix}{name}.", child))
     return None
 

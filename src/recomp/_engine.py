@@ -339,7 +339,7 @@ def begin(
             align_rng=align_rng and SWITCHES.rng_alignment,
             rewind=SWITCHES.replay_rewind,
         )
-        invocation.root = weak_or_nothing(backend.module_of(function))
+        invocation.root = weak_or_nothing(backend.modules.module_of(function))
         for leaf in _iter_tensors(backend, (args, kwargs)):
             key = backend.storage_key(leaf)
             if key is not None:

@@ -31,7 +31,7 @@ frozen weights (PEFT) for the whole step. So a checkpoint call copies what forwa
 of the same module in the same mode (training or eval) have been seen to update, and
 on the first call of a module in a mode:
 
-* where version counters show every in-place write (``Backend.state_versions_track_
+* where version counters show every in-place write (``Modules.state_versions_track_
   writes``, PyTorch): its buffers; a frozen parameter is watched by its version only.
   A watched tensor the forward updated without a copy (a frozen parameter, or a
   buffer first updated by a later call) warns once per module
@@ -42,7 +42,7 @@ on the first call of a module in a mode:
   the forward updates. A first update after that call is not seen (documented).
 
 Running statistics that kernels update without a trace in the version counter
-(PyTorch's and MindSpore's BatchNorm: ``Backend.running_statistics`` names them) are
+(PyTorch's and MindSpore's BatchNorm: ``Modules.running_statistics`` names them) are
 copied at every call in training mode and count as updated.
 
 Copies of what the forward did not update are dropped when the forward ends, so the
@@ -51,7 +51,7 @@ that stay are the size of what the forward updates (statistics, not activations)
 live until the checkpoint's graph is freed.
 
 How a replay is made to see the forward's state is the framework's answer
-(``Backend.state_for_replay``): PyTorch swaps tensors into the module's parameter and
+(``Modules.state_for_replay``): PyTorch swaps tensors into the module's parameter and
 buffer slots, as ``functional_call`` does (a tensor the replay saves for backward is
 then never written again by recomp); the default copies values in and back out.
 
@@ -84,7 +84,7 @@ and no copy. It cannot see a write that leaves the version counter alone
 function reaches without a module (only modules' slots are noted), or a parameter object
 that a framework put in place of the forward's (FSDP's sharded and unsharded
 parameters, left to it as above). Where version counters do not track writes
-(``Backend.state_versions_track_writes``, MindSpore) there is nothing to compare; there
+(``Modules.state_versions_track_writes``, MindSpore) there is nothing to compare; there
 a forward and its backward run in one call (``mindspore.grad``), with no user code
 between them.
 """
@@ -114,7 +114,7 @@ def _replayed_modules(backend: Backend, root: Any, path: str) -> list[tuple[str,
             continue
         seen.add(id(module))
         found.append((where, module))
-        children = backend.named_children(module)
+        children = backend.modules.named_children(module)
         for name, child in reversed(children):
             stack.append((f"{where}.{name}" if where else name, child))
     return found
@@ -190,14 +190,14 @@ class ModuleState(CallPart):
     def of(cls, backend: Backend, function: Any) -> ModuleState | None:
         """The part for a checkpoint call of ``function``, if it is a module (or a bound
         method of one) that holds any tensor; None otherwise."""
-        root = backend.module_of(function)
+        root = backend.modules.module_of(function)
         if root is None:
             return None
         slots = []
         for path, module in _replayed_modules(backend, root, ""):
-            statistics = backend.running_statistics(module)
+            statistics = backend.modules.running_statistics(module)
             updating = {id(t) for t in statistics} if isinstance(statistics, list) else ()
-            for name, tensor, kind in backend.module_state(module):
+            for name, tensor, kind in backend.modules.module_state(module):
                 if id(tensor) in updating:
                     kind = "statistics"
                 slots.append(_Slot(f"{path}.{name}" if path else name, module, name, tensor, kind))
@@ -207,7 +207,7 @@ class ModuleState(CallPart):
         """What forwards of the root in its current mode have been seen to update (None
         before the first)."""
         modes = _UPDATED.get(self.root)
-        return None if modes is None else modes.get(self.backend.is_training(self.root))
+        return None if modes is None else modes.get(self.backend.modules.is_training(self.root))
 
     def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         backend = self.backend
@@ -226,7 +226,7 @@ class ModuleState(CallPart):
                 slot.changed = True
         watched = [slot for slot in watched if slot.kind != "statistics"]
         updated = self._updated()
-        if not backend.state_versions_track_writes:
+        if not backend.modules.state_versions_track_writes:
             self._learning = updated is None
             for slot in watched:
                 if updated is None or slot.path in updated:
@@ -245,7 +245,7 @@ class ModuleState(CallPart):
     def forward_ended(self, ok: bool) -> None:
         if not ok:
             return
-        if self.backend.state_versions_track_writes:
+        if self.backend.modules.state_versions_track_writes:
             self._find_writes()
         elif self._learning:
             self._learn_writes()
@@ -255,12 +255,12 @@ class ModuleState(CallPart):
         if backend.versions_need_sync:
             backend.sync()
         modes = _UPDATED.setdefault(self.root, {})
-        updated = modes.setdefault(backend.is_training(self.root), set())
+        updated = modes.setdefault(backend.modules.is_training(self.root), set())
         uncopied: list[str] = []
         for slot in self.slots:
             if slot.kind == "statistics":
                 continue  # copied and counted as updated at the start
-            live = backend.module_tensor(slot.module, slot.name)
+            live = backend.modules.module_tensor(slot.module, slot.name)
             rebound = live is not slot.tensor and _rebound(backend, live, slot)
             written = slot.watched and backend.version(slot.tensor) != slot.version
             if written:
@@ -297,12 +297,12 @@ class ModuleState(CallPart):
         for slot in self.slots:
             if not slot.watched or slot.kind == "statistics":
                 continue
-            if backend.same_values(slot.tensor, slot.before):
+            if backend.modules.same_values(slot.tensor, slot.before):
                 slot.before = None
                 slot.changed = False
             else:
                 updated.add(slot.path)
-        _UPDATED.setdefault(self.root, {})[backend.is_training(self.root)] = updated
+        _UPDATED.setdefault(self.root, {})[backend.modules.is_training(self.root)] = updated
 
     # -- the replay context: re-entrant (one entry per replay) ------------------------
 
@@ -311,7 +311,7 @@ class ModuleState(CallPart):
         changes: list[StateChange] = []
         stale: list[_Slot] = []
         for slot in self.slots:
-            live = backend.module_tensor(slot.module, slot.name)
+            live = backend.modules.module_tensor(slot.module, slot.name)
             if slot.before is not None:
                 changes.append(StateChange(slot.module, slot.name, live, slot.before, True))
                 continue
@@ -330,7 +330,7 @@ class ModuleState(CallPart):
                 f"the checkpointed {type(self.root).__name__}",
                 "its replay",
             )
-        context = backend.state_for_replay(changes) if changes else None
+        context = backend.modules.state_for_replay(changes) if changes else None
         if context is not None:
             context.__enter__()
         self._replays.append(context)
@@ -350,7 +350,7 @@ def warn_unhandled(backend: Backend, root: Any, api: str) -> None:
     running statistics are no tensor recomp can see (they would be updated twice)."""
     unhandled = []
     for path, module in _replayed_modules(backend, root, ""):
-        reason = backend.running_statistics(module)
+        reason = backend.modules.running_statistics(module)
         if isinstance(reason, str) and module not in _reported:
             _reported.add(module)
             unhandled.append(f"{path or type(root).__name__} ({type(module).__name__}: {reason})")

@@ -260,7 +260,7 @@ def _nested(inner: ExcludedRegion, outer: ExcludedRegion, inv: Invocation) -> Ne
     inner_path = outer_path = None
     where = ""
     if root is not None:
-        named = walk_named(backend.named_children, root)
+        named = walk_named(backend.modules.named_children, root)
         for _, module in named:  # regions of a copied model know no module: found here
             region = vars(module).get(REGION_ATTRIBUTE)
             if region is inner and inner_module is None:
@@ -274,7 +274,7 @@ def _nested(inner: ExcludedRegion, outer: ExcludedRegion, inv: Invocation) -> Ne
         else:
             inner_path = outer_path = None
     if not where and outer_module is not None and inner_module is not None:
-        below = walk_named(backend.named_children, outer_module)
+        below = walk_named(backend.modules.named_children, outer_module)
         relative = next((p for p, m in below if m is inner_module), None)
         if relative:
             where = f", as its sub-module {relative!r}"
@@ -929,7 +929,7 @@ class _SaveHook:
         """A weak reference to the module the region runs (None for a plain function),
         made once per call: for naming a saved parameter in an error."""
         if self._module_ref is None:
-            module = self.region.backend.module_of(self.fn)
+            module = self.region.backend.modules.module_of(self.fn)
             self._module_ref = _NO_MODULE if module is None else weakref.ref(module)
         return self._module_ref
 
@@ -939,7 +939,7 @@ class _SaveHook:
         in saved_bytes, which is about activations. Computed on first need."""
         if self._parameter_keys is None:
             backend = self.region.backend
-            params = backend.parameters_of(self.fn)
+            params = backend.modules.parameters_of(self.fn)
             self._parameter_keys = {backend.storage_key(p) for p in params}
         return self._parameter_keys
 

@@ -209,12 +209,12 @@ class SavedTensorsRecorder(RegionObserver):
         # each is labelled when it starts, before any lookup by its id.
         self.keep_alive: list[Any] = []
         if model is not None:
-            for path, module in walk_named(backend.named_children, model):
+            for path, module in walk_named(backend.modules.named_children, model):
                 self.paths.setdefault(id(module), path)
                 region = getattr(module, REGION, None)
                 if isinstance(region, ExcludedRegion):
                     self.region_paths.setdefault(id(region), path)
-            for t in backend.parameters_of(model):
+            for t in backend.modules.parameters_of(model):
                 self._exclude(t)
         leaves, _ = backend.flatten(inputs)
         for leaf in leaves:
@@ -246,7 +246,7 @@ class SavedTensorsRecorder(RegionObserver):
     def checkpoint_started(self, invocation: Any, function: Any) -> None:
         if not self._recording():
             return
-        module = self.backend.module_of(function)
+        module = self.backend.modules.module_of(function)
         layer = self._name_of(function if module is None else module)
         self.layers[id(invocation)] = layer
         for key in invocation.checkpoint_inputs:
@@ -337,7 +337,7 @@ class SavedTensorsRecorder(RegionObserver):
             return path or "(model)"
         base = (
             type(owner).__name__
-            if self.backend.module_of(owner) is owner
+            if self.backend.modules.module_of(owner) is owner
             else getattr(owner, "__qualname__", "checkpoint")
         )
         n = self.unnamed.get(base, 0)
@@ -364,7 +364,7 @@ class SavedTensorsRecorder(RegionObserver):
         frame = inspect.currentframe()
         try:
             op = _operation(self.backend, frame)
-            module = self.backend.running_module(frame)
+            module = self.backend.modules.running_module(frame)
         finally:
             del frame  # a frame kept in a local would make a reference cycle
         if module is None:
@@ -382,7 +382,7 @@ def _operation(backend: Backend, frame: Any) -> str | None:
         if code.co_name in ("forward", "construct"):
             return None
         if code.co_name == "__call__" and code.co_argcount:
-            name = backend.operation_name(frame.f_locals.get(code.co_varnames[0]))
+            name = backend.modules.operation_name(frame.f_locals.get(code.co_varnames[0]))
             if name is not None:
                 return name
         frame = frame.f_back

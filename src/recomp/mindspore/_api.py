@@ -98,7 +98,7 @@ def checkpoint(
     check_callable(function, "checkpoint", "Cell")
     _refuse_value_check(kwargs, "checkpoint")
     check_pynative("checkpoint")
-    cell = BACKEND.module_of(function) if exclude_collectives else None
+    cell = BACKEND.modules.module_of(function) if exclude_collectives else None
     if exclude_collectives:
         exclude_communicating_cells(cell, "checkpoint", once=True)
     make_dropout_replayable(function, _MODEL_OPS, "checkpoint", once=True)

@@ -11,7 +11,7 @@ from typing import Any
 import mindspore
 from mindspore import ops
 
-from .._backend import Backend
+from .._backend import Backend, Modules
 from ..errors import RecompError
 from . import _compat
 
@@ -53,33 +53,8 @@ def _boundary_function() -> Any:
     return Boundary
 
 
-class MindSporeBackend(Backend):
-    name = "mindspore"
-    foreign_checkpoint = "mindspore.recompute"
-    versions_need_sync = True
-
-    def is_tensor(self, x: Any) -> bool:
-        return isinstance(x, mindspore.Tensor)
-
-    def is_parameter(self, x: Any) -> bool:
-        return isinstance(x, mindspore.Parameter)
-
-    def requires_grad(self, t: Any) -> bool:
-        if isinstance(t, mindspore.Parameter):
-            return bool(t.requires_grad)
-        return _compat.requires_grad(t)
-
-    def grad_enabled(self) -> bool:
-        return _compat.grad_enabled()
-
-    def in_backward(self) -> bool:
-        return _compat.in_backward()
-
-    def storage_key(self, t: Any) -> Hashable | None:
-        try:
-            return t.untyped_storage().data_ptr()
-        except (RuntimeError, TypeError, AttributeError):
-            return None
+class MindSporeModules(Modules):
+    """``nn.Cell``s: their parameters (a Cell's buffers too), children and mode."""
 
     # nn.BatchNorm*: moving_mean/moving_variance; mint.nn.BatchNorm*: running_*.
     running_stat_names = (
@@ -117,6 +92,36 @@ class MindSporeBackend(Backend):
     def parameters_of(self, fn: Any) -> list[Any]:
         owner = getattr(fn, "__self__", fn)  # a Cell, or a Cell's bound construct
         return list(owner.get_parameters()) if isinstance(owner, mindspore.nn.Cell) else []
+
+
+class MindSporeBackend(Backend):
+    name = "mindspore"
+    modules_class = MindSporeModules
+    foreign_checkpoint = "mindspore.recompute"
+    versions_need_sync = True
+
+    def is_tensor(self, x: Any) -> bool:
+        return isinstance(x, mindspore.Tensor)
+
+    def is_parameter(self, x: Any) -> bool:
+        return isinstance(x, mindspore.Parameter)
+
+    def requires_grad(self, t: Any) -> bool:
+        if isinstance(t, mindspore.Parameter):
+            return bool(t.requires_grad)
+        return _compat.requires_grad(t)
+
+    def grad_enabled(self) -> bool:
+        return _compat.grad_enabled()
+
+    def in_backward(self) -> bool:
+        return _compat.in_backward()
+
+    def storage_key(self, t: Any) -> Hashable | None:
+        try:
+            return t.untyped_storage().data_ptr()
+        except (RuntimeError, TypeError, AttributeError):
+            return None
 
     def storage_nbytes(self, t: Any) -> int:
         try:

@@ -295,7 +295,7 @@ class _WatchFirstForward:
         if active_region() is not None:
             return  # inside an excluded region: runs once
         _warned.first(target)
-        running = BACKEND.running_module(inspect.currentframe())
+        running = BACKEND.modules.running_module(inspect.currentframe())
         if not isinstance(target, nn.Cell):
             name = f"function {getattr(target, '__qualname__', type(target).__name__)}"
             where = "in the checkpointed function" + (

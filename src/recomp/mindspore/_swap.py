@@ -348,7 +348,7 @@ def layer_scope(
     """A swap scope around one call of ``function``; yields ``finish(outputs)``. With
     ``hooks``, what autograd saves inside goes through ``policy_fn`` (else only what
     an inner :func:`async_save_on_cpu` or a per-op ``MUST_SWAP`` chooses)."""
-    scope = SwapScope(layer=BACKEND.module_of(function), function=function)
+    scope = SwapScope(layer=BACKEND.modules.module_of(function), function=function)
     return _SCOPES.layer_call(scope, AsyncSaveOnCpu(policy_fn) if hooks else None)
 
 

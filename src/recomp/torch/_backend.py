@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .. import _pytree
-from .._backend import Backend, StateChange, addressing_strides
+from .._backend import Backend, Modules, StateChange, addressing_strides
 from ..errors import OutputNotSavedError
 from . import _compat
 
@@ -73,37 +73,12 @@ def _flat(args: tuple[Any, ...], kwargs: Any) -> Iterator[Any]:
 _PYTREE_REGISTRY = _pytree.Registry(_compat.pytree_node, _compat.pytree_generation)
 
 
-class TorchBackend(Backend):
-    name = "torch"
-    foreign_checkpoint = "torch.utils.checkpoint"
-
-    def is_tensor(self, x: Any) -> bool:
-        return isinstance(x, torch.Tensor)
-
-    def is_parameter(self, x: Any) -> bool:
-        return isinstance(x, torch.nn.Parameter)
-
-    def grad_enabled(self) -> bool:
-        return torch.is_grad_enabled()
-
-    def in_backward(self) -> bool:
-        return _compat.in_backward()
-
-    # Read per tensor input and per saved tensor of every region call: no wrapper.
-    storage_key = staticmethod(_compat.storage_key)
+class TorchModules(Modules):
+    """``nn.Module``s: their own tensors, children and mode, read through ``_compat``."""
 
     def parameters_of(self, fn: Any) -> list[Any]:
         owner = getattr(fn, "__self__", fn)  # a module, or a module's bound forward
         return _compat.module_parameters(owner) if isinstance(owner, torch.nn.Module) else []
-
-    def storage_nbytes(self, t: torch.Tensor) -> int:
-        try:
-            return int(t.untyped_storage().nbytes())
-        except (RuntimeError, NotImplementedError):
-            return int(t.numel() * t.element_size())
-
-    # Read per parameter and buffer at every checkpoint call and replay: no wrapper.
-    version = staticmethod(_compat.version)
 
     running_stat_names = ("running_mean", "running_var", "num_batches_tracked")
     state_versions_track_writes = True
@@ -114,7 +89,6 @@ class TorchBackend(Backend):
 
     def same_values(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.equal(a, b)
-
 
     def state_for_replay(
         self, changes: list[StateChange]
@@ -135,6 +109,38 @@ class TorchBackend(Backend):
 
     def is_training(self, module: Any) -> bool:
         return bool(module.training)
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    modules_class = TorchModules
+    foreign_checkpoint = "torch.utils.checkpoint"
+
+    def is_tensor(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def is_parameter(self, x: Any) -> bool:
+        return isinstance(x, torch.nn.Parameter)
+
+    def grad_enabled(self) -> bool:
+        return torch.is_grad_enabled()
+
+    def in_backward(self) -> bool:
+        return _compat.in_backward()
+
+    # Read per tensor input and per saved tensor of every region call: no wrapper.
+    storage_key = staticmethod(_compat.storage_key)
+
+    def storage_nbytes(self, t: torch.Tensor) -> int:
+        try:
+            return int(t.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):
+            return int(t.numel() * t.element_size())
+
+    # Read per parameter and buffer at every checkpoint call and replay: no wrapper.
+    version = staticmethod(_compat.version)
+
+
 
     def saved_tensors_hooks(
         self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]

@@ -104,7 +104,7 @@ class CheckpointSwap:
         scope = SwapScope(
             group_swap=self.group_swap,
             cpu_pool=self.cpu_pool,
-            layer=BACKEND.module_of(function),
+            layer=BACKEND.modules.module_of(function),
             function=function,
         )
         hooks = saved_inputs

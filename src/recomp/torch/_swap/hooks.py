@@ -125,7 +125,7 @@ def _swapped_call(
     scope = SwapScope(
         group_swap=group_swap,
         cpu_pool=cpu_pool,
-        layer=BACKEND.module_of(function),
+        layer=BACKEND.modules.module_of(function),
         function=function,
     )
     return _SCOPES.layer_call(scope, async_save_on_cpu(policy_fn, group_swap, cpu_pool))
