@@ -222,3 +222,17 @@ def test_405b_first_rank_is_not_billed_for_the_head(llama_405b, option):
     assert last.saved >= prof.after_layers_bytes
     # 16 micro-batches of 7 layers on the first rank, 15 of 8 on the second.
     assert first.saved < second.saved
+
+
+def test_a_model_that_fits_unchecked_is_not_checkpointed(llama_h200):
+    # The 8-layer Llama keeps 6.48 GiB unchecked. Its selective options cost no replay
+    # time or FLOPs here (no hardware figures), so they tie with no checkpointing and
+    # would win on bytes; a plan that fits without checkpointing must stay unchecked.
+    from recomp.plan import make_plan
+
+    prof, _ = llama_h200
+    plan = make_plan(prof, "100GB")
+    assert {layer.option for layer in plan.layers} == {"none"}
+    assert not plan.near_ties
+    tight = make_plan(prof, "5GiB")
+    assert {layer.option for layer in tight.layers} != {"none"}
