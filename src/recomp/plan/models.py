@@ -371,7 +371,8 @@ class GroupedExperts(nn.Module):
     sorted by expert and each projection is one ``grouped_mm`` over them, so the work
     and the saved bytes depend on the number of pairs only. Under expert parallelism the
     router's global expert ids are folded onto the local experts (``id % local``): the
-    pairs a balanced all-to-all delivers to this rank."""
+    pairs a balanced all-to-all delivers to this rank. It keeps what transformers'
+    ``grouped_mm`` experts keep (tested against a stock Mixtral)."""
 
     def __init__(self, local: int, hidden: int, intermediate: int, act: Callable[..., Any]):
         super().__init__()
@@ -395,9 +396,14 @@ class GroupedExperts(nn.Module):
         gate_up = _compat.grouped_mm(pairs, self.gate_up_proj.transpose(-2, -1), offsets)
         gate, up = gate_up.chunk(2, -1)
         out = _compat.grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offsets)
-        out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-        unsorted = torch.empty_like(out).index_copy_(0, order, out)
-        return unsorted.view(tokens, k, -1).sum(1).to(hidden_states.dtype)
+        # In the router's dtype, as transformers does (Mixtral's: fp32, which the product keeps).
+        out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        # Back to token order by a gather, as transformers' grouped_mm experts do: its
+        # backward keeps the index only (an ``index_copy_`` would keep its pairs x hidden
+        # source as well).
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return out[inverse].view(tokens, k, -1).sum(1).to(hidden_states.dtype)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from .planfile import (
     is_selective,
     parse_option,
 )
-from .solver import LayerOptions, Option, evaluate, minimum_bytes, solve_with_ties
+from .solver import Choice, LayerOptions, Option, evaluate, minimum_bytes, solve_with_ties
 
 MiB = float(1 << 20)
 
@@ -212,6 +212,26 @@ def resolve_budget(profile: Profile, budget: str | int | float | Budget) -> tupl
 TIE_TOLERANCE = 0.01
 
 
+def _without_checkpointing(
+    layer_options: list[LayerOptions], budget_bytes: int, shared_bytes: int
+) -> Choice | None:
+    """The plan that checkpoints no layer, when it fits: it replays nothing, so no
+    option can beat it, and a tie within the tolerance (an option whose replay the
+    profile prices at nothing, such as a selective one without hardware figures) must
+    not turn a model that fits into a checkpointed one. None when it does not fit or
+    some layer cannot run unchecked."""
+    choice = []
+    for layer in layer_options:
+        names = [option.name for option in layer.options]
+        if NO_CHECKPOINT not in names:
+            return None
+        choice.append(names.index(NO_CHECKPOINT))
+    solution = evaluate(layer_options, choice, shared_bytes)
+    if solution.kept_bytes > budget_bytes:
+        return None
+    return Choice(solution, solution.replay_s, ())
+
+
 def make_plan(
     profile: Profile, budget: str | int | float | Budget, *, tie_tolerance: float = TIE_TOLERANCE
 ) -> Plan:
@@ -239,7 +259,9 @@ def make_plan(
     parsed, budget_bytes = resolve_budget(profile, budget)
     layer_options = profile.layer_options()
     tolerance_s = tie_tolerance * profile.baseline_step_s
-    chosen = solve_with_ties(layer_options, budget_bytes, profile.shared_bytes, tolerance_s)
+    chosen = _without_checkpointing(layer_options, budget_bytes, profile.shared_bytes)
+    if chosen is None:
+        chosen = solve_with_ties(layer_options, budget_bytes, profile.shared_bytes, tolerance_s)
     solution = chosen.solution
     least = minimum_bytes(layer_options, profile.shared_bytes)
     layers: list[LayerPlan] = []

@@ -133,6 +133,7 @@ def simulate(
             _check_model(model)
             # transformers is imported by now where the model is one of its.
             stack.enter_context(_compat.hf_causal_mask_as_on_device())
+            stack.enter_context(_compat.hf_grouped_mm_as_on_device())
             x = inputs(mesh)
             return _simulate(
                 model,

@@ -127,6 +127,7 @@ from .fake import (
 from .hf import (
     hf_causal_mask_as_on_device,
     hf_checkpoint_function,
+    hf_grouped_mm_as_on_device,
     hf_layer_keeps_cache,
     hf_no_split_modules,
     is_hf_checkpoint_call,
@@ -183,6 +184,7 @@ __all__ = [
     "guard_checkpoint_wrapper",
     "hf_causal_mask_as_on_device",
     "hf_checkpoint_function",
+    "hf_grouped_mm_as_on_device",
     "hf_layer_keeps_cache",
     "hf_no_split_modules",
     "hide_selective_checkpoint_modes",

@@ -198,3 +198,54 @@ def hf_causal_mask_as_on_device() -> Any:
                 module.find_packed_sequence_indices = packed  # type: ignore[union-attr]
 
     return patched()
+
+
+def hf_grouped_mm_as_on_device() -> Any:
+    """A context in which transformers' experts decide whether to run ``grouped_mm`` on
+    fake CUDA tensors as they decide on a GPU (``recomp.plan.simulate`` without a driver).
+
+    Why: transformers' default experts path (``grouped_mm_experts_forward``) asks
+    ``integrations.moe._can_use_grouped_mm``, which on a CUDA weight calls
+    ``torch.cuda.get_device_capability``: without a driver that raises "Found no NVIDIA
+    driver", so a stock Mixtral (or any model using those experts) cannot be simulated.
+    How: for the time of the block ``_can_use_grouped_mm`` answers, for a fake CUDA weight
+    where this process has no CUDA device, as on a GPU of compute capability 8.0 or
+    later, the simulation's target (its attention runs the flash kernel, which needs the
+    same): ``grouped_mm`` is used where PyTorch has it, except under ``torch.compile``
+    for a dtype other than bfloat16 (transformers' own rule). Any other tensor: the
+    original decides. Restored on leaving; does nothing where transformers' MoE
+    integration is not imported.
+    If it changes: the original decides (the driver error, as before this shim).
+    Retired by: transformers deciding without the driver for fake tensors.
+    Checked on transformers 5.24.0.
+    """
+    import contextlib
+    import sys
+
+    import torch
+
+    module = sys.modules.get("transformers.integrations.moe")
+    original = getattr(module, "_can_use_grouped_mm", None)
+    if original is None or torch.cuda.is_available():
+        return contextlib.nullcontext()
+
+    @functools.wraps(original)
+    def decide(input: Any, weight: Any, offs: Any) -> bool:
+        from .fake import is_fake
+
+        if not (is_fake(weight) and weight.device.type == "cuda"):
+            return bool(original(input, weight, offs))
+        compiling = getattr(module, "is_torchdynamo_compiling", lambda: False)
+        if compiling() and weight.dtype != torch.bfloat16:
+            return False
+        return hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
+
+    @contextlib.contextmanager
+    def patched() -> Any:
+        module._can_use_grouped_mm = decide  # type: ignore[union-attr]
+        try:
+            yield
+        finally:
+            module._can_use_grouped_mm = original  # type: ignore[union-attr]
+
+    return patched()
