@@ -94,9 +94,12 @@ class CommandParser(argparse.ArgumentParser):
         theirs: dict[str, str] = {}
         for prog, names in others:
             for option in names:
-                if option not in self.option_names and option not in theirs:
-                    if _likeness(name, option) > max(best, 0.6):
-                        theirs[option] = prog
+                if (
+                    option not in self.option_names
+                    and option not in theirs
+                    and _likeness(name, option) > max(best, 0.6)
+                ):
+                    theirs[option] = prog
         closest = sorted(theirs, key=lambda o: -_likeness(name, o))[:1]
         hints = [f"{o} (an option of {theirs[o]})" for o in closest] + own
         hints = hints[:3]

@@ -31,7 +31,6 @@ from .messages import MeasureResult, PlanResult, Task, TimingResult
 from .predictions import attach_predictions, paired_ratio
 from .results import Result, write_json
 
-
 PROG = "recomp plan"
 
 
