@@ -35,6 +35,7 @@ def pytest_configure(config):  # type: ignore[no-untyped-def]
 SIMULATION_TESTS = {
     "test_simulate.py",
     "test_simulated_models.py",
+    "test_step_peak.py",
     "test_swap_options.py",
     "test_plan_simulate.py",
     "test_simulate_parallel.py",

@@ -3,7 +3,8 @@
 This package imports no framework. The framework APIs are ``recomp.torch``
 and ``recomp.mindspore``; what is here is shared by both: the recompute state
 that code inside a checkpoint can read, the registry of RNG trackers whose states
-checkpoints save and restore, and the errors recomp raises.
+checkpoints save and restore, and the errors recomp raises (every class of
+``recomp.errors``, the same objects).
 """
 
 from ._rng_trackers import (
@@ -14,6 +15,7 @@ from ._rng_trackers import (
 )
 from ._state import RecomputeState, get_recompute_state, is_recomputing
 from .errors import (
+    BudgetTooSmallError,
     CachedValueMutatedError,
     CollectiveReplayedWarning,
     DoubleCheckpointError,
@@ -21,11 +23,15 @@ from .errors import (
     IneffectiveSelectionWarning,
     NestedExclusionError,
     OutputNotSavedError,
+    ParameterChangedError,
+    PlanFormatError,
     RecompError,
     RecompInternalError,
     ReplayMismatchError,
     ReplayStateWarning,
     RunningStatisticsWarning,
+    SwapNotSupportedError,
+    SwapPolicyError,
     UnreplayableDropoutWarning,
     WrapperNotReachedWarning,
 )
@@ -33,6 +39,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BudgetTooSmallError",
     "CachedValueMutatedError",
     "CollectiveReplayedWarning",
     "DoubleCheckpointError",
@@ -40,6 +47,8 @@ __all__ = [
     "IneffectiveSelectionWarning",
     "NestedExclusionError",
     "OutputNotSavedError",
+    "ParameterChangedError",
+    "PlanFormatError",
     "RecompError",
     "RecompInternalError",
     "RecomputeState",
@@ -48,6 +57,8 @@ __all__ = [
     "RngTracker",
     "RngTrackerRegistration",
     "RunningStatisticsWarning",
+    "SwapNotSupportedError",
+    "SwapPolicyError",
     "UnreplayableDropoutWarning",
     "WrapperNotReachedWarning",
     "__version__",

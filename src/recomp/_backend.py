@@ -165,6 +165,10 @@ class Backend:
         """``module``'s direct sub-modules, with their attribute names."""
         return []
 
+    def module_attributes(self, module: Any, names: tuple[str, ...]) -> list[Any]:
+        """``getattr(module, name, None)`` for each of ``names``."""
+        return [getattr(module, name, None) for name in names]
+
     def is_training(self, module: Any) -> bool:
         raise NotImplementedError
 
@@ -200,12 +204,13 @@ class Backend:
         forward updates now (empty in eval mode or without tracked statistics); a reason,
         for a module that looks like a BatchNorm but keeps none under
         ``running_stat_names``; None for any other module."""
-        found = [getattr(module, name, None) for name in self.running_stat_names]
-        tensors = [t for t in found if self.is_tensor(t)]
+        found = self.module_attributes(module, self.running_stat_names)
+        tensors = [t for t in found if t is not None and self.is_tensor(t)]
         if tensors:
             return tensors if self.is_training(module) else []
-        tracked = getattr(module, "track_running_stats", True) is not False
-        if not tracked or not _looks_like_batchnorm(module.__class__):
+        if not _looks_like_batchnorm(module.__class__):  # cached per class: asked first
+            return None
+        if getattr(module, "track_running_stats", True) is False:
             return None
         if not self.is_training(module):
             return []
@@ -305,6 +310,26 @@ class Backend:
 
     def set_rng_state(self, state: Any) -> None:
         raise NotImplementedError
+
+
+def tensor_path(backend: Backend, module: Any, tensor: Any) -> str | None:
+    """The path below ``module`` (``"0.weight"``) of the parameter or buffer that is
+    ``tensor`` or shares its memory (an alias such as a transpose), or None. For error
+    messages: it walks the module tree."""
+    key = backend.storage_key(tensor)
+    stack: list[tuple[str, Any]] = [("", module)]
+    seen: set[int] = set()
+    while stack:
+        prefix, current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for name, held, _ in backend.module_state(current):
+            if held is tensor or (key is not None and backend.storage_key(held) == key):
+                return prefix + name
+        for name, child in reversed(backend.named_children(current)):
+            stack.append((f"{prefix}{name}.", child))
+    return None
 
 
 @functools.cache

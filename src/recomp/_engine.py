@@ -31,8 +31,9 @@ Where things live, bottom up (each module imports only those above it in this li
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import operator
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
@@ -82,21 +83,51 @@ class ComposedContext:
     ``call`` is the checkpoint call the contexts belong to (memory reports find the
     invocation through it)."""
 
-    __slots__ = ("_stacks", "call", "contexts")
+    __slots__ = ("_entered", "call", "contexts")
 
     def __init__(self, call: CheckpointCall | None, *contexts: Any) -> None:
         self.call = call
         self.contexts = contexts
-        self._stacks: list[contextlib.ExitStack] = []
+        # Per entry (innermost last), how many of ``contexts`` are entered. Entered once
+        # per forward and replay of every checkpoint call: a count, not an ExitStack.
+        self._entered: list[int] = []
 
     def __enter__(self) -> None:
-        with contextlib.ExitStack() as stack:
+        entered = 0
+        self._entered.append(0)
+        try:
             for context in self.contexts:
-                stack.enter_context(context)
-            self._stacks.append(stack.pop_all())
+                context.__enter__()
+                entered += 1
+                self._entered[-1] = entered
+        except BaseException:
+            # Leave the contexts entered so far, innermost first, with the error.
+            self._exit(*sys.exc_info())
+            raise
 
     def __exit__(self, *exc_info: Any) -> bool:
-        return bool(self._stacks.pop().__exit__(*exc_info))
+        return self._exit(*exc_info)
+
+    def _exit(self, *exc_info: Any) -> bool:
+        """Exit this entry's contexts, innermost first, as nested ``with`` blocks would:
+        one that suppresses the error hides it from those outside; an error one raises
+        is what those outside see. True if the error given was suppressed."""
+        entered = self._entered.pop()
+        received = exc_info[0] is not None
+        pending: BaseException | None = None
+        for context in reversed(self.contexts[:entered]):
+            try:
+                if context.__exit__(*exc_info):
+                    exc_info = (None, None, None)
+                    pending = None
+            except BaseException as exc:
+                if exc is not exc_info[1] and exc.__context__ is None and exc_info[1] is not None:
+                    exc.__context__ = exc_info[1]
+                exc_info = (type(exc), exc, exc.__traceback__)
+                pending = exc
+        if pending is not None:
+            raise pending
+        return received and exc_info[0] is None
 
 
 # NOTE [ The parts of a checkpoint call ]
@@ -154,7 +185,7 @@ class CheckpointCall:
     invocation, then to the parts.
     """
 
-    __slots__ = ("invocation", "nested", "parts", "rerun")
+    __slots__ = ("ending", "invocation", "nested", "parts", "replaying", "rerun")
 
     def __init__(
         self, invocation: Invocation, parts: list[CallPart], *, rerun: bool, nested: bool
@@ -165,6 +196,16 @@ class CheckpointCall:
         parts.append(_RECOMPUTE_STATE)
         parts.sort(key=_STAGE)  # stable: parts of one stage keep their order
         self.parts = parts
+        # The parts that hear each phase event: those whose class overrides the method
+        # (decided once per class); the others' would do nothing.
+        self.replaying: list[CallPart] = []
+        self.ending: list[CallPart] = []
+        for part in parts:
+            hears_replay, hears_end = _listens(type(part))  # type: ignore[arg-type]  # classes hash by identity
+            if hears_replay:
+                self.replaying.append(part)
+            if hears_end:
+                self.ending.append(part)
 
     def context_fn(self) -> tuple[Any, Any]:
         forward: list[Any] = []
@@ -184,7 +225,7 @@ class CheckpointCall:
 
     def on_replay_start(self) -> None:
         self.invocation.on_replay_start()
-        for part in self.parts:
+        for part in self.replaying:
             part.replay_started()
 
     def on_forward_end(self, ok: bool) -> None:
@@ -194,11 +235,21 @@ class CheckpointCall:
             ok = False
             raise
         finally:
-            for part in self.parts:
+            for part in self.ending:
                 part.forward_ended(ok)
 
 
 _STAGE = operator.attrgetter("stage")
+
+
+@functools.cache
+def _listens(kind: type[CallPart]) -> tuple[bool, bool]:
+    """Whether parts of class ``kind`` hear ``replay_started`` and ``forward_ended``
+    (override ``CallPart``'s, which do nothing)."""
+    return (
+        getattr(kind, "replay_started", None) is not CallPart.replay_started,
+        getattr(kind, "forward_ended", None) is not CallPart.forward_ended,
+    )
 
 
 class _RecomputeStatePart(CallPart):

@@ -54,34 +54,70 @@ How a replay is made to see the forward's state is the framework's answer
 (``Backend.state_for_replay``): PyTorch swaps tensors into the module's parameter and
 buffer slots, as ``functional_call`` does (a tensor the replay saves for backward is
 then never written again by recomp); the default copies values in and back out.
+
+NOTE [ State changed before backward ]
+A parameter or buffer changed in place after a forward that read it and before that
+forward's backward (an optimizer step or weight clipping between
+``d_loss.backward(retain_graph=True)`` and ``g_loss.backward()`` in a GAN step) makes
+a replay recompute with the new values: the gradients are wrong without a sign.
+Autograd refuses such a step without checkpointing, since the tensors it saved changed
+version; a replay saves them afresh, so nothing would. recomp refuses it too
+(:class:`~recomp.errors.ParameterChangedError`, naming the tensor), wherever the stale
+value would be read:
+
+* a replay (``ModuleState.__enter__``): each slot whose replay reads the tensor itself
+  (no copy of it is kept) notes its version when the forward ends (``_Slot.settled``);
+  a replay that finds another version refuses before it runs. Slots with a copy (the
+  forward's own updates: running statistics, buffers the forward writes) are read from
+  the copy and need no check, so a later forward of the same module updating them
+  before this backward (all micro-batches' forwards first) stays legitimate;
+* an excluded region's backward (``recomp._region._KeptParameter``): the region saved
+  the parameter itself, whose version its snapshot notes; recomp's own restoring
+  swaps tensors (PyTorch) and never writes a slot the check reads;
+* a later backward pass reading what a replay kept for it (``recomp.torch._kept``):
+  each kept tensor's version is noted when kept.
+
+It costs one version read per parameter and buffer per checkpoint call and per replay,
+and no copy. It cannot see a write that leaves the version counter alone
+(``param.data.clamp_()``, which autograd does not see either; ``determinism_check=
+"values"`` compares the values themselves and catches it), state a checkpointed plain
+function reaches without a module (only modules' slots are noted), or a parameter object
+that a framework put in place of the forward's (FSDP's sharded and unsharded
+parameters, left to it as above). Where version counters do not track writes
+(``Backend.state_versions_track_writes``, MindSpore) there is nothing to compare; there
+a forward and its backward run in one call (``mindspore.grad``), with no user code
+between them.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 from ._backend import Backend, StateChange
 from ._hooks import CallPart, CheckpointCallView, Stage
 from ._region import ExcludedRegion
-from .errors import ReplayStateWarning, RunningStatisticsWarning
+from .errors import ReplayStateWarning, RunningStatisticsWarning, changed_before_backward
 
 
-def _replayed_modules(backend: Backend, root: Any, path: str) -> Iterator[tuple[str, Any]]:
-    """``root`` and the modules below it that a replay of ``root`` runs (each once)."""
+def _replayed_modules(backend: Backend, root: Any, path: str) -> list[tuple[str, Any]]:
+    """``root`` and the modules below it that a replay of ``root`` runs (each once), in
+    depth-first order. Walked at every checkpoint call of a module: a list filled in one
+    loop (no generator to resume per module)."""
     seen: set[int] = set()
+    found: list[tuple[str, Any]] = []
     stack = [(path, root)]
     while stack:
         where, module = stack.pop()
         if id(module) in seen or isinstance(vars(module).get("_recomp_region"), ExcludedRegion):
             continue
         seen.add(id(module))
-        yield where, module
-        children = list(backend.named_children(module))
+        found.append((where, module))
+        children = backend.named_children(module)
         for name, child in reversed(children):
             stack.append((f"{where}.{name}" if where else name, child))
+    return found
 
 
 class _Slot:
@@ -94,6 +130,7 @@ class _Slot:
         "module",
         "name",
         "path",
+        "settled",
         "tensor",
         "version",
         "watched",
@@ -111,6 +148,14 @@ class _Slot:
         self.version: int | None = None
         self.before: Any = None  # a copy of the value from before the forward
         self.changed = False  # the forward updated it (in place or by rebinding)
+        # The version of ``tensor`` when the forward ended, where a replay reads the
+        # tensor itself (no copy): NOTE [ State changed before backward ].
+        self.settled: int | None = None
+
+
+    @property
+    def kind_name(self) -> str:
+        return "buffer" if self.kind in ("buffer", "statistics") else "parameter"
 
 
 def _rebound(backend: Backend, live: Any, slot: _Slot) -> bool:
@@ -228,6 +273,8 @@ class ModuleState(CallPart):
             else:
                 slot.before = None  # the value the forward read is the tensor itself
             slot.changed = rebound or written
+            if slot.before is None:
+                slot.settled = backend.version(slot.tensor)
         if uncopied and self.root not in _REPORTED:
             _REPORTED.add(self.root)
             warnings.warn(
@@ -262,12 +309,27 @@ class ModuleState(CallPart):
     def __enter__(self) -> None:
         backend = self.backend
         changes: list[StateChange] = []
+        stale: list[_Slot] = []
         for slot in self.slots:
             live = backend.module_tensor(slot.module, slot.name)
             if slot.before is not None:
                 changes.append(StateChange(slot.module, slot.name, live, slot.before, True))
-            elif slot.changed or (live is not slot.tensor and _rebound(backend, live, slot)):
+                continue
+            rebound = live is not slot.tensor and _rebound(backend, live, slot)
+            if (
+                slot.settled is not None
+                and (rebound or live is slot.tensor)
+                and backend.version(slot.tensor) != slot.settled
+            ):
+                stale.append(slot)
+            elif slot.changed or rebound:
                 changes.append(StateChange(slot.module, slot.name, live, slot.tensor, False))
+        if stale:
+            raise changed_before_backward(
+                [(slot.kind_name, slot.path) for slot in stale],
+                f"the checkpointed {type(self.root).__name__}",
+                "its replay",
+            )
         context = backend.state_for_replay(changes) if changes else None
         if context is not None:
             context.__enter__()

@@ -9,10 +9,18 @@ each replay walks them with its own :class:`OpCursor`: the n-th call of an op in
 replay is the n-th call of that op in the forward. Ops that are not asked (ignored ops,
 ops of excluded regions) are not counted on either side.
 
-Each framework sees its ops its own way (``recomp.torch._swap``: a dispatch mode below
-PyTorch's selective checkpointing, for ``MUST_SWAP``; ``recomp.mindspore._selective``:
-``mindspore.MsDispatchMode`` for every policy) and keeps the leaves of an output its own
-way (a detached alias, a swap scope's host copy); the matching is here.
+Each kept output is also an entry of the invocation's log of kept op outputs
+(``recomp._record.EntryLog``, kind :data:`LOG_KIND`), recorded once its op has run
+(:meth:`OpCalls.fill`): so the invocation prunes it with its other logs at the end of the
+forward, with the save counter it asked once (rule 8 of NOTE [ How an excluded region is
+kept out of the replay ]: no replay reaches an op run after the checkpoint's last saved
+tensor, so what it kept is let go).
+
+Each framework sees its ops its own way (``recomp.torch._swap.selective``: a dispatch
+mode below PyTorch's selective checkpointing, for ``MUST_SWAP``;
+``recomp.mindspore._selective``: ``mindspore.MsDispatchMode`` for every policy) and keeps
+the leaves of an output its own way (a detached alias, a swap scope's host copy); the
+matching and the record are here.
 """
 
 from __future__ import annotations
@@ -21,6 +29,12 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from ._hooks import CallPart, CheckpointCallView, Stage
+from ._record import EntryLog, Invocation, invocation_of
+from ._state import get_recompute_state
+
+#: The kind of the invocation's log that holds the op outputs its forward kept. A re-run
+#: of the call by an enclosing replay keeps op outputs of its own: it does not read it.
+LOG_KIND = "kept op outputs"
 
 
 class SelectiveCheckpointContext:
@@ -43,22 +57,30 @@ def map_out(fn: Callable[[Any], Any], out: Any) -> Any:
 
 class KeptOutput:
     """The kept output of one op call: the op's output with the framework's kept leaves
-    (filled once the op has run). ``inputs``: what the framework recorded of the call's
-    inputs (their layouts), compared with the replay's call before it is handed back."""
+    (filled once the op has run, :meth:`OpCalls.fill`). ``inputs``: what the framework
+    recorded of the call's inputs (their layouts), compared with the replay's call before
+    it is handed back. An entry of the invocation's log of kept op outputs."""
 
-    __slots__ = ("inputs", "out")
+    __slots__ = ("drop", "inputs", "out", "saves_after")
 
     def __init__(self, inputs: Any = None) -> None:
         self.out: Any = None
         self.inputs = inputs
-
-    def fill(self, out: Any, keep: Callable[[Any], Any]) -> None:
-        """Keep ``out``: ``keep`` turns each leaf into what is held until the replay."""
-        self.out = map_out(keep, out)
+        self.drop: Callable[[Any], Any] | None = None
+        self.saves_after: int | None = None  # set by the invocation that records it
 
     def get(self, read: Callable[[Any], Any]) -> Any:
         """The output for the replay: ``read`` turns each kept leaf back into a value."""
         return map_out(read, self.out)
+
+    def drop_cache(self) -> None:
+        """No replay reaches the op (rule 8): ``drop`` lets go of each kept leaf."""
+        drop, self.drop = self.drop, None
+        if drop is not None:
+            self.out = map_out(drop, self.out)
+
+    def release(self) -> None:
+        """Nothing is held for the forward alone."""
 
 
 class OpCursor:
@@ -80,18 +102,51 @@ class OpCursor:
 
 class OpCalls:
     """The forward's decisions, per op in call order: a :class:`KeptOutput`, or None for a
-    call the replay recomputes."""
+    call the replay recomputes; and where the kept outputs are recorded."""
 
-    __slots__ = ("calls", "kept")
+    __slots__ = ("calls", "kept", "owner")
 
     def __init__(self) -> None:
         self.calls: dict[Hashable, list[KeptOutput | None]] = {}
         self.kept = False  # some op's output is kept: replays need a cursor
+        # The invocation whose forward these decisions belong to, and its log.
+        self.owner: tuple[Invocation, EntryLog[KeptOutput]] | None = None
+
+    def forward_started(self) -> None:
+        """The forward of the checkpoint call these decisions belong to begins here (its
+        recompute state is installed): the outputs it keeps go into that call's log.
+        Outside a recomp checkpoint's forward (in a call that an enclosing replay re-runs,
+        under PyTorch's own checkpoint) nothing is recorded, and nothing is let go."""
+        state = get_recompute_state()
+        if state is None or state.is_recomputing:
+            self.owner = None
+            return
+        invocation = invocation_of(state)
+        self.owner = (invocation, invocation.log(LOG_KIND, rerun_reads=False))
 
     def add(self, op: Hashable, entry: KeptOutput | None) -> None:
         self.calls.setdefault(op, []).append(entry)
         if entry is not None:
             self.kept = True
+
+    def fill(
+        self,
+        entry: KeptOutput,
+        out: Any,
+        keep: Callable[[Any], Any],
+        drop: Callable[[Any], Any] | None = None,
+    ) -> None:
+        """The op of ``entry`` returned ``out``, and autograd has not yet saved what the op
+        saves: ``keep`` turns each leaf into what is held until the replay; the entry is
+        recorded with the number of tensors the checkpoint has saved so far, and if no
+        replay reaches the op, the invocation lets go of each kept leaf with ``drop``
+        (without one, the leaves stay held) (rule 8)."""
+        entry.out = map_out(keep, out)
+        entry.drop = drop
+        owner = self.owner
+        if owner is not None:
+            invocation, log = owner
+            invocation.record(log, entry)
 
     def cursor(self) -> OpCursor:
         return OpCursor(self.calls)

@@ -8,7 +8,8 @@ one per kind of call, which the invocation rewinds and prunes together: each
 excluded-region call appends one entry to ``regions`` (a
 ``recomp._region.RegionCall``, known here as a :class:`RegionEntry`),
 and parts of the call keep logs of their own (the collectives of
-``recomp.torch._collective_cache``).
+``recomp.torch._collective_cache``, the op outputs that per-op policies keep,
+``recomp._op_policy``).
 Also here: the pieces a region call is made of (:class:`Snapshot`,
 :class:`CachedOutput`, :class:`MutatedInput`, :class:`StorageRegistry`).
 """
@@ -175,12 +176,15 @@ class EntryLog(Generic[E]):
     Each replay reads them back from the first (rule 2 of NOTE [ How an excluded region
     is kept out of the replay ]): the invocation rewinds every log when a replay starts
     and prunes every log at the end of the forward (rule 8), whatever kind of call the
-    log holds (excluded-region calls, collectives)."""
+    log holds (excluded-region calls, collectives, kept op outputs). ``rerun_reads``:
+    whether a re-run of the call by an enclosing recomp checkpoint's replay reads the
+    log back (then a nested call's log is not pruned, rule 8)."""
 
-    __slots__ = ("__weakref__", "cursor", "entries", "kind")
+    __slots__ = ("__weakref__", "cursor", "entries", "kind", "rerun_reads")
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, rerun_reads: bool = True) -> None:
         self.kind = kind
+        self.rerun_reads = rerun_reads
         self.entries: list[E] = []
         self.cursor = 0
 
@@ -229,7 +233,7 @@ class Invocation:
         "__weakref__",
         "_consumed",
         "_logs",
-        "_pruning",
+        "_rerun_whole",
         "_save_counter",
         "_unsaved_outputs",
         "align_rng",
@@ -279,7 +283,8 @@ class Invocation:
         # applicable. Asked once, when the forward starts (``on_forward_start``),
         # directly under the checkpoint's own saved-tensor hook.
         self._save_counter: Callable[[], int] | None = None
-        self._pruning = True
+        # An enclosing recomp checkpoint's replay re-runs this call whole (``add_child``).
+        self._rerun_whole = False
 
     # -- what the forward records --------------------------------------------------
 
@@ -290,17 +295,17 @@ class Invocation:
     def add_child(self, child: Invocation) -> None:
         """A recomp checkpoint called inside this one's forward. The parent's replay
         re-runs it in full, beyond where its own replay would stop, so it keeps every
-        cached output (rule 8)."""
+        entry of the logs that re-run reads back (rule 8)."""
         self.children.append(child)
-        child._pruning = False
+        child._rerun_whole = True
 
-    def log(self, kind: str) -> EntryLog[Any]:
-        """The log of calls of ``kind`` (made on first use), rewound and pruned with
-        the others."""
+    def log(self, kind: str, *, rerun_reads: bool = True) -> EntryLog[Any]:
+        """The log of calls of ``kind`` (made on first use, with ``rerun_reads``, see
+        :class:`EntryLog`), rewound and pruned with the others."""
         for log in self._logs:
             if log.kind == kind:
                 return log
-        log = EntryLog[Any](kind)
+        log = EntryLog[Any](kind, rerun_reads)
         self._logs.append(log)
         return log
 
@@ -381,8 +386,7 @@ class Invocation:
     def on_forward_start(self) -> None:
         """The forward begins directly under the checkpoint's saved-tensor hook: the one
         place where the save counter is asked for."""
-        if self._pruning:
-            self._save_counter = self.backend.save_counter()
+        self._save_counter = self.backend.save_counter()
 
     def on_replay_start(self) -> None:
         """Each replay starts from the first entry of every log (rule 2)."""
@@ -404,9 +408,12 @@ class Invocation:
                 return
             if counter is not None:
                 # A replay that stops at the last saved tensor never reaches the calls
-                # recorded after it: what they hold would only take memory (rule 8).
+                # recorded after it: what they hold would only take memory (rule 8);
+                # but a re-run by an enclosing replay reads some logs to their end.
                 total = counter()
                 for log in self._logs:
+                    if self._rerun_whole and log.rerun_reads:
+                        continue
                     for entry in log.entries:
                         if entry.saves_after == total:
                             entry.drop_cache()

@@ -63,10 +63,13 @@ Rules the code relies on (cited by number where it enforces them):
      placement is told to abort.
   8. With early stop, calls recorded after the checkpoint's last saved tensor
      lose what they hold at the end of the forward (``drop_cache``, for every
-     log of the invocation; the save counter is asked once, when the forward
-     starts): the replay stops before, or in the boundary of, such a region.
-     Not for checkpoints nested in another recomp checkpoint, whose replay
-     re-runs them whole (``Invocation.add_child``).
+     log of the invocation: region calls, collectives, op outputs kept by a
+     per-op policy; the save counter is asked once, when the forward starts):
+     the replay stops before, or in the boundary of, such a region, and before
+     such an op. Not, in a checkpoint nested in another recomp checkpoint, for
+     the logs that the enclosing replay reads back when it re-runs the nested
+     call whole (``Invocation.add_child``; region calls and collectives: a
+     re-run keeps op outputs of its own).
 
 NOTE [ Deferred inputs ]
 
@@ -103,7 +106,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from ._backend import IDENTITY, NOT_A_VIEW, Backend
+from ._backend import IDENTITY, NOT_A_VIEW, Backend, tensor_path
 from ._hooks import OBSERVERS, Placement, Placer, RegionObserver
 from ._pytree import TreeSpec
 from ._record import (
@@ -124,6 +127,7 @@ from .errors import (
     NestedExclusionError,
     RecompError,
     ReplayMismatchError,
+    changed_before_backward,
     internal_error,
 )
 
@@ -603,6 +607,42 @@ class _Kept:
         return self.snapshot.get()
 
 
+def _NO_MODULE() -> None:  # a weak reference that is always dead: no module to name
+    return None
+
+
+class _KeptParameter(_Kept):
+    """A parameter (or an alias of one) that a region saved: kept as it is, and refused on
+    unpack if it changed since the forward, with its name (NOTE [ State changed before
+    backward ] in ``recomp._module_state``)."""
+
+    __slots__ = ("module",)
+
+    def __init__(
+        self,
+        region: ExcludedRegion,
+        snapshot: Snapshot,
+        call: weakref.ref[RegionCall],
+        module: Callable[[], Any],
+    ) -> None:
+        super().__init__(region, snapshot, call)
+        self.module = module  # weak: the region's module, to name the parameter
+
+    def unpack(self) -> Any:
+        backend = self.region.backend
+        if backend.versions_need_sync:
+            backend.sync()  # rule 5: once per unpack
+        if self.snapshot.changed(backend):
+            module = self.module()
+            name = None if module is None else tensor_path(backend, module, self.snapshot.get())
+            raise changed_before_backward(
+                [("parameter", name)],
+                f"excluded region {self.region.name!r}",
+                "the region's backward",
+            )
+        return self.snapshot.get()
+
+
 class InputSlot:
     """One region input that the replay will supply; bound when the replay reaches the region."""
 
@@ -759,6 +799,7 @@ class _SaveHook:
         self.invocation = inv
         self.checkpoint_inputs = inv.checkpoint_inputs
         self._parameter_keys: set[Hashable] | None = None
+        self._module_ref: Any = None
         self.leaves: list[Any] = leaves
         self.in_spec = call.in_spec
         self.slots: dict[int, InputSlot] = {}
@@ -811,10 +852,12 @@ class _SaveHook:
             # forward and gathers it again for backward (ZeRO-3, FSDP1) frees it here too.
             snapshot = Snapshot(t, t)
             self.snapshots.append(snapshot)
-            return _Kept(region, snapshot, self.call_ref)
+            return _KeptParameter(region, snapshot, self.call_ref, self.module_ref())
         alias = backend.keep_saved(t)
         if key in self.parameter_keys():
             snapshot = Snapshot(t, alias)
+            self.snapshots.append(snapshot)
+            return _KeptParameter(region, snapshot, self.call_ref, self.module_ref())
         else:
             self.kept[key] = backend.storage_nbytes(t)
             # The checkpoint keeps its own inputs on the device anyway.
@@ -825,6 +868,14 @@ class _SaveHook:
                 observer.tensor_kept(self.call, t, snapshot.value)
         self.snapshots.append(snapshot)
         return _Kept(region, snapshot, self.call_ref)
+
+    def module_ref(self) -> Any:
+        """A weak reference to the module the region runs (None for a plain function),
+        made once per call: for naming a saved parameter in an error."""
+        if self._module_ref is None:
+            module = self.region.backend.module_of(self.fn)
+            self._module_ref = _NO_MODULE if module is None else weakref.ref(module)
+        return self._module_ref
 
     def parameter_keys(self) -> set[Hashable]:
         """Storages of the wrapped module's parameters. A parameter may be saved through
@@ -868,6 +919,7 @@ class _SaveHook:
         self.kept = {}
         self.fn = None
         self._parameter_keys = None
+        self._module_ref = None
         self.placement = None
         self.observers = ()
         self.invocation = None  # type: ignore[assignment]

@@ -2,7 +2,7 @@
 how one is recorded where the graph cannot be read afterwards.
 
 A report is a list of rows, one per storage held for backward, each billed once
-(see ``recomp.torch.saved_tensors_report`` for PyTorch, which reads the autograd
+(see ``recomp.torch.report.saved_tensors_report`` for PyTorch, which reads the autograd
 graph after the forward). :class:`SavedTensorsRecorder` builds the same report while
 the forward runs instead, from saved-tensor hooks and recomp's own observers: the
 way for a framework whose gradient graph cannot be walked without running backward

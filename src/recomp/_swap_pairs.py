@@ -2,7 +2,7 @@
 and group names; the slot that holds the swap scope a call runs in, and the ways a call
 gets one (a layer's call, a block of its own, the hooks ``swap_wrapper`` puts on a layer).
 
-Each framework's ``SwapManager`` (``recomp.torch._swap``, ``recomp.mindspore._swap``)
+Each framework's ``SwapManager`` (``recomp.torch._swap.manager``, ``recomp.mindspore._swap``)
 derives from :class:`SwapManagerBase` and adds what touches tensors (which outputs take
 a gradient hook, where its offloader asks which group to bring back); each framework's
 ``SwapScope`` chooses and moves the tensors.

@@ -1,8 +1,14 @@
-"""Errors raised by recomp. Each message names the region involved and the fix."""
+"""Every error and warning class recomp defines. Each message names what is involved and
+the fix.
+
+The classes are the same objects wherever recomp raises them (the framework packages,
+the planner); import them from here. ``recomp`` re-exports them all.
+"""
 
 from __future__ import annotations
 
 __all__ = [
+    "BudgetTooSmallError",
     "CachedValueMutatedError",
     "CollectiveReplayedWarning",
     "DoubleCheckpointError",
@@ -10,10 +16,15 @@ __all__ = [
     "IneffectiveSelectionWarning",
     "NestedExclusionError",
     "OutputNotSavedError",
+    "ParameterChangedError",
+    "PlanFormatError",
     "RecompError",
     "RecompInternalError",
     "ReplayMismatchError",
+    "ReplayStateWarning",
     "RunningStatisticsWarning",
+    "SwapNotSupportedError",
+    "SwapPolicyError",
     "UnreplayableDropoutWarning",
     "WrapperNotReachedWarning",
 ]
@@ -73,6 +84,47 @@ class CachedValueMutatedError(RecompError):
     ``apply_activation_checkpointing``) to cache a copy those changes do not reach."""
 
 
+class ParameterChangedError(RecompError):
+    """A parameter or buffer that a checkpointed forward (or an excluded region) read was
+    changed in place between that forward and its backward: an optimizer step, weight
+    clipping or another update ran before a backward that still needed the forward (a
+    GAN's ``opt_d.step()`` between ``d_loss.backward(retain_graph=True)`` and
+    ``g_loss.backward()``). The replay would recompute with the new values, and the
+    gradients would be wrong; without checkpointing autograd refuses the same step. Run
+    every backward that needs a forward before changing the parameters it read, or run
+    the forward again after the change. The message names the module and the tensor."""
+
+
+def changed_before_backward(
+    tensors: list[tuple[str, str | None]], owner: str, reader: str
+) -> ParameterChangedError:
+    """The error for ``tensors`` (``("parameter", "0.weight")``, ``("buffer", None)`` for
+    one without a known name) of ``owner`` (``"the checkpointed Block"``), changed in
+    place before ``reader`` (``"its replay"``) read them."""
+    groups: dict[str, list[str]] = {}
+    for kind, path in tensors:
+        groups.setdefault(kind, []).append(repr(path) if path else "")
+    parts = []
+    for kind, paths in groups.items():
+        named = [p for p in paths if p]
+        shown = ", ".join(named[:4]) + (f" and {len(named) - 4} more" if len(named) > 4 else "")
+        unnamed = len(paths) - len(named)
+        if named:
+            parts.append(f"{kind}{'s' if len(named) > 1 else ''} {shown}")
+        if unnamed:
+            parts.append(f"{unnamed} {kind}{'s' if unnamed > 1 else ''} of unknown name")
+    what = " and ".join(parts)
+    return ParameterChangedError(
+        f"{what[0].upper()}{what[1:]} of {owner} changed in place between this checkpoint's forward and its "
+        f"backward, so {reader} would use the new values and the gradients would be wrong "
+        "(without checkpointing, autograd refuses this step too). An optimizer step, weight "
+        "clipping or another in-place update before this backward is the usual cause: run "
+        "every backward that needs this forward before the change (step after backward), or "
+        "run the forward again after it (in a GAN step: the generator's loss through a new "
+        "forward of the discriminator after its optimizer step)."
+    )
+
+
 class OutputNotSavedError(RecompError):
     """A ``save_output=False`` placeholder reached code other than an excluded region.
     ``save_output=False`` is only for a region whose output goes straight into another
@@ -129,3 +181,52 @@ class UnreplayableDropoutWarning(UserWarning):
     on MindSpore, an active subclass of ``nn.Dropout`` with a ``construct`` of its own,
     which recomp cannot make draw the same mask in the replay. Exclude it
     (``apply_activation_checkpointing`` does so by itself) or use ``nn.Dropout``."""
+
+
+# --------------------------------------------------------------------------- swap
+
+
+class SwapPolicyError(RecompError, ValueError):
+    """A policy function returned something that is not a policy (a
+    ``CheckpointPolicy`` or a bool), or a swap was asked for where none can happen
+    (``MUST_SWAP`` with no recomp checkpoint around it, or under ``torch.compile``).
+    Raised by both frameworks; also a ``ValueError``."""
+
+
+class SwapNotSupportedError(RecompError, NotImplementedError):
+    """A part of HyperParallel's activation-memory API that recomp cannot run on
+    MindSpore 2.10 PyNative: ``group_swap``, ``cpu_pool`` and ``PinnedMemoryPool``,
+    ``swap_tensor_wrapper`` inside a swapped layer, recompute sessions, PyTorch's
+    native selective checkpointing. The message says what MindSpore lacks and what to
+    do instead. Also a ``NotImplementedError``."""
+
+
+# --------------------------------------------------------------------------- planner
+
+
+def format_bytes(n: float) -> str:
+    """Bytes as MiB (or GiB from 1 GiB on), for messages (the planner's too)."""
+    if abs(n) >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / float(1 << 20):.2f} MiB"
+
+
+class BudgetTooSmallError(ValueError):
+    """The planner's memory budget is below the least activation memory any plan keeps
+    (``recomp.plan.make_plan``, ``recomp plan``). ``budget_bytes`` and
+    ``minimum_bytes`` say by how much; the message names the budget to give. A
+    ``ValueError``, raised before anything runs (not a ``RecompError``)."""
+
+    def __init__(self, budget_bytes: int, minimum_bytes: int, detail: str = "") -> None:
+        self.budget_bytes = budget_bytes
+        self.minimum_bytes = minimum_bytes
+        super().__init__(
+            f"memory budget {format_bytes(budget_bytes)} is below {format_bytes(minimum_bytes)}, "
+            f"the least activation memory any plan keeps{detail}. Give a budget of at least "
+            f"{format_bytes(minimum_bytes)} (or 0%), or make the layers smaller (batch, sequence)."
+        )
+
+
+class PlanFormatError(ValueError):
+    """A plan file that this version of recomp cannot read (``recomp.plan.load_plan``):
+    another format version, or a field missing or of the wrong type. A ``ValueError``."""

@@ -173,15 +173,17 @@ def test_the_checks_see_a_bad_import(tmp_path):
 # modules that cannot be understood one without the other.
 CORE_ORDER = [
     "recomp.errors",
+    "recomp._moved",
     "recomp._state",
     "recomp._policy",
+    "recomp._hyperparallel",
     "recomp._swap_pairs",
     "recomp._pytree",
     "recomp._backend",
     "recomp._hooks",
-    "recomp._op_policy",
     "recomp._rng_trackers",
     "recomp._record",
+    "recomp._op_policy",
     "recomp._region",
     "recomp._module_state",
     "recomp._engine",
@@ -219,19 +221,52 @@ def imports_of_node(node: ast.Import | ast.ImportFrom, known: set[str]) -> set[s
     return ({f"{target}.{a.name}" for a in node.names} & known) or {target}
 
 
+def _imports_out_of_order(order: list[str], modules: dict[str, pathlib.Path]) -> list[tuple[str, str]]:
+    """The imports (type-checking ones included) by a module of ``order`` of itself or of
+    a module after it in ``order``."""
+    rank = {name: i for i, name in enumerate(order)}
+    known = set(modules)
+    return [
+        (name, target)
+        for name in order
+        for target in _all_imports(modules[name], known)
+        if target in rank and rank[target] >= rank[name] and target != name
+    ]
+
+
 def test_the_core_imports_only_what_comes_before_it():
     modules = _modules()
     core = {n for n in modules if layer_of(n) == "core" and n != "recomp.__main__"}
     assert core == set(CORE_ORDER), "a core module is missing from CORE_ORDER (and the docs)"
-    rank = {name: i for i, name in enumerate(CORE_ORDER)}
     known = set(modules)
-    wrong = []
+    wrong = _imports_out_of_order(CORE_ORDER, modules)
     for name in CORE_ORDER:
         for target in _all_imports(modules[name], known):
-            if target in rank and rank[target] >= rank[name] and target != name:
-                wrong.append((name, target))
-            elif layer_of(target) != "core":
+            if layer_of(target) != "core":
                 wrong.append((name, target))  # the core imports no framework package
+    assert not wrong, wrong
+
+
+# The PyTorch swap package, bottom up, as docs/mechanism.md lists it: each module imports
+# only those before it here (type-checking imports too), the index (its ``__init__``) last.
+SWAP_ORDER = [
+    "recomp.torch._swap.pool",
+    "recomp.torch._swap.manager",
+    "recomp.torch._swap.buckets",
+    "recomp.torch._swap.scope",
+    "recomp.torch._swap.hooks",
+    "recomp.torch._swap.selective",
+    "recomp.torch._swap.checkpoint",
+    "recomp.torch._swap",
+]
+
+
+def test_the_swap_package_imports_only_what_comes_before_it():
+    modules = _modules()
+    package = SWAP_ORDER[-1]
+    found = {n for n in modules if n == package or n.startswith(package + ".")}
+    assert found == set(SWAP_ORDER), "a module of the swap package is missing from SWAP_ORDER"
+    wrong = _imports_out_of_order(SWAP_ORDER, modules)
     assert not wrong, wrong
 
 

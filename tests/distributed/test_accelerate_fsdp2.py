@@ -25,7 +25,7 @@ def test_accelerate_shards_the_same_units_with_recomp(reports):
             assert v[variant]["sharded"] == v["reference"]["sharded"]
 
 
-@pytest.mark.parametrize("variant", ["recomp_first", "recomp_after"])
+@pytest.mark.parametrize("variant", ["recomp_first", "recomp_after", "accelerate_ac_offload"])
 def test_gradients_bit_equal_and_attention_excluded(reports, variant):
     for r in reports:
         v = r["variants"][variant]
@@ -42,3 +42,12 @@ def test_layers_report_their_class_names(reports):
         assert v["reference"]["layer_classes"] == ["FSDPQwen3DecoderLayer"] * 2
         assert v["recomp_first"]["layer_classes"] == ["FSDPQwen3DecoderLayer"] * 2
         assert v["recomp_after"]["layer_classes"] == ["FSDPQwen3DecoderLayer"] * 2
+
+
+def test_accelerates_own_checkpointing_and_offload_run_recomp(reports):
+    # accelerate's activation_checkpointing and activation_checkpointing_offload wrapped
+    # the layers in PyTorch's wrappers; their checkpoint is recomp's (the attention ran
+    # once and was skipped by the replay, above).
+    for r in reports:
+        wrappers = r["variants"]["accelerate_ac_offload_wrappers"]  # FSDP renames the outer
+        assert [w.removeprefix("FSDP") for w in wrappers] == ["CheckpointWrapper", "OffloadWrapper"]

@@ -102,6 +102,8 @@ def test_code_block_runs(
     cache[block.page] = None
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
+        # The docs use the new places of moved names (NOTE [ Moved names ]).
+        warnings.filterwarnings("error", r"recomp\..* moved to recomp\.", DeprecationWarning)
         exec(compile(block.code, block.id, "exec"), names)
     cache[block.page] = names
 

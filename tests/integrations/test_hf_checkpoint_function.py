@@ -334,14 +334,74 @@ def test_recomp_wrapper_and_hf_switch_is_still_a_double_checkpoint() -> None:
 
 
 def test_another_checkpoint_function_is_refused_not_used() -> None:
-    # HF's offload=True puts PyTorch's checkpoint inside save_on_cpu: a function recomp
-    # cannot stand in for; using it would replay the excluded regions.
+    # A checkpoint function recomp does not know: using it would replay the excluded regions.
     model = hf_activation_checkpointing(llama(), exclude_fn=ATTENTION)
-    model.activation_checkpointing_enable(offload=True)
-    with pytest.raises(recomp.RecompError, match="offload_fn"):
+    model._set_gradient_checkpointing(
+        enable=True, gradient_checkpointing_func=lambda f, *a, **k: torch.utils.checkpoint.checkpoint(
+            f, *a, use_reentrant=False, **k
+        )
+    )
+    with pytest.raises(recomp.RecompError, match="another one"):
         train_step(model, tokens())
     assert all(p.grad is None for p in model.parameters())
     assert region_counts(model) == [(0, 0)] * 2
+
+
+@pytest.fixture
+def host_copies(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The offloader's host-copy mode (CPU tensors copied as a device's would be); every
+    offload group opened in the test, in order."""
+    from host_copies import recorded_host_copies
+
+    yield from recorded_host_copies(monkeypatch)
+
+
+def test_hf_offload_switch_moves_the_checkpoint_inputs_to_the_host(host_copies: list[Any]) -> None:
+    # HF's offload=True (PyTorch's checkpoint inside save_on_cpu) is recomp's swap_inputs.
+    reference = llama()
+    model = hf_activation_checkpointing(copy.deepcopy(reference), exclude_fn=ATTENTION)
+    model.activation_checkpointing_enable(offload=True)
+    ids = tokens()
+    train_step(reference, ids)
+    train_step(model, ids)
+    assert_same_grads(reference, model)
+    assert all(f.kwargs == {"swap_inputs": True} for f in checkpoint_functions(model))
+    assert region_counts(model) == [(1, 1)] * 2
+    # Each layer's hidden states (batch 2 x SEQ x hidden, float32) to the host and back.
+    hidden = 2 * SEQ * SMALL["hidden_size"] * 4
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in host_copies] == [(hidden, hidden)] * 2
+
+
+def test_hf_every_n_layers_checkpoints_every_nth_layer_with_recomp() -> None:
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(LlamaConfig(**{**SMALL, "num_hidden_layers": 4})).train()
+    model = hf_activation_checkpointing(copy.deepcopy(reference), exclude_fn=ATTENTION)
+    model.activation_checkpointing_enable(every_n_layers=2)
+    ids = tokens()
+    train_step(reference, ids)
+    train_step(model, ids)
+    assert_same_grads(reference, model)
+    assert [layer.gradient_checkpointing for layer in layers(model)] == [True, False] * 2
+    # The attention of a checkpointed layer runs once and is skipped by the replay; that of
+    # a layer HF leaves alone runs once, with no replay to skip it.
+    assert region_counts(model) == [(1, 1), (1, 0)] * 2
+
+
+def test_trainer_every_n_layers_and_offload_reach_recomp(tmp_path: Path, host_copies: list[Any]) -> None:
+    pytest.importorskip("accelerate")
+    kwargs = {"every_n_layers": 2, "offload": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = trainer(llama(), tmp_path / "plain", checkpointing=False)
+        reference.train()
+        model = hf_activation_checkpointing(llama(), exclude_fn=ATTENTION)
+        run = trainer(model, tmp_path / "recomp", checkpointing=True, kwargs=kwargs)
+        run.train()
+    for expected, got in zip(reference.model.parameters(), run.model.parameters()):
+        assert torch.equal(expected, got)
+    assert [layer.gradient_checkpointing for layer in layers(run.model)] == [True, False]
+    assert region_counts(run.model) == [(2, 2), (2, 0)]  # two steps
+    assert len(host_copies) == 2 and all(g.offloaded_bytes > 0 for g in host_copies)
 
 
 def test_unwrap_gives_hf_back_its_function() -> None:
@@ -372,3 +432,52 @@ def test_refuses_a_model_without_hf_layers() -> None:
         hf_activation_checkpointing(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="non-reentrant"):
         hf_activation_checkpointing(llama(), use_reentrant=True)
+
+
+def test_t5_where_bit_equality_holds_and_where_hfs_switch_changes_the_model() -> None:
+    """HF's switch changes T5's forward itself (its attention layers without a relative
+    bias make their zero position bias require gradients when ``gradient_checkpointing``
+    is set, a workaround for reentrant checkpoints), so autograd sums T5's gradients in
+    another order: under the switch recomp equals HF's own checkpointing bit for bit, and
+    both differ from no checkpointing by rounding. recomp's own wrapper leaves the
+    forward alone and equals no checkpointing bit for bit."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.1, decoder_start_token_id=0, pad_token_id=0,
+    )
+    plain = T5ForConditionalGeneration(config).train()
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(2))
+
+    def grads(model: torch.nn.Module) -> list[torch.Tensor]:
+        torch.manual_seed(123)  # dropout
+        model(input_ids=ids, labels=labels).loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    expected = grads(plain)
+    hf_own = copy.deepcopy(plain)
+    hf_own.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    through_switch = copy.deepcopy(plain)
+    wrapped = copy.deepcopy(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # HF's note that use_cache is turned off
+        hf_grads = grads(hf_own)
+        hf_activation_checkpointing(through_switch)
+        switch_grads = grads(through_switch)
+    apply_activation_checkpointing(wrapped, checkpoint_fn=T5Block)
+    wrapped_grads = grads(wrapped)
+
+    assert all(torch.equal(a, b) for a, b in zip(expected, wrapped_grads))
+    assert all(torch.equal(a, b) for a, b in zip(hf_grads, switch_grads))
+    # What changes the forward: the switch's flag on every T5Attention.
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    flags = {m.gradient_checkpointing for m in through_switch.modules() if isinstance(m, T5Attention)}
+    assert flags == {True}
+    assert {m.gradient_checkpointing for m in wrapped.modules() if isinstance(m, T5Attention)} == {False}
+    for a, b in zip(expected, switch_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -15,10 +15,12 @@ ms = pytest.importorskip("mindspore")  # the PyTorch-only environments skip this
 
 import recomp.mindspore as rm  # noqa: E402
 import recomp.mindspore._swap as _swap  # noqa: E402
+import recomp.mindspore.hyperparallel as hp  # noqa: E402
 from ms_models import assert_same, copy_params, grads, nn, ops, tensor  # noqa: E402
+from recomp import errors  # noqa: E402
 
 # The one import a HyperParallel user changes (hyper_parallel.core.activation_checkpoint).
-from recomp.mindspore import (  # noqa: E402
+from recomp.mindspore.hyperparallel import (  # noqa: E402
     CheckpointPolicy,
     SwapManager,
     checkpoint_exclude_wrapper,
@@ -234,11 +236,11 @@ def test_op_swap_and_swap_inputs_inside_checkpointed_layers():
 
 def test_what_mindspore_cannot_do_raises_saying_so():
     layer = Layer()
-    with pytest.raises(rm.SwapNotSupportedError, match="group_swap"):
+    with pytest.raises(errors.SwapNotSupportedError, match="group_swap"):
         swap_wrapper(layer, group_swap=True)
-    with pytest.raises(rm.SwapNotSupportedError, match="cpu_pool"):
+    with pytest.raises(errors.SwapNotSupportedError, match="cpu_pool"):
         checkpoint_wrapper(layer, swap_inputs=True, cpu_pool=object())
-    with pytest.raises(rm.SwapNotSupportedError, match="group_swap"):
+    with pytest.raises(errors.SwapNotSupportedError, match="group_swap"):
         checkpoint_wrapper(layer, policy_fn=lambda ctx, op, *a, **k: True, group_swap=True)
     with pytest.raises(TypeError, match="policy_fn"):
         checkpoint_wrapper(layer, policy_fn="Softmax")
@@ -341,30 +343,30 @@ def test_per_op_policy_as_a_list_with_exclusions_and_mindspore_recompute_context
         def fn(x):
             return ms.recompute(
                 cell, x, use_reentrant=False, early_stop=False,
-                context_fn=lambda: rm.create_selective_checkpoint_contexts(policy),
+                context_fn=lambda: hp.create_selective_checkpoint_contexts(policy),
             ).sum()
         return grads(fn, cell.trainable_params(), X)
 
     assert_same(grads(lambda x: cell(x).sum(), cell.trainable_params(), X), run(["Softmax"]))
-    with pytest.raises(rm.SwapPolicyError, match="no swap group"):
+    with pytest.raises(errors.SwapPolicyError, match="no swap group"):
         run(lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SWAP)
 
 
 def test_an_invalid_per_op_policy_raises():
     model = Decoder(1)
     checkpoint_wrapper(model.layers[0], policy_fn=lambda ctx, op, *a, **k: 42)
-    with pytest.raises(rm.SwapPolicyError, match="returned 42"):
+    with pytest.raises(errors.SwapPolicyError, match="returned 42"):
         grads(model, model.trainable_params(), X)
 
 
 def test_an_invalid_swap_policy_raises():
     model = Decoder(1)
     swap_wrapper(model.layers[0], policy_fn=lambda t: CheckpointPolicy.MUST_RECOMPUTE)
-    with pytest.raises(rm.SwapPolicyError, match="MUST_SAVE or MUST_SWAP"):
+    with pytest.raises(errors.SwapPolicyError, match="MUST_SAVE or MUST_SWAP"):
         grads(model, model.trainable_params(), X)
     model = Decoder(1)
     swap_wrapper(model.layers[0], policy_fn=lambda t: 3)
-    with pytest.raises(rm.SwapPolicyError, match="not a policy"):
+    with pytest.raises(errors.SwapPolicyError, match="not a policy"):
         grads(model, model.trainable_params(), X)
     # a bool is accepted, as by HyperParallel: True keeps it (MUST_SAVE)
     ref, model = twins(1)
@@ -409,16 +411,16 @@ def test_swap_inputs_moves_each_checkpoints_inputs():
 
 def test_swap_tensor_wrapper_returns_its_target_outside_a_swapped_layer_and_raises_inside():
     t = tensor(2, 2)
-    assert rm.swap_tensor_wrapper(t) is t
+    assert hp.swap_tensor_wrapper(t) is t
 
     class Keeps(nn.Cell):
         def construct(self, x):
-            return rm.swap_tensor_wrapper(x * 2, tag="kv")
+            return hp.swap_tensor_wrapper(x * 2, tag="kv")
 
     cell = swap_wrapper(Keeps())
     # Called outside mindspore.grad: MindSpore 2.10's first gradient after a forward that
     # raised inside mindspore.grad fails in LayerNormGrad (without recomp too).
-    with pytest.raises(rm.SwapNotSupportedError, match=r"tag='kv'.*in place"):
+    with pytest.raises(errors.SwapNotSupportedError, match=r"tag='kv'.*in place"):
         cell(X)
 
 
@@ -428,7 +430,7 @@ def test_swap_call_and_async_save_on_cpu_block_with_the_environment_switch(monke
     layer0, layer1 = model.layers
 
     def run(x):
-        with rm.async_save_on_cpu(policy_fn=lambda t: CheckpointPolicy.MUST_SWAP):
+        with hp.async_save_on_cpu(policy_fn=lambda t: CheckpointPolicy.MUST_SWAP):
             h = layer0(x)  # the block is one group, moved when it ends
         return rm.swap(layer1, h).sum(-1)
 

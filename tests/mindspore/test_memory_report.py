@@ -1,4 +1,4 @@
-"""recomp.mindspore.record_saved_tensors: the saved-tensor report, recorded during the forward.
+"""recomp.mindspore.report.record_saved_tensors: the saved-tensor report, recorded during the forward.
 
 Checked against MindSpore's own memory record (the allocator), against the regions'
 ``region_saved_bytes``, and for what must not be billed: parameters, the given
@@ -15,6 +15,7 @@ import pytest
 ms = pytest.importorskip("mindspore")  # the PyTorch-only environments skip this file
 
 import recomp.mindspore as rm  # noqa: E402
+import recomp.mindspore.report as rr  # noqa: E402
 from ms_models import (  # noqa: E402
     Block,
     Stack,
@@ -33,7 +34,7 @@ from recomp._report import CACHED, CHECKPOINT_INPUT, DEFERRED, KEPT, OUTSIDE  # 
 def record_step(model, *inputs):
     step = ms.grad(lambda *xs: (model(*xs) ** 2).sum(), None, model.trainable_params())
     step(*inputs)  # warm-up
-    with rm.record_saved_tensors(model, inputs=inputs) as record:
+    with rr.record_saved_tensors(model, inputs=inputs) as record:
         step(*inputs)
     return record.report
 
@@ -194,7 +195,7 @@ def test_recording_changes_no_gradient_and_keeps_no_tensor():
     exclude_attention(model)
     x = tensor(4, 8)
     expected = grads(ref, ref.trainable_params(), x)
-    with rm.record_saved_tensors(model, inputs=x) as record:
+    with rr.record_saved_tensors(model, inputs=x) as record:
         actual = grads(model, model.trainable_params(), x)
     assert_same(expected, actual)
     assert record.report.total_bytes > 0
@@ -212,7 +213,7 @@ def test_nothing_is_recorded_outside_the_block_or_during_a_replay():
     model = exclude_attention(Stack(2, d=16))
     x = tensor(4, 16)
     step = ms.grad(lambda t: (model(t) ** 2).sum(), None, model.trainable_params())
-    with rm.record_saved_tensors(model, inputs=x) as record:
+    with rr.record_saved_tensors(model, inputs=x) as record:
         step(x)
     once = record.report.total_bytes
     step(x)  # after the block: not recorded
@@ -246,7 +247,7 @@ def test_layers_name_what_is_saved_outside_checkpoints():
     x = tensor(4, 16)
     plain = record_step(model, x)
     step = ms.grad(lambda t: (model(t) ** 2).sum(), None, model.trainable_params())
-    with rm.record_saved_tensors(model, inputs=x, layers=["layers.0", "layers.1"]) as record:
+    with rr.record_saved_tensors(model, inputs=x, layers=["layers.0", "layers.1"]) as record:
         step(x)
     report = record.report
     assert report.total_bytes == plain.total_bytes
@@ -261,12 +262,12 @@ def test_bad_layers_raise_before_anything_is_recorded():
     model = Stack(1, d=16)
     with (
         pytest.raises(ValueError, match=r"no module of the model at 'layer\.0'"),
-        rm.record_saved_tensors(model, layers=["layer.0"]),
+        rr.record_saved_tensors(model, layers=["layer.0"]),
     ):
         pass
     with (
         pytest.raises(ValueError, match="pass the model too"),
-        rm.record_saved_tensors(layers=["layers.0"]),
+        rr.record_saved_tensors(layers=["layers.0"]),
     ):
         pass
     # no observer or hook left behind: a step records nothing and runs as before

@@ -23,9 +23,8 @@ from torch import nn  # noqa: E402
 
 from memory import run_measured  # noqa: E402
 from recomp.cli.torch.models import Attention, llama  # noqa: E402
+from recomp.errors import BudgetTooSmallError, PlanFormatError  # noqa: E402
 from recomp.plan import (  # noqa: E402
-    BudgetTooSmallError,
-    PlanFormatError,
     compile_with_plan,
     load_plan,
     make_plan,

@@ -309,13 +309,21 @@ def test_activations_follow_the_schedule_and_option(schedule):
         for s in (0, last):
             stage_kept[s] += 7
             stage_w[s] += 7
+        # A checkpointed layer's replay re-creates what it saves without checkpoint for a
+        # while during its own backward: 1000 - 100 over what it keeps.
+        replay = 0 if option == "none" else 900
         expected = walk_schedule(
-            schedule_actions(schedule, p, m), {s: (stage_kept[s], stage_w[s]) for s in stage_kept}
+            schedule_actions(schedule, p, m),
+            {s: (stage_kept[s], stage_w[s]) for s in stage_kept},
+            {s: (replay, replay) for s in stage_kept},
         )
         for r in result.ranks:
             assert r.activations == expected[r.rank].peak_bytes > 0
+            assert r.transient in (0, replay)
             if schedule == "1F1B":
-                assert r.activations == min(p - r.rank, m) * stage_kept[r.rank]
+                # The peak: the micro-batches stage i holds, during the first backward.
+                assert r.saved == min(p - r.rank, m) * stage_kept[r.rank]
+                assert r.transient == replay
 
 
 def test_plan_choice_and_table():
@@ -445,9 +453,15 @@ def test_a_measured_profile_and_its_plan_feed_the_estimate():
     )
     kept = [lp.kept_bytes for lp in plan.layers]
     # 1F1B on 2 ranks: rank 0 holds 2 micro-batches of layers 0-1, rank 1 one of 2-3;
-    # the profile's shared bytes (embedding, head, loss) on both stages.
-    assert result.ranks[0].activations == 2 * (kept[0] + kept[1] + prof.shared_bytes)
-    assert result.ranks[1].activations == kept[2] + kept[3] + prof.shared_bytes
+    # what is saved before the layers on the first stage, after them (head, loss) on
+    # the last, what several layers keep on both.
+    assert prof.shared_bytes == (
+        prof.before_layers_bytes + prof.after_layers_bytes + prof.spread_bytes
+    )
+    first = prof.before_layers_bytes + prof.spread_bytes
+    last = prof.after_layers_bytes + prof.spread_bytes
+    assert result.ranks[0].saved == 2 * (kept[0] + kept[1] + first)
+    assert result.ranks[1].saved == kept[2] + kept[3] + last
     assert sum(a.kept_bytes for a in job.layer_activations(prof, plan=plan)[0]) + (
         prof.shared_bytes
     ) == plan.predicted["activation_bytes"]

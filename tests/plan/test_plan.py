@@ -15,20 +15,10 @@ import sys
 import pytest
 
 import paths
-from recomp.plan import (
-    BudgetTooSmallError,
-    LayerOptions,
-    Option,
-    Plan,
-    PlanFormatError,
-    evaluate,
-    load_plan,
-    minimum_bytes,
-    parse_budget,
-    save_plan,
-    solve,
-)
+from recomp.errors import BudgetTooSmallError, PlanFormatError
+from recomp.plan import Plan, load_plan, parse_budget, save_plan
 from recomp.plan.planfile import LayerPlan
+from recomp.plan.solver import LayerOptions, Option, evaluate, minimum_bytes, solve
 
 torch = pytest.importorskip("torch")
 
@@ -139,7 +129,7 @@ def _dominated(layers, i, k):
 
 
 def test_solver_breaks_near_ties_by_flops_bytes_then_order_and_lists_them():
-    from recomp.plan import solve_with_ties
+    from recomp.plan.solver import solve_with_ties
 
     rng = random.Random(1)
     for case in range(150):

@@ -691,3 +691,61 @@ def test_bench_measures_compiled_strategies() -> None:
         assert row.max_grad_diff < 1e-6  # against eager, no checkpoint
         assert row.activation_bytes > 0
         assert row.forward_flops is None  # not counted inside compiled graphs
+
+
+# A model recomp never touches, compiled before recomp wraps another one. Its forward
+# slices its ModuleList, which registers modules (as HF Llama's forward does): a global
+# registration hook of recomp's would run in it and be guarded on.
+UNTOUCHED_COMPILE = """
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounter
+
+class Untouched(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = layer(x).relu()
+        return x
+
+counter = CompileCounter()
+model = torch.compile(Untouched(), backend=counter)
+x = torch.randn(2, 8)
+model(x).sum().backward()
+model(x).sum().backward()
+before = counter.frame_count
+hooks = len(torch.nn.modules.module._global_module_registration_hooks)
+
+import recomp.torch as rt
+other = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+other[0] = rt.checkpoint_exclude_wrapper(other[0])
+other = rt.checkpoint_wrapper(other)
+other(torch.randn(2, 8, requires_grad=True)).sum().backward()
+rt.apply_activation_checkpointing(nn.Sequential(nn.Sequential(nn.Linear(8, 8))),
+                                  checkpoint_fn=nn.Sequential)
+
+model(x).sum().backward()
+assert len(torch.nn.modules.module._global_module_registration_hooks) == hooks
+assert counter.frame_count == before, (before, counter.frame_count)
+print("ok", before)
+"""
+
+
+def test_a_compiled_model_recomp_never_touched_does_not_recompile_when_recomp_wraps_another():
+    """recomp installs nothing global that compiled graphs guard on (a fresh process, so
+    that recomp is imported only after the first compile)."""
+    import os
+    import subprocess
+    import sys
+
+    import paths
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(paths.SRC), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", UNTOUCHED_COMPILE], capture_output=True, text=True, env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-3000:]

@@ -16,7 +16,12 @@ import re
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    offload_wrapper,
+)
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper as TorchCheckpointWrapper,
 )
@@ -25,9 +30,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper as torch_wrapper,
-)
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    offload_wrapper,
 )
 
 import recomp
@@ -74,19 +76,51 @@ def test_apply_activation_checkpointing_stops_at_the_first_recomp_module():
 
 
 @pytest.mark.parametrize(
-    ("checkpoint", "found"),
+    ("checkpoint", "found", "options"),
     [
-        (True, "holds modules that recomp checkpoints (0, 1)"),
-        (False, "holds modules that recomp excludes (0.attn, 1.attn)"),
+        (True, "holds modules that recomp checkpoints (0, 1)", {}),
+        (False, "holds modules that recomp excludes (0.attn, 1.attn)",
+         {"checkpoint_impl": CheckpointImpl.REENTRANT}),
+        (False, "holds modules that recomp excludes (0.attn, 1.attn)",
+         {"checkpoint_fn": torch.utils.checkpoint.checkpoint}),
     ],
 )
-def test_checkpoint_wrapper_around_modules_holding_recomp_wrappers_is_refused(checkpoint, found):
+def test_checkpoint_wrapper_around_modules_holding_recomp_wrappers_is_refused(
+    checkpoint, found, options
+):
     model = exclude_attention(stack(2), checkpoint=checkpoint)
     pattern = re.escape(f"Sequential, which {found}")
     with pytest.raises(recomp.DoubleCheckpointError, match=pattern) as info:
-        torch_wrapper(model)
+        torch_wrapper(model, **options)
     if not checkpoint:
-        assert "apply_activation_checkpointing(model, checkpoint_fn=" in str(info.value)
+        assert "Leave checkpoint_impl and checkpoint_fn at their defaults" in str(info.value)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_pytorchs_default_wrapper_around_excluded_regions_checkpoints_with_recomp(offload):
+    """What accelerate's FSDP2 activation checkpointing applies (``checkpoint_wrapper(layer,
+    preserve_rng_state=False)``, inside ``offload_wrapper`` with its
+    ``activation_checkpointing_offload``; Lightning's policy likewise) around blocks whose
+    attention recomp excludes: PyTorch's checkpoint becomes recomp's, so the attention
+    runs once per step while the rest of each block replays, and the gradients are
+    those of the model without checkpointing."""
+    ref = stack(2)
+    model = exclude_attention(twin(ref), checkpoint=False)
+    for i in range(len(model)):
+        wrapped = torch_wrapper(model[i], preserve_rng_state=False)
+        model[i] = offload_wrapper(wrapped) if offload else wrapped
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    mlp_runs = [0, 0]
+    for i, b in enumerate(blocks):
+        b.mlp[0].register_forward_hook(lambda *_, i=i: mlp_runs.__setitem__(i, mlp_runs[i] + 1))
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    for step in (1, 2):
+        _, expected = grads_of(ref, loss_fn, x)
+        _, actual = grads_of(model, loss_fn, x)
+        actual = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in actual.items()}
+        assert_same_grads(expected, actual)
+        assert [(b.attn.region_runs, b.attn.region_skips) for b in blocks] == [(step, step)] * 2
+        assert mlp_runs == [2 * step, 2 * step]  # forward and replay: checkpointed
 
 
 @pytest.mark.parametrize("how", ["checkpoint_wrapper", "apply_activation_checkpointing"])

@@ -1,4 +1,4 @@
-"""``recomp.torch.saved_tensors_report``: what the autograd graph holds for backward.
+"""``recomp.torch.report.saved_tensors_report``: what the autograd graph holds for backward.
 
 The totals are checked against the allocator (glibc's heap, in a child process, as the
 benchmark measures activation memory); the per-region sums against ``region_saved_bytes``;
@@ -18,6 +18,7 @@ from torch import nn
 
 import paths
 import recomp.torch as rt
+import recomp.torch.report as rr
 from memory import run_measured
 from recomp._report import (
     CACHED,
@@ -58,6 +59,7 @@ sys.path.insert(0, {tests!r})
 from recomp.cli.config import BenchConfig
 from recomp.cli.torch.runner import Trainer
 import recomp.torch as rt
+import recomp.torch.report as rr
 result = {{}}
 for model, strategy, hidden, seq in {cases!r}:
     trainer = Trainer(BenchConfig(model=model, layers=2, hidden=hidden, heads=4, seq=seq,
@@ -68,7 +70,7 @@ for model, strategy, hidden, seq in {cases!r}:
     before = heap_bytes()
     loss = trainer.forward()
     measured = heap_bytes() - before
-    report = rt.saved_tensors_report(loss, model=trainer.model, inputs=trainer.x)
+    report = rr.saved_tensors_report(loss, model=trainer.model, inputs=trainer.x)
     figures = result[model + " " + strategy] = {{
         "measured": measured,
         "total": report.total_bytes,
@@ -78,7 +80,7 @@ for model, strategy, hidden, seq in {cases!r}:
         "deferred": report.deferred_bytes,
     }}
     loss.backward()
-    figures["after_backward"] = rt.saved_tensors_report(loss).total_bytes
+    figures["after_backward"] = rr.saved_tensors_report(loss).total_bytes
     del loss, trainer
 """
 
@@ -129,7 +131,7 @@ def test_deferred_inputs_are_listed_but_not_billed():
     )
     x = torch.randn(B, T, D, requires_grad=True)
     loss = model(x).pow(2).mean()
-    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    report = rr.saved_tensors_report(loss, model=model, inputs=x)
 
     assert [(r.layer, r.region, r.bytes) for r in report.deferred] == [
         (f"layers.{i}", f"layers.{i}.proj", ACT) for i in range(layers)
@@ -144,7 +146,7 @@ def test_deferred_inputs_are_listed_but_not_billed():
     assert kinds == {CACHED: layers * ACT, CHECKPOINT_INPUT: (layers - 1) * ACT, OUTSIDE: ACT}
     assert not [r for r in report.rows if r.kind == KEPT]  # W is a parameter
     loss.backward()
-    assert rt.saved_tensors_report(loss).rows == []
+    assert rr.saved_tensors_report(loss).rows == []
 
 
 class NormedLayer(nn.Module):
@@ -178,7 +180,7 @@ def test_regions_are_found_whatever_contexts_the_checkpoint_composes(extra):
     )
     x = torch.randn(B, T, D, requires_grad=True)
     loss = model(x).pow(2).mean()
-    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    report = rr.saved_tensors_report(loss, model=model, inputs=x)
     for i in range(2):  # its cached output; its input (the norm's output) is deferred
         assert report.by_region()[f"{i}.proj"] == model[i].proj.region_saved_bytes == ACT
     assert [(r.layer, r.kind) for r in report.rows if r.region == "1.proj"] == [("1", CACHED)]
@@ -218,13 +220,13 @@ def test_what_selective_checkpoints_keep_is_billed(by):
         )
     x = torch.randn(B, T, D, requires_grad=True)
     loss = model(x).pow(2).mean()
-    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    report = rr.saved_tensors_report(loss, model=model, inputs=x)
     kept = [(r.layer, r.op, r.bytes) for r in report.rows if r.kind == SELECTIVE]
     suffix = ".inner" if by == "torch" else ""  # the module the checkpoint runs
     assert kept == [(f"layers.{i}{suffix}", "mm", ACT) for i in range(3)]
     assert report.by_kind()[CHECKPOINT_INPUT] == 2 * ACT  # layers 1 and 2
     loss.backward()
-    assert rt.saved_tensors_report(loss).rows == []
+    assert rr.saved_tensors_report(loss).rows == []
 
 
 class TwoReaders(nn.Module):
@@ -261,7 +263,7 @@ def test_a_storage_two_regions_keep_is_billed_once():
     x = torch.randn(B, T, D)
     h = torch.randn(B, T, D, requires_grad=True)
     loss = model(h * x).sum()  # h * x: the first layer's input, made in the forward
-    report = rt.saved_tensors_report(loss, model=model, inputs=(x, h))
+    report = rr.saved_tensors_report(loss, model=model, inputs=(x, h))
     regions = report.by_region()
     for i in range(2):
         a, b = model.layers[i].a, model.layers[i].b
@@ -322,7 +324,7 @@ def test_a_storage_several_layers_hold_is_billed_to_the_first():
     )
     x = torch.randn(B, T, D, requires_grad=True)
     loss = model(x).pow(2).mean()
-    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    report = rr.saved_tensors_report(loss, model=model, inputs=x)
     regions = report.by_region()
     # each keeps its input (linear) and tanh's output, and caches its output and the bias
     assert [layer.attn.region_saved_bytes for layer in model.layers] == [4 * ACT] * 3
@@ -388,7 +390,7 @@ def test_arguments_a_checkpoint_holds_as_they_are_are_billed(by_partial):
         )
     x = torch.randn(B, T, D, requires_grad=True)
     loss = model(x, by_partial).pow(2).mean()
-    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    report = rr.saved_tensors_report(loss, model=model, inputs=x)
     kinds = {k: v for k, v in report.by_kind().items() if k != RNG}
     # per layer: its input, the tuple's tensor and the cache's; outside: the output (pow)
     assert kinds == {CHECKPOINT_INPUT: 2 * 3 * ACT, OUTSIDE: ACT}
@@ -397,7 +399,7 @@ def test_arguments_a_checkpoint_holds_as_they_are_are_billed(by_partial):
     assert len(inputs) == 6 and {op for _, op in inputs} == names
     assert {layer for layer, _ in inputs} == {"layers.0", "layers.1"}
     loss.backward()
-    assert rt.saved_tensors_report(loss).rows == []
+    assert rr.saved_tensors_report(loss).rows == []
 
 
 @needs_saved_values
@@ -408,7 +410,7 @@ def test_without_any_checkpoint():
     x = torch.randn(B, T, D, requires_grad=True)
     y = lin(x).sin()  # linear saves x and W (not billed); sin saves lin(x)
     loss = (y * y).sum()  # mul saves y twice: one storage
-    report = rt.saved_tensors_report(loss, model=lin, inputs=x)
+    report = rr.saved_tensors_report(loss, model=lin, inputs=x)
     assert [(r.kind, r.op, r.bytes) for r in report.rows] == [
         (OUTSIDE, "sin", ACT),
         (OUTSIDE, "mul", ACT),
@@ -424,27 +426,27 @@ def test_a_long_table_points_to_the_summary(capsys):
     for _ in range(120):  # each tanh saves its output: 120 storages
         h = h.tanh()
     loss = h.sum()
-    report = rt.print_saved_tensors_report(loss, inputs=x)
+    report = rr.print_saved_tensors_report(loss, inputs=x)
     table = capsys.readouterr().out
     assert len(report.rows) == 120 and report.total_bytes == 120 * 4 * 8 * 4
     assert "(120 rows: summary() gives one line per layer" in table
     assert "rows:" not in report.format(max_rows=10)
-    rt.print_saved_tensors_report(loss, inputs=x, summary=True)
+    rr.print_saved_tensors_report(loss, inputs=x, summary=True)
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].split() == ["-", "-", "saved", "outside", "checkpoints", "120", "15360"]
     with pytest.raises(TypeError, match="no format options"):
-        rt.print_saved_tensors_report(loss, summary=True, max_rows=3)
+        rr.print_saved_tensors_report(loss, summary=True, max_rows=3)
 
 
 @needs_saved_values
 def test_label_layers_names_the_layers_of_a_model_without_checkpoints():
     model = norm_matmul_silu(3, D)
     x = torch.randn(B, T, D)
-    plain = rt.saved_tensors_report(model(x).pow(2).mean(), model=model, inputs=x)
-    with rt.label_layers(model, ["layers.0", "layers.1", "layers.2"]):
+    plain = rr.saved_tensors_report(model(x).pow(2).mean(), model=model, inputs=x)
+    with rr.label_layers(model, ["layers.0", "layers.1", "layers.2"]):
         loss = model(x).pow(2).mean()
     assert not model.layers[0]._forward_pre_hooks and not model.layers[0]._forward_hooks
-    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    report = rr.saved_tensors_report(loss, model=model, inputs=x)
     assert report.total_bytes == plain.total_bytes
     layers = report.by_layer()
     assert list(layers) == ["layers.0", "layers.1", "layers.2", None]  # forward order
@@ -465,11 +467,11 @@ def test_inside_a_replay():
     model = _checkpointed(norm_matmul_silu(2, D), (type(norm_matmul_silu(1, D).layers[0].proj),))
     x = torch.randn(B, T, D, requires_grad=True)
     loss = model(x).pow(2).mean()
-    before = rt.saved_tensors_report(loss, model=model, inputs=x)
+    before = rr.saved_tensors_report(loss, model=model, inputs=x)
     taken = []
 
     def hook(module, args, out):  # registered after the forward: runs in the replay only
-        taken.append(rt.saved_tensors_report(loss, model=model, inputs=x))
+        taken.append(rr.saved_tensors_report(loss, model=model, inputs=x))
 
     handle = model.layers[0].norm.register_forward_hook(hook)
     loss.backward()
@@ -482,7 +484,7 @@ def test_inside_a_replay():
     assert sorted(still, key=repr) == sorted(layer0, key=repr)
     assert not [r for r in during.rows if r.layer == "layers.1"]
     assert [r for r in during.rows if r.kind == REPLAYED and r.layer == "layers.0"]
-    assert rt.saved_tensors_report(loss).rows == []
+    assert rr.saved_tensors_report(loss).rows == []
 
 
 @needs_saved_values
@@ -493,16 +495,16 @@ def test_after_a_backward_that_retains_the_graph():
     model = _checkpointed(norm_matmul_silu(2, D), (type(norm_matmul_silu(1, D).layers[0].proj),))
     x = torch.randn(B, T, D, requires_grad=True)
     loss = model(x).pow(2).mean()
-    before = rt.saved_tensors_report(loss, model=model, inputs=x)
+    before = rr.saved_tensors_report(loss, model=model, inputs=x)
     assert before.deferred_bytes == 2 * ACT
     loss.backward(retain_graph=True)
-    after = rt.saved_tensors_report(loss, model=model, inputs=x)
+    after = rr.saved_tensors_report(loss, model=model, inputs=x)
     assert after.deferred == []
     bound = [(r.layer, r.region, r.op) for r in after.rows if r.kind == REPLAYED and r.bytes == ACT]
     assert bound == [(f"layers.{i}", f"layers.{i}.proj", "mm") for i in range(2)]
     assert sum(r.bytes for r in after.rows if r.kind != REPLAYED) == before.total_bytes
     loss.backward()
-    assert rt.saved_tensors_report(loss).rows == []
+    assert rr.saved_tensors_report(loss).rows == []
 
 
 @needs_saved_values
@@ -514,9 +516,9 @@ def test_between_split_backward_passes():
     model = _checkpointed(norm_matmul_silu(2, D), (type(norm_matmul_silu(1, D).layers[0].proj),))
     x = torch.randn(B, T, D, requires_grad=True)
     loss = model(x).pow(2).mean()
-    before = rt.saved_tensors_report(loss, model=model, inputs=x)
+    before = rr.saved_tensors_report(loss, model=model, inputs=x)
     torch.autograd.grad(loss, [x], retain_graph=True)
-    between = rt.saved_tensors_report(loss, model=model, inputs=x)
+    between = rr.saved_tensors_report(loss, model=model, inputs=x)
     replayed = [r for r in between.rows if r.kind == REPLAYED]
     assert replayed and {r.layer for r in replayed} == {"layers.0", "layers.1"}
     kinds = {r.kind for r in before.rows}
@@ -524,7 +526,7 @@ def test_between_split_backward_passes():
     torch.autograd.grad(loss, list(model.parameters()))
     # the weight pass read and dropped them (what nodes the weight pass does not run
     # read stays, small here, until the graph goes)
-    after = rt.saved_tensors_report(loss).by_kind().get(REPLAYED, 0)
+    after = rr.saved_tensors_report(loss).by_kind().get(REPLAYED, 0)
     assert after < sum(r.bytes for r in replayed) / 20
 
 
@@ -544,7 +546,7 @@ def test_offloaded_tensors_are_billed_as_host_copies():
     layer = rt.checkpoint_wrapper(layer)
     x = torch.randn(B, T, D, requires_grad=True)
     loss = layer(x).sum()
-    report = rt.saved_tensors_report(loss, model=layer, inputs=x)
+    report = rr.saved_tensors_report(loss, model=layer, inputs=x)
     host = [r for r in report.rows if r.region == "lin"]
     assert host and all(r.kind == "offloaded (host)" for r in host)
     assert sum(r.bytes for r in host) == layer.lin.region_saved_bytes == ACT  # the output
@@ -559,7 +561,7 @@ def test_offloaded_tensors_are_billed_as_host_copies():
 def test_oom_report_names_the_running_region_and_lists_largest_first():
     model = _checkpointed(norm_matmul_silu(2, D), (type(norm_matmul_silu(1, D).layers[0].proj),))
     out = io.StringIO()
-    with rt.install_oom_report(model, file=out, max_rows=3) as handle:
+    with rr.install_oom_report(model, file=out, max_rows=3) as handle:
         # The allocator would call this when an allocation fails inside layer 1's matmul.
         def inside(module, args, result):
             handle.on_out_of_memory(0, 1 << 30, 2 << 30, 0)
@@ -587,7 +589,7 @@ def test_report_needs_a_pytorch_that_exposes_saved_values(monkeypatch):
     monkeypatch.setattr(_compat, "saved_values_readable", lambda: False)
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(RuntimeError, match="Upgrade PyTorch"):
-        rt.saved_tensors_report(x.sin().sum())
+        rr.saved_tensors_report(x.sin().sum())
 
 
 # --------------------------------------------------------------------------- the command

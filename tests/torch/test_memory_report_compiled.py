@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import recomp.torch as rt
+import recomp.torch.report as rr
 from recomp._report import COMPILED, OUTSIDE
 from recomp.cli.torch.models import norm_matmul_silu
 from recomp.torch import _compat
@@ -26,9 +27,9 @@ def test_a_compiled_model_is_billed_to_its_graphs():
     rt.apply_activation_checkpointing(model, checkpoint_fn=lambda m: m in layers)
     compiled = torch.compile(model, backend="aot_eager")
     x = torch.randn(B, T, D, requires_grad=True)
-    eager = rt.saved_tensors_report(model(x).pow(2).mean(), model=model, inputs=x)
+    eager = rr.saved_tensors_report(model(x).pow(2).mean(), model=model, inputs=x)
     loss = compiled(x).pow(2).mean()
-    report = rt.saved_tensors_report(loss, model=model, inputs=x)
+    report = rr.saved_tensors_report(loss, model=model, inputs=x)
     kinds = report.by_kind()
     # what the graph keeps (at least each layer's output, which the next reads) is
     # the graph's; the output, saved by pow after the graph, is outside
@@ -39,4 +40,4 @@ def test_a_compiled_model_is_billed_to_its_graphs():
     assert "Saved by a compiled graph" in str(report)
     assert "Saved by a compiled graph" not in str(eager)
     loss.backward()
-    assert rt.saved_tensors_report(loss).rows == []
+    assert rr.saved_tensors_report(loss).rows == []

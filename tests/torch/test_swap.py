@@ -5,6 +5,8 @@ and back per layer counted exactly."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -12,7 +14,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import recomp.torch as rt
-from recomp.torch import CheckpointPolicy, SwapPolicyError
+import recomp.torch.hyperparallel as hp
+from host_copies import recorded_host_copies
+from recomp.errors import SwapPolicyError
+from recomp.torch import CheckpointPolicy
 from recomp.torch._offload import ENV_HOST_COPY, default_offloader
 
 SIN = torch.ops.aten.sin.default
@@ -54,6 +59,26 @@ def swap_sin(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
     return CheckpointPolicy.MUST_SWAP if op is SIN else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+#: PyTorch's own offload members (``torch.utils.checkpoint.CheckpointPolicy``), where it has them.
+TORCH_OFFLOAD = [
+    getattr(torch.utils.checkpoint.CheckpointPolicy, name)
+    for name in ("MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD")
+    if hasattr(torch.utils.checkpoint.CheckpointPolicy, name)
+]
+needs_offload_members = pytest.mark.skipif(
+    not TORCH_OFFLOAD, reason="this PyTorch's CheckpointPolicy has no offload members"
+)
+
+
+def offload_sin(member):  # type: ignore[no-untyped-def]
+    """A policy returning PyTorch's ``member`` for sin."""
+
+    def policy(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return member if op is SIN else torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
 def recompute_all(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -61,13 +86,7 @@ def recompute_all(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
 @pytest.fixture
 def groups(monkeypatch: pytest.MonkeyPatch) -> list:  # type: ignore[type-arg]
     """Host-copy mode on; every offload group opened in the test, in order."""
-    monkeypatch.setenv(ENV_HOST_COPY, "1")
-    opened: list = []  # type: ignore[type-arg]
-    off = default_offloader()
-    monkeypatch.setattr(off, "group_opened", opened.append)
-    yield opened
-    off.synchronize()
-    assert off.pending_copies == 0
+    yield from recorded_host_copies(monkeypatch)
 
 
 def step(model: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], OpCounter]:
@@ -91,9 +110,10 @@ def test_policy_values() -> None:
     assert as_policy(False, "f") is CheckpointPolicy.PREFER_RECOMPUTE
     torch_policy = torch.utils.checkpoint.CheckpointPolicy.MUST_RECOMPUTE
     assert as_policy(torch_policy, "f") is CheckpointPolicy.MUST_RECOMPUTE
-    # Newer PyTorch has MUST_CPU_OFFLOAD in its own enum (2.9 has not): not a HyperParallel policy.
-    offload = getattr(torch.utils.checkpoint.CheckpointPolicy, "MUST_CPU_OFFLOAD", None)
-    for bad in (7, 0, "MUST_SAVE", None, *([offload] if offload is not None else [])):
+    # PyTorch's offload members (2.14 has them, 2.9 not) are HyperParallel's swap.
+    for offload in TORCH_OFFLOAD:
+        assert as_policy(offload, "f") is CheckpointPolicy.MUST_SWAP
+    for bad in (7, 0, "MUST_SAVE", None):
         with pytest.raises(SwapPolicyError, match="not a policy"):
             as_policy(bad, "f")
 
@@ -109,11 +129,9 @@ def test_names_exported() -> None:
     for name in (
         "CheckpointPolicy", "create_selective_checkpoint_contexts", "noop_context_fn",
         "is_compiling", "ignore_sac_ops", "async_save_on_cpu", "AsyncSaveOnCpu",
-        "SwapPolicyError",
     ):
-        assert name in rt.__all__ and hasattr(rt, name)
-    assert rt.noop_context_fn() is torch.utils.checkpoint.noop_context_fn
-    assert rt.is_compiling() is False
+        assert name in hp.__all__ and hasattr(hp, name)
+    assert hp.is_compiling() is False
 
 
 @pytest.mark.parametrize("policy", [swap_sin, recompute_all])
@@ -210,7 +228,7 @@ def test_async_save_on_cpu_per_tensor_policy(groups: list) -> None:  # type: ign
 
     model.zero_grad()
     xr = x.detach().requires_grad_(True)
-    with rt.async_save_on_cpu(policy):
+    with hp.async_save_on_cpu(policy):
         loss = model(xr).pow(2).sum()
     loss.backward()
     got = [p.grad for p in model.parameters()] + [xr.grad]
@@ -227,7 +245,7 @@ def test_async_save_on_cpu_invalid_policy() -> None:
     x = torch.randn(4, 4, requires_grad=True)
     with (
         pytest.raises(SwapPolicyError, match="MUST_SAVE or MUST_SWAP"),
-        rt.async_save_on_cpu(lambda t: CheckpointPolicy.PREFER_SAVE),
+        hp.async_save_on_cpu(lambda t: CheckpointPolicy.PREFER_SAVE),
     ):
         torch.sin(x)
 
@@ -239,7 +257,7 @@ def test_must_swap_needs_a_recomp_checkpoint() -> None:
             torch.sin,
             x,
             use_reentrant=False,
-            context_fn=lambda: rt.create_selective_checkpoint_contexts(swap_sin),
+            context_fn=lambda: hp.create_selective_checkpoint_contexts(swap_sin),
         )
 
 
@@ -251,7 +269,7 @@ def test_user_context_fn_with_must_swap(groups: list) -> None:  # type: ignore[t
         return torch.sin(x @ w) @ w  # the second matmul saves sin's output
 
     out = rt.checkpoint(
-        layer, x, context_fn=lambda: rt.create_selective_checkpoint_contexts(swap_sin)
+        layer, x, context_fn=lambda: hp.create_selective_checkpoint_contexts(swap_sin)
     )
     counter = OpCounter()
     with counter:
@@ -270,7 +288,7 @@ def test_list_policy_and_group_swap_without_policy() -> None:
     for a, b in zip(want, got):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="OpOverload"):
-        rt.create_selective_checkpoint_contexts([torch.ops.aten.addmm])
+        hp.create_selective_checkpoint_contexts([torch.ops.aten.addmm])
     with pytest.raises(TypeError, match="swap_inputs"):
         rt.checkpoint(torch.sin, torch.randn(2, requires_grad=True), swap_inputs=1)
 
@@ -306,6 +324,88 @@ def test_must_swap_under_compile_raises() -> None:
         g(torch.randn(4, 8, requires_grad=True))
 
 
+
+# --------------------------------------------------------------------------- PyTorch's offload
+
+
+@needs_offload_members
+@pytest.mark.parametrize("name", ["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"])
+def test_pytorch_offload_policies_swap_in_a_recomp_checkpoint(groups: list, name: str) -> None:  # type: ignore[type-arg]
+    member = getattr(torch.utils.checkpoint.CheckpointPolicy, name)
+    model = make_model()
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+    for block in model:
+        rt.checkpoint_wrapper(block, policy_fn=offload_sin(member))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a swap group is there: PREFER_ is no fallback
+        got, counter = step(model, x)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert counter.counts.get(SIN, 0) == 0  # kept, never recomputed
+    # one sin output (4 x 32 float32) per layer to the host and back, as MUST_SWAP
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(512, 512)] * 3
+
+
+@needs_offload_members
+def test_prefer_cpu_offload_without_a_recomp_checkpoint_is_saved_and_said_once() -> None:
+    from recomp._policy import _FALLBACKS_SAID
+
+    _FALLBACKS_SAID.clear()
+    member = torch.utils.checkpoint.CheckpointPolicy.PREFER_CPU_OFFLOAD
+    model = make_model(2)
+    x = torch.randn(4, 16)
+    want = grads(model, x)
+
+    def run(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(
+            block, h, use_reentrant=False,
+            context_fn=lambda: hp.create_selective_checkpoint_contexts(offload_sin(member)),
+        )
+
+    x1 = x.detach().requires_grad_(True)
+    with pytest.warns(UserWarning, match="PREFER_CPU_OFFLOAD .* saved on the device") as said:
+        loss = run(model[1], run(model[0], x1)).pow(2).sum()
+    assert len([w for w in said if "PREFER_CPU_OFFLOAD" in str(w.message)]) == 1
+    model.zero_grad()
+    counter = OpCounter()
+    with counter:
+        loss.backward()
+    got = [p.grad for p in model.parameters()] + [x1.grad]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert counter.counts.get(SIN, 0) == 0  # saved by PyTorch: not recomputed
+
+
+@needs_offload_members
+def test_must_cpu_offload_without_a_recomp_checkpoint_names_what_was_returned() -> None:
+    member = torch.utils.checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD
+    block = make_model(1)[0]
+    with pytest.raises(SwapPolicyError, match=r"returned MUST_CPU_OFFLOAD for aten\.sin.* recomp"):
+        torch.utils.checkpoint.checkpoint(
+            block, torch.randn(4, 16, requires_grad=True), use_reentrant=False,
+            context_fn=lambda: hp.create_selective_checkpoint_contexts(offload_sin(member)),
+        )
+
+
+@needs_offload_members
+def test_pytorch_offload_policies_under_compile_are_pytorchs_to_place() -> None:
+    member = torch.utils.checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x @ w) * 2
+
+    x = torch.randn(4, 8, requires_grad=True)
+    want = torch.autograd.grad(layer(x).sum(), (x, w))
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: rt.checkpoint(layer, x, policy_fn=offload_sin(member)),
+                      backend="aot_eager")
+    got = torch.autograd.grad(f(x).sum(), (x, w))
+    for a, b in zip(want, got):
+        torch.testing.assert_close(a, b)
+
+
 # --------------------------------------------------------------------------- swap, manager
 
 
@@ -327,7 +427,7 @@ def test_swap_wrapper_exact_bytes_and_no_replay(groups: list) -> None:  # type: 
     assert counter.counts.get(SIN, 0) == 0
     expected = saved_by_block()
     assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(expected, expected)] * 3
-    assert [g.name for g in groups] == [rt.SwapManager().group_name(b, b) for b in model]
+    assert [g.name for g in groups] == [hp.SwapManager().group_name(b, b) for b in model]
 
 
 def test_swap_function_with_per_tensor_policy(groups: list) -> None:  # type: ignore[type-arg]
@@ -348,9 +448,9 @@ def test_swap_function_with_per_tensor_policy(groups: list) -> None:  # type: ig
 
 
 def test_swap_manager_is_one_object() -> None:
-    assert rt.SwapManager() is rt.SwapManager()
+    assert hp.SwapManager() is hp.SwapManager()
     with pytest.raises(TypeError, match="modules"):
-        rt.SwapManager().set_forward_prefetch_layer(lambda x: x, nn.Linear(2, 2))
+        hp.SwapManager().set_forward_prefetch_layer(lambda x: x, nn.Linear(2, 2))
 
 
 def _prefetch_order(
@@ -363,7 +463,7 @@ def _prefetch_order(
     monkeypatch.setattr(off, "trace", lambda event, name: events.append((event, name)))
     x = torch.randn(4, 16, requires_grad=True)
     model(x).pow(2).sum().backward()
-    names = {rt.SwapManager().group_name(b, b): f"L{i}" for i, b in enumerate(model)}
+    names = {hp.SwapManager().group_name(b, b): f"L{i}" for i, b in enumerate(model)}
     kinds: dict[str, set[str]] = {}
     ahead: list[str] = []
     for event, name in events:
@@ -389,7 +489,7 @@ def test_prefetch_follows_set_pairs(groups: list, monkeypatch) -> None:  # type:
     model = make_model(4)
     for block in model:
         rt.checkpoint_wrapper(block, swap_inputs=True)
-    manager = rt.SwapManager()
+    manager = hp.SwapManager()
     manager.set_forward_prefetch_layer(model[1], model[3])  # L3's backward brings L1 back
     manager.set_forward_prefetch_layer(model[0], model[2])  # L2's backward brings L0 back
     try:
@@ -412,7 +512,7 @@ def test_native_contexts_and_wrapper_class() -> None:
     out = rt.checkpoint(
         lambda t: torch.sin(t).exp(),
         x,
-        context_fn=lambda: rt.create_native_selective_checkpoint_contexts(save_sin),
+        context_fn=lambda: hp.create_native_selective_checkpoint_contexts(save_sin),
     )
     counter = OpCounter()
     with counter:
@@ -423,11 +523,11 @@ def test_native_contexts_and_wrapper_class() -> None:
             torch.sin,
             x,
             use_reentrant=False,
-            context_fn=lambda: rt.create_native_selective_checkpoint_contexts(swap_sin),
+            context_fn=lambda: hp.create_native_selective_checkpoint_contexts(swap_sin),
         )
     block = rt.checkpoint_wrapper(nn.Linear(2, 2))
     excluded = rt.checkpoint_exclude_wrapper(nn.Linear(2, 2))
-    wrapper = rt.get_class_activation_wrapper()
+    wrapper = hp.get_class_activation_wrapper()
     assert isinstance(block, wrapper) and isinstance(excluded, wrapper)
     assert not isinstance(nn.Linear(2, 2), wrapper)
 
@@ -450,7 +550,7 @@ def test_group_swap_packs_small_tensors_in_one_copy(groups: list) -> None:  # ty
 
 
 def test_cpu_pool_is_reused_and_empty_after_each_step(groups: list) -> None:  # type: ignore[type-arg]
-    pool = rt.PinnedMemoryPool(max_host_bytes=1 << 16)
+    pool = hp.PinnedMemoryPool(max_host_bytes=1 << 16)
     model = make_model()
     x = torch.randn(4, 16)
     want = grads(model, x)
@@ -465,13 +565,13 @@ def test_cpu_pool_is_reused_and_empty_after_each_step(groups: list) -> None:  # 
         reserved.append(pool.reserved_bytes)
     # 3 layers x (input 256 B -> 1 KiB block, sin output 512 B -> 1 KiB block)
     assert reserved == [6 * 1024] * 3
-    small = rt.PinnedMemoryPool(max_host_bytes=2048)
+    small = hp.PinnedMemoryPool(max_host_bytes=2048)
     for block in model:
         rt.checkpoint_wrapper(rt.unwrap(block), swap_inputs=True, cpu_pool=small)
     with pytest.raises(RuntimeError, match="PinnedMemoryPool capacity exceeded"):
         model(torch.randn(4, 16, requires_grad=True))
     with pytest.raises(TypeError, match="cpu_pool"):
-        rt.async_save_on_cpu(cpu_pool=object())
+        hp.async_save_on_cpu(cpu_pool=object())
 
 
 def test_unwrap_removes_swap_hooks(groups: list) -> None:  # type: ignore[type-arg]
@@ -583,7 +683,7 @@ class ScaledLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = torch.sigmoid(x.detach()) + 1
-        self.scales.append(rt.swap_tensor_wrapper(scale, tag=self.tag))
+        self.scales.append(hp.swap_tensor_wrapper(scale, tag=self.tag))
         return _ScaleKeptOutside.apply(self.fc(x), scale)
 
 
@@ -606,7 +706,7 @@ def test_swap_tensor_wrapper_empties_and_refills_in_place(groups: list) -> None:
     for a, b in zip(want, got):
         assert torch.equal(a, b)  # type: ignore[arg-type]
     assert [(g.offloaded_bytes, g.restored_bytes) for g in groups] == [(256, 256)] * 2
-    assert rt.swap_tensor_wrapper(x) is x  # no layer around it: nothing to do
+    assert hp.swap_tensor_wrapper(x) is x  # no layer around it: nothing to do
 
 
 def test_swap_tensor_wrapper_tag_names_the_tensors_in_the_trace(groups: list) -> None:  # type: ignore[type-arg]
@@ -619,10 +719,10 @@ def test_swap_tensor_wrapper_tag_names_the_tensors_in_the_trace(groups: list) ->
     loss = model(x).pow(2).sum()
     with offload_events(default_offloader()) as events:
         loss.backward()
-    names = [rt.SwapManager().group_name(m, m) for m in model]
+    names = [hp.SwapManager().group_name(m, m) for m in model]
     assert sorted(name for _, name in events) == sorted([f"{names[0]}/scale", names[1]])
     with pytest.raises(TypeError, match="tag must be a str"):
-        rt.swap_tensor_wrapper(x, tag=3)
+        hp.swap_tensor_wrapper(x, tag=3)
 
 
 NEG = torch.ops.aten.neg.default
@@ -642,22 +742,38 @@ class NegTail(nn.Module):
         return self.fc2(torch.sin(h)) + torch.neg(h)
 
 
+def neg_tail_model() -> tuple[nn.Sequential, torch.Tensor, list[torch.Tensor]]:
+    """Two NegTail layers, an input, and the gradients of the model without checkpointing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(NegTail(16), NegTail(32))
+    x = torch.randn(4, 16)
+    return model, x, grads(model, x)
+
+
 def swap_sin_and_neg(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
     if op is SIN or op is NEG:
         return CheckpointPolicy.MUST_SWAP
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+#: Checkpoint options that push saved-tensor hooks of their own on top of the checkpoint's.
+OTHER_HOOKS = {"none": {}, "value check": {"determinism_check": "values"}, "debug": {"debug": True}}
+
+
+@pytest.mark.parametrize("hooked", list(OTHER_HOOKS))
 @pytest.mark.parametrize("early_stop", [True, False])
 def test_must_swap_output_the_backward_never_reads_is_not_brought_back(  # type: ignore[no-untyped-def]
-    groups: list, early_stop: bool  # type: ignore[type-arg]
+    groups: list, early_stop: bool, hooked: str  # type: ignore[type-arg]
 ) -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(NegTail(16), NegTail(32))
-    x = torch.randn(4, 16)
-    want = grads(model, x)
+    """The value check and the debug log push saved-tensor hooks of their own on top of the
+    checkpoint's, inside the stage where the invocation asks for the save counter: a
+    counter asked again there (by the per-op policy itself) would find no checkpoint and
+    drop nothing. The invocation, which asks once below them, drops as without them."""
+    model, x, want = neg_tail_model()
     for block in model:
-        rt.checkpoint_wrapper(block, policy_fn=swap_sin_and_neg, early_stop=early_stop)
+        rt.checkpoint_wrapper(
+            block, policy_fn=swap_sin_and_neg, early_stop=early_stop, **OTHER_HOOKS[hooked]
+        )
     got, counter = step(model, x)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
@@ -671,3 +787,46 @@ def test_must_swap_output_the_backward_never_reads_is_not_brought_back(  # type:
     else:
         # the replay reaches the neg and reads its kept output: out and back
         assert moved == [(2 * n, 2 * n) for n in sin_out]
+
+
+def test_must_swap_output_in_a_nested_checkpoint_is_dropped(groups: list) -> None:  # type: ignore[type-arg]
+    """The enclosing checkpoint's replay re-runs a nested one whole and reads back its
+    region calls and collectives, which it therefore keeps; but a re-run keeps op outputs
+    of its own, so the nested forward's kept outputs that its own replay never reaches are
+    dropped there too."""
+    model, x, want = neg_tail_model()
+    for block in model:
+        rt.checkpoint_wrapper(block, policy_fn=swap_sin_and_neg, early_stop=True)
+    model.zero_grad()
+    xr = x.detach().requires_grad_(True)
+    loss = rt.checkpoint(model, xr).pow(2).sum()
+    sin_out = [4 * 32 * 4, 4 * 64 * 4]
+    # the two layers' forward groups: each sin output, not the neg's
+    assert [g.offloaded_bytes for g in groups] == sin_out
+    loss.backward()
+    got = [p.grad for p in model.parameters()] + [xr.grad]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)  # type: ignore[arg-type]
+    assert [g.restored_bytes for g in groups[:2]] == sin_out
+
+
+def test_swapped_steps_leave_no_reference_cycles(groups: list) -> None:  # type: ignore[type-arg]
+    # Each swapped call's hooks are freed by reference counting: a step leaves nothing for
+    # the garbage collector (a cycle per call held its hooks until a collection).
+    import gc
+
+    model = make_model()
+    for block in model:
+        hp.swap_wrapper(block)
+    x = torch.randn(4, 16)
+    step(model, x)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            step(model, x)
+        found = gc.collect()
+    finally:
+        gc.enable()
+    assert found == 0
+    assert len(groups) == 4 * 3 and all(g.offloaded_bytes > 0 for g in groups)

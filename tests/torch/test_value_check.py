@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import recomp
+import recomp.errors
 import recomp.torch as rt
 from recomp.torch import _value_check
 
@@ -111,6 +112,13 @@ def test_a_buffer_changed_in_place_between_forward_and_backward() -> None:
     out = rt.checkpoint(model, torch.randn(4, 8, requires_grad=True), determinism_check="values")
     with torch.no_grad():
         model.shift.mul_(2)
+    # The version counter tells first, and names the buffer.
+    with pytest.raises(recomp.errors.ParameterChangedError, match=r"[Bb]uffer 'shift'"):
+        out.sum().backward()
+    # A write through ``.data`` leaves no trace in the version counter (autograd does not
+    # see it either): the values check still catches it.
+    out = rt.checkpoint(model, torch.randn(4, 8, requires_grad=True), determinism_check="values")
+    model.shift.data.mul_(2)
     with pytest.raises(recomp.ReplayMismatchError, match=r"computed by tanh"):
         out.sum().backward()
 

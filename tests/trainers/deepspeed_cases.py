@@ -330,13 +330,27 @@ def configure_options(rank: int, world_size: int) -> dict[str, Any]:
             str(w.message) for w in caught if issubclass(w.category, IneffectiveSelectionWarning)
         ]
 
-        # Partitioned over 2 model-parallel ranks: refused.
+        # Partitioned over 2 model-parallel ranks: each checkpoint's input kept split and
+        # gathered once by its replay. The ranks of a model-parallel group hold the same
+        # activations: both run rank 0's step.
+        from recomp.torch.collectives import count_collectives
+
+        ds_checkpointing.configure(None)
+        same_everywhere = _plain_step(model, 0)
         ds_checkpointing.configure(_ModelParallelUnit(world_size), partition_activations=True)
+        with count_collectives() as counts:
+            grads = _plain_step(model, 0)
+        out["partitioned_grads_equal"] = _same(grads, same_everywhere)[0]
+        out["partitioned_collectives"] = counts.as_dict()
+        # With host checkpointing as well: refused, naming both options.
+        ds_checkpointing.configure(
+            _ModelParallelUnit(world_size), partition_activations=True, checkpoint_in_cpu=True
+        )
         try:
             _plain_step(model, rank)
-            out["partitioned"] = "ran"
+            out["partitioned_on_host"] = "ran"
         except RecompError as exc:
-            out["partitioned"] = str(exc)
+            out["partitioned_on_host"] = str(exc)
         ds_checkpointing.mpu = None
         ds_checkpointing.mp_size = 1
         ds_checkpointing.configure(None)

@@ -401,7 +401,33 @@ def run_dense(rank: int, world_size: int) -> dict:
             wrap=wrap_layers, around=trackers_unknown
         ),
     }
-    return run_variants(False, variants, watched)
+    results = run_variants(False, variants, watched)
+    results["first_input_split"] = first_input_split()
+    return results
+
+
+def first_input_split() -> dict:
+    """Megatron's ``checkpoint(function, True, *args)`` with recomp installed, on a
+    function of two inputs: what the first input's data is after the forward and after
+    the backward, and the gradients."""
+    from megatron.core import tensor_parallel
+
+    import recomp.torch.megatron as recomp_megatron
+
+    with recomp_megatron.install():
+        first = torch.ones(4, 4, requires_grad=True)
+        second = torch.full((4, 4), 2.0, requires_grad=True)
+        out = tensor_parallel.checkpoint(lambda a, b: a * b + a, True, first, second)
+        after_forward = list(first.data.shape)
+        out.sum().backward()
+    return {
+        "output_exact": bool(torch.equal(out.detach(), torch.full((4, 4), 3.0))),
+        "data_after_forward": after_forward,
+        "data_after_backward": list(first.data.shape),
+        "first_grad_exact": bool(torch.equal(first.grad, torch.full((4, 4), 3.0))),
+        "second_grad_exact": bool(torch.equal(second.grad, torch.ones(4, 4))),
+        "second_data": list(second.data.shape),  # only the first input is split
+    }
 
 
 def run_moe(rank: int, world_size: int) -> dict:

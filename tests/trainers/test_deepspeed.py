@@ -251,27 +251,32 @@ def set_options(monkeypatch, **values):
         monkeypatch.setattr(ds, name, value)
 
 
-def test_partitioned_inputs_over_model_parallel_ranks_are_refused(monkeypatch, reference):
+def test_partitioned_inputs_need_deepspeeds_model_parallel_group(monkeypatch, reference):
     model = fresh_model()
     with rtd.install(exclude=(cases.Attention,)):
         set_options(monkeypatch, PARTITION_ACTIVATIONS=True, mp_size=1)
         grads, _ = one_step(model)  # one rank's part is the whole tensor: nothing changes
         assert_same_grads(grads, reference)
-        set_options(monkeypatch, mp_size=2)
-        refused = r"partition_activations=True\) with a model-parallel size of 2"
-        with pytest.raises(RecompError, match=refused):
+        set_options(monkeypatch, mp_size=2, mp_group=None)  # split on 2 ranks (configure_for_real)
+        with pytest.raises(RecompError, match=r"no model-parallel group.*mpu_="):
             one_step(model)
 
 
-def test_host_checkpointing_is_refused_for_inputs_on_a_device(monkeypatch, reference):
+def test_host_checkpointing_keeps_the_inputs_in_host_memory(monkeypatch, reference):
+    from recomp.torch._offload import ENV_HOST_COPY, default_offloader
+
     model = fresh_model()
+    monkeypatch.setenv(ENV_HOST_COPY, "1")  # CPU tensors copied as a device's would be
+    opened = []
+    offloader = default_offloader()
+    monkeypatch.setattr(offloader, "group_opened", opened.append)
     with rtd.install(exclude=(cases.Attention,)):
         set_options(monkeypatch, CPU_CHECKPOINT=True)
-        grads, _ = one_step(model)  # already in host memory
-        assert_same_grads(grads, reference)
-        x = torch.empty(2, 3, device="meta", requires_grad=True)
-        with pytest.raises(RecompError, match=r"checkpoint_in_cpu=True\).*\(meta\)"):
-            ds.checkpoint(lambda t: t * 2, x)
+        grads, _ = one_step(model)
+    offloader.synchronize()
+    assert_same_grads(grads, reference)
+    hidden = 2 * cases.SEQ * cases.HIDDEN * 4  # each block's input (batch 2), float32
+    assert [(g.offloaded_bytes, g.restored_bytes) for g in opened] == [(hidden, hidden)] * cases.BLOCKS
 
 
 @pytest.mark.parametrize(
@@ -407,8 +412,12 @@ def test_configure_for_real(ranks):
         assert len(warned) == 2
         assert "contiguous_memory_optimization has no effect" in warned[0]
         assert "profile has no effect" in warned[1]
-        refused = "partition_activations=True) with a model-parallel size of 2"
-        assert refused in result["partitioned"]
+        assert result["partitioned_grads_equal"]
+        # One all-gather per checkpoint (its hidden states) in the backward, nothing else
+        assert result["partitioned_collectives"]["backward"] == {"all_gather": BLOCKS}
+        assert result["partitioned_collectives"]["forward"] == {}
+        refused = result["partitioned_on_host"]
+        assert "cpu_checkpointing together with partition_activations" in refused
 
 
 @pytest.mark.system

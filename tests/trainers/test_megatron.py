@@ -38,7 +38,8 @@ from recomp.errors import RecompError  # noqa: E402
 pytestmark = [pytest.mark.system, pytest.mark.timeout(400)]
 
 LAYERS = support.LAYERS
-TOLERANCE = 1e-6  # float tolerance; measured: 0.0 in every variant
+TOLERANCE = 1e-6
+SPLIT = "recomp_distributed_inputs"  # distribute_saved_activations=True  # float tolerance; measured: 0.0 in every variant
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +64,17 @@ def moe(reports):
 
 
 def _variants(results: dict, prefix: str = "") -> list[str]:
-    return [k for k in results if k.startswith(prefix) and isinstance(results[k], dict)]
+    return [
+        k for k in results
+        if k.startswith(prefix) and isinstance(results[k], dict) and k != "first_input_split"
+    ]
 
 
 # ------------------------------------------------------------------ gradients
 
 
 def test_gradients_equal_the_model_without_recompute(dense, moe):
-    controls = {"recomp_tracker_unknown", "apply_activation_checkpointing_tracker_unknown",
-                "recomp_distributed_inputs"}
+    controls = {"recomp_tracker_unknown", "apply_activation_checkpointing_tracker_unknown"}
     for results in (*dense, *moe):
         for name in _variants(results):
             if name in controls:
@@ -97,7 +100,7 @@ def test_recomp_runs_the_collectives_of_a_step_without_recompute(dense, moe):
         assert none  # the counter sees the step's collectives
         for name in [*_variants(results, "recomp_"), "apply_activation_checkpointing"]:
             variant = results[name]
-            if "error" in variant or name == "recomp_communicates_again":
+            if "error" in variant or name in ("recomp_communicates_again", SPLIT):
                 continue
             assert variant["collectives"] == none, (name, variant["collectives"], none)
             assert variant["replay"] == {}, (name, variant["replay"])
@@ -203,11 +206,27 @@ def test_checkpoint_without_output_works_as_before(dense):
             assert variant["collectives"] == results["none"]["collectives"]
 
 
-def test_distribute_saved_activations_is_refused_naming_the_field(dense):
+def test_distribute_saved_activations_splits_the_first_input_over_tensor_parallel(dense):
     for results in dense:
-        error = results["recomp_distributed_inputs"]["error"]
-        assert error.startswith("RecompError")
-        assert "TransformerConfig.distribute_saved_activations" in error
+        variant = results[SPLIT]
+        assert "error" not in variant, variant
+        assert variant["max_diff"] <= TOLERANCE
+        # The step's collectives, and one all-gather per checkpoint (its hidden states,
+        # gathered by its replay); none runs again in the replay.
+        none = dict(results["none"]["collectives"])
+        assert variant["collectives"] == {**none, "all_gather": none.get("all_gather", 0) + LAYERS}
+        assert variant["replay"] == {}
+
+
+def test_distribute_saved_activations_in_megatrons_own_terms(dense):
+    # What Megatron's own checkpoint does with it: the first input's data is this
+    # rank's 1-D half until the backward gathers it back; results and gradients exact.
+    for results in dense:
+        split = results["first_input_split"]
+        assert split["output_exact"] and split["first_grad_exact"] and split["second_grad_exact"]
+        assert split["data_after_forward"] == [8]
+        assert split["data_after_backward"] == [4, 4]
+        assert split["second_data"] == [4, 4]
 
 
 # ------------------------------------------------------------------ the installation

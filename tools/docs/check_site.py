@@ -5,8 +5,9 @@ picture), the reference and the troubleshooting page in headless Chromium (Debia
 ``chromium-driver``), and fails on a console error (a script error, a resource that does
 not load), on an image that did not load, or on a page without its title. It also checks
 that the built reference shows every public name of ``recomp``, ``recomp.torch``,
-``recomp.mindspore`` and ``recomp.plan`` and every error class, read from the sources'
-``__all__`` (no framework needed). Saves a screenshot of the front page (``make
+``recomp.mindspore``, their ``report`` and ``hyperparallel`` modules, ``recomp.plan`` and
+``recomp.plan.solver``, and every error class, read from the sources' ``__all__`` (no
+framework needed). Saves a screenshot of the front page (``make
 docs-check`` puts it in ``out/site-front.png``; the README shows
 ``docs/images/site-front.png``, made with ``make docs-check SCREENSHOT=docs/images/site-front.png``).
 
@@ -41,6 +42,17 @@ REFERENCE = {
     "recomp.torch": ("src/recomp/torch/__init__.py", "reference/torch.html"),
     "recomp.mindspore": ("src/recomp/mindspore/__init__.py", "reference/mindspore.html"),
     "recomp.plan": ("src/recomp/plan/__init__.py", "reference/plan.html"),
+    "recomp.torch.report": ("src/recomp/torch/report.py", "reference/torch.html"),
+    "recomp.mindspore.report": ("src/recomp/mindspore/report.py", "reference/mindspore.html"),
+    "recomp.torch.hyperparallel": (
+        "src/recomp/torch/hyperparallel.py",
+        "reference/torch-hyperparallel.html",
+    ),
+    "recomp.mindspore.hyperparallel": (
+        "src/recomp/mindspore/hyperparallel.py",
+        "reference/mindspore-hyperparallel.html",
+    ),
+    "recomp.plan.solver": ("src/recomp/plan/solver.py", "reference/plan.html"),
 }
 ERRORS = "reference/errors.html"
 CHROMIUM_FLAGS = (
@@ -75,7 +87,7 @@ def check_reference(site: Path) -> list[str]:
             if f'id="{package}.{name}"' not in html:
                 problems.append(f"{page}: no entry for {package}.{name}")
     errors_html = (site / ERRORS).read_text()
-    for name in [*public_names(ROOT / "src/recomp/errors.py"), "ReplayStateWarning"]:
+    for name in public_names(ROOT / "src/recomp/errors.py"):
         if f'id="recomp.errors.{name}"' not in errors_html:
             problems.append(f"{ERRORS}: no entry for recomp.errors.{name}")
     return problems

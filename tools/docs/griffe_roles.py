@@ -1,7 +1,8 @@
 """A griffe extension for the documentation site: recomp's docstrings name other objects
 with Sphinx roles (:func:`checkpoint`, :class:`recomp.errors.RecompError`). This turns
 each into a cross-reference that mkdocstrings resolves to the object's entry in the
-reference (a public name of recomp, recomp.torch, recomp.mindspore or recomp.plan), or
+reference (a public name of recomp, recomp.torch, recomp.mindspore, recomp.plan or their
+public sub-modules), or
 into plain code for anything the reference does not show (a private helper, an object
 of another library). A role naming a ``recomp`` object that does not exist is logged
 as a warning, which ``mkdocs build --strict`` turns into a failure.
@@ -28,6 +29,12 @@ PUBLIC_MODULES = (
     "recomp.mindspore",
     "recomp.mindspore.collectives",
     "recomp.plan",
+    "recomp.plan.solver",
+    "recomp.torch.report",
+    "recomp.mindspore.report",
+    # Last: names both a framework package and these have link to the package's entry.
+    "recomp.torch.hyperparallel",
+    "recomp.mindspore.hyperparallel",
 )
 
 # reST's "text::" before an indented literal block: Markdown reads the indented block as

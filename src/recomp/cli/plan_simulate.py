@@ -299,12 +299,13 @@ def stage_plans(
     """One plan for the whole model, made stage by stage: each pipeline rank's layers get
     the budget that rank has left after its parameters, gradients and optimizer states,
     divided by the micro-batches its schedule holds at its peak (one without pipeline
-    parallelism); the activations outside the layers count on the first and last stage.
+    parallelism); of the activations outside the layers, the embeddings' count on the
+    first stage, the head's and the loss's on the last.
     None (and why) where a rank has no room or no plan fits it."""
     from dataclasses import replace as copy_with
 
     from ..plan import make_plan
-    from ..plan.job import job_memory, split_layers
+    from ..plan.job import OutsideLayers, job_memory, split_layers
     from ..plan.planfile import Plan
 
     static = job_memory(params, parallel, **common)
@@ -314,7 +315,15 @@ def stage_plans(
     chosen: dict[int, Any] = {}
     for rank, none_rank in zip(static.ranks, none_job.ranks):
         held = none_rank.peak.microbatches if none_rank.peak is not None else 1
-        room = (budget_bytes - rank.total) // max(held, 1)
+        # A backward step holds more for a while: the loss's buffers on the last stage's
+        # rank, a checkpointed layer's replay (at most a full checkpoint's) on every one.
+        index = [i for i, st in enumerate(stage_of) if st in rank.stages]
+        replay = max(
+            (max(0, profile.layers[i].no_checkpoint_bytes - profile.layers[i].options[1].kept_bytes)
+             for i in index), default=0,
+        )  # fmt: skip
+        loss = OutsideLayers.of(profile).loss_backward if num_stages - 1 in rank.stages else 0
+        room = (budget_bytes - rank.total - max(loss, replay)) // max(held, 1)
         where = f"pipeline rank {rank.rank}: " if len(static.ranks) > 1 else ""
         if room <= 0:
             return None, [
@@ -324,11 +333,11 @@ def stage_plans(
                 "layers (--pp N)"
             ]
         index = [i for i, st in enumerate(stage_of) if st in rank.stages]
-        ends = 0 in rank.stages or num_stages - 1 in rank.stages
+        outside = OutsideLayers.of(profile)
         part = copy_with(
             profile,
             layers=[profile.layers[i] for i in index],
-            shared_bytes=profile.shared_bytes if ends else 0,
+            shared_bytes=max(outside.on_stage(s, num_stages - 1) for s in rank.stages),
         )
         try:
             stage_plan = make_plan(part, f"{int(room)}B")

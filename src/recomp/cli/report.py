@@ -1,5 +1,5 @@
 """``recomp report``: run one forward of a model under a strategy and show where its
-activation memory goes (``recomp.torch.saved_tensors_report``), as a table and a picture.
+activation memory goes (``recomp.torch.report.saved_tensors_report``), as a table and a picture.
 
 The model options are those of ``recomp plan`` and ``recomp bench`` (the built-in decoder's
 size, or ``--model MODULE:FACTORY``, Hugging Face models included); the strategy is one of
@@ -62,7 +62,7 @@ def build_parser() -> CommandParser:
         default="torch",
         help="torch (default) or mindspore: the MindSpore decoder of recomp bench, with "
         "strategies none, full (mindspore.recompute) and exclude:R, recorded during "
-        "one step with recomp.mindspore.record_saved_tensors",
+        "one step with recomp.mindspore.report.record_saved_tensors",
     )
     p.add_argument("--png", metavar="PATH", help="write per-layer stacked bars here")
     p.add_argument(

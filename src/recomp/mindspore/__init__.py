@@ -6,6 +6,10 @@ Same names as ``recomp.torch``::
 
     layer.attn = checkpoint_exclude_wrapper(layer.attn)   # runs once, never replayed
     layer = checkpoint_wrapper(layer)                      # everything else is recomputed
+
+Beside these: ``recomp.mindspore.report`` (what a step saves for backward),
+``recomp.mindspore.hyperparallel`` (HyperParallel's activation-memory API under its
+own names) and ``recomp.mindspore.collectives``. The errors are in ``recomp.errors``.
 """
 
 try:
@@ -16,6 +20,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a MindSpore-less e
         "`pip install recomp[mindspore]`."
     ) from exc
 
+from .._moved import moved_names
 from ._api import (
     CheckpointWrapper,
     ExcludeWrapper,
@@ -26,39 +31,26 @@ from ._api import (
     unwrap,
 )
 from ._dropout import ReplayableDropout
-from ._memory_report import record_saved_tensors
-from ._selective import create_selective_checkpoint_contexts, ignore_sac_ops
-from ._swap import (
-    AsyncSaveOnCpu,
-    CheckpointPolicy,
-    SwapManager,
-    SwapNotSupportedError,
-    SwapPolicyError,
-    async_save_on_cpu,
-    swap,
-    swap_tensor_wrapper,
-    swap_wrapper,
-)
+from ._swap import CheckpointPolicy, swap, swap_wrapper
 
 __all__ = [
-    "AsyncSaveOnCpu",
     "CheckpointPolicy",
     "CheckpointWrapper",
     "ExcludeWrapper",
     "ReplayableDropout",
-    "SwapManager",
-    "SwapNotSupportedError",
-    "SwapPolicyError",
     "apply_activation_checkpointing",
-    "async_save_on_cpu",
     "checkpoint",
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
-    "create_selective_checkpoint_contexts",
-    "ignore_sac_ops",
-    "record_saved_tensors",
     "swap",
-    "swap_tensor_wrapper",
     "swap_wrapper",
     "unwrap",
 ]
+
+# The public sub-modules, there once the package is imported.
+from . import hyperparallel as hyperparallel
+from . import report as report
+
+# Names that moved (to .hyperparallel, .report, recomp.errors) answer with a
+# DeprecationWarning for one release: NOTE [ Moved names ] in recomp._moved.
+__getattr__ = moved_names(__name__)

@@ -10,6 +10,7 @@ import mindspore
 from mindspore import nn
 
 from .. import _engine, _wrapping
+from .._hyperparallel import without_noop
 from .._module_state import warn_unhandled
 from .._op_policy import SelectivePart
 from .._state import get_recompute_state
@@ -73,12 +74,13 @@ def checkpoint(
     MindSpore's own restore misses on CPU; ``save_rng_state=False`` turns that off.
 
     HyperParallel's options: ``policy_fn=`` (per op, see
-    :func:`recomp.mindspore.create_selective_checkpoint_contexts`; ``MUST_SWAP`` keeps an
-    op's output on the host until the replay reads it, never recomputed);
+    :func:`recomp.mindspore.hyperparallel.create_selective_checkpoint_contexts`;
+    ``MUST_SWAP`` keeps an op's output on the host until the replay reads it, never
+    recomputed);
     ``swap_inputs=True`` moves the inputs the checkpoint saves to the host until the
     replay (NOTE [ Swap on MindSpore ] in ``recomp.mindspore._swap``);
     ``group_swap=True`` and ``cpu_pool=`` raise
-    :class:`recomp.mindspore.SwapNotSupportedError`, which says what MindSpore lacks.
+    :class:`recomp.errors.SwapNotSupportedError`, which says what MindSpore lacks.
     A Cell in training called with a KV cache gets it turned off, with a warning
     (see ``recomp.mindspore._cache``).
 
@@ -90,6 +92,8 @@ def checkpoint(
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
+    if context_fn is not None:  # HyperParallel's no-op context_fn: none
+        context_fn = without_noop(context_fn)
     policy_fn, swap_inputs = _swap.checkpoint_swap("checkpoint", kwargs)
     check_callable(function, "checkpoint", "Cell")
     _refuse_value_check(kwargs, "checkpoint")

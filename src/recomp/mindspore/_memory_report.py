@@ -30,7 +30,7 @@ def record_saved_tensors(
             loss, grads = grad_fn(x, y)
         print(record.report)
 
-    ``record.report`` is the same report as ``recomp.torch.saved_tensors_report``
+    ``record.report`` is the same report as ``recomp.torch.report.saved_tensors_report``
     gives (every storage held for backward when the forward ended, billed once, by
     checkpointed layer, excluded region and the Cell that saved it), ready when the
     block ends. ``model`` names layers and regions by their Cell paths and keeps its

@@ -25,6 +25,12 @@ mode around its forward and a replaying mode around each replay:
   check that its inputs have the forward's shapes and dtypes. The policy is not asked
   again: the replay follows the forward's decisions.
 
+A kept output is an entry of the checkpoint call's log of kept op outputs, as on PyTorch
+(``recomp._op_policy``). MindSpore's checkpoint gives recomp no save counter, so the
+invocation never finds an op run after the last saved tensor (rule 8 of NOTE [ How an
+excluded region is kept out of the replay ]): every kept output stays until the graph is
+freed.
+
 Ops the replay never runs are hidden from both modes, so that the two see the same
 ops: those of excluded regions (the backend's ``region_context``; recomp's dropout
 cells draw their mask in one) and recomp's own (keeping, reading, moving). Mutations
@@ -140,6 +146,7 @@ def _mode_classes() -> tuple[type, type]:
         def __init__(self, policy: Any, calls: OpCalls) -> None:
             self.policy = policy
             self.calls = calls
+            calls.forward_started()  # made as the forward's context is entered
 
         def __ms_dispatch__(self, func: Any, args: Any, kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
@@ -154,10 +161,8 @@ def _mode_classes() -> tuple[type, type]:
                 return out
             with ops_hidden():
                 entry = KeptOutput(inputs)
-                if chosen is CheckpointPolicy.MUST_SWAP:
-                    entry.fill(out, _swap_keeper(func.name))
-                else:
-                    entry.fill(out, _alias)
+                keep = _swap_keeper(func.name) if chosen is CheckpointPolicy.MUST_SWAP else _alias
+                self.calls.fill(entry, out, keep)
             self.calls.add(func.name, entry)
             return out
 

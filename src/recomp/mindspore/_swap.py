@@ -60,7 +60,7 @@ from .._policy import CheckpointPolicy, SwapPolicyError, tensor_swapped
 from .._pytree import flatten
 from .._state import is_recomputing
 from .._swap_pairs import OwnScopes, ScopeSlot, SwapHooks, SwapManagerBase, SwapWrappers
-from ..errors import RecompError
+from ..errors import RecompError, SwapNotSupportedError
 from . import _compat
 from ._backend import BACKEND
 from ._plain import PlainFunction
@@ -78,11 +78,6 @@ __all__ = [
 ]
 
 ENV_HOST_COPY = "RECOMP_OFFLOAD_HOST_COPY"
-
-
-class SwapNotSupportedError(RecompError, NotImplementedError):
-    """A swap option that recomp cannot run on MindSpore 2.10 PyNative (the message
-    says what MindSpore lacks)."""
 
 
 def refuse(option: str, lacks: str, instead: str) -> SwapNotSupportedError:

@@ -12,28 +12,20 @@ the predicted activation memory fits the budget, and apply the choice::
     save_plan(plan, "plan.json")
     apply_plan(model, plan)                        # recomp.torch wrappers, in place
 
-Nothing here imports a framework until ``profile`` or ``apply_plan`` is used.
+Nothing here imports a framework until ``profile`` or ``apply_plan`` is used. The exact
+solver on options of your own is ``recomp.plan.solver``; the planner's errors
+(``BudgetTooSmallError``, ``PlanFormatError``) are in ``recomp.errors``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .budget import Budget, BudgetTooSmallError, parse_budget
+from .._moved import moved_names
+from .budget import Budget, parse_budget
 from .job import JobMemory, Parallel, Precision, job_memory, model_params
-from .planfile import LayerPlan, Plan, PlanFormatError, load_plan, save_plan
+from .planfile import LayerPlan, Plan, load_plan, save_plan
 from .planner import OptionSlot, Profile, make_plan, plan_table, profile_table
-from .solver import (
-    Choice,
-    LayerOptions,
-    NearTie,
-    Option,
-    Solution,
-    evaluate,
-    minimum_bytes,
-    solve,
-    solve_with_ties,
-)
 
 if TYPE_CHECKING:  # imported on first use (below); named here for type checkers and docs
     from .apply import apply_plan, compile_with_plan
@@ -42,27 +34,18 @@ if TYPE_CHECKING:  # imported on first use (below); named here for type checkers
 
 __all__ = [
     "Budget",
-    "BudgetTooSmallError",
-    "Choice",
     "JobMemory",
-    "LayerOptions",
     "LayerPlan",
-    "NearTie",
-    "Option",
     "OptionSlot",
     "Parallel",
     "Plan",
-    "PlanFormatError",
     "Precision",
     "Profile",
-    "Solution",
     "apply_plan",
     "compile_with_plan",
-    "evaluate",
     "job_memory",
     "load_plan",
     "make_plan",
-    "minimum_bytes",
     "model_params",
     "parse_budget",
     "plan_table",
@@ -70,27 +53,17 @@ __all__ = [
     "profile_table",
     "save_plan",
     "simulate",
-    "solve",
-    "solve_with_ties",
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # The PyTorch parts are imported on first use.
-    if name == "profile":
-        from .profiler import profile
-
-        return profile
-    if name == "simulate":
-        from .simulation import simulate
-
-        return simulate
-    if name == "apply_plan":
-        from .apply import apply_plan
-
-        return apply_plan
-    if name == "compile_with_plan":
-        from .apply import compile_with_plan
-
-        return compile_with_plan
-    raise AttributeError(f"module 'recomp.plan' has no attribute {name!r}")
+# The PyTorch parts are imported on first use; names that moved (to .solver and
+# recomp.errors) warn for one release (NOTE [ Moved names ] in recomp._moved).
+__getattr__ = moved_names(
+    __name__,
+    lazy={
+        "apply_plan": "recomp.plan.apply",
+        "compile_with_plan": "recomp.plan.apply",
+        "profile": "recomp.plan.profiler",
+        "simulate": "recomp.plan.simulation",
+    },
+)

@@ -54,6 +54,10 @@ class RecordedOp:
     outputs: list[tuple[Hashable, int]] = field(default_factory=list)  # (storage, bytes)
     # A collective whose results a checkpoint keeps: their (storage, bytes); else None.
     collective: list[tuple[Hashable, int]] | None = None
+    # Outside the layers only: the floating-point inputs (storage, bytes of the tensor)
+    # and outputs' bytes, the gradients its backward holds at once (the loss's backward).
+    float_inputs: list[tuple[Hashable, int]] = field(default_factory=list)
+    float_output_bytes: int = 0
 
 
 @dataclass
@@ -196,6 +200,8 @@ class Recorder(TorchDispatchMode):
                 if found is not None:
                     op.collective.append(found)
                     self.pinned.append(t)
+        if self.layer is None:
+            _float_operands(op, args, kwargs, out)
         self.current_record().ops.append(op)
         return out
 
@@ -311,6 +317,19 @@ class Recorder(TorchDispatchMode):
             self.span = None
 
         return hook
+
+
+def _float_operands(op: RecordedOp, args: Any, kwargs: Any, out: Any) -> None:
+    """Record on ``op`` its floating-point inputs and outputs (tensor bytes, not storage
+    bytes: a gradient has the tensor's shape)."""
+    for t in tensors_of((args, kwargs)):
+        if t.is_floating_point():
+            found = storage_of(t)
+            if found is not None:
+                op.float_inputs.append((found[0], t.numel() * t.element_size()))
+    op.float_output_bytes = sum(
+        t.numel() * t.element_size() for t in tensors_of(out) if t.is_floating_point()
+    )
 
 
 def op_flops(registry: Any, func: Any, args: Any, kwargs: Any, out: Any) -> int:

@@ -19,6 +19,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# The planner's messages give bytes as the errors do (re-exported for its modules).
+from ..errors import format_bytes as format_bytes
+
 _UNITS = {
     "b": 1,
     "k": 1 << 10,
@@ -38,19 +41,6 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*|%)\s*$")
 
 MiB = float(1 << 20)
-
-
-class BudgetTooSmallError(ValueError):
-    """The budget is below the least activation memory any plan keeps."""
-
-    def __init__(self, budget_bytes: int, minimum_bytes: int, detail: str = "") -> None:
-        self.budget_bytes = budget_bytes
-        self.minimum_bytes = minimum_bytes
-        super().__init__(
-            f"memory budget {format_bytes(budget_bytes)} is below {format_bytes(minimum_bytes)}, "
-            f"the least activation memory any plan keeps{detail}. Give a budget of at least "
-            f"{format_bytes(minimum_bytes)} (or 0%), or make the layers smaller (batch, sequence)."
-        )
 
 
 # How recomp's percentage relates to PyTorch's activation_memory_budget, for help texts.
@@ -129,10 +119,3 @@ def _bare_number(number: float, text: str) -> Budget:
         f"Write {shown}% for a share of the range between full checkpointing (0%) and none "
         f"(100%), or {shown}B / {shown}MiB / {shown}GiB for bytes"
     )
-
-
-def format_bytes(n: float) -> str:
-    """Bytes as MiB (or GiB above 1 GiB), for messages."""
-    if abs(n) >= 1 << 30:
-        return f"{n / (1 << 30):.2f} GiB"
-    return f"{n / MiB:.2f} MiB"

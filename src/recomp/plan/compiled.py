@@ -60,9 +60,10 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..errors import BudgetTooSmallError
 from ..torch import _compat
 from ._layers import find_layers
-from .budget import Budget, BudgetTooSmallError, parse_budget
+from .budget import Budget, parse_budget
 from .modelcall import call_model, default_loss, fresh_inputs, tensors_of
 from .planfile import LayerPlan, Plan, partitioner_option
 

@@ -395,6 +395,9 @@ class StagePeak:
     action: str
     held: tuple[tuple[int, int, str], ...]
     in_flight: dict[int, int]
+    # The part of ``peak_bytes`` that lives only during the step ``action`` (a backward's
+    # transient: the loss's gradient buffers, a layer's replay), over the bytes held.
+    transient: int = 0
 
     @property
     def microbatches(self) -> int:
@@ -405,6 +408,7 @@ class StagePeak:
 def walk_schedule(
     actions: Mapping[int, Sequence[Step]],
     stage_bytes: Mapping[int, tuple[int, int]] | None = None,
+    transient: Mapping[int, tuple[int, int]] | None = None,
 ) -> dict[int, StagePeak]:
     """Walk each rank's compute steps and find its activation peak.
 
@@ -413,12 +417,16 @@ def walk_schedule(
     pass (``I``) to its weight-gradient pass (``W``). Default ``(1, 1)``: the peak then
     counts micro-batches. On stage 0 an ``I`` frees nothing: its inputs need no gradient,
     so ``torch.distributed.pipelining`` runs the whole backward in the ``W`` step. The
-    peak is taken after each step (a forward's activations all live at its end)."""
+    peak is taken after each step (a forward's activations all live at its end) and,
+    with ``transient[stage] = (backward, weight)``, during each backward step of that
+    stage: the bytes held before it frees anything plus what the step itself holds for
+    a while (``backward`` in ``B`` and ``I``, ``weight`` in ``W``; on stage 0 under a
+    split backward, the larger of the two in ``W``)."""
     out: dict[int, StagePeak] = {}
     for rank, steps in actions.items():
         live: dict[tuple[int, int], str] = {}
         in_flight: dict[int, int] = {}
-        best: tuple[int, int, str, tuple[tuple[int, int, str], ...]] = (-1, -1, "", ())
+        best: tuple[int, int, str, tuple[tuple[int, int, str], ...], int] = (-1, -1, "", (), 0)
 
         def nbytes(held: Mapping[tuple[int, int], str]) -> int:
             total = 0
@@ -429,6 +437,17 @@ def walk_schedule(
 
         for index, (kind, stage, mb) in enumerate(steps):
             key = (stage, mb)
+            if transient is not None and kind in ("B", "I", "W") and key in live:
+                backward, weight = transient.get(stage, (0, 0))
+                during = {"B": backward, "I": backward, "W": weight}[kind]
+                if kind == "W" and stage == 0:
+                    during = max(backward, weight)
+                if kind == "I" and stage == 0:
+                    during = 0  # its backward runs in the W step
+                total = nbytes(live) + during
+                if during and total > best[0]:
+                    held = tuple(sorted((s, m, since) for (s, m), since in live.items()))
+                    best = (total, index, f"{stage}{kind}{mb}", held, during)
             if kind == "F":
                 if key in live:
                     raise ValueError(f"rank {rank}: forward of {stage}F{mb} runs twice")
@@ -449,8 +468,10 @@ def walk_schedule(
             total = nbytes(live)
             if total > best[0]:
                 held = tuple(sorted((s, m, since) for (s, m), since in live.items()))
-                best = (total, index, f"{stage}{kind}{mb}", held)
-        out[rank] = StagePeak(rank, max(best[0], 0), best[1], best[2], best[3], in_flight)
+                best = (total, index, f"{stage}{kind}{mb}", held, 0)
+        out[rank] = StagePeak(
+            rank, max(best[0], 0), best[1], best[2], best[3], in_flight, best[4]
+        )
     return out
 
 
@@ -494,6 +515,68 @@ class LayerActivation:
     option: str
     kept_bytes: int
     weight_bytes: int
+    # What its replay re-creates for a while during its own backward, beyond what it
+    # keeps (a checkpointed layer's saved tensors, recomputed: 0 without checkpoint).
+    replay_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class OutsideLayers:
+    """The bytes a profile keeps outside its layers, by where a pipeline holds them:
+    ``before`` the first layer (embeddings: the first stage), ``after`` the last (head,
+    logits, loss: the last stage), ``spread`` (kept by several layers: every stage),
+    ``unsplit`` (a profile that does not say where: counted on the first and the last
+    stage, at most), and the loss's backward transient (the last stage's)."""
+
+    before: int = 0
+    after: int = 0
+    spread: int = 0
+    unsplit: int = 0
+    loss_backward: int = 0
+
+    @classmethod
+    def of(cls, profile: Any) -> OutsideLayers:
+        shared = int(profile.shared_bytes)
+        before = int(getattr(profile, "before_layers_bytes", 0) or 0)
+        after = int(getattr(profile, "after_layers_bytes", 0) or 0)
+        spread = min(int(getattr(profile, "spread_bytes", 0) or 0), shared)
+        unsplit = max(0, shared - before - after - spread)
+        loss = int(getattr(profile, "loss_backward_bytes", 0) or 0)
+        return cls(before, after, spread, unsplit, loss)
+
+    def on_stage(self, stage: int, last: int) -> int:
+        """Bytes one micro-batch keeps on ``stage`` of ``0..last`` outside the layers."""
+        nbytes = self.spread
+        if stage == 0:
+            nbytes += self.before
+        if stage == last:
+            nbytes += self.after
+        if stage in (0, last):
+            nbytes += self.unsplit
+        return nbytes
+
+    def notes(self) -> list[str]:
+        notes = []
+        if self.before or self.after or self.spread:
+            notes.append(
+                f"activations outside the layers, per micro-batch: {format_bytes(self.before)} "
+                f"before them (embeddings) on the first stage, {format_bytes(self.after)} after "
+                f"them (head, logits, loss) on the last"
+                + (f", {format_bytes(self.spread)} kept by several layers on every stage"
+                   if self.spread else "")
+            )
+        if self.unsplit:
+            notes.append(
+                f"{format_bytes(self.unsplit)} per micro-batch outside the layers that the "
+                "profile does not place before or after them: counted on the first and the "
+                "last stage"
+            )
+        if self.loss_backward:
+            notes.append(
+                f"the loss's backward holds {format_bytes(self.loss_backward)} more for a while "
+                "on the last stage (the outputs the caller holds, the loss's gradient buffers)"
+            )
+        return notes
 
 
 def layer_activations(
@@ -549,7 +632,8 @@ def layer_activations(
         else:
             weight = max(kept, layer.no_checkpoint_bytes)
             bounded.append(layer.path)
-        out.append(LayerActivation(layer.path, name, kept, weight))
+        replay = 0 if name == NO_CHECKPOINT else max(0, layer.no_checkpoint_bytes - kept)
+        out.append(LayerActivation(layer.path, name, kept, weight, replay))
     if bounded:
         notes.append(
             f"{len(bounded)} checkpointed layer(s) without a weight-input figure: between "
@@ -641,6 +725,16 @@ class RankMemory:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.gathered + self.activations
 
+    @property
+    def saved(self) -> int:
+        """Of ``activations`` (the step's peak), the bytes saved for backward then; the
+        rest (``transient``) lives only during the backward step the peak falls in."""
+        return self.activations - self.transient
+
+    @property
+    def transient(self) -> int:
+        return 0 if self.peak is None else self.peak.transient
+
 
 @dataclass
 class JobMemory:
@@ -681,6 +775,8 @@ class JobMemory:
                     "optimizer": r.optimizer,
                     "gathered": r.gathered,
                     "activations": r.activations,
+                    "saved": r.saved,
+                    "transient": r.transient,
                     "total": r.total,
                     "param_elements": r.param_elements,
                     "peak_step": None if r.peak is None else r.peak.action,
@@ -812,7 +908,7 @@ def job_memory(
 
     # Activations per stage and micro-batch.
     per_layer: list[LayerActivation] | None = None
-    shared = 0
+    outside = OutsideLayers()
     if activations is not None:
         if isinstance(activations, list):
             per_layer = activations
@@ -821,26 +917,31 @@ def job_memory(
                 activations, plan=plan, option=option, weight_input_bytes=weight_input_bytes
             )
             notes.extend(more)
-            shared = int(activations.shared_bytes)
+            outside = OutsideLayers.of(activations)
         if len(per_layer) != len(model.layers):
             raise ValueError(
                 f"the activations cover {len(per_layer)} layers, the model has "
                 f"{len(model.layers)}"
             )
     stage_bytes: dict[int, tuple[int, int]] = {s: (0, 0) for s in range(num_stages)}
+    transient: dict[int, tuple[int, int]] = {s: (0, 0) for s in range(num_stages)}
     if per_layer is not None:
+        last = num_stages - 1
         for act, stage in zip(per_layer, layer_stage):
             kept, weight = stage_bytes[stage]
             stage_bytes[stage] = (kept + act.kept_bytes, weight + act.weight_bytes)
-        if shared:
-            for stage in {0, num_stages - 1}:
-                kept, weight = stage_bytes[stage]
-                stage_bytes[stage] = (kept + shared, weight + shared)
-            notes.append(
-                f"activations outside the layers ({format_bytes(shared)} per micro-batch: "
-                "embeddings, head, loss) are counted on the first and on the last stage"
-            )
-    peaks = walk_schedule(actions, stage_bytes) if per_layer is not None else {}
+            replay = max(transient[stage][1], act.replay_bytes)
+            transient[stage] = (replay, replay)
+        for stage in range(num_stages):
+            extra = outside.on_stage(stage, last)
+            kept, weight = stage_bytes[stage]
+            stage_bytes[stage] = (kept + extra, weight + extra)
+        # The loss's backward runs before any layer's of its micro-batch: the larger of
+        # the two transients is the step's.
+        replay = transient[last][1]
+        transient[last] = (max(replay, outside.loss_backward), replay)
+        notes.extend(outside.notes())
+    peaks = walk_schedule(actions, stage_bytes, transient) if per_layer is not None else {}
 
     # Parameters per pipeline rank.
     per = prec.per_element()
@@ -888,9 +989,11 @@ def job_memory(
         notes.append("no activations given: parameters, gradients and optimizer states only")
     else:
         notes.append(
-            "activations: per micro-batch, what each layer keeps for backward under its option "
-            "(the profile's kept bytes), summed over the micro-batches the schedule holds at "
-            "its peak; a layer's replay during its own backward adds a transient not counted"
+            "activations: the step's peak: per micro-batch, what each layer keeps for backward "
+            "under its option (the profile's kept bytes), summed over the micro-batches the "
+            "schedule holds, plus what a backward step holds for a while (on the last stage the "
+            "loss's backward: the outputs the caller holds and its gradient buffers; a "
+            "checkpointed layer's replay during its own backward), whichever step is highest"
         )
     budget_bytes = None
     if budget is not None:

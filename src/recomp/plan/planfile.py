@@ -36,6 +36,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..errors import PlanFormatError
+
 PLAN_VERSION = 2
 COMPILED_PLAN_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -55,10 +57,6 @@ SWAP = "swap"
 # Compiled plans: PyTorch's partitioner decides, the named regions kept whole.
 PARTITIONER = "partitioner"
 PARTITIONER_PREFIX = "partitioner+"
-
-
-class PlanFormatError(ValueError):
-    """A plan file that this version of recomp cannot read."""
 
 
 @dataclass
@@ -280,7 +278,7 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
 def load_plan(source: str | os.PathLike[str] | dict[str, Any] | Plan) -> Plan:
     """A plan from a JSON file path, a dict, or a :class:`Plan` (returned as is).
 
-    Raises :class:`PlanFormatError` for a file of a version this recomp cannot read."""
+    Raises :class:`recomp.errors.PlanFormatError` for a file of a version this recomp cannot read."""
     if isinstance(source, Plan):
         return source
     if isinstance(source, dict):

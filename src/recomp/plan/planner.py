@@ -133,6 +133,18 @@ class Profile:
     # What the times rest on: "" measured on ``device`` (``profile``); else the cost
     # model's figures (``simulate``), which the plan repeats.
     timing: str = ""
+    # Where the bytes outside the layers are kept (parts of ``shared_bytes``): saved
+    # before the first layer (the embeddings': a pipeline's first stage holds them) and
+    # after the last (the head, its logits, the loss: the last stage's). The rest of
+    # ``shared_bytes`` is ``spread_bytes`` (every stage with layers holds it), and in a
+    # profile written before the split, what it does not place.
+    before_layers_bytes: int = 0
+    after_layers_bytes: int = 0
+    # The loss's backward, beyond every saved byte: the outputs the caller holds (the
+    # logits beside the loss) and the gradients one op after the layers holds at once
+    # (a cross-entropy's: two fp32 logits-sized tensors). A transient of the step's
+    # peak, on the rank that computes the loss; not part of the budget's activations.
+    loss_backward_bytes: int = 0
 
     # -- the solver's view ----------------------------------------------------
 

@@ -263,6 +263,9 @@ class Recording:
     preexisting: set[Hashable]
     outside: dict[Hashable, int]
     parameters: set[Hashable] = field(default_factory=set)  # the parameters' storages
+    # The model's outputs the caller holds until the backward and nothing saved (the
+    # logits beside the loss): (storage, bytes).
+    held_outputs: dict[Hashable, int] = field(default_factory=dict)
 
 
 def record_forward(
@@ -278,12 +281,32 @@ def record_forward(
     the one record every count of a profile comes from, measured (``profile``) or
     simulated on fake tensors (``simulate``, whose ``cost`` gives the ops' seconds)."""
     preexisting = _storages_before_the_forward(model, inputs)
-    recorder, loss = _record_forward(forward, layers, candidates, clock, cost)
+    outputs: list[torch.Tensor] = []
+    handle = model.register_forward_hook(
+        lambda module, args, out: outputs.extend(tensors_of(out)), always_call=True
+    )
+    try:
+        recorder, loss = _record_forward(forward, layers, candidates, clock, cost)
+    finally:
+        handle.remove()
     outside = _kept_outside_layers(recorder, loss, preexisting)
     parameters = {
         found[0] for p in model.parameters() if (found := storage_of(p)) is not None
     }
-    return Recording(recorder, loss, preexisting, outside, parameters)
+    saved = {s.key for record in recorder.layers for s in record.saves}
+    held: dict[Hashable, int] = {}
+    for t in outputs:
+        found = storage_of(t)
+        if (
+            found is not None
+            and t.is_floating_point()
+            and found[0] not in outside
+            and found[0] not in preexisting
+            and found[0] not in saved
+        ):
+            held[found[0]] = found[1]
+    recorder.pinned.extend(outputs)
+    return Recording(recorder, loss, preexisting, outside, parameters, held)
 
 
 def build_profile(
@@ -348,6 +371,7 @@ def build_profile(
         for index, ((path, layer), record) in enumerate(zip(layers, recorder.layers))
     ]
     all_notes = _notes(recorder.layers, spread, exclude_collectives) + list(notes or [])
+    before, after = _outside_before_and_after(recording)
     return Profile(
         device=str(device),
         baseline_step_s=times.step_s,
@@ -360,7 +384,42 @@ def build_profile(
         notes=all_notes,
         exclude_collectives=exclude_collectives,
         timing=timing,
+        before_layers_bytes=before,
+        after_layers_bytes=after,
+        loss_backward_bytes=_loss_backward_bytes(recording),
     )
+
+
+def _outside_before_and_after(recording: Recording) -> tuple[int, int]:
+    """The bytes kept outside the layers, split: saved only before the first layer
+    starts (the embeddings' part, the first pipeline stage's) and the rest, saved after
+    the last layer (the head, the loss: the last stage's)."""
+    records = [r for r in recording.recorder.layers if r.start >= 0]
+    first = min((r.start for r in records), default=0)
+    late = {s.key for s in recording.recorder.outside.saves if s.seq > first}
+    for t in tensors_of(recording.loss):
+        found = storage_of(t)
+        if found is not None:
+            late.add(found[0])
+    before = sum(n for key, n in recording.outside.items() if key not in late)
+    return before, sum(recording.outside.values()) - before
+
+
+def _loss_backward_bytes(recording: Recording) -> int:
+    """What the loss's backward holds beyond the saved tensors: the outputs the caller
+    holds (the logits beside the loss) and, of the ops after the last layer, the most
+    gradient bytes one op's backward holds at once (its output's and its inputs'
+    gradients; parameters' gradients are the optimizer's: not counted). For a
+    cross-entropy over a vocabulary: two fp32 logits-sized tensors."""
+    last = max((r.end for r in recording.recorder.layers), default=0)
+    skip = recording.parameters | recording.preexisting
+    gradients = 0
+    for op in recording.recorder.outside.ops:
+        if op.seq <= last:
+            continue
+        inputs = {key: n for key, n in op.float_inputs if key not in skip}
+        gradients = max(gradients, op.float_output_bytes + sum(inputs.values()))
+    return sum(recording.held_outputs.values()) + gradients
 
 
 def _device_of(model: nn.Module, inputs: Any) -> torch.device:

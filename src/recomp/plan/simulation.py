@@ -131,6 +131,8 @@ def simulate(
             stack.enter_context(_compat.target_attention_kernels(target))
             model = build(mesh)
             _check_model(model)
+            # transformers is imported by now where the model is one of its.
+            stack.enter_context(_compat.hf_causal_mask_as_on_device())
             x = inputs(mesh)
             return _simulate(
                 model,

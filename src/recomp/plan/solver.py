@@ -35,7 +35,19 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .budget import BudgetTooSmallError
+from ..errors import BudgetTooSmallError
+
+__all__ = [
+    "Choice",
+    "LayerOptions",
+    "NearTie",
+    "Option",
+    "Solution",
+    "evaluate",
+    "minimum_bytes",
+    "solve",
+    "solve_with_ties",
+]
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ Same names as ``recomp.mindspore``::
 
     layer.attn = checkpoint_exclude_wrapper(layer.attn)   # runs once, never replayed
     layer = checkpoint_wrapper(layer)                      # everything else is recomputed
+
+Beside these: ``recomp.torch.report`` (what the graph holds for backward),
+``recomp.torch.hyperparallel`` (HyperParallel's activation-memory API under its own
+names), ``recomp.torch.collectives``, ``recomp.torch.megatron`` and
+``recomp.torch.deepspeed``. The errors are in ``recomp.errors``.
 """
 
 try:
@@ -16,6 +21,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a torch-less envir
         "`pip install recomp[torch]`."
     ) from exc
 
+from .._moved import moved_names
 from ._api import (
     CheckpointWrapper,
     ExcludeWrapper,
@@ -33,70 +39,35 @@ from ._kept import (
     recompute_handle_collector_ctx,
     recompute_session_ctx,
 )
-from ._memory_report import (
-    ReportRow,
-    SavedTensorsReport,
-    label_layers,
-    print_saved_tensors_report,
-    saved_tensors_report,
-)
 from ._offload import Offloader, OffloadStats, default_offloader
-from ._oom_report import OomReport, install_oom_report
-from ._swap import (
-    AsyncSaveOnCpu,
-    CheckpointPolicy,
-    PinnedMemoryPool,
-    SwapManager,
-    SwapPolicyError,
-    async_save_on_cpu,
-    create_native_selective_checkpoint_contexts,
-    create_selective_checkpoint_contexts,
-    get_class_activation_wrapper,
-    ignore_sac_ops,
-    is_compiling,
-    noop_context_fn,
-    swap,
-    swap_tensor_wrapper,
-    swap_wrapper,
-)
+from ._swap import CheckpointPolicy, swap, swap_wrapper
 
 __all__ = [
-    "AsyncSaveOnCpu",
     "CheckpointPolicy",
     "CheckpointWrapper",
     "ExcludeWrapper",
     "OffloadStats",
     "Offloader",
-    "OomReport",
-    "PinnedMemoryPool",
     "RecomputeHandle",
-    "ReportRow",
-    "SavedTensorsReport",
-    "SwapManager",
-    "SwapPolicyError",
     "apply_activation_checkpointing",
-    "async_save_on_cpu",
     "checkpoint",
     "checkpoint_exclude_wrapper",
     "checkpoint_wrapper",
     "clear_recompute_session",
-    "create_native_selective_checkpoint_contexts",
-    "create_selective_checkpoint_contexts",
     "default_offloader",
-    "get_class_activation_wrapper",
     "hf_activation_checkpointing",
-    "ignore_sac_ops",
-    "install_oom_report",
-    "is_compiling",
-    "label_layers",
-    "noop_context_fn",
-    "print_saved_tensors_report",
     "recompute_handle",
     "recompute_handle_collector_ctx",
     "recompute_session_ctx",
-    "saved_tensors_report",
     "swap",
-    "swap_tensor_wrapper",
     "swap_wrapper",
     "unwrap",
 ]
+
+# The public sub-modules, there once the package is imported.
+from . import hyperparallel as hyperparallel
+from . import report as report
+
+# Names that moved (to .hyperparallel, .report, recomp.errors) answer with a
+# DeprecationWarning for one release: NOTE [ Moved names ] in recomp._moved.
+__getattr__ = moved_names(__name__)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .. import _engine, _wrapping
+from .._hyperparallel import without_noop
 from .._module_state import warn_unhandled
 from .._state import get_recompute_state
 from .._wrapping import (
@@ -22,11 +24,11 @@ from .._wrapping import (
     default_name,
 )
 from ..errors import RecompError
-from . import _compat, _compile, _hf, _kept, _swap
+from . import _compat, _compile, _hf, _kept, _partition, _swap
 from ._backend import BACKEND
 from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
-from ._foreign import refuse_enclosing_checkpoint, watch_checkpoint_wrappers
+from ._foreign import check_checkpoint_wrapper, refuse_enclosing_checkpoint
 from ._hf import adapt_hf_layer_call, guard_model_cache
 from ._offload import Offloader, resolve
 from ._plain import PlainFunction
@@ -42,6 +44,7 @@ CHECKPOINT_OPTIONS = (
     "early_stop",
     "exclude_collectives",
     "group_swap",
+    "partition_inputs",
     "policy_fn",
     "preserve_rng_state",
     "swap_inputs",
@@ -59,6 +62,7 @@ def checkpoint(
     swap_inputs: bool = False,
     group_swap: bool = False,
     cpu_pool: Any = None,
+    partition_inputs: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Checkpoint ``function(*args, **kwargs)`` with recomp's recompute state installed.
@@ -80,15 +84,32 @@ def checkpoint(
     communicating again. ``exclude_collectives=False`` communicates again in
     the replay and keeps nothing.
 
-    HyperParallel's options: ``policy_fn`` (per op, see
-    :func:`create_selective_checkpoint_contexts`; ``CheckpointPolicy.MUST_SWAP``
-    keeps an op's output on the host until backward), ``swap_inputs=True`` (the
-    checkpoint's own saved inputs go to the host until the replay), ``group_swap``
-    and ``cpu_pool`` (NOTE [ Swap scopes ] in ``recomp.torch._swap``).
+    ``partition_inputs=group`` (a ``torch.distributed`` process group, usually the
+    tensor-parallel one) keeps each floating-point input the checkpoint saves split
+    over the group until the replay, 1/n per rank, and gathers it there (one
+    all-gather per input): Megatron-Core's ``distribute_saved_activations`` and
+    DeepSpeed's ``partition_activations``; NOTE [ Partitioned checkpoint inputs ] in
+    ``recomp.torch._partition``.
+
+    HyperParallel's options: ``policy_fn`` (per op, a function or a list of ops to
+    save, see :func:`recomp.torch.hyperparallel.create_selective_checkpoint_contexts`;
+    ``CheckpointPolicy.MUST_SWAP`` keeps an op's output on the host until backward),
+    ``swap_inputs=True`` (the checkpoint's own saved inputs go to the host until the
+    replay), ``group_swap`` and ``cpu_pool`` (a
+    :class:`recomp.torch.hyperparallel.PinnedMemoryPool`; NOTE [ Swap scopes ] in
+    ``recomp.torch._swap.scope``). ``context_fn=noop_context_fn()`` (HyperParallel's) is no
+    ``context_fn``.
     """
     _engine.check_use_reentrant(use_reentrant, BACKEND.package)
     _engine.check_flag("exclude_collectives", exclude_collectives)
+    if context_fn is not None:  # HyperParallel's no-op: none (torch.compile wants that)
+        context_fn = without_noop(context_fn)
     if _compile.is_compiling():
+        if partition_inputs is not None:
+            raise ValueError(
+                "recomp.torch.checkpoint under torch.compile does not support "
+                "partition_inputs: it runs in eager mode only."
+            )
         swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
         context_fn = swap.compiled_context_fn(context_fn)
         # PyTorch's partitioner never recomputes a functional collective (which is what
@@ -116,6 +137,7 @@ def checkpoint(
         # enclosing checkpoint finds the same nested calls as its forward did.
         return function(*args, **_function_kwargs(kwargs))
     swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
+    partitioned = None if partition_inputs is None else _partition.for_call(partition_inputs)
     adapt_hf_layer_call(function, kwargs)
     name = _checkpointed_name(function)
     refuse_enclosing_checkpoint(name)
@@ -139,9 +161,13 @@ def checkpoint(
         align_rng=kwargs.get("preserve_rng_state", True),
         function=function,
     )
-    with torch_debug_off, swap.scope(function, context_fn) as finish:
+    saved_inputs = None if partitioned is None else partitioned.hooks()
+    with torch_debug_off, swap.scope(function, context_fn, saved_inputs) as finish:
         try:
-            return finish(_torch_checkpoint(function, args, kwargs, call.context_fn))
+            out = finish(_torch_checkpoint(function, args, kwargs, call.context_fn))
+            if partitioned is not None:
+                partitioned.forward_done()
+            return out
         except BaseException as exc:
             _compat.finish_failed_checkpoint(exc)  # PyTorch 2.9 leaves it open
             raise
@@ -320,7 +346,6 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
     warn_unhandled(BACKEND, module, "checkpoint_wrapper")
-    watch_checkpoint_wrappers()
     return _wrapping.wrap_in_place(
         _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
@@ -368,7 +393,6 @@ def checkpoint_exclude_wrapper(
     if not isinstance(module, nn.Module):
         module = PlainFunction(module)
     _wrapping.check_wrappable(_MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
-    watch_checkpoint_wrappers()
     return _wrapping.wrap_in_place(_MODEL_OPS, module, ExcludeWrapper, {REGION: region})
 
 
@@ -494,7 +518,9 @@ def hf_activation_checkpointing(
     ``gradient_checkpointing_enable()`` (``Trainer`` and TRL call it for
     ``gradient_checkpointing=True``; PEFT) keeps recomp as the function, with the keyword
     arguments it was given; ``use_reentrant=True`` among them warns and is not followed
-    (recomp's checkpoint is non-reentrant). ``activation_checkpointing_disable()`` turns
+    (recomp's checkpoint is non-reentrant). HF's ``every_n_layers`` keeps its meaning
+    and its ``offload=True`` is recomp's ``swap_inputs=True`` (each layer's inputs in host
+    memory until its replay). ``activation_checkpointing_disable()`` turns
     the layers' checkpointing off (the excluded modules then run as plain calls). Other
     options pass to :func:`checkpoint` (HF's keyword arguments win on a key both name).
     :func:`unwrap` undoes it. ``model`` is the HF model (a ``PreTrainedModel``, or a
@@ -570,3 +596,8 @@ _MODEL_OPS = _wrapping.ModelOps(
     check_reachable=lambda module, api: None,
     rebase_foreign=_rebase_parametrization,
 )
+
+
+# Settled at import: PyTorch's wrapper checks what it takes from now on (see
+# ``_compat.guard_checkpoint_wrapper``); nothing else of recomp's is installed globally.
+_compat.guard_checkpoint_wrapper(functools.partial(check_checkpoint_wrapper, checkpoint))

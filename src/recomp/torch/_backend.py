@@ -89,12 +89,12 @@ class TorchBackend(Backend):
     def in_backward(self) -> bool:
         return _compat.in_backward()
 
-    def storage_key(self, t: torch.Tensor) -> Hashable | None:
-        return _compat.storage_key(t)
+    # Read per tensor input and per saved tensor of every region call: no wrapper.
+    storage_key = staticmethod(_compat.storage_key)
 
     def parameters_of(self, fn: Any) -> list[Any]:
         owner = getattr(fn, "__self__", fn)  # a module, or a module's bound forward
-        return list(owner.parameters()) if isinstance(owner, torch.nn.Module) else []
+        return _compat.module_parameters(owner) if isinstance(owner, torch.nn.Module) else []
 
     def storage_nbytes(self, t: torch.Tensor) -> int:
         try:
@@ -102,8 +102,8 @@ class TorchBackend(Backend):
         except (RuntimeError, NotImplementedError):
             return int(t.numel() * t.element_size())
 
-    def version(self, t: torch.Tensor) -> int | None:
-        return _compat.version(t)
+    # Read per parameter and buffer at every checkpoint call and replay: no wrapper.
+    version = staticmethod(_compat.version)
 
     running_stat_names = ("running_mean", "running_var", "num_batches_tracked")
     state_versions_track_writes = True
@@ -129,8 +129,9 @@ class TorchBackend(Backend):
         owner = getattr(fn, "__self__", fn)
         return owner if isinstance(owner, torch.nn.Module) else None
 
-    def named_children(self, module: Any) -> list[tuple[str, Any]]:
-        return list(module.named_children())
+    # Called per replayed module at every checkpoint call: no wrapper of our own.
+    named_children = staticmethod(_compat.module_children)
+    module_attributes = staticmethod(_compat.module_attributes)
 
     def is_training(self, module: Any) -> bool:
         return bool(module.training)

@@ -14,8 +14,10 @@ recomp raises :class:`~recomp.errors.DoubleCheckpointError` naming the switch to
 turn off, as early as it can see the second checkpoint:
 
 * when PyTorch's ``checkpoint_wrapper`` takes a module that recomp wrapped, or
-  one that holds such modules (a global module registration hook, installed the
-  first time recomp wraps a module): before anything ran, no name changed;
+  one that holds such modules (its constructor checks first, a guard installed when
+  ``recomp.torch`` is imported): before anything ran, no name changed. Nothing global
+  that other models run through: no module registration hook, which every model's
+  forward would call for each ``ModuleList`` slice and compiled graphs guard on;
 * otherwise when a recomp checkpoint's forward starts inside the forward of a
   plain checkpoint (``torch.utils.checkpoint.checkpoint`` called by hand): the
   plain checkpoint is closed first (PyTorch 2.9 would leave it open), and recomp
@@ -40,7 +42,7 @@ from .._wrapping import CHECKPOINT_KWARGS, REGION
 from ..errors import DoubleCheckpointError
 from . import _compat
 
-__all__ = ["refuse_double_checkpoint", "refuse_enclosing_checkpoint", "watch_checkpoint_wrappers"]
+__all__ = ["refuse_double_checkpoint", "refuse_enclosing_checkpoint"]
 
 # Where trainers switch their own checkpointing on; every message names them.
 TRAINER_SWITCHES = (
@@ -78,35 +80,34 @@ def refuse_enclosing_checkpoint(name: str) -> None:
     )
 
 
-_WATCHING = False
-
-
-def watch_checkpoint_wrappers() -> None:
-    """From now on, refuse PyTorch's ``checkpoint_wrapper`` around modules recomp wrapped.
-    Called each time recomp wraps a module; installs the hook once per process."""
-    global _WATCHING
-    if not _WATCHING:
-        nn.modules.module.register_module_module_registration_hook(_refuse_checkpoint_wrapper)
-        _WATCHING = True
-
-
-def _refuse_checkpoint_wrapper(parent: nn.Module, name: str, module: Any) -> None:
-    """Global module registration hook: raise when PyTorch's checkpoint wrapper ``parent``
-    takes ``module`` and recomp wrapped it or modules below it."""
-    if module is None or not _compat.checkpoint_wrapper_takes(parent, name):
-        return
+def check_checkpoint_wrapper(
+    recomp_checkpoint: Any, module: Any, checkpoint_fn: Any, reentrant: bool
+) -> Any:
+    """Called by PyTorch's checkpoint wrapper before it takes ``module`` (installed when
+    this module is imported). Around modules recomp excludes (and none it checkpoints),
+    PyTorch's own non-reentrant checkpoint becomes recomp's: returns
+    ``recomp.torch.checkpoint`` as the wrapper's ``checkpoint_fn``, so that the trainers'
+    switches (accelerate's and Lightning's FSDP activation checkpointing, with
+    ``offload_wrapper`` around it) checkpoint with the exclusions in effect. Raises where
+    recomp checkpoints ``module`` or modules below it (two checkpoints), or where the
+    wrapper asks for the reentrant checkpoint or another function. ``recomp_checkpoint``:
+    ``recomp.torch.checkpoint`` (``_api`` installs this check with it bound)."""
+    if not isinstance(module, nn.Module):
+        return None
     checkpointed, excluded = _recomp_wrapped(module)
     if not checkpointed and not excluded:
-        return
-    if _is_recomp_checkpoint(_compat.checkpoint_wrapper_function(parent)):
+        return None
+    if _is_recomp_checkpoint(checkpoint_fn):
         # checkpoint_wrapper(module, checkpoint_fn=recomp.torch.checkpoint): the wrapper
         # checkpoints with recomp, which keeps excluded regions out of its replay (nested
         # recomp checkpoints are recomp's too).
-        return
+        return None
+    if not checkpointed and checkpoint_fn is None and not reentrant:
+        return recomp_checkpoint
     what = type(module).__name__
     renames = (
-        f"it would also insert '{name}.' into the name of every parameter below it. "
-        f"{what} was not wrapped."
+        f"it would also insert '_checkpoint_wrapped_module.' into the name of every "
+        f"parameter below it. {what} was not wrapped."
     )
     if checkpointed:
         found = (
@@ -121,13 +122,18 @@ def _refuse_checkpoint_wrapper(parent: nn.Module, name: str, module: Any) -> Non
             "other activation checkpointing off. "
         )
     else:
+        asked = (
+            "the reentrant checkpoint (checkpoint_impl=CheckpointImpl.REENTRANT)"
+            if reentrant
+            else f"another checkpoint function ({checkpoint_fn!r})"
+        )
         message = (
             f"PyTorch's checkpoint_wrapper is wrapping {what}, which holds modules that recomp "
-            f"excludes ({_shown(excluded)}): they are kept out of the replay of recomp's "
-            f"checkpoints only, and this plain checkpoint would replay them; {renames} "
-            "Checkpoint with recomp instead (recomp.torch.apply_activation_checkpointing(model, "
-            "checkpoint_fn=..., exclude_fn=...); with Lightning, in "
-            "LightningModule.configure_model) and turn the other activation checkpointing off. "
+            f"excludes ({_shown(excluded)}), with {asked}: that checkpoint would replay them "
+            f"(recomp stands in for PyTorch's own non-reentrant checkpoint only); {renames} "
+            "Leave checkpoint_impl and checkpoint_fn at their defaults, or checkpoint with "
+            "recomp (recomp.torch.apply_activation_checkpointing(model, checkpoint_fn=..., "
+            "exclude_fn=...)). "
         )
     raise DoubleCheckpointError(message + TRAINER_SWITCHES)
 

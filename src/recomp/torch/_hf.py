@@ -293,7 +293,10 @@ class HFCheckpointing:
         base, keywords = current, {}
         if isinstance(current, functools.partial) and not current.args:
             base, keywords = current.func, dict(current.keywords)
-        if base is not torch.utils.checkpoint.checkpoint and base is not self.checkpoint:
+        if _compat.is_hf_offload_checkpoint(base):
+            # HF's offload=True: the checkpoint's inputs in host memory until the replay
+            keywords["swap_inputs"] = True
+        elif base is not torch.utils.checkpoint.checkpoint and base is not self.checkpoint:
             raise RecompError(_foreign_function_message(layer, current))
         if keywords.pop("use_reentrant", None):
             warnings.warn(
@@ -325,11 +328,9 @@ def _foreign_function_message(layer: nn.Module, current: Any) -> str:
         f"{type(layer).__name__}, but Hugging Face's activation checkpointing was then given "
         f"another one ({current!r}). recomp takes the place of PyTorch's "
         "torch.utils.checkpoint.checkpoint, with its keyword arguments, and of its own; any "
-        "other would replay the excluded regions. HF's offload=True "
-        "(activation_checkpointing_kwargs={'offload': True}) is such a function: PyTorch's "
-        "checkpoint inside save_on_cpu; with recomp, offload what the excluded regions keep "
-        "with hf_activation_checkpointing(model, exclude_fn=..., offload_fn=...) instead. To "
-        "use that other function, call recomp.torch.unwrap(model) first."
+        "other would replay the excluded regions (HF's offload=True is read as recomp's "
+        "swap_inputs=True). To use that other function, call recomp.torch.unwrap(model) "
+        "first."
     )
 
 

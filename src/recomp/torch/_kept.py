@@ -50,7 +50,7 @@ import torch
 from torch.utils.checkpoint import CheckpointError
 
 from .._hooks import CallPart, CheckpointCallView, Stage
-from ..errors import RecompError
+from ..errors import ParameterChangedError, RecompError
 from . import _compat
 from ._replay_errors import as_replay_mismatch
 
@@ -92,7 +92,10 @@ class RecomputeHandle:
         # pass reads what its own replay kept first: a backward run from a hook inside
         # another pass (a nested graph task) replays and reads its own, and leaves the
         # outer pass's tensors where the outer pass will read them.
-        self._kept: weakref.WeakKeyDictionary[Any, dict[int, torch.Tensor]] = (
+        # Each kept tensor with its version when kept: a parameter the replay saved that
+        # changes before a later pass reads it is refused (NOTE [ State changed before
+        # backward ] in ``recomp._module_state``).
+        self._kept: weakref.WeakKeyDictionary[Any, dict[int, tuple[torch.Tensor, int | None]]] = (
             weakref.WeakKeyDictionary()
         )
         # Holder -> the backward pass that read and dropped its tensor: a replay later in
@@ -152,7 +155,16 @@ class RecomputeHandle:
                     "already unpacked once in this backward pass. If you are calling "
                     "ctx.saved_tensors in backward, make sure to do so only once."
                 )
-        keeper, value = found
+        keeper, (value, version) = found
+        if _compat.version(value) != version:
+            raise ParameterChangedError(
+                "A tensor that the replay of a checkpoint kept for a later backward pass was "
+                "changed in place before that pass read it: a parameter or buffer the "
+                "checkpointed code saves for backward, changed by an optimizer step, weight "
+                "clipping or another in-place update between the two backward passes. That "
+                "pass would use the new values and the gradients would be wrong. Run every "
+                "backward that needs this forward before changing its parameters."
+            )
         session = self.session
         retain = session is not None and session.retain_on_unpack
         if not retain and _compat.node_finishes_in_this_pass():
@@ -166,7 +178,9 @@ class RecomputeHandle:
                     self._consumed[holder] = current
         return value
 
-    def _find(self, holder: Any, current: int) -> tuple[int, torch.Tensor] | None:
+    def _find(
+        self, holder: Any, current: int
+    ) -> tuple[int, tuple[torch.Tensor, int | None]] | None:
         """What a replay kept for ``holder``: this pass's own first, else that of a pass
         that has ended (an earlier pass of a zero-bubble schedule, or a replay run ahead
         of backward); with the pass that kept it. A pass still running (this one runs
@@ -187,7 +201,7 @@ class RecomputeHandle:
         with self._lock:
             if current != -1 and self._consumed.get(holder) == current:
                 return
-            self._kept.setdefault(holder, {})[current] = value
+            self._kept.setdefault(holder, {})[current] = (value, _compat.version(value))
             if current == -1 or current in self._running:
                 return
             self._running.add(current)
@@ -229,7 +243,7 @@ class RecomputeHandle:
         passes that replayed it keep."""
         with self._lock:
             by_pass = self._kept.get(holder)
-            return next(iter(by_pass.values())) if by_pass else None
+            return next(iter(by_pass.values()))[0] if by_pass else None
 
     def kept_count(self) -> int:
         """How many recomputed tensors the handle keeps now (for tests and reports)."""
@@ -242,7 +256,7 @@ class _UnpackThroughHandle:
 
     def __init__(self, handle: RecomputeHandle) -> None:
         self.handle = handle
-        self._stack: contextlib.ExitStack | None = None
+        self._replaced: Any = None
         self._collector: list[RecomputeHandle] | None = None
 
     def __enter__(self) -> None:
@@ -258,14 +272,14 @@ class _UnpackThroughHandle:
             self._collector = _COLLECTOR.get()
             if self._collector is not None:
                 self._collector.append(handle)
-        stack = contextlib.ExitStack()
-        stack.enter_context(_compat.replace_top_hooks(pack, handle.unpack, hooks))
-        self._stack = stack
+        replaced = _compat.replace_top_hooks(pack, handle.unpack, hooks)
+        replaced.__enter__()
+        self._replaced = replaced
 
     def __exit__(self, *exc_info: Any) -> None:
-        stack, self._stack = self._stack, None
-        if stack is not None:
-            stack.close()
+        replaced, self._replaced = self._replaced, None
+        if replaced is not None:
+            replaced.__exit__(None, None, None)
         collector, self._collector = self._collector, None
         if exc_info[0] is not None and collector is not None and self.handle in collector:
             collector.remove(self.handle)  # a forward that failed has nothing to replay
@@ -286,11 +300,11 @@ class _Capture:
 
     def __init__(self, handle: RecomputeHandle) -> None:
         self.handle_ref = weakref.ref(handle)
-        self._stacks: list[contextlib.ExitStack] = []
+        # Per entry (innermost last): the hooks it replaced, or None.
+        self._entries: list[Any] = []
 
     def __enter__(self) -> None:
-        stack = contextlib.ExitStack()
-        self._stacks.append(stack)
+        self._entries.append(None)
         handle = self.handle_ref()
         if handle is None:
             return
@@ -315,10 +329,14 @@ class _Capture:
             return kept
 
         _compat.mark_as_checkpoint_hook(pack, replay_pack)
-        stack.enter_context(_compat.replace_top_hooks(pack, replay_unpack, hooks))
+        replaced = _compat.replace_top_hooks(pack, replay_unpack, hooks)
+        replaced.__enter__()
+        self._entries[-1] = replaced
 
     def __exit__(self, *exc_info: Any) -> None:
-        self._stacks.pop().close()
+        replaced = self._entries.pop()
+        if replaced is not None:
+            replaced.__exit__(None, None, None)
 
 
 class KeptReplays(CallPart):

@@ -188,7 +188,7 @@ class OffloadGroup:
         self.offloaded_bytes = 0
         self.restored_bytes = 0
         # Where host copies come from: None (pinned memory allocated per copy) or a
-        # bounded pool reused across steps (``recomp.torch._swap.PinnedMemoryPool``).
+        # bounded pool reused across steps (``recomp.torch._swap.pool.PinnedMemoryPool``).
         self.pool: Any = None
         self.records: list[weakref.ref[_Stored]] = []
         # storage -> (alias of it, its record), for the region's forward only.
@@ -204,7 +204,7 @@ class OffloadGroup:
     ) -> OffloadHandle | None:
         """Start copying ``t``'s storage to the host; None if ``t`` stays where it is
         (below the size threshold unless ``force``, not on an offloaded device, not a
-        plain tensor). ``force``: a swap policy chose ``t`` (``recomp.torch._swap``).
+        plain tensor). ``force``: a swap policy chose ``t`` (``recomp.torch._swap.scope``).
         ``in_place``: the storage itself is emptied once copied, and refilled by
         :meth:`bring_back_in_place` (tensors the caller keeps, ``swap_tensor_wrapper``).
         ``label``: the tensor's name in the trace (``group/label``)."""

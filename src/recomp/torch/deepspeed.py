@@ -42,13 +42,14 @@ Where the function is looked up:
 ``deepspeed.checkpointing.configure`` (and the ``activation_checkpointing`` section of a
 DeepSpeed config given to it) is read at each checkpoint call:
 
-* ``partition_activations``: DeepSpeed keeps each checkpoint's inputs split over the
-  model-parallel ranks. With a model-parallel size of 1 its part is the whole tensor
-  and nothing changes; with more, recomp refuses (``RecompError`` naming the option):
-  its checkpoints keep the inputs whole on every rank.
-* ``cpu_checkpointing`` / ``checkpoint_in_cpu``: DeepSpeed keeps the inputs in host
-  memory. Inputs already in host memory (a CPU run) have nowhere to go; an input on
-  an accelerator makes recomp refuse, naming the option.
+* ``partition_activations``: each checkpoint's floating-point inputs are kept split
+  over the model-parallel group (DeepSpeed's ``mp_group``) until the replay gathers
+  them, as DeepSpeed does: recomp's ``partition_inputs``. With a model-parallel size of
+  1 the part is the whole tensor and nothing changes.
+* ``cpu_checkpointing`` / ``checkpoint_in_cpu``: the inputs are kept in host memory
+  until the replay (recomp's ``swap_inputs=True``; on a machine without an accelerator
+  they are there already). Together with ``partition_activations`` above size 1
+  (DeepSpeed's slices in host memory) recomp refuses, naming both options.
 * ``contiguous_memory_optimization``: copying checkpoint inputs into buffers made in
   advance (fragmentation, not the amount kept); recomp does not, and warns once
   (``IneffectiveSelectionWarning``).
@@ -72,12 +73,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from .._region import check_flag
 from ..errors import IneffectiveSelectionWarning, RecompError
 from ._api import checkpoint as recomp_checkpoint
-from ._backend import BACKEND
 from ._trainer_patch import Exclusions, Installation, replace_attributes
 
 __all__ = ["CHECKPOINTING", "install"]
@@ -161,11 +159,13 @@ def _recomp_in_deepspeed(
         DeepSpeed's signature: keyword arguments go to ``function``."""
         if not handle or not handle[0].installed:
             return _after_removal(checkpointing, checkpoint, original)(function, *args, **kwargs)
-        synchronize = _settings(checkpointing, args, kwargs, warned, lock)
+        synchronize, inputs = _settings(checkpointing, warned, lock)
         exclusions.apply_within(function)
         run = functools.partial(function, **kwargs) if kwargs else function
         if synchronize is None:
-            outputs = recomp_checkpoint(run, *args, exclude_collectives=exclude_collectives)
+            outputs = recomp_checkpoint(
+                run, *args, exclude_collectives=exclude_collectives, **inputs
+            )
         else:
             synchronize()
             outputs = recomp_checkpoint(
@@ -173,6 +173,7 @@ def _recomp_in_deepspeed(
                 *args,
                 exclude_collectives=exclude_collectives,
                 context_fn=lambda: (contextlib.nullcontext(), _Synchronized(synchronize)),
+                **inputs,
             )
             synchronize()
         return _as_deepspeed_returns(outputs)
@@ -208,44 +209,33 @@ class _Synchronized:
 
 
 def _settings(
-    checkpointing: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    warned: set[str],
-    lock: threading.Lock,
-) -> Callable[[], Any] | None:
-    """Check what ``deepspeed.checkpointing.configure`` asked for against what recomp
-    does; return the accelerator's synchronize function when ``synchronize`` is on."""
-    if getattr(checkpointing, "PARTITION_ACTIVATIONS", False):
-        size = getattr(checkpointing, "mp_size", 1) or 1
-        if size > 1:
+    checkpointing: Any, warned: set[str], lock: threading.Lock
+) -> tuple[Callable[[], Any] | None, dict[str, Any]]:
+    """What ``deepspeed.checkpointing.configure`` asked for, as recomp's: the
+    accelerator's synchronize function when ``synchronize`` is on, and the checkpoint's
+    options for where its inputs are kept (``partition_inputs``, ``swap_inputs``)."""
+    inputs: dict[str, Any] = {}
+    size = getattr(checkpointing, "mp_size", 1) or 1
+    if getattr(checkpointing, "PARTITION_ACTIVATIONS", False) and size > 1:
+        group = getattr(checkpointing, "mp_group", None)
+        if group is None:
             raise RecompError(
-                "recomp.torch.deepspeed: deepspeed.checkpointing.configure(partition_"
-                f"activations=True) with a model-parallel size of {size} asks for each "
-                f"checkpoint's inputs to be kept split over the {size} model-parallel ranks; "
-                "recomp's checkpoints keep them whole on every rank. Set "
-                "partition_activations to false (configure() or the DeepSpeed config's "
-                f'"activation_checkpointing" section), {_REMOVE}.'
+                "recomp.torch.deepspeed: partition_activations is on with a model-parallel "
+                f"size of {size}, but DeepSpeed's checkpointing has no model-parallel group "
+                "to split the inputs over: pass mpu_= to deepspeed.checkpointing.configure "
+                f"(or to deepspeed.initialize), {_REMOVE}."
             )
+        inputs["partition_inputs"] = group
     if getattr(checkpointing, "CPU_CHECKPOINT", False):
-        leaves, _ = BACKEND.flatten((args, kwargs))
-        devices = sorted(
-            {
-                str(leaf.device)
-                for leaf in leaves
-                if isinstance(leaf, torch.Tensor)
-                and leaf.is_floating_point()
-                and leaf.device.type != "cpu"
-            }
-        )
-        if devices:
+        if inputs:
             raise RecompError(
-                "recomp.torch.deepspeed: deepspeed.checkpointing.configure(checkpoint_in_cpu="
-                "True) (cpu_checkpointing in the DeepSpeed config) asks for each "
-                "checkpoint's inputs to be kept in host memory; recomp's checkpoints keep "
-                f"them where they are ({', '.join(devices)}). Set cpu_checkpointing to "
-                f"false, {_REMOVE}."
+                "recomp.torch.deepspeed: cpu_checkpointing together with "
+                f"partition_activations at a model-parallel size of {size} asks for the "
+                "inputs' slices in host memory; recomp keeps them split on the device or "
+                "whole in host memory, not both. Set one of the two to false, "
+                f"{_REMOVE}."
             )
+        inputs["swap_inputs"] = True  # in host memory until the replay
     for flag, message in _WARNED_SETTINGS:
         if getattr(checkpointing, flag, False) and flag not in warned:
             with lock:
@@ -254,9 +244,9 @@ def _settings(
             if first:
                 warnings.warn(message, IneffectiveSelectionWarning, stacklevel=3)
     if not getattr(checkpointing, "SYNCHRONIZE", False):
-        return None
+        return None, inputs
     accelerator = checkpointing.get_accelerator()
-    return accelerator.synchronize  # type: ignore[no-any-return]
+    return accelerator.synchronize, inputs
 
 
 _WARNED_SETTINGS = (

@@ -31,8 +31,10 @@ Left as they are: ``CheckpointWithoutOutput`` (selective ``"layernorm"`` and ``"
 whose outputs Megatron frees and recomputes by itself; none communicates), and
 TransformerEngine's ``te_checkpoint``, which Megatron calls instead under FP8/FP4
 (``config.fp8``/``config.fp4``): its recompute is tied to TransformerEngine's FP8 state
-and stays Megatron's, collectives replayed. ``distribute_saved_activations=True`` is
-refused (see :func:`install`).
+and stays Megatron's, collectives replayed. ``distribute_saved_activations=True``
+splits each checkpoint's first input over the tensor-parallel group, as Megatron's own
+checkpoint does (``recomp.torch._partition``): its data is this rank's 1-D slice until
+the replay gathers it.
 
 Nothing of Megatron is imported when recomp is: :func:`install` imports Megatron-Core's
 modules when it is called.
@@ -44,8 +46,10 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .. import _engine
-from ..errors import RecompError
+from . import _partition
 from ._api import checkpoint
 from ._trainer_patch import Exclusions, Installation, replace_attributes
 
@@ -81,11 +85,9 @@ def install(exclude: Any = (), *, exclude_collectives: bool = True) -> Installat
 
     Returns an :class:`~recomp.torch._trainer_patch.Installation`: call its
     ``remove()`` (or use it as a context manager) to put Megatron's function back.
-    Installing again before that raises :class:`~recomp.errors.RecompError`. A
-    checkpoint called with ``distribute_saved_activations=True``
-    (``TransformerConfig.distribute_saved_activations``) raises ``RecompError``:
-    recomp does not split the checkpoint's input across the tensor-parallel group.
-    Call it before the first training step; modules already wrapped by recomp are
+    Installing again before that raises :class:`~recomp.errors.RecompError`.
+    ``TransformerConfig.distribute_saved_activations`` is honoured: the checkpoint's
+    first input is kept split over the tensor-parallel group until the replay. Call it before the first training step; modules already wrapped by recomp are
     left as they are.
     """
     exclusions = Exclusions(exclude, _API)
@@ -96,15 +98,6 @@ def install(exclude: Any = (), *, exclude_collectives: bool = True) -> Installat
     def recomp_checkpoint(
         function: Callable[..., Any], distribute_saved_activations: bool, *args: Any
     ) -> Any:
-        if distribute_saved_activations:
-            raise RecompError(
-                "recomp.torch.megatron: Megatron-Core asked to checkpoint with "
-                "distribute_saved_activations=True (TransformerConfig."
-                "distribute_saved_activations), which recomp does not support: it would "
-                "split the checkpoint's input across the tensor-parallel group. Set "
-                "distribute_saved_activations=False, or remove() the installation to use "
-                "Megatron's own checkpoint."
-            )
         if graph_phase is not None and graph_phase():
             # What Megatron's checkpoint does while a CUDA graph is warmed up or
             # captured: the graph records every op, nothing is recomputed.
@@ -115,8 +108,16 @@ def install(exclude: Any = (), *, exclude_collectives: bool = True) -> Installat
         # (TransformerLayer's pre-MLP norm manager, which holds the hidden states); a
         # replay stopped early would leave its tensors, and the graph behind them, there
         # until the layer's next forward.
+        partition = None
+        if distribute_saved_activations and args and isinstance(args[0], torch.Tensor):
+            # Megatron's: the first input split over the tensor-parallel group, in place
+            partition = _partition.PartitionedInputs(tensor_parallel_group(), first=args[0])
         return checkpoint(
-            function, *args, exclude_collectives=exclude_collectives, early_stop=False
+            function,
+            *args,
+            exclude_collectives=exclude_collectives,
+            early_stop=False,
+            partition_inputs=partition,
         )
 
     recomp_checkpoint.__qualname__ = recomp_checkpoint.__name__ = "checkpoint"
@@ -126,6 +127,13 @@ def install(exclude: Any = (), *, exclude_collectives: bool = True) -> Installat
     return replace_attributes(
         "megatron", TARGETS, recomp_checkpoint, rebind_imports=True, exclusions=exclusions
     )
+
+
+def tensor_parallel_group() -> Any:
+    """Megatron-Core's tensor-parallel process group (what ``distribute_saved_activations``
+    splits a checkpoint's input over)."""
+    parallel_state = importlib.import_module("megatron.core.parallel_state")
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def _import_megatron() -> None:

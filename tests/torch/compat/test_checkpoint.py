@@ -10,6 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import recomp  # noqa: E402
 from recomp.torch import _compat  # noqa: E402
 
 
@@ -158,48 +159,54 @@ def test_an_early_stop_passes_through_the_replay_context():
     assert not _compat.is_early_stop(None) and not _compat.is_early_stop(ValueError())
 
 
-def test_checkpoint_wrapper_takes_the_module_it_checkpoints():
+def made_kwargs(wrapper):
+    return dict(wrapper.checkpoint_fn.keywords)
+
+
+def test_checkpoint_wrapper_is_guarded_with_the_arguments_it_is_given():
+    """The guard (installed by ``recomp.torch``) sees the module and the function however
+    they are passed, runs before anything is wrapped, and is installed once."""
     from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrappers
 
-    seen = []
+    import recomp.torch as rt
 
-    def hook(parent, name, module):
-        seen.append(_compat.checkpoint_wrapper_takes(parent, name))
-
-    handle = torch.nn.modules.module.register_module_module_registration_hook(hook)
-    try:
-        wrappers.checkpoint_wrapper(torch.nn.Linear(2, 2))
-        assert seen == [True]
-        seen.clear()
-        wrappers.offload_wrapper(torch.nn.Linear(2, 2))  # not a checkpoint
-        torch.nn.Sequential(torch.nn.Linear(2, 2))
-        assert seen == [False, False]
-    finally:
-        handle.remove()
-
-
-def test_checkpoint_wrapper_function_is_the_one_the_wrapper_is_given():
-    import functools
-
-    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrappers
+    init = wrappers.CheckpointWrapper.__init__
+    assert _compat.guard_checkpoint_wrapper(lambda module, fn, reentrant: None)  # already there
+    assert wrappers.CheckpointWrapper.__init__ is init
 
     def mine(function, *args, **kwargs):
         return function(*args, **kwargs)
 
-    seen = []
-
-    def hook(parent, name, module):
-        if _compat.checkpoint_wrapper_takes(parent, name):
-            seen.append(_compat.checkpoint_wrapper_function(parent))
-
-    handle = torch.nn.modules.module.register_module_module_registration_hook(hook)
-    try:
-        wrappers.checkpoint_wrapper(torch.nn.Linear(2, 2), checkpoint_fn=mine)
-        wrappers.checkpoint_wrapper(torch.nn.Linear(2, 2))
-        wrapper = wrappers.CheckpointWrapper(torch.nn.Linear(2, 2), checkpoint_fn=mine)
-    finally:
-        handle.remove()
-    assert seen == [mine, None, mine]
-    assert isinstance(wrapper.checkpoint_fn, functools.partial) and wrapper.checkpoint_fn.func is mine
-    # Outside a wrapper's construction it cannot tell.
-    assert _compat.checkpoint_wrapper_function(wrapper) is _compat.UNKNOWN_CHECKPOINT_FUNCTION
+    excluded = rt.checkpoint_exclude_wrapper(torch.nn.Linear(2, 2))
+    for build in (
+        lambda: wrappers.checkpoint_wrapper(excluded, checkpoint_fn=mine),
+        lambda: wrappers.CheckpointWrapper(excluded, wrappers.CheckpointImpl.NO_REENTRANT, mine),
+        lambda: wrappers.CheckpointWrapper(excluded, wrappers.CheckpointImpl.REENTRANT),
+        lambda: wrappers.checkpoint_wrapper(
+            excluded, checkpoint_impl=wrappers.CheckpointImpl.REENTRANT
+        ),
+    ):
+        with pytest.raises(recomp.DoubleCheckpointError):
+            build()
+    # PyTorch's own non-reentrant checkpoint, however asked for: recomp's checkpoint is
+    # put in its place, with the wrapper's keyword arguments.
+    for build in (
+        lambda: wrappers.checkpoint_wrapper(excluded, preserve_rng_state=False),
+        lambda: wrappers.CheckpointWrapper(mod=excluded),
+        lambda: wrappers.CheckpointWrapper(excluded, wrappers.CheckpointImpl.NO_REENTRANT),
+    ):
+        made = build()
+        assert made.checkpoint_fn.func is rt.checkpoint
+    assert made_kwargs(wrappers.checkpoint_wrapper(excluded, preserve_rng_state=False)) == {
+        "preserve_rng_state": False
+    }
+    # recomp's own function, positionally or by keyword: a recomp checkpoint, accepted.
+    by_keyword = wrappers.checkpoint_wrapper(excluded, checkpoint_fn=rt.checkpoint)
+    positional = wrappers.CheckpointWrapper(
+        excluded, wrappers.CheckpointImpl.NO_REENTRANT, rt.checkpoint
+    )
+    assert by_keyword._checkpoint_wrapped_module is excluded
+    assert positional._checkpoint_wrapped_module is excluded
+    # Modules recomp never wrapped, and PyTorch's offload wrapper, are left alone.
+    wrappers.checkpoint_wrapper(torch.nn.Linear(2, 2))
+    wrappers.offload_wrapper(excluded)

@@ -100,3 +100,42 @@ def test_node_finishes_in_this_pass_follows_the_pass_inputs():
     torch.autograd.grad(out, [x, w])  # leaves captured by autograd.grad: computed
     assert seen == [False, True, True]
     assert _compat.node_finishes_in_this_pass()  # outside backward
+
+
+def _model() -> torch.nn.Module:
+    shared = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3), shared, torch.nn.Sequential(shared)
+    )
+    model.register_module("empty", None)
+    model[0].bias.requires_grad_(False)
+    return model
+
+
+def test_module_children_and_parameters_match_the_public_iterators():
+    model = _model()
+    for module in model.modules():
+        assert _compat.module_children(module) == list(module.named_children())
+        assert [id(p) for p in _compat.module_parameters(module)] == [
+            id(p) for p in module.parameters()
+        ]
+
+
+def test_module_attributes_match_getattr():
+    class Custom(torch.nn.Module):
+        running_var = None  # a class attribute: getattr finds it before the buffers
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("running_mean", torch.zeros(1))
+            self.plain = torch.ones(1)
+
+        def __getattr__(self, name: str) -> object:
+            if name == "num_batches_tracked":
+                return "forwarded"
+            return super().__getattr__(name)
+
+    names = ("running_mean", "running_var", "num_batches_tracked", "plain", "missing")
+    for module in (*_model().modules(), Custom()):
+        got = _compat.module_attributes(module, names)
+        assert [id(x) for x in got] == [id(getattr(module, n, None)) for n in names]

@@ -84,3 +84,23 @@ def test_the_call_hf_makes_is_told_from_calls_through_its_switch():
     for other in (layer, layer.forward, functools.partial(type(layer).forward, layer)):
         assert not _compat.is_hf_checkpoint_call(layer, other)
     assert not _compat.is_hf_checkpoint_call(_tiny_llama().model.layers[0], hf_call)
+
+
+def test_hfs_offload_checkpoint_function_is_told_from_pytorchs():
+    import torch.utils.checkpoint
+
+    model = _tiny_llama()
+    layer = model.model.layers[0]
+    model.activation_checkpointing_enable(offload=True)
+    function = _compat.hf_checkpoint_function(layer)
+    assert _compat.is_hf_offload_checkpoint(function.func)
+    model.activation_checkpointing_enable()
+    assert not _compat.is_hf_offload_checkpoint(_compat.hf_checkpoint_function(layer).func)
+    assert not _compat.is_hf_offload_checkpoint(torch.utils.checkpoint.checkpoint)
+    # What recomp reads it as, swap_inputs=True, is what it does: PyTorch's checkpoint
+    # saves its inputs, and save_on_cpu packs them (a hook around the checkpoint sees them).
+    seen = []
+    x = torch.randn(2, 4, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False)
+    assert any(t is x for t in seen)

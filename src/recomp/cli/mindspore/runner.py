@@ -270,8 +270,8 @@ def time_strategies(
 
 def report_strategy(config: BenchConfig, strategy: str) -> Any:
     """One training step of the MindSpore decoder under ``strategy`` (after a warm-up
-    step), recorded by ``recomp.mindspore.record_saved_tensors``."""
-    from recomp.mindspore import record_saved_tensors
+    step), recorded by ``recomp.mindspore.report.record_saved_tensors``."""
+    from recomp.mindspore.report import record_saved_tensors
 
     setup(config)
     trainer = Trainer(config, strategy)

@@ -316,7 +316,7 @@ def report_strategy(config: BenchConfig, strategy: str) -> Any:
     """One forward of ``config``'s model under ``strategy`` (a benchmark strategy or a plan
     file), its report taken before backward; the backward then runs, as in training."""
     from recomp.plan import load_plan
-    from recomp.torch import label_layers, saved_tensors_report
+    from recomp.torch.report import label_layers, saved_tensors_report
 
     model, x, loss_fn = build(config)
     if strategy.endswith(".json"):

@@ -12,12 +12,12 @@ Tested by ``tests/torch/compat/test_checkpoint.py``.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import inspect
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -108,23 +108,31 @@ def _is_checkpoint_pack_hook(pack: Any) -> bool:
     ).startswith(_CHECKPOINT_HOOK_QUALNAMES)
 
 
-@contextlib.contextmanager
-def replace_top_hooks(
-    pack: Callable[[Any], Any], unpack: Callable[[Any], Any], original: tuple[Any, Any]
-) -> Iterator[None]:
+class replace_top_hooks:
     """Swap the top saved-tensors hook pair for (pack, unpack), and put ``original`` back.
 
     Private: the push/pop functions behind ``saved_tensors_hooks``. Replacing
     the pair in place (rather than pushing another on top) keeps the
     checkpoint's own pack hook on top, which PyTorch and recomp look for.
+    Entered around every forward and replay of a checkpoint: a class, not a generator.
     """
-    torch._C._autograd._pop_saved_tensors_default_hooks()
-    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
-    try:
-        yield
-    finally:
+
+    __slots__ = ("original", "pack", "unpack")
+
+    def __init__(
+        self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any], original: tuple[Any, Any]
+    ) -> None:
+        self.pack = pack
+        self.unpack = unpack
+        self.original = original
+
+    def __enter__(self) -> None:
         torch._C._autograd._pop_saved_tensors_default_hooks()
-        torch._C._autograd._push_saved_tensors_default_hooks(*original)
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        torch._C._autograd._push_saved_tensors_default_hooks(*self.original)
 
 
 # --------------------------------------------------------------------------- kept replays
@@ -261,83 +269,67 @@ def _close_checkpoint_frame(frame: Any, exc: BaseException) -> bool:
 
 # --------------------------------------------------------------------------- PyTorch's checkpoint_wrapper
 
-# (class, attribute name) of PyTorch's checkpoint wrapper; None where it cannot be imported.
-_WRAPPER_SLOT: tuple[type, str] | bool | None = False  # False: not looked up yet
 
-
-def _checkpoint_wrapper_slot() -> tuple[type, str] | None:
-    global _WRAPPER_SLOT
-    if _WRAPPER_SLOT is False:
-        try:
-            from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrappers
-        except ImportError:  # a build without torch.distributed
-            _WRAPPER_SLOT = None
-        else:
-            cls = getattr(wrappers, "CheckpointWrapper", None)
-            name = getattr(wrappers, "_CHECKPOINT_WRAPPED_MODULE", None)
-            ok = isinstance(cls, type) and isinstance(name, str)
-            _WRAPPER_SLOT = (cls, name) if ok else None  # type: ignore[assignment]
-    return _WRAPPER_SLOT  # type: ignore[return-value]
-
-
-#: ``checkpoint_wrapper_function``'s answer when it cannot tell.
-UNKNOWN_CHECKPOINT_FUNCTION = object()
-
-
-def checkpoint_wrapper_function(parent: Any) -> Any:
-    """The ``checkpoint_fn`` given to PyTorch's checkpoint wrapper ``parent`` while it is
-    being built: None for PyTorch's own checkpoint (its default),
-    ``UNKNOWN_CHECKPOINT_FUNCTION`` where it cannot be found.
-
-    Why: users pass recomp's function to PyTorch's wrapper
-    (``checkpoint_wrapper(module, checkpoint_fn=recomp.torch.checkpoint)``). Around
-    modules recomp excludes that is a recomp checkpoint, not a plain one, and must not be
-    refused; but the wrapper registers the module (where recomp looks) before it stores
-    the function (``CheckpointWrapper.checkpoint_fn`` is set after
-    ``ActivationWrapper.__init__`` returns).
-    How: the wrapper's ``__init__`` is on the stack then, one of the frames that led to
-    the registration hook: its local ``checkpoint_fn`` is the argument.
-    If it changes (other names, another order): ``UNKNOWN_CHECKPOINT_FUNCTION``, and
-    recomp refuses the wrapper as it refuses one with PyTorch's checkpoint (the user
-    then checkpoints with ``recomp.torch.checkpoint_wrapper`` instead).
-    Retired by: a public class for PyTorch's checkpoint wrapper that takes its function
-    before it registers the module.
-    Checked on PyTorch 2.13.0 and 2.14.1.
-    """
-    slot = _checkpoint_wrapper_slot()
-    init = getattr(slot[0], "__init__", None) if slot is not None else None
-    code = getattr(init, "__code__", None)
-    if code is None:
-        return UNKNOWN_CHECKPOINT_FUNCTION
-    frame: Any = sys._getframe(1)
-    for _ in range(16):  # hook <- Module.__setattr__ <- ActivationWrapper.__init__ <- here
-        if frame is None:
-            break
-        if frame.f_code is code and frame.f_locals.get("self") is parent:
-            return frame.f_locals.get("checkpoint_fn", UNKNOWN_CHECKPOINT_FUNCTION)
-        frame = frame.f_back
-    return UNKNOWN_CHECKPOINT_FUNCTION
-
-
-def checkpoint_wrapper_takes(parent: Any, name: str) -> bool:
-    """Whether registering a module as ``parent.<name>`` is PyTorch's checkpoint wrapper
-    (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper``,
-    made by its ``checkpoint_wrapper`` and ``apply_activation_checkpointing``) taking that
-    module as the one it checkpoints.
+def guard_checkpoint_wrapper(check: Callable[[Any, Any, bool], Any]) -> bool:
+    """Have PyTorch's checkpoint wrapper call ``check(module, checkpoint_fn, reentrant)``
+    before it takes ``module`` (``checkpoint_fn`` None for PyTorch's own checkpoint, its
+    default; ``reentrant`` whether its ``checkpoint_impl`` asks for the reentrant one); an
+    error ``check`` raises leaves nothing wrapped, a function it returns becomes the
+    wrapper's ``checkpoint_fn`` (called with the wrapper's keyword arguments, as
+    PyTorch calls a ``checkpoint_fn`` it is given). True if installed (once per process;
+    later calls change nothing).
 
     Why: trainers checkpoint through this wrapper (Lightning's
     ``FSDPStrategy(activation_checkpointing_policy=...)``, Accelerate's FSDP
-    ``activation_checkpointing``). Around modules recomp wrapped, its plain checkpoint
-    replays recomp's excluded regions, and it inserts its attribute into the name of every
-    parameter below it; recomp refuses it as the module is registered.
-    How: the wrapper's class lives in a private module; its ``__init__`` assigns the
-    wrapped module to the attribute named by ``_CHECKPOINT_WRAPPED_MODULE``
-    (``"_checkpoint_wrapped_module"``), which runs the global module registration hooks.
-    If it changes: False, and recomp finds the plain checkpoint at the first training
-    forward instead (``DoubleCheckpointError`` from a recomp checkpoint inside it; a
-    module that recomp only excludes warns at the first backward).
-    Retired by: a public class for PyTorch's checkpoint wrapper.
+    ``activation_checkpointing``, ``checkpoint_wrapper``/``apply_activation_checkpointing``
+    of ``torch.distributed.algorithms._checkpoint``). Around modules recomp wrapped, its
+    plain checkpoint replays recomp's excluded regions and it inserts its attribute into
+    the name of every parameter below it, so recomp refuses it before it takes the
+    module. The wrapper's constructor is the only place that sees both the module and the
+    function: a global module registration hook would see every module any model
+    registers (each slice of a ``ModuleList``, in every model's forward) and changes the
+    hook count that compiled graphs guard on.
+    How: the class's ``__init__`` is replaced by one that binds its arguments to the
+    original's signature (``mod``, ``checkpoint_impl``, ``checkpoint_fn``), calls
+    ``check``, then the original, with ``checkpoint_fn`` replaced where ``check`` says.
+    If it changes (the class moves, other parameter names): nothing is installed (False),
+    and recomp finds the plain checkpoint at the first training forward instead
+    (``DoubleCheckpointError`` from a recomp checkpoint or excluded region inside it).
+    Retired by: a public checkpoint wrapper class, or an option of PyTorch's that lets a
+    module refuse being checkpointed.
     Checked on PyTorch 2.9.1, 2.13.0 and 2.14.1.
     """
-    slot = _checkpoint_wrapper_slot()
-    return slot is not None and name == slot[1] and isinstance(parent, slot[0])
+    try:
+        from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrappers
+    except ImportError:  # a build without torch.distributed
+        return False
+    cls = getattr(wrappers, "CheckpointWrapper", None)
+    original = getattr(cls, "__init__", None) if isinstance(cls, type) else None
+    if original is None:
+        return False
+    if getattr(original, "_recomp_guard", None) is not None:
+        return True
+    try:
+        signature = inspect.signature(original)
+    except (TypeError, ValueError):
+        return False
+    if not {"mod", "checkpoint_fn"} <= set(signature.parameters):
+        return False
+
+    reentrant_impl = getattr(getattr(wrappers, "CheckpointImpl", None), "REENTRANT", None)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        impl = bound.arguments.get("checkpoint_impl")
+        reentrant = impl is not None and impl == reentrant_impl
+        replacement = check(bound.arguments["mod"], bound.arguments.get("checkpoint_fn"), reentrant)
+        if replacement is not None:
+            bound.arguments["checkpoint_fn"] = replacement
+            original(*bound.args, **bound.kwargs)
+            return
+        original(self, *args, **kwargs)
+
+    __init__._recomp_guard = check  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[misc]
+    return True

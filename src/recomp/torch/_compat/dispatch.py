@@ -95,7 +95,7 @@ def completed_work_factory() -> Callable[[list[torch.Tensor]], Any] | None:
 
 
 #: recomp's own modes that take part in selective checkpointing (the swap taps of
-#: ``recomp.torch._swap``): hidden in excluded regions with PyTorch's.
+#: ``recomp.torch._swap.selective``): hidden in excluded regions with PyTorch's.
 _OWN_SAC_MODES: list[type] = []
 
 

@@ -9,6 +9,7 @@ Tested by ``tests/torch/compat/test_engine.py``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 
 import torch
@@ -193,6 +194,110 @@ def module_tensor(module: torch.nn.Module, name: str) -> torch.Tensor | None:
     if isinstance(buffers, dict) and name in buffers:
         return buffers[name]
     return getattr(module, name, None)
+
+
+def module_children(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``list(module.named_children())``, read from the module's dictionary of sub-modules.
+
+    Why: a checkpoint of a module walks the modules its replay runs at every call;
+    ``named_children`` is a generator with a set of seen modules, per module.
+    If it changes: the public iterator, which gives the same pairs.
+    Retired by: a cheap public view of a module's direct sub-modules.
+    """
+    children = vars(module).get("_modules")
+    if not isinstance(children, dict):
+        return list(module.named_children())
+    found: list[tuple[str, torch.nn.Module]] = []
+    seen: set[int] = set()
+    for name, child in children.items():
+        if child is not None and id(child) not in seen:
+            seen.add(id(child))
+            found.append((name, child))
+    return found
+
+
+def module_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
+    """``list(module.parameters())``: each parameter of ``module`` and the modules below
+    it once, read from their dictionaries.
+
+    Why: an excluded region asks for its module's parameters at every call that saves a
+    tensor (to tell parameters from activations); ``parameters()`` is three nested
+    generators, resumed per module and per parameter.
+    If it changes: the public iterator, which gives the same tensors.
+    Retired by: a cheap public list of a module's parameters.
+    """
+    found: list[torch.Tensor] = []
+    seen_modules: set[int] = set()
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen_modules:
+            continue
+        seen_modules.add(id(current))
+        state = vars(current)
+        params = state.get("_parameters")
+        children = state.get("_modules")
+        if not isinstance(params, dict) or not isinstance(children, dict):
+            return list(module.parameters())
+        for p in params.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                found.append(p)
+        for child in reversed(children.values()):
+            if child is not None:
+                stack.append(child)
+    return found
+
+
+def module_attributes(module: torch.nn.Module, names: tuple[str, ...]) -> list[object]:
+    """``getattr(module, name, None)`` for each of ``names``, without raising and catching
+    an ``AttributeError`` per name the module does not have.
+
+    Why: a checkpoint of a module asks every replayed module for its running statistics
+    (``running_mean``, ...) at every call, and most modules have none: each missing name
+    costs ``nn.Module.__getattr__`` and an exception.
+    How: where no class on the module's type defines one of ``names`` and its
+    ``__getattr__`` is ``nn.Module``'s (checked once per type), ``getattr`` finds the
+    instance dictionary first, then the parameters, buffers and sub-modules, in that
+    order; this reads them in the same order.
+    If it changes: ``getattr`` for every type.
+    Retired by: nothing needed; a plain ``getattr`` is the fallback.
+    """
+    state = vars(module)
+    params = state.get("_parameters")
+    buffers = state.get("_buffers")
+    children = state.get("_modules")
+    if (
+        not _plain_lookup(type(module), names)  # type: ignore[arg-type]  # classes hash by identity
+        or not isinstance(params, dict)
+        or not isinstance(buffers, dict)
+        or not isinstance(children, dict)
+    ):
+        return [getattr(module, name, None) for name in names]
+    found: list[object] = []
+    for name in names:
+        if name in state:
+            found.append(state[name])
+        elif name in params:
+            found.append(params[name])
+        elif name in buffers:
+            found.append(buffers[name])
+        else:
+            found.append(children.get(name))
+    return found
+
+
+@functools.cache
+def _plain_lookup(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether attribute look-ups of ``names`` on instances of ``cls`` go to the instance
+    dictionary and then to ``nn.Module.__getattr__`` (no class attribute, property or
+    ``__getattr__`` of the type's own comes first)."""
+    if getattr(cls, "__getattr__", None) is not torch.nn.Module.__getattr__:
+        return False
+    if getattr(cls, "__getattribute__", None) is not object.__getattribute__:
+        return False
+    return not any(name in vars(klass) for klass in cls.__mro__ for name in names)
 
 
 def swap_module_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -99,3 +99,102 @@ def is_hf_checkpoint_call(layer: Any, function: Any) -> bool:
         return False
     wrapped = getattr(type(layer).forward, "__wrapped__", None)
     return wrapped is not None and function.func is wrapped
+
+
+def is_hf_offload_checkpoint(function: Any) -> bool:
+    """Whether ``function`` is the checkpoint function HF builds for
+    ``activation_checkpointing_enable(offload=True)``: PyTorch's ``checkpoint`` called
+    inside ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, which moves what the
+    checkpoint saves itself (its inputs) to pinned host memory until the replay.
+
+    Why: HF defines it as a closure (``checkpoint_func``) local to
+    ``PreTrainedModel._activation_checkpointing_enable``, with no attribute saying what it
+    is; ``hf_activation_checkpointing`` reads it as recomp's ``swap_inputs=True``.
+    If it changes: False, and HF's offload switch is refused with the error for a
+    checkpoint function recomp does not know (never PyTorch's checkpoint in recomp's
+    place, which would replay the excluded regions).
+    Retired by: an option of HF's checkpointing that names the offload.
+    Checked on transformers 5.24.0.
+    """
+    return (
+        getattr(function, "__module__", None) == "transformers.modeling_utils"
+        and getattr(function, "__qualname__", "")
+        == "PreTrainedModel._activation_checkpointing_enable.<locals>.checkpoint_func"
+    )
+
+
+def hf_causal_mask_as_on_device() -> Any:
+    """A context in which transformers decides whether to build a causal mask for SDPA
+    as it does on real tensors, where its inputs are fake (``recomp.plan.simulate``).
+
+    Why: without padding, transformers calls SDPA with ``is_causal=True`` and no mask,
+    which lets the GPU take its flash kernel. It first asks whether it is tracing, and
+    counts a fake tensor (the query offset) as tracing: on fake tensors it then builds
+    a ``(seq, seq)`` mask that a real run does not have, which every layer keeps and
+    which sends SDPA to a kernel that saves more. The simulation must count what the
+    run on the device keeps.
+    It also looks for packed sequences in the position ids, and on a fake tensor keeps
+    the packing it cannot rule out, which forbids the skip as well.
+    How: for the time of the block ``masking_utils._ignore_causal_mask_sdpa`` answers
+    True where a run on real tensors does without reading data: no padding mask, as
+    many queries as keys, no sliding window reached, not exporting; else it asks the
+    original. ``masking_utils.find_packed_sequence_indices`` answers None (one sequence
+    per row, what a training run of unpacked sequences finds) for fake position ids.
+    Both restored on leaving. Does nothing where transformers is not imported. Packed
+    or padded sequences are therefore not simulated: their data is not there.
+    If it changes: the original decides (a mask is built: more bytes than on the GPU,
+    as before this shim).
+    Retired by: transformers deciding on fake tensors as on real ones.
+    Checked on transformers 5.24.0.
+    """
+    import contextlib
+    import sys
+
+    module = sys.modules.get("transformers.masking_utils")
+    original = getattr(module, "_ignore_causal_mask_sdpa", None)
+    if original is None:
+        return contextlib.nullcontext()
+
+    @functools.wraps(original)
+    def decide(
+        padding_mask: Any,
+        q_length: int,
+        kv_length: int,
+        q_offset: Any,
+        kv_offset: Any,
+        local_attention_size: int | None = None,
+    ) -> bool:
+        exporting = getattr(module, "is_torchdynamo_exporting", lambda: False)
+        if (
+            padding_mask is None
+            and q_length == kv_length
+            and (local_attention_size is None or kv_length < local_attention_size)
+            and not exporting()
+        ):
+            return True
+        return bool(
+            original(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size)
+        )
+
+    packed = getattr(module, "find_packed_sequence_indices", None)
+
+    def unpacked(position_ids: Any) -> Any:
+        from .fake import is_fake
+
+        if is_fake(position_ids) or packed is None:
+            return None
+        return packed(position_ids)
+
+    @contextlib.contextmanager
+    def patched() -> Any:
+        module._ignore_causal_mask_sdpa = decide  # type: ignore[union-attr]
+        if packed is not None:
+            module.find_packed_sequence_indices = unpacked  # type: ignore[union-attr]
+        try:
+            yield
+        finally:
+            module._ignore_causal_mask_sdpa = original  # type: ignore[union-attr]
+            if packed is not None:
+                module.find_packed_sequence_indices = packed  # type: ignore[union-attr]
+
+    return patched()

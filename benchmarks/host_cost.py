@@ -1,0 +1,270 @@
+"""Host cost per layer of each way of checkpointing, measured side by side in one process.
+
+On a GPU the kernels of a small layer take microseconds, and what the host spends per
+checkpoint and per excluded region decides the step. This runs ``LAYERS`` tiny layers
+(Linear, GELU, Linear; batch 4, width 64: kernels cost little on the CPU too) under each
+strategy, the strategies interleaved step by step so that a machine that slows down
+slows all of them, and reports per layer per step, above no checkpointing:
+
+* the median process CPU time (``time.process_time``: another job on the machine does
+  not count, its own threads do: run with one thread, the default here);
+* Python function calls (``sys.setprofile``), a count that is the same on every run.
+
+Strategies: ``torch`` (``torch.utils.checkpoint``, non-reentrant), ``recomp``
+(``checkpoint_wrapper``, nothing excluded), ``recomp-R`` (R excluded regions per layer:
+the layer's linears and then R-2 more small ones), ``sac`` (PyTorch's selective
+checkpointing saving the first linear's output), ``remat-R`` (torch-remat with R
+regions, where installed: it needs PyTorch 2.14). The ratios the project's targets are
+judged on: ``recomp / torch``, ``recomp-R / remat-R`` and the cost of one more region,
+``(X-Rmax - X-Rmin) / (Rmax - Rmin)`` per layer for each of the two. The spread printed
+with each time is the interquartile range of the per-step CPU times, divided like the
+median (per layer); the figures of ``none`` are subtracted from the medians only.
+Target 3b of ``benchmarks/targets.py`` (``recomp bench``'s wrapper overhead on a tiny op,
+per region call) measures another loop and is not judged here::
+
+    python benchmarks/host_cost.py                       # R in 1, 4, 16; 200 steps
+    python benchmarks/host_cost.py --regions 1,4 --steps 300 --json out/host_cost.json
+
+Run it with recomp importable (``PYTHONPATH=src``, or the development environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
+from torch.utils.checkpoint import (
+    checkpoint as torch_checkpoint,
+)
+
+import recomp.torch as rt
+
+LAYERS = 32
+BATCH = 4
+WIDTH = 64
+
+
+class Small(nn.Module):
+    """What an extra excluded region holds: a tiny scale (one elementwise op)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0001
+
+
+class Layer(nn.Module):
+    def __init__(self, extra: int = 0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, WIDTH)
+        self.fc2 = nn.Linear(WIDTH, WIDTH)
+        self.extra = nn.ModuleList(Small() for _ in range(extra))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x))
+        for small in self.extra:
+            h = small(h)
+        return x + self.fc2(h)
+
+
+def _regions(layer: Layer, count: int) -> list[nn.Module]:
+    """The ``count`` modules of ``layer`` that are excluded (fc1, fc2, then the smalls)."""
+    return [layer.fc1, layer.fc2, *layer.extra][:count]
+
+
+def build(strategy: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A forward of ``LAYERS`` layers under ``strategy``."""
+    name, _, count = strategy.partition("-")
+    regions = int(count) if count else 0
+    torch.manual_seed(0)
+    layers = [Layer(extra=max(regions - 2, 0)) for _ in range(LAYERS)]
+    if name == "none":
+        calls = layers
+    elif name == "torch":
+        calls = [lambda x, m=m: torch_checkpoint(m, x, use_reentrant=False) for m in layers]
+    elif name == "sac":
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            return (
+                CheckpointPolicy.MUST_SAVE
+                if op is torch.ops.aten.addmm.default
+                else CheckpointPolicy.PREFER_RECOMPUTE
+            )
+
+        def context() -> Any:
+            return create_selective_checkpoint_contexts(policy)
+
+        calls = [
+            lambda x, m=m: torch_checkpoint(m, x, use_reentrant=False, context_fn=context)
+            for m in layers
+        ]
+    elif name == "recomp":
+        for layer in layers:
+            for i, module in enumerate(_regions(layer, regions)):
+                _replace(layer, module, rt.checkpoint_exclude_wrapper(module, name=f"r{i}"))
+        calls = [rt.checkpoint_wrapper(m) for m in layers]
+    elif name == "remat":
+        import torch_remat
+
+        for layer in layers:
+            for i, module in enumerate(_regions(layer, regions)):
+                _replace(layer, module, _RematRegion(torch_remat.region(module, f"r{i}", recompute=False)))
+        calls = [torch_remat.checkpoint(region_name=f"layer{i}")(m) for i, m in enumerate(layers)]
+    else:
+        raise SystemExit(f"unknown strategy {strategy!r}")
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for call in calls:
+            x = call(x)
+        return x
+
+    return forward
+
+
+class _RematRegion(nn.Module):
+    """A torch-remat region inside a module (a region is not a Module itself)."""
+
+    def __init__(self, region: Callable[..., Any]) -> None:
+        super().__init__()
+        self.__dict__["region"] = region
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch_remat
+
+        # The output is read by bare ops (GELU, the residual add): torch-remat needs to
+        # be told to keep it, as recomp caches a region's output by itself.
+        out = self.region(x)
+        torch_remat.recompute_needs_tensor(out)
+        return out
+
+
+def _replace(layer: Layer, old: nn.Module, new: nn.Module) -> None:
+    for name, child in layer.named_children():
+        if child is old:
+            setattr(layer, name, new)
+            return
+    for i, child in enumerate(layer.extra):
+        if child is old:
+            layer.extra[i] = new
+            return
+    raise AssertionError("module not found")
+
+
+def step(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    forward(x).sum().backward()
+
+
+def python_calls(run: Callable[[], None]) -> int:
+    count = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal count
+        if event == "call":
+            count += 1
+
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return count
+
+
+def measure(strategies: list[str], steps: int) -> dict[str, dict[str, float]]:
+    torch.set_num_threads(1)
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    forwards = {s: build(s) for s in strategies}
+    for _ in range(5):  # warm-up: caches, lazy initialisation
+        for forward in forwards.values():
+            step(forward, x)
+    times: dict[str, list[float]] = {s: [] for s in strategies}
+    for _ in range(steps):
+        for s, forward in forwards.items():
+            start = time.process_time()
+            step(forward, x)
+            times[s].append(time.process_time() - start)
+    calls = {s: python_calls(lambda f=f: step(f, x)) for s, f in forwards.items()}
+    base_time = statistics.median(times["none"])
+    base_calls = calls["none"]
+    result = {}
+    for s in strategies:
+        median = statistics.median(times[s])
+        result[s] = {
+            "us_per_layer": (median - base_time) / LAYERS * 1e6,
+            "calls_per_layer": (calls[s] - base_calls) / LAYERS,
+            "step_ms": median * 1e3,
+            "spread_us_per_layer": _iqr(times[s]) / LAYERS * 1e6,
+        }
+    return result
+
+
+def _iqr(values: list[float]) -> float:
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return q3 - q1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--regions", default="1,4,16", help="regions per layer, comma-separated")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    counts = [int(c) for c in args.regions.split(",")]
+    remat = importlib.util.find_spec("torch_remat") is not None
+    strategies = ["none", "torch", "recomp", "sac"]
+    for c in counts:
+        strategies.append(f"recomp-{c}")
+        if remat:
+            strategies.append(f"remat-{c}")
+    result = measure(strategies, args.steps)
+    print(f"per layer per step above no checkpointing ({LAYERS} layers, torch {torch.__version__})")
+    print(f"{'strategy':<12} {'CPU us':>9} {'spread':>8} {'py calls':>9}")
+    for s, r in result.items():
+        if s != "none":
+            print(
+                f"{s:<12} {r['us_per_layer']:9.1f} {r['spread_us_per_layer']:8.1f} "
+                f"{r['calls_per_layer']:9.1f}"
+            )
+    ratios = {"recomp/torch": result["recomp"]["us_per_layer"] / result["torch"]["us_per_layer"]}
+    for c in counts:
+        if remat:
+            ratios[f"recomp-{c}/remat-{c}"] = (
+                result[f"recomp-{c}"]["us_per_layer"] / result[f"remat-{c}"]["us_per_layer"]
+            )
+    per_region = {}
+    if len(counts) > 1:
+        low, high = min(counts), max(counts)
+        for name in ("recomp", "remat") if remat else ("recomp",):
+            a, b = result[f"{name}-{low}"], result[f"{name}-{high}"]
+            per_region[name] = {
+                "us": (b["us_per_layer"] - a["us_per_layer"]) / (high - low),
+                "calls": (b["calls_per_layer"] - a["calls_per_layer"]) / (high - low),
+            }
+        if remat:
+            ratios["per-region recomp/remat"] = per_region["recomp"]["us"] / per_region["remat"]["us"]
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    for name, r in per_region.items():
+        print(f"one more region ({name}): {r['us']:.1f} CPU us, {r['calls']:.1f} py calls per layer")
+    if args.json:
+        with open(args.json, "w") as f:
+            figures = {"per_layer": result, "ratios": ratios, "per_region": per_region}
+            json.dump({**figures, "torch": torch.__version__}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

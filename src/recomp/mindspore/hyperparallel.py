@@ -1,0 +1,200 @@
+"""HyperParallel's activation-memory API, under its own names, on recomp (MindSpore
+PyNative).
+
+The same names as ``recomp.torch.hyperparallel``: code written against HyperParallel's
+API (mindformers' PyNative trainer imports ``CheckpointPolicy``,
+``checkpoint_exclude_wrapper``, ``checkpoint_wrapper``, ``swap_wrapper`` and
+``SwapManager``) runs with one import changed::
+
+    from recomp.mindspore.hyperparallel import (
+        CheckpointPolicy, SwapManager, checkpoint_exclude_wrapper, checkpoint_wrapper,
+        swap_wrapper,
+    )
+
+What MindSpore 2.10 PyNative allows runs (NOTE [ Swap on MindSpore ] in
+``recomp.mindspore._swap``): checkpoints with per-op policies (``MUST_SWAP``
+included) and ``swap_inputs``, per-tensor swaps, ``SwapManager`` pairs, exclusion. The
+rest is here under its name and raises :class:`recomp.errors.SwapNotSupportedError`
+when called, saying what MindSpore lacks: ``group_swap=True``, ``cpu_pool`` and
+:class:`PinnedMemoryPool` (no pinned host pool), ``swap_tensor_wrapper`` inside a
+swapped layer (no in-place storage resize), the recompute sessions (no public session
+API, and PyNative's ``mindspore.grad`` runs the whole backward in one call), and
+:func:`create_native_selective_checkpoint_contexts` (PyTorch's, for compiled code).
+What differs, name by name: docs/guides/hyperparallel.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, NoReturn
+
+import mindspore
+
+from .._hyperparallel import check_early_stop, noop_context_fn, without_noop, wrapper_options
+from .._wrapping import WrapperMixin
+from . import _api
+from ._api import checkpoint_exclude_wrapper
+from ._selective import create_selective_checkpoint_contexts, ignore_sac_ops
+from ._swap import (
+    AsyncSaveOnCpu,
+    CheckpointPolicy,
+    SwapManager,
+    async_save_on_cpu,
+    refuse,
+    swap,
+    swap_tensor_wrapper,
+    swap_wrapper,
+)
+
+# The 18 names of hyper_parallel.core.activation_memory.api.__all__, and SwapManager,
+# PinnedMemoryPool and AsyncSaveOnCpu of its swap module.
+__all__ = [
+    "AsyncSaveOnCpu",
+    "CheckpointPolicy",
+    "PinnedMemoryPool",
+    "SwapManager",
+    "async_save_on_cpu",
+    "checkpoint",
+    "checkpoint_exclude_wrapper",
+    "checkpoint_wrapper",
+    "clear_recompute_session",
+    "create_native_selective_checkpoint_contexts",
+    "create_selective_checkpoint_contexts",
+    "get_class_activation_wrapper",
+    "ignore_sac_ops",
+    "is_compiling",
+    "noop_context_fn",
+    "recompute_handle",
+    "recompute_handle_collector_ctx",
+    "recompute_session_ctx",
+    "swap",
+    "swap_tensor_wrapper",
+    "swap_wrapper",
+]
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    swap_inputs: bool = False,
+    policy_fn: Callable[..., Any] | list[str] | None = None,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    group_swap: bool = False,
+    cpu_pool: Any = None,
+    early_stop: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """HyperParallel's ``checkpoint`` on MindSpore: :func:`recomp.mindspore.checkpoint`
+    with HyperParallel's signature.
+
+    ``policy_fn(ctx, op, *args, **kwargs)`` (``op.name``: ``"MatMul"``, ...; or a list of
+    op names to save) chooses per op, through MindSpore's ``MsDispatchMode``: a
+    ``CheckpointPolicy.MUST_SWAP`` output is kept on the host until the replay reads it
+    and never recomputed. ``swap_inputs=True`` moves the inputs the checkpoint saves to
+    the host until its replay. ``group_swap=True`` and ``cpu_pool`` raise
+    :class:`recomp.errors.SwapNotSupportedError`. ``context_fn`` is entered inside
+    recomp's and the policy's contexts.
+
+    ``early_stop`` must be a bool (``ValueError``), as in HyperParallel, but defaults to
+    False here (HyperParallel's PyTorch API: True): MindSpore 2.10's early stop fails
+    when a block's last saved tensor comes from a dropout or a LayerNorm, and recomp
+    raises a :class:`recomp.errors.RecompError` naming the op then. ``use_reentrant`` is
+    not followed (the checkpoint is non-reentrant), as in HyperParallel. Other keyword
+    arguments go to :func:`recomp.mindspore.checkpoint` (``exclude_collectives``,
+    ``save_rng_state``, ``output_recompute``) and the rest to ``function``."""
+    check_early_stop(early_stop)
+    kwargs.pop("use_reentrant", None)
+    return _api.checkpoint(
+        function,
+        *args,
+        context_fn=without_noop(context_fn),
+        policy_fn=policy_fn,
+        swap_inputs=swap_inputs,
+        group_swap=group_swap,
+        cpu_pool=cpu_pool,
+        early_stop=early_stop,
+        **kwargs,
+    )
+
+
+def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
+    """HyperParallel's ``checkpoint_wrapper`` on MindSpore: every call of ``module`` is a
+    :func:`checkpoint` with these options (``context_fn``, ``early_stop``,
+    ``policy_fn``, ``swap_inputs``, ``output_recompute``, ...). ``early_stop`` must be a
+    bool (False unless given), and ``use_reentrant`` is not followed. The Cell is
+    wrapped in place, as by :func:`recomp.mindspore.checkpoint_wrapper` (parameter
+    names and ``isinstance`` unchanged; ``recomp.mindspore.unwrap`` undoes it)."""
+    options = wrapper_options(checkpoint_kwargs, early_stop=None)
+    return _api.checkpoint_wrapper(module, **options)
+
+
+def get_class_activation_wrapper() -> type:
+    """The class every Cell wrapped by ``checkpoint_wrapper`` or
+    ``checkpoint_exclude_wrapper`` is an instance of (``swap_wrapper`` adds hooks and
+    keeps the Cell's class)."""
+    return WrapperMixin
+
+
+def is_compiling() -> bool:
+    """Whether MindSpore compiles the model instead of running it: True in GRAPH_MODE
+    (where recomp's wrappers refuse to run), False in PyNative mode. (Code under
+    ``@mindspore.jit`` is parsed, not run, so it does not reach this call.)"""
+    return bool(mindspore.get_context("mode") == mindspore.GRAPH_MODE)
+
+
+_NO_SESSIONS = (
+    "MindSpore 2.10 has recompute sessions only as private API "
+    "(mindspore.common.recompute), which recomp does not re-export, and PyNative's "
+    "mindspore.grad runs the forward and the whole backward in one call, so there is no "
+    "split backward to replay a checkpoint ahead of"
+)
+_WITHOUT_SESSIONS = (
+    "Leave the session calls out: each checkpoint replays during backward, once (on "
+    "PyTorch, recomp.torch.hyperparallel has them)."
+)
+
+
+def recompute_handle_collector_ctx() -> NoReturn:
+    """Not on MindSpore: raises :class:`recomp.errors.SwapNotSupportedError` (see the
+    module's docstring)."""
+    raise refuse("recompute_handle_collector_ctx()", _NO_SESSIONS, _WITHOUT_SESSIONS)
+
+
+def recompute_handle(handle: Any, session_id: Hashable) -> NoReturn:
+    """Not on MindSpore: raises :class:`recomp.errors.SwapNotSupportedError`."""
+    raise refuse("recompute_handle(handle, session_id)", _NO_SESSIONS, _WITHOUT_SESSIONS)
+
+
+def recompute_session_ctx(session_id: Hashable, retain_on_unpack: bool = False) -> NoReturn:
+    """Not on MindSpore: raises :class:`recomp.errors.SwapNotSupportedError`."""
+    raise refuse("recompute_session_ctx(session_id)", _NO_SESSIONS, _WITHOUT_SESSIONS)
+
+
+def clear_recompute_session(session_id: Hashable) -> NoReturn:
+    """Not on MindSpore: raises :class:`recomp.errors.SwapNotSupportedError`."""
+    raise refuse("clear_recompute_session(session_id)", _NO_SESSIONS, _WITHOUT_SESSIONS)
+
+
+def create_native_selective_checkpoint_contexts(policy_fn: Callable[..., Any]) -> NoReturn:
+    """Not on MindSpore: raises :class:`recomp.errors.SwapNotSupportedError`."""
+    raise refuse(
+        "create_native_selective_checkpoint_contexts(policy_fn)",
+        "it is PyTorch's own selective checkpointing, for torch.compile; MindSpore has no "
+        "counterpart for compiled graphs, and recomp.mindspore runs in PyNative mode only",
+        "Use create_selective_checkpoint_contexts(policy_fn), or pass policy_fn= to "
+        "checkpoint or checkpoint_wrapper.",
+    )
+
+
+class PinnedMemoryPool:
+    """Not on MindSpore: making one raises :class:`recomp.errors.SwapNotSupportedError`
+    (recomp has no pinned host pool on MindSpore, and ``cpu_pool=`` is refused)."""
+
+    def __init__(self, max_host_bytes: int, align_limit: int = 2 * 1024**3) -> None:
+        raise refuse(
+            "PinnedMemoryPool(max_host_bytes)",
+            "recomp has no pinned host memory pool on MindSpore (Tensor.move_to allocates "
+            "each host copy)",
+            "Drop the pool and the cpu_pool= arguments: each swapped tensor is then copied "
+            "on its own.",
+        )

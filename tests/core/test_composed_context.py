@@ -1,0 +1,85 @@
+"""``recomp._engine.ComposedContext`` enters its contexts as nested ``with`` blocks would:
+in order, left in reverse, errors passed outwards, suppression and errors raised on the
+way out seen by the contexts outside, and one entry per replay (re-entrant)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from recomp._engine import ComposedContext
+
+
+class Logged:
+    def __init__(
+        self,
+        name: str,
+        log: list[str],
+        *,
+        fail_enter: bool = False,
+        suppress: bool = False,
+        fail_exit: bool = False,
+    ) -> None:
+        self.name, self.log = name, log
+        self.fail_enter, self.suppress, self.fail_exit = fail_enter, suppress, fail_exit
+
+    def __enter__(self) -> None:
+        if self.fail_enter:
+            raise KeyError(self.name)
+        self.log.append(f"enter {self.name}")
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        self.log.append(f"exit {self.name} {kind.__name__ if kind else None}")
+        if self.fail_exit:
+            raise OSError(self.name)
+        return self.suppress
+
+
+def test_order_and_reentry() -> None:
+    log: list[str] = []
+    composed = ComposedContext(None, Logged("a", log), Logged("b", log))
+    with composed, composed:
+        log.append("body")
+    assert log == [
+        "enter a",
+        "enter b",
+        "enter a",
+        "enter b",
+        "body",
+        "exit b None",
+        "exit a None",
+        "exit b None",
+        "exit a None",
+    ]
+
+
+def test_an_error_passes_outwards_and_suppression_hides_it_from_the_outside() -> None:
+    log: list[str] = []
+    with pytest.raises(ValueError), ComposedContext(None, Logged("a", log), Logged("b", log)):
+        raise ValueError
+    assert log[-2:] == ["exit b ValueError", "exit a ValueError"]
+    log.clear()
+    with ComposedContext(None, Logged("a", log), Logged("b", log, suppress=True)):
+        raise ValueError
+    assert log[-2:] == ["exit b ValueError", "exit a None"]
+
+
+def test_an_error_raised_on_the_way_out_is_what_the_outside_sees() -> None:
+    log: list[str] = []
+    composed = ComposedContext(None, Logged("a", log), Logged("b", log, fail_exit=True))
+    with pytest.raises(OSError) as info, composed:
+        raise ValueError
+    assert log[-1] == "exit a OSError"
+    assert isinstance(info.value.__context__, ValueError)
+
+
+def test_a_failed_enter_leaves_the_contexts_entered_so_far() -> None:
+    log: list[str] = []
+    composed = ComposedContext(
+        None, Logged("a", log), Logged("b", log, fail_enter=True), Logged("c", log)
+    )
+    with pytest.raises(KeyError), composed:
+        log.append("body")
+    assert log == ["enter a", "exit a KeyError"]
+    assert composed._entered == []
