@@ -277,6 +277,7 @@ def test_verdicts_compare_each_strategy_with_the_alternatives():
         _row("none", 100, 0, 0.1),
         _row("full", 10, 10**9, 0.13),
         _row("exclude:attn", 30, 4 * 10**8, 0.1005),
+        _row("exclude:mlp", 60, 5 * 10**8, 0.08),
     ])
     lines = {line.split()[0]: line for line in text.splitlines()[1:]}
     assert "keeps 10% of none's activation memory" in lines["full"]
@@ -284,3 +285,4 @@ def test_verdicts_compare_each_strategy_with_the_alternatives():
     excl = lines["exclude:attn"]
     assert "keeps 30% of none's" in excl and "replays 40% of full's work" in excl
     assert "within the spread" in excl
+    assert "step 20% under none" in lines["exclude:mlp"]  # faster: no "-20% over"

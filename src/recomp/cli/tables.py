@@ -228,7 +228,8 @@ def _time_verdict(r: Result, none: Result, clock: str) -> str:
     noise = ((spread or 0.0) + (spread0 or 0.0)) / t0
     if math.isnan(noise):
         noise = 0.0
-    text = f"step {change:+.0%} over none (spread ±{noise:.0%})"
+    versus = f"+{change:.0%} over" if change >= 0 else f"{-change:.0%} under"
+    text = f"step {versus} none (spread ±{noise:.0%})"
     if abs(change) <= noise:
         text += ", within the spread"
     return text
