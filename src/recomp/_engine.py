@@ -40,7 +40,7 @@ from typing import Any, cast
 from ._backend import Backend
 from ._hooks import OBSERVERS, CallPart, CheckpointCallView, Stage
 from ._module_state import ModuleState
-from ._record import Invocation, invocation_of
+from ._record import Invocation, invocation_of, weak_or_nothing
 from ._region import ExcludedRegion, check_flag
 from ._rng_trackers import replay_trackers_part
 from ._state import CallIdentity, PhaseContext, RecomputeState, get_recompute_state
@@ -339,6 +339,7 @@ def begin(
             align_rng=align_rng and SWITCHES.rng_alignment,
             rewind=SWITCHES.replay_rewind,
         )
+        invocation.root = weak_or_nothing(backend.module_of(function))
         for leaf in _iter_tensors(backend, (args, kwargs)):
             key = backend.storage_key(leaf)
             if key is not None:

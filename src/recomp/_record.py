@@ -246,6 +246,7 @@ class Invocation:
         "regions",
         "replays",
         "rewind",
+        "root",
     )
 
     def __init__(
@@ -265,6 +266,9 @@ class Invocation:
         # Every log of the call, regions first; parts add theirs (``log``).
         self._logs: list[EntryLog[Any]] = [self.regions]
         self.replays = 0  # replays started so far (one per backward that needs this call)
+        # The module the checkpoint runs (weakly; None for a plain function), for messages
+        # that name modules by their paths in it.
+        self.root: Callable[[], Any] = _nothing
         # Storages of the checkpoint's own inputs and of the outputs of excluded
         # regions (forward only): region inputs that alias these are already held
         # elsewhere, so a region saves them as they are instead of deferring.
@@ -444,3 +448,18 @@ def invocation_of(state: RecomputeState) -> Invocation:
 
 
 # --------------------------------------------------------------------------- checkpoint
+
+
+def _nothing() -> None:
+    return None
+
+
+def weak_or_nothing(obj: Any) -> Callable[[], Any]:
+    """A weak reference to ``obj``, or a function returning None where ``obj`` is None or
+    cannot be referenced weakly."""
+    if obj is None:
+        return _nothing
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return _nothing

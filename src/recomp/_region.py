@@ -119,6 +119,7 @@ from ._record import (
     invocation_of,
 )
 from ._rng_trackers import TrackerStates, capture_tracker_states
+from ._selection import walk_named
 from ._state import get_recompute_state
 from .errors import (
     CachedValueMutatedError,
@@ -146,6 +147,10 @@ def active_region() -> ExcludedRegion | None:
 
 def _no_call() -> RegionCall | None:
     return None
+
+
+# The instance attribute of a wrapped module that holds its region (``recomp._wrapping``).
+REGION_ATTRIBUTE = "_recomp_region"
 
 
 class ExcludedRegion:
@@ -183,8 +188,15 @@ class ExcludedRegion:
         self.skips = 0
         self.saved_bytes = 0
         self.last_call: Callable[[], RegionCall | None] = _no_call  # a weak reference
+        # The module wrapped (weakly; set by the wrapper), for messages naming its path.
+        self.module: Callable[[], Any] = _no_call
         self._warned_foreign = False
         self._warned_bypass = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (deepcopy, pickle of the model) has made no call yet, and the module it
+        # belongs to is found from the checkpointed module when a message needs it.
+        return {**self.__dict__, "last_call": _no_call, "module": _no_call}
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call ``fn`` (the wrapped module) as this region: recorded in a checkpoint's
@@ -237,6 +249,55 @@ class ExcludedRegion:
             ForeignCheckpointWarning,
             stacklevel=4,
         )
+
+
+def _nested(inner: ExcludedRegion, outer: ExcludedRegion, inv: Invocation) -> NestedExclusionError:
+    """The error for ``inner`` called inside ``outer``: both named by their module paths in
+    the checkpointed module where they are modules below it (else the inner one by its
+    path in the outer one), their classes, and their region names where those differ."""
+    backend = inner.backend
+    root, inner_module, outer_module = inv.root(), inner.module(), outer.module()
+    inner_path = outer_path = None
+    where = ""
+    if root is not None:
+        named = walk_named(backend.named_children, root)
+        for _, module in named:  # regions of a copied model know no module: found here
+            region = vars(module).get(REGION_ATTRIBUTE)
+            if region is inner and inner_module is None:
+                inner_module = module
+            elif region is outer and outer_module is None:
+                outer_module = module
+        paths = {id(m): p for p, m in named}
+        inner_path, outer_path = paths.get(id(inner_module)), paths.get(id(outer_module))
+        if inner_path and outer_path:
+            where = f", both in the checkpointed {type(root).__name__}"
+        else:
+            inner_path = outer_path = None
+    if not where and outer_module is not None and inner_module is not None:
+        below = walk_named(backend.named_children, outer_module)
+        relative = next((p for p, m in below if m is inner_module), None)
+        if relative:
+            where = f", as its sub-module {relative!r}"
+    inner_text = _region_label(inner, inner_module, inner_path)
+    outer_text = _region_label(outer, outer_module, outer_path)
+    return NestedExclusionError(
+        f"Excluded region {inner_text} was called inside excluded region {outer_text}"
+        f"{where}. Excluding {outer_text} already keeps everything inside it out of the "
+        f"replay: remove the inner checkpoint_exclude_wrapper (around {inner_text}), or "
+        f"exclude only the parts of {outer_text} that should run once."
+    )
+
+
+def _region_label(region: ExcludedRegion, module: Any, path: str | None) -> str:
+    """``'layers.0.mlp' (Mlp)``: a region by its path (if known), its module's class and
+    its name where that says something else."""
+    if module is None or getattr(module, "_recomp_function", None) is not None:
+        return repr(region.name)  # a function's region: its name is the function's
+    cls = type(module).__name__
+    if path is None:
+        return repr(region.name) if region.name == cls else f"{region.name!r} ({cls})"
+    extra = "" if region.name in (path, cls) else f", region {region.name!r}"
+    return f"{path!r} ({cls}{extra})"
 
 
 class RegionCall:
@@ -312,12 +373,7 @@ class RegionCall:
         """Run the region in the forward of invocation ``inv`` and record the call."""
         outer = ACTIVE_REGION.get()
         if outer is not None:
-            raise NestedExclusionError(
-                f"Excluded region {region.name!r} was called inside excluded region "
-                f"{outer.name!r}. Excluding {outer.name!r} already keeps everything inside it "
-                f"out of the replay: remove the inner checkpoint_exclude_wrapper (around "
-                f"{region.name!r})."
-            )
+            raise _nested(region, outer, inv)
         backend = region.backend
         leaves, in_spec = backend.flatten((args, kwargs))
         call = cls(region, callee_identity(fn), in_spec)

@@ -20,11 +20,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._engine import ExcludedRegion
-from .errors import IneffectiveSelectionWarning, RecompError, WrapperNotReachedWarning
+from ._record import weak_or_nothing
+from ._region import REGION_ATTRIBUTE
+from ._selection import Selection, walk_named
+from .errors import (
+    EarlierExclusionsWarning,
+    IneffectiveSelectionWarning,
+    InstanceRequiredError,
+    RecompError,
+    WrapperNotReachedWarning,
+)
 
 # Instance attributes recomp sets on a wrapped module (all removed by unwrap).
 CHECKPOINT_KWARGS = "_recomp_checkpoint_kwargs"
-REGION = "_recomp_region"
+REGION = REGION_ATTRIBUTE
 # A ``forward``/``construct`` assigned on the instance before wrapping: it would
 # shadow the mixin's method, so it is moved here while the module is wrapped.
 MOVED_METHOD = "_recomp_instance_method"
@@ -315,6 +324,9 @@ def wrap_in_place(ops: ModelOps, module: Any, mixin: type, attrs: dict[str, Any]
     if mixin is ops.checkpoint_wrapper:
         attrs = {**attrs, MOVED_METHOD: module.__dict__.pop(ops.method, None)}
     module.__dict__.update(attrs)
+    region = attrs.get(REGION)
+    if region is not None:
+        region.module = weak_or_nothing(module)
     return module
 
 
@@ -380,21 +392,6 @@ def unwrap(ops: ModelOps, module: Any) -> Any:
     return module
 
 
-def walk_named(
-    children: Callable[[Any], Iterable[tuple[str, Any]]], root: Any
-) -> list[tuple[str, Any]]:
-    """``root`` and every module below it, each once, with its path from ``root``
-    (``children``: a module's named children, as the framework lists them)."""
-    seen = {id(root)}
-    out = [("", root)]
-    for path, module in out:
-        for name, child in children(module):
-            if id(child) not in seen:
-                seen.add(id(child))
-                out.append((f"{path}.{name}" if path else name, child))
-    return out
-
-
 def _walk(ops: ModelOps, root: Any) -> list[Any]:
     """``root`` and every module below it, each once (children as the framework lists them)."""
     seen = {id(root)}
@@ -407,122 +404,199 @@ def _walk(ops: ModelOps, root: Any) -> list[Any]:
     return out
 
 
+def check_model(ops: ModelOps, model: Any, api: str) -> None:
+    """Refuse, changing nothing, a ``model`` that is not a module of the framework (a
+    module class among them: the model itself is needed, not its class)."""
+    if isinstance(model, type):
+        raise instance_required(model, api, f"{ops.framework} model")
+    if not isinstance(model, ops.module_type):
+        raise ValueError(
+            f"{api} needs a {ops.module_type.__module__}.{ops.module_type.__qualname__}, "
+            f"got {type(model).__name__}."
+        )
+
+
+def read_selections(
+    ops: ModelOps,
+    model: Any,
+    api: str,
+    values: dict[str, Any],
+    required: tuple[str, ...] = (),
+) -> dict[str, Selection | None]:
+    """The selections of a whole-model call (``api``), by argument name, each read by
+    ``Selection.parse`` (those in ``required`` must select something), and their module
+    paths checked against ``model``'s (measured from the model). Raises, changing
+    nothing, on a model that is no module, a bad selection or a path matching nothing."""
+    check_model(ops, model, api)
+    named = walk_named(ops.children, model)
+    paths = {id(m): p for p, m in named}
+    out: dict[str, Selection | None] = {}
+    for argument, value in values.items():
+        selection = Selection.parse(
+            value,
+            argument,
+            api,
+            ops.module_type,
+            required=argument in required,
+            locate=lambda m: paths.get(id(m)) or None,
+        )
+        if selection is not None:
+            selection.check_paths(api, named, type(model).__name__)
+        out[argument] = selection
+    return out
+
+
 def apply_activation_checkpointing(
     ops: ModelOps,
     model: Any,
-    checkpoint_fn: Callable[[Any], bool],
-    exclude_fn: Callable[[Any], bool] | None,
+    checkpoint: Selection,
+    exclude: Selection | None,
     wrap_checkpoint: Callable[[Any], Any],
     wrap_exclude: Callable[[Any, str], Any],
     also_exclude: Callable[[Any], bool] | None = None,
+    api: str = "apply_activation_checkpointing",
 ) -> Any:
-    """Wrap, in place, each sub-module for which ``checkpoint_fn`` holds with
-    ``wrap_checkpoint``, and inside those each sub-module for which ``exclude_fn``
-    (or the framework's own ``also_exclude``) holds with ``wrap_exclude`` (named by
-    its path, for error messages). Checkpoints are not nested; modules already
-    wrapped are left as they are. Every module is checked before any is changed, so
-    an error leaves the model as it was. Warns (``IneffectiveSelectionWarning``)
-    when ``checkpoint_fn`` or ``exclude_fn`` selects nothing that takes effect.
-    Returns the model."""
-    if not isinstance(model, ops.module_type):
-        raise ValueError(
-            f"apply_activation_checkpointing needs a {ops.module_type.__module__}."
-            f"{ops.module_type.__qualname__}, got {type(model).__name__}."
-        )
+    """Wrap, in place, each sub-module that ``checkpoint`` selects with
+    ``wrap_checkpoint``, and inside those each sub-module that ``exclude`` (or the
+    framework's own ``also_exclude``) selects with ``wrap_exclude`` (named by its path,
+    for error messages). Paths are measured from ``model``. Checkpoints are not nested;
+    modules already wrapped are left as they are. Every module is checked before any is
+    changed, so an error leaves the model as it was. Warns (``IneffectiveSelectionWarning``)
+    when ``checkpoint`` or ``exclude`` selects nothing that takes effect, and
+    (``EarlierExclusionsWarning``) when checkpoints wrapped before hold excluded regions
+    that ``exclude`` does not select: those stay, this call adds to them (NOTE [ A second
+    call adds exclusions ]). Returns the model."""
+    check_model(ops, model, api)
     planned: list[tuple[Any, str, bool]] = []  # (module, path, checkpoint?)
     claimed: set[int] = set()
     # What the user's selections did, for the warnings below.
     checkpoints: list[str] = []  # planned or already wrapped
-    exclusions: list[str] = []  # by exclude_fn, planned or already wrapped
-    excluded_checkpoints: list[str] = []  # checkpointed modules exclude_fn also matches
+    exclusions: list[str] = []  # by exclude, planned or already wrapped
+    excluded_checkpoints: list[str] = []  # checkpointed modules exclude also matches
+    kept_earlier: list[str] = []  # regions in earlier checkpoints that exclude does not select
 
     def plan(module: Any, path: str, checkpoint: bool) -> None:
         if id(module) not in claimed:
             claimed.add(id(module))
             planned.append((module, path, checkpoint))
 
-    def exclude_inside(module: Any, path: str) -> None:
-        if exclude_fn is None and also_exclude is None:
+    def exclude_inside(module: Any, path: str, earlier: bool) -> None:
+        if exclude is None and also_exclude is None:
             return
         for name, child in ops.children(module):
             child_path = f"{path}.{name}" if path else name
             if isinstance(child, ops.exclude_wrapper):
                 exclusions.append(child_path)
+                if (
+                    earlier
+                    and exclude is not None
+                    and not exclude.matches(child_path, child)
+                    and not (also_exclude is not None and also_exclude(child))
+                ):
+                    kept_earlier.append(child_path)
                 continue
             if id(child) in claimed:
                 continue
             if isinstance(child, ops.checkpoint_wrapper):
-                exclude_inside(child, child_path)
-            elif exclude_fn is not None and exclude_fn(child):
+                exclude_inside(child, child_path, earlier)
+            elif exclude is not None and exclude.matches(child_path, child):
                 exclusions.append(child_path)
                 plan(child, child_path, False)
             elif also_exclude is not None and also_exclude(child):
                 plan(child, child_path, False)
             else:
-                exclude_inside(child, child_path)
+                exclude_inside(child, child_path, earlier)
 
     def visit(module: Any, path: str) -> None:
         if isinstance(module, ops.exclude_wrapper) or id(module) in claimed:
             return
         if isinstance(module, ops.checkpoint_wrapper):
             checkpoints.append(path)
-            exclude_inside(module, path)
-        elif checkpoint_fn(module):
+            exclude_inside(module, path, True)
+        elif checkpoint.matches(path, module):
             checkpoints.append(path)
-            if exclude_fn is not None and exclude_fn(module):
+            if exclude is not None and exclude.matches(path, module):
                 excluded_checkpoints.append(path or "(the model itself)")
             plan(module, path, True)
-            exclude_inside(module, path)
+            exclude_inside(module, path, False)
         else:
             for name, child in ops.children(module):
                 visit(child, f"{path}.{name}" if path else name)
 
     visit(model, "")
-    for module, _, checkpoint in planned:
-        mixin = ops.checkpoint_wrapper if checkpoint else ops.exclude_wrapper
-        check_wrappable(ops, module, mixin, "apply_activation_checkpointing")
+    for module, _, is_checkpoint in planned:
+        mixin = ops.checkpoint_wrapper if is_checkpoint else ops.exclude_wrapper
+        check_wrappable(ops, module, mixin, api)
     # Exclusions first: a checkpoint wrapper then sees its final contents (the
     # MindSpore one warns about what its replay cannot reproduce).
-    for module, path, checkpoint in planned:
-        if not checkpoint:
+    for module, path, is_checkpoint in planned:
+        if not is_checkpoint:
             wrap_exclude(module, path)
-    for module, _, checkpoint in planned:
-        if checkpoint:
+    for module, _, is_checkpoint in planned:
+        if is_checkpoint:
             wrap_checkpoint(module)
     if planned:
         ReachCheck(ops, model, [(m, p) for m, p, _ in planned])
     if not checkpoints:
         _warn_selection(
-            f"checkpoint_fn matched no module of {type(model).__name__}, so nothing is "
+            f"{checkpoint.argument} matched no module of {type(model).__name__}, so nothing is "
             f"checkpointed and the model trains as without recomp. Its module classes "
-            f"include {_class_names(ops, model)}; check that checkpoint_fn tests for one of "
-            f"them (a class of the same name imported from another module is another class)."
+            f"include {_class_names(ops, model)}; check that {checkpoint.argument} tests for "
+            f"one of them (a class of the same name imported from another module is another "
+            f"class).",
+            api,
         )
-    elif exclude_fn is not None:
-        _check_exclusions(ops, model, exclude_fn, exclusions, excluded_checkpoints)
+    elif exclude is not None:
+        _check_exclusions(ops, model, exclude, exclusions, excluded_checkpoints, api)
+    if kept_earlier:
+        warnings.warn(
+            f"{api}: checkpoints wrapped before this call hold excluded regions that this "
+            f"{exclude.argument if exclude is not None else 'exclude_fn'} does not select: "
+            f"{_shown(kept_earlier)}. They stay excluded: a call adds its exclusions to those "
+            f"already in place, it does not replace them. To have only this call's "
+            f"exclusions, call recomp.{ops.framework}.unwrap(model) first and apply again.",
+            EarlierExclusionsWarning,
+            stacklevel=3,
+        )
     return model
+
+
+# NOTE [ A second call adds exclusions ]
+# apply_activation_checkpointing on a model it (or checkpoint_exclude_wrapper) wrapped
+# before leaves every wrapper in place and adds what this call selects: new checkpoints
+# where ``checkpoint_fn`` selects modules no checkpoint encloses, new excluded regions
+# where ``exclude_fn`` selects modules inside a checkpoint. It never unwraps: an earlier
+# region may be a hand-made one, carry options (offload, copy_output) this call does not
+# know, or be waited for by a backward still to run. Where an earlier checkpoint holds a
+# region this call's ``exclude_fn`` does not select, the result is not what this call
+# alone says, so it warns (EarlierExclusionsWarning), naming the regions and
+# ``unwrap(model)`` as the way to start over. ``exclude_fn=None`` says nothing about
+# exclusions: no warning. The framework's own exclusions (``also_exclude``: MindSpore's
+# communicating sub-cells and unreplayable dropouts) are never counted as earlier ones.
 
 
 def _check_exclusions(
     ops: ModelOps,
     model: Any,
-    exclude_fn: Callable[[Any], bool],
+    exclude: Selection,
     exclusions: list[str],
     excluded_checkpoints: list[str],
+    api: str,
 ) -> None:
-    """Warn when ``exclude_fn`` selected modules where an exclusion cannot take effect."""
+    """Warn when ``exclude`` selected modules where an exclusion cannot take effect."""
+    name = exclude.argument
     reasons = []
     if excluded_checkpoints:
         reasons.append(
             f"it matches checkpointed modules themselves ({_shown(excluded_checkpoints)}): a "
             f"module is either checkpointed or excluded, and these are checkpointed; to keep "
-            f"part of one out of the replay, make exclude_fn select its sub-modules"
+            f"part of one out of the replay, make {name} select its sub-modules"
         )
     if not exclusions:
         outside = [
             path or "(the model itself)"
             for path, module in _outside_checkpoints(ops, model, "")
-            if exclude_fn(module)
+            if exclude.matches(path, module)
         ]
         if outside:
             reasons.append(
@@ -533,11 +607,11 @@ def _check_exclusions(
             reasons.append("it matches no module inside a checkpoint")
     if reasons:
         head = (
-            "exclude_fn excluded no module inside a checkpoint: "
+            f"{name} excluded no module inside a checkpoint: "
             if not exclusions
-            else f"exclude_fn excluded {len(exclusions)} module(s), but "
+            else f"{name} excluded {len(exclusions)} module(s), but "
         )
-        _warn_selection(f"{head}{'; '.join(reasons)}.")
+        _warn_selection(f"{head}{'; '.join(reasons)}.", api)
 
 
 def _outside_checkpoints(ops: ModelOps, module: Any, path: str) -> Iterable[tuple[str, Any]]:
@@ -571,11 +645,9 @@ def _shown(paths: list[str], limit: int = 3) -> str:
     return ", ".join(repr(p) for p in paths[:limit]) + more
 
 
-def _warn_selection(message: str) -> None:
+def _warn_selection(message: str, api: str) -> None:
     # Called from apply_activation_checkpointing: the user's call is 3 frames up.
-    warnings.warn(
-        f"apply_activation_checkpointing: {message}", IneffectiveSelectionWarning, stacklevel=4
-    )
+    warnings.warn(f"{api}: {message}", IneffectiveSelectionWarning, stacklevel=4)
 
 
 class ReachCheck:
@@ -657,50 +729,8 @@ def _finished_check() -> ReachCheck:
     return check
 
 
-def as_predicate(value: Any, argument: str, required: bool = False) -> Any:
-    """``value`` as a function of a module, for an ``apply_activation_checkpointing``
-    argument: a class or a tuple of classes stands for an ``isinstance`` test (a class
-    is never called as a predicate), None stays None unless ``required``, other
-    callables are used as they are. Anything else raises ``TypeError`` naming the
-    argument, before anything is wrapped."""
-    if value is None and not required:
-        return None
-    if isinstance(value, tuple) and value and all(isinstance(c, type) for c in value):
-        return _IsInstance(value)
-    if isinstance(value, type):
-        return _IsInstance((value,))
-    if callable(value):
-        return value
-    if isinstance(value, str):
-        hint = (
-            f"a string is not looked up: pass the class itself ({argument}={value}), or "
-            f"{argument}=lambda m: type(m).__name__ == {value!r}"
-        )
-    elif isinstance(value, (list, set, frozenset)) and all(isinstance(c, type) for c in value):
-        hint = f"pass the classes as a tuple: {argument}=({', '.join(c.__name__ for c in value)},)"
-    else:
-        hint = f"for example {argument}=DecoderLayer or {argument}=lambda m: isinstance(m, DecoderLayer)"
-    raise TypeError(
-        f"apply_activation_checkpointing: {argument} must be a class, a tuple of classes or "
-        f"a function of a module, got {type(value).__name__} ({value!r}); {hint}."
-    )
-
-
-class _IsInstance:
-    """The predicate a class (or tuple of classes) given as a selection stands for."""
-
-    def __init__(self, classes: tuple[type, ...]) -> None:
-        self.classes = classes
-
-    def __call__(self, module: Any) -> bool:
-        return isinstance(module, self.classes)
-
-    def __repr__(self) -> str:
-        return f"isinstance(m, {self.classes!r})"
-
-
 def check_option_fns(exclude_fn: Any, **option_fns: Any) -> None:
-    """Per-region option callables of ``apply_activation_checkpointing`` need ``exclude_fn``."""
+    """Per-region option selections of ``apply_activation_checkpointing`` need ``exclude_fn``."""
     for name, fn in option_fns.items():
         if fn is not None and exclude_fn is None:
             raise ValueError(
@@ -709,15 +739,21 @@ def check_option_fns(exclude_fn: Any, **option_fns: Any) -> None:
             )
 
 
+def instance_required(cls: type, api: str, kind: str) -> InstanceRequiredError:
+    """The error for the class ``cls`` passed to ``api``, which needs a ``kind``."""
+    name = cls.__name__
+    return InstanceRequiredError(
+        f"{api} needs a {kind}, got the class {name} itself: calling it would build a new "
+        f"{name}, not run one. Pass an instance, e.g. {api}({name}(...)), or the one your "
+        f"model holds ({api}(model.layer))."
+    )
+
+
 def check_callable(module: Any, api: str, kind: str) -> None:
     """Refuse, before anything changes, what cannot be checkpointed or excluded: a
     non-callable (``None``), and a class, which a call would construct rather than run."""
     if isinstance(module, type):
-        raise ValueError(
-            f"{api} needs a {kind} or a callable, got the class {module.__name__} itself: "
-            f"calling it would build a new {module.__name__}, not run one. Pass an instance "
-            f"({api}({module.__name__}(...)))."
-        )
+        raise instance_required(module, api, f"{kind} or a callable")
     if not callable(module):
         raise ValueError(
             f"{api} needs a {kind} or a callable, got {type(module).__name__} ({module!r}). "

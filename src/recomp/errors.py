@@ -12,8 +12,10 @@ __all__ = [
     "CachedValueMutatedError",
     "CollectiveReplayedWarning",
     "DoubleCheckpointError",
+    "EarlierExclusionsWarning",
     "ForeignCheckpointWarning",
     "IneffectiveSelectionWarning",
+    "InstanceRequiredError",
     "NestedExclusionError",
     "OutputNotSavedError",
     "ParameterChangedError",
@@ -23,6 +25,7 @@ __all__ = [
     "ReplayMismatchError",
     "ReplayStateWarning",
     "RunningStatisticsWarning",
+    "SelectionError",
     "SwapNotSupportedError",
     "SwapPolicyError",
     "UnreplayableDropoutWarning",
@@ -62,7 +65,31 @@ def internal_assert(condition: bool, what: str) -> None:
 class NestedExclusionError(RecompError):
     """An excluded region was called while another excluded region was running (a
     ``checkpoint_exclude_wrapper`` inside another one). The outer region already keeps
-    everything inside it out of the replay: remove the inner wrapper."""
+    everything inside it out of the replay: remove the inner wrapper. The message names
+    both by their module paths in the checkpointed module (``'layers.0.mlp'`` inside
+    ``'layers.0'``) where they are modules below it, and by their classes."""
+
+
+class SelectionError(TypeError, ValueError):
+    """What was passed to choose modules is not a selection recomp can use: the
+    ``checkpoint_fn``/``exclude_fn``/``offload_fn``/``copy_output_fn`` of
+    ``apply_activation_checkpointing`` and ``hf_activation_checkpointing``, or the
+    ``exclude`` of a trainer install. A selection is a module class, a module path (a
+    string, ``fnmatch`` wildcards allowed: ``"layers.*.self_attn"``), a function of a
+    module, or a list or tuple of these. Raised for anything else (a number, a module
+    instance where its class or path was meant) and, where the model is known, for a path
+    that matches no module of it; the message names the argument and what to pass.
+    Raised before anything is wrapped: the model is as it was. A ``TypeError`` and a
+    ``ValueError``, so either ``except`` clause catches it."""
+
+
+class InstanceRequiredError(TypeError, ValueError):
+    """A class was passed where recomp needs the module (or function) itself:
+    ``checkpoint_wrapper(MyBlock)`` instead of ``checkpoint_wrapper(MyBlock(...))``, the
+    same for ``checkpoint_exclude_wrapper``, ``checkpoint``, ``swap_wrapper``, ``unwrap``
+    and the model of ``apply_activation_checkpointing``. Calling the class would build a
+    new module rather than run one. Nothing is changed. A ``TypeError`` and a
+    ``ValueError``, so either ``except`` clause catches it."""
 
 
 class ReplayMismatchError(RecompError):
@@ -163,6 +190,13 @@ class IneffectiveSelectionWarning(UserWarning):
     """Part of what was asked for does not take effect: a ``checkpoint_fn`` that matches
     no module, an ``exclude_fn`` that excludes nothing inside a checkpoint, or an
     excluded module called through its ``forward``/``construct`` method."""
+
+
+class EarlierExclusionsWarning(UserWarning):
+    """``apply_activation_checkpointing(..., exclude_fn=...)`` on a model whose
+    checkpointed modules already hold excluded regions that this ``exclude_fn`` does not
+    select (an earlier call's): the call adds its exclusions to those, which stay. To
+    replace them, call ``unwrap(model)`` first and apply again."""
 
 
 class RunningStatisticsWarning(UserWarning):

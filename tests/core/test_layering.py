@@ -174,6 +174,7 @@ def test_the_checks_see_a_bad_import(tmp_path):
 CORE_ORDER = [
     "recomp.errors",
     "recomp._moved",
+    "recomp._selection",
     "recomp._state",
     "recomp._policy",
     "recomp._hyperparallel",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+import recomp
 from recomp._wrapping import recomp_wrapper_of
 
 ACCEPTED = {
@@ -39,17 +40,46 @@ def test_apply_activation_checkpointing_refuses_unknown_options_before_wrapping(
     assert all(recomp_wrapper_of(m) is None for _, m in fw.named_layers(model))
 
 
-@pytest.mark.parametrize("api", ["checkpoint_wrapper", "checkpoint_exclude_wrapper"])
+# Every entry point that takes a module (or function) to wrap, run or unwrap, with the
+# call that passes the class instead.
+CLASS_CALLS = {
+    "checkpoint_wrapper": lambda api, cls, fw: api.checkpoint_wrapper(cls),
+    "checkpoint_exclude_wrapper": lambda api, cls, fw: api.checkpoint_exclude_wrapper(cls),
+    "checkpoint": lambda api, cls, fw: api.checkpoint(cls, fw.tensor(2, 2)),
+    "apply_activation_checkpointing": lambda api, cls, fw: api.apply_activation_checkpointing(
+        cls, checkpoint_fn=cls
+    ),
+    "unwrap": lambda api, cls, fw: api.unwrap(cls),
+    "swap_wrapper": lambda api, cls, fw: api.swap_wrapper(cls),
+}
+
+
+@pytest.mark.parametrize("api", sorted(CLASS_CALLS))
 def test_a_layer_class_instead_of_an_instance_is_refused(fw, api):
     cls = type(fw.dense(2, 2))
-    with pytest.raises(ValueError, match=rf"got the class {cls.__name__} itself.*Pass an instance"):
-        getattr(fw.api, api)(cls)
+    with pytest.raises(recomp.InstanceRequiredError) as info:
+        CLASS_CALLS[api](fw.api, cls, fw)
+    message = str(info.value)
+    assert f"{api} needs a " in message
+    assert f"got the class {cls.__name__} itself" in message
+    assert f"Pass an instance, e.g. {api}({cls.__name__}(...))" in message
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
     assert recomp_wrapper_of(cls) is None and not hasattr(cls, "_recomp_base")
+    assert not any("_recomp" in key for key in vars(cls))
+
+
+def test_hf_activation_checkpointing_refuses_a_model_class(fw):
+    if fw.name != "torch":
+        pytest.skip("hf_activation_checkpointing is PyTorch's")
+    cls = type(fw.dense(2, 2))
+    with pytest.raises(recomp.InstanceRequiredError, match=r"Pass an instance, e.g. hf_activation_checkpointing\(Linear\(\.\.\.\)\)"):
+        fw.api.hf_activation_checkpointing(cls)
 
 
 @pytest.mark.parametrize("bad", ["none", "class"])
 def test_checkpoint_of_none_or_a_class_is_refused(fw, bad):
     function = None if bad == "none" else type(fw.dense(2, 2))
     expected = "got NoneType" if bad == "none" else "got the class"
-    with pytest.raises(ValueError, match=rf"checkpoint needs a {fw.layer} or a callable, {expected}"):
+    error = recomp.InstanceRequiredError if bad == "class" else ValueError
+    with pytest.raises(error, match=rf"checkpoint needs a {fw.layer} or a callable, {expected}"):
         fw.api.checkpoint(function, fw.tensor(2, 2))

@@ -88,7 +88,7 @@ def test_exclusions_sort_their_entries_and_an_empty_one_is_false():
     ],
 )
 def test_bad_exclusions_name_the_argument(exclude, shown):
-    with pytest.raises(TypeError, match=rf"{API}: exclude must hold") as info:
+    with pytest.raises(TypeError, match=rf"{API}: exclude must be a module class, a module path") as info:
         Exclusions(exclude, API)
     assert shown in str(info.value)
 

@@ -421,6 +421,8 @@ def unwrap(module: Any) -> Any:
     ``module`` (or, for a function given to ``checkpoint_exclude_wrapper``, the function).
     The hooks of ``swap_wrapper`` are removed too.
     """
+    if isinstance(module, type):
+        raise _wrapping.instance_required(module, "unwrap", "Cell wrapped by recomp")
     swapped = _swap.unwrap_swaps(module)
     if swapped and not any(
         _wrapping.recomp_wrapper_of(c) is not None for _, c in module.cells_and_names()
@@ -429,51 +431,83 @@ def unwrap(module: Any) -> Any:
     return _wrapping.unwrap(_MODEL_OPS, module)
 
 
+# What each selection argument may be (see recomp._selection).
+Selects = type | str | Callable[[Any], bool] | list[Any] | tuple[Any, ...]
+
+
 def apply_activation_checkpointing(
     model: Any,
     *,
-    checkpoint_fn: Callable[[Any], bool] | type | tuple[type, ...],
-    exclude_fn: Callable[[Any], bool] | type | tuple[type, ...] | None = None,
-    copy_output_fn: Callable[[Any], bool] | type | tuple[type, ...] | None = None,
+    checkpoint_fn: Selects,
+    exclude_fn: Selects | None = None,
+    copy_output_fn: Selects | None = None,
     **checkpoint_kwargs: Any,
 ) -> Any:
-    """Checkpoint every sub-cell for which ``checkpoint_fn`` is true, excluding inside them
-    every sub-cell for which ``exclude_fn`` is true. Wraps in place (also inside
+    """Checkpoint every sub-cell ``checkpoint_fn`` selects, excluding inside them every
+    sub-cell ``exclude_fn`` selects. Wraps in place (also inside
     ``SequentialCell``/``CellList``/``CellDict``), keeps every ``Parameter.name`` and
-    returns the model. Checkpoints are not nested; cells already wrapped are left
-    alone. Every cell is checked before any is wrapped: on an error the model is unchanged.
+    returns the model. Checkpoints are not nested. Every cell is checked before any is
+    wrapped: on an error the model is unchanged.
+
+    Each of ``checkpoint_fn``, ``exclude_fn`` and ``copy_output_fn`` is a *selection*: a
+    Cell class (``isinstance``), a cell path (a string matched against the end of each
+    cell's dotted path in ``model``, at a dot, with ``fnmatch`` wildcards: ``"attn"``,
+    ``"layers.*.mlp"``), a function of a Cell returning true for the cells to select, or
+    a list or tuple of these (a cell any of them selects). Anything else, a Cell instance
+    where its class or path was meant, or a path that matches no cell of ``model`` raises
+    :class:`recomp.SelectionError`, and a class passed as ``model``
+    :class:`recomp.InstanceRequiredError`, before anything is wrapped.
+    ``copy_output_fn`` selects the excluded cells that get ``copy_output=True`` (see
+    :func:`checkpoint_exclude_wrapper`).
 
     Active ``nn.Dropout`` cells (and ``Dropout1d/2d/3d``) inside a checkpoint keep
     their mask for the replay (see :func:`checkpoint_wrapper`); a subclass of them
     with a ``construct`` of its own is excluded, whatever ``exclude_fn`` says:
     MindSpore cannot restore its random state, so a replay would draw another mask.
-    ``copy_output_fn`` gives, for each excluded cell, its ``copy_output=`` option
-    (see :func:`checkpoint_exclude_wrapper`). Each ``*_fn`` may also be a class or a
-    tuple of classes, meaning ``isinstance(c, classes)``.
 
     With ``exclude_collectives=True`` (the default), the innermost sub-cells inside a
     checkpoint that issue collectives are excluded too (see :func:`checkpoint`);
     ``exclude_collectives=False`` lets the replay communicate again.
+
+    Called again on a model wrapped before, it leaves every wrapper in place and adds:
+    checkpoints where ``checkpoint_fn`` selects cells outside every checkpoint, excluded
+    regions where ``exclude_fn`` selects cells inside one. It never removes an earlier
+    call's exclusions; where an earlier checkpoint holds excluded regions this
+    ``exclude_fn`` does not select, it says so with an
+    :class:`recomp.EarlierExclusionsWarning` naming them. To replace the exclusions,
+    :func:`unwrap` the model first and apply again.
     """
-    select_checkpoint = _wrapping.as_predicate(checkpoint_fn, "checkpoint_fn", required=True)
-    select_exclude = _wrapping.as_predicate(exclude_fn, "exclude_fn")
-    select_copy = _wrapping.as_predicate(copy_output_fn, "copy_output_fn")
+    api = "apply_activation_checkpointing"
+    selected = _wrapping.read_selections(
+        _MODEL_OPS,
+        model,
+        api,
+        {"checkpoint_fn": checkpoint_fn, "exclude_fn": exclude_fn, "copy_output_fn": copy_output_fn},
+        required=("checkpoint_fn",),
+    )
+    select_checkpoint, select_exclude = selected["checkpoint_fn"], selected["exclude_fn"]
+    select_copy = selected["copy_output_fn"]
+    assert select_checkpoint is not None  # required
     _wrapping.check_option_fns(select_exclude, copy_output_fn=select_copy)
-    choose_copy = select_copy or (lambda c: False)
-    _refuse_value_check(checkpoint_kwargs, "apply_activation_checkpointing")
-    check_options("apply_activation_checkpointing", checkpoint_kwargs, CHECKPOINT_OPTIONS)
+    _refuse_value_check(checkpoint_kwargs, api)
+    check_options(api, checkpoint_kwargs, CHECKPOINT_OPTIONS)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
-    _swap.checkpoint_swap("apply_activation_checkpointing", dict(checkpoint_kwargs))
+    _swap.checkpoint_swap(api, dict(checkpoint_kwargs))
     exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)
     _engine.check_flag("exclude_collectives", exclude_collectives)
     communicates = issues_collectives() if exclude_collectives else (lambda c: False)
+
+    def exclude_region(cell: Any, path: str) -> Any:
+        copy = select_copy is not None and select_copy.matches(path, cell)
+        return checkpoint_exclude_wrapper(cell, name=path, copy_output=copy)
+
     return _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
         model,
         select_checkpoint,
         select_exclude,
         lambda c: checkpoint_wrapper(c, **checkpoint_kwargs),
-        lambda c, path: checkpoint_exclude_wrapper(c, name=path, copy_output=bool(choose_copy(c))),
+        exclude_region,
         also_exclude=lambda c: is_unreplayable_dropout(c) or communicates(c),
     )
 

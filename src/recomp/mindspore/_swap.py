@@ -60,6 +60,7 @@ from .._policy import CheckpointPolicy, SwapPolicyError, tensor_swapped
 from .._pytree import flatten
 from .._state import is_recomputing
 from .._swap_pairs import OwnScopes, ScopeSlot, SwapHooks, SwapManagerBase, SwapWrappers
+from .._wrapping import instance_required
 from ..errors import RecompError, SwapNotSupportedError
 from . import _compat
 from ._backend import BACKEND
@@ -391,6 +392,8 @@ def swap_wrapper(
             "with forward hooks fail. Call recomp.mindspore.swap(cell, *args) in the "
             "model's code instead."
         )
+    if isinstance(module, type):
+        raise instance_required(module, "swap_wrapper", "Cell or a function")
     if not isinstance(module, nn.Cell):
         if not callable(module):
             raise TypeError(f"swap_wrapper needs a Cell or a function, got {module!r}.")

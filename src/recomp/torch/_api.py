@@ -14,6 +14,7 @@ from torch import nn
 from .. import _engine, _wrapping
 from .._hyperparallel import without_noop
 from .._module_state import warn_unhandled
+from .._selection import Selection
 from .._state import get_recompute_state
 from .._wrapping import (
     CHECKPOINT_KWARGS,
@@ -405,6 +406,8 @@ def unwrap(module: Any) -> Any:
     Hugging Face had given them (PyTorch's): HF's own switch stays as it is. The hooks of
     ``swap_wrapper`` are removed too.
     """
+    if isinstance(module, type):
+        raise _wrapping.instance_required(module, "unwrap", "module wrapped by recomp")
     swapped = _swap.unwrap_swaps(module)
     taken = _hf.recomp_hf_layers(module) if isinstance(module, nn.Module) else []
     if (taken or swapped) and not any(
@@ -417,48 +420,77 @@ def unwrap(module: Any) -> Any:
     return result
 
 
+# What each selection argument may be (see recomp._selection).
+Selects = type | str | Callable[[nn.Module], bool] | list[Any] | tuple[Any, ...]
+
+
 def apply_activation_checkpointing(
     model: nn.Module,
     *,
-    checkpoint_fn: Callable[[nn.Module], bool] | type | tuple[type, ...],
-    exclude_fn: Callable[[nn.Module], bool] | type | tuple[type, ...] | None = None,
-    offload_fn: Callable[[nn.Module], bool | Offloader] | type | tuple[type, ...] | None = None,
-    copy_output_fn: Callable[[nn.Module], bool] | type | tuple[type, ...] | None = None,
+    checkpoint_fn: Selects,
+    exclude_fn: Selects | None = None,
+    offload_fn: Selects | None = None,
+    copy_output_fn: Selects | None = None,
     **checkpoint_kwargs: Any,
 ) -> nn.Module:
-    """Checkpoint every sub-module for which ``checkpoint_fn`` is true, excluding inside them
-    every sub-module for which ``exclude_fn`` is true. Wraps in place and returns the model;
-    every name (``named_modules``, ``named_parameters``, ``state_dict``) stays as it was::
+    """Checkpoint every sub-module ``checkpoint_fn`` selects, excluding inside them every
+    sub-module ``exclude_fn`` selects. Wraps in place and returns the model; every name
+    (``named_modules``, ``named_parameters``, ``state_dict``) stays as it was::
 
         apply_activation_checkpointing(
-            model,
-            checkpoint_fn=lambda m: isinstance(m, DecoderLayer),
-            exclude_fn=lambda m: isinstance(m, Attention),
+            model, checkpoint_fn=DecoderLayer, exclude_fn="layers.*.self_attn"
         )
 
-    Each ``*_fn`` may also be a class or a tuple of classes, meaning
-    ``isinstance(m, classes)`` (``checkpoint_fn=DecoderLayer``).
+    Each of ``checkpoint_fn``, ``exclude_fn``, ``offload_fn`` and ``copy_output_fn`` is a
+    *selection*: a module class (``isinstance``), a module path (a string matched against
+    the end of each module's dotted path in ``model``, at a dot, with ``fnmatch``
+    wildcards: ``"self_attn"``, ``"layers.*.mlp"``), a function of a module returning
+    true for the modules to select, or a list or tuple of these (a module any of them
+    selects). Anything else, a module instance where its class or path was meant, or a
+    path that matches no module of ``model`` raises :class:`recomp.SelectionError`, and
+    a class passed as ``model`` :class:`recomp.InstanceRequiredError`, before anything is
+    wrapped.
 
     Checkpoints are not nested: below a checkpointed module only exclusions are
-    applied. Modules already wrapped by recomp are left as they are. Every module
-    is checked before any is wrapped: on an error the model is unchanged.
-    ``offload_fn`` gives, for each excluded module, its ``offload=`` option (True,
-    False or an :class:`Offloader`, see :func:`checkpoint_exclude_wrapper`), and
-    ``copy_output_fn`` its ``copy_output=`` option: True for an excluded module
-    whose output the code after it changes in place (torchvision's BatchNorms,
-    followed by ``ReLU(inplace=True)`` and ``out += identity``).
-    Other options pass to :func:`checkpoint_wrapper`, ``exclude_collectives`` among
-    them (see :func:`checkpoint`).
+    applied. Every module is checked before any is wrapped: on an error the model is
+    unchanged. ``offload_fn`` selects the excluded modules that get ``offload=True``
+    (a function may also return an :class:`Offloader`, see
+    :func:`checkpoint_exclude_wrapper`), and ``copy_output_fn`` those that get
+    ``copy_output=True``: for an excluded module whose output the code after it changes
+    in place (torchvision's BatchNorms, followed by ``ReLU(inplace=True)`` and
+    ``out += identity``). Other options pass to :func:`checkpoint_wrapper`,
+    ``exclude_collectives`` among them (see :func:`checkpoint`).
+
+    Called again on a model wrapped before, it leaves every wrapper in place and adds:
+    checkpoints where ``checkpoint_fn`` selects modules outside every checkpoint,
+    excluded regions where ``exclude_fn`` selects modules inside one. It never removes an
+    earlier call's exclusions; where an earlier checkpoint holds excluded regions this
+    ``exclude_fn`` does not select, it says so with an
+    :class:`recomp.EarlierExclusionsWarning` naming them. To replace the exclusions,
+    :func:`unwrap` the model first and apply again.
     """
-    select_checkpoint = _wrapping.as_predicate(checkpoint_fn, "checkpoint_fn", required=True)
-    select_exclude, exclude_region = _exclusion_options(
-        "apply_activation_checkpointing", exclude_fn, offload_fn, copy_output_fn, checkpoint_kwargs
+    selected = _wrapping.read_selections(
+        _MODEL_OPS,
+        model,
+        "apply_activation_checkpointing",
+        {
+            "checkpoint_fn": checkpoint_fn,
+            "exclude_fn": exclude_fn,
+            "offload_fn": offload_fn,
+            "copy_output_fn": copy_output_fn,
+        },
+        required=("checkpoint_fn",),
     )
+    exclude_region = _exclusion_options(
+        "apply_activation_checkpointing", selected, checkpoint_kwargs
+    )
+    checkpoint_selection = selected["checkpoint_fn"]
+    assert checkpoint_selection is not None  # required
     _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
         model,
-        select_checkpoint,
-        select_exclude,
+        checkpoint_selection,
+        selected["exclude_fn"],
         lambda m: checkpoint_wrapper(m, **checkpoint_kwargs),
         exclude_region,
     )
@@ -467,42 +499,52 @@ def apply_activation_checkpointing(
 
 
 def _exclusion_options(
-    api: str,
-    exclude_fn: Any,
-    offload_fn: Any,
-    copy_output_fn: Any,
-    checkpoint_kwargs: dict[str, Any],
-) -> tuple[Any, Callable[[nn.Module, str], Any]]:
-    """Check the selections and checkpoint options of a whole-model call (``api``), before
-    anything is wrapped; return the exclusion predicate and the function that makes an
-    excluded region of a module at a path. Pops ``use_reentrant`` from the options."""
-    select_exclude = _wrapping.as_predicate(exclude_fn, "exclude_fn")
-    select_offload = _wrapping.as_predicate(offload_fn, "offload_fn")
-    select_copy = _wrapping.as_predicate(copy_output_fn, "copy_output_fn")
+    api: str, selected: dict[str, Selection | None], checkpoint_kwargs: dict[str, Any]
+) -> Callable[[nn.Module, str], Any]:
+    """Check the checkpoint options of a whole-model call (``api``) and that its option
+    selections come with an ``exclude_fn``, before anything is wrapped; return the
+    function that makes an excluded region of a module at a path. Pops ``use_reentrant``
+    from the options."""
+    select_offload, select_copy = selected["offload_fn"], selected["copy_output_fn"]
     check_options(api, checkpoint_kwargs, CHECKPOINT_OPTIONS)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
     if "exclude_collectives" in checkpoint_kwargs:
         _engine.check_flag("exclude_collectives", checkpoint_kwargs["exclude_collectives"])
     _wrapping.check_option_fns(
-        select_exclude, offload_fn=select_offload, copy_output_fn=select_copy
+        selected["exclude_fn"], offload_fn=select_offload, copy_output_fn=select_copy
     )
-    choose_offload = select_offload or (lambda m: False)
-    choose_copy = select_copy or (lambda m: False)
 
     def exclude_region(module: nn.Module, path: str) -> Any:
         return checkpoint_exclude_wrapper(
-            module, name=path, offload=choose_offload(module), copy_output=bool(choose_copy(module))
+            module,
+            name=path,
+            offload=_offload_choice(select_offload, path, module),
+            copy_output=select_copy is not None and select_copy.matches(path, module),
         )
 
-    return select_exclude, exclude_region
+    return exclude_region
+
+
+def _offload_choice(selection: Selection | None, path: str, module: nn.Module) -> Any:
+    """The ``offload=`` of an excluded module: what a function of ``offload_fn`` returned
+    for it (True, False or an Offloader), else whether the selection selects it."""
+    if selection is None:
+        return False
+    for predicate in selection.predicates:
+        choice = predicate(module)
+        if isinstance(choice, Offloader) or choice:
+            return choice
+    return Selection(selection.argument, selection.classes, selection.patterns).matches(
+        path, module
+    )
 
 
 def hf_activation_checkpointing(
     model: nn.Module,
     *,
-    exclude_fn: Callable[[nn.Module], bool] | type | tuple[type, ...] | None = None,
-    offload_fn: Callable[[nn.Module], bool | Offloader] | type | tuple[type, ...] | None = None,
-    copy_output_fn: Callable[[nn.Module], bool] | type | tuple[type, ...] | None = None,
+    exclude_fn: Selects | None = None,
+    offload_fn: Selects | None = None,
+    copy_output_fn: Selects | None = None,
     **checkpoint_kwargs: Any,
 ) -> nn.Module:
     """Make recomp Hugging Face's activation checkpointing for a ``transformers`` model::
@@ -512,8 +554,10 @@ def hf_activation_checkpointing(
 
     Turns HF's checkpointing on (``model.activation_checkpointing_enable()``) with recomp's
     :func:`checkpoint` as the function each ``GradientCheckpointingLayer`` is checkpointed
-    with, and excludes inside those layers every sub-module for which ``exclude_fn`` holds
-    (``offload_fn`` and ``copy_output_fn`` as in :func:`apply_activation_checkpointing`).
+    with, and excludes inside those layers every sub-module ``exclude_fn`` selects (a
+    selection, as in :func:`apply_activation_checkpointing`: a class, a module path such as
+    ``"layers.*.self_attn"`` measured from ``model``, a function of a module, or a list of
+    these; ``offload_fn`` and ``copy_output_fn`` as there too).
     HF's switch then means recomp: a later ``activation_checkpointing_enable()`` /
     ``gradient_checkpointing_enable()`` (``Trainer`` and TRL call it for
     ``gradient_checkpointing=True``; PEFT) keeps recomp as the function, with the keyword
@@ -526,9 +570,9 @@ def hf_activation_checkpointing(
     :func:`unwrap` undoes it. ``model`` is the HF model (a ``PreTrainedModel``, or a
     ``PeftModel`` around one); wraps in place and returns it.
     """
-    select_exclude, exclude_region = _exclusion_options(
-        "hf_activation_checkpointing", exclude_fn, offload_fn, copy_output_fn, checkpoint_kwargs
-    )
+    api = "hf_activation_checkpointing"
+    if isinstance(model, type):
+        raise _wrapping.instance_required(model, api, "Hugging Face model")
     layers = _hf.hf_layers(model) if isinstance(model, nn.Module) else []
     if not layers:
         raise ValueError(
@@ -536,6 +580,13 @@ def hf_activation_checkpointing(
             f"{type(model).__name__}: it makes recomp the checkpoint function of a Hugging Face "
             f"model's layers. For other models use apply_activation_checkpointing."
         )
+    selected = _wrapping.read_selections(
+        _MODEL_OPS,
+        model,
+        api,
+        {"exclude_fn": exclude_fn, "offload_fn": offload_fn, "copy_output_fn": copy_output_fn},
+    )
+    exclude_region = _exclusion_options(api, selected, checkpoint_kwargs)
     doubled = [path or "(the model itself)" for path, m in layers if isinstance(m, CheckpointWrapper)]
     if doubled:
         raise ValueError(
@@ -558,10 +609,11 @@ def hf_activation_checkpointing(
     _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
         model,
-        lambda m: id(m) in layer_ids,
-        select_exclude,
+        Selection("checkpoint_fn", predicates=(lambda m: id(m) in layer_ids,)),
+        selected["exclude_fn"],
         lambda m: m,  # HF checkpoints the layers; recomp's function is installed below
         exclude_region,
+        api="hf_activation_checkpointing",
     )
     for _, layer in layers:
         owner.install(layer)

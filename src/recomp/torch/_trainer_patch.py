@@ -7,7 +7,8 @@ and all end in one function of theirs. ``install()`` in ``recomp.torch.megatron`
 trainer keeps choosing and recomp does the checkpointing: collectives run once, excluded
 regions are not replayed, random state is restored (``recomp._rng_trackers``).
 
-Exclusions are declared once, at install time, as classes, module paths or a predicate.
+Exclusions are declared once, at install time, as a selection (``recomp._selection``):
+classes, module paths, predicates, or a list of them.
 The trainer hands its checkpoint function a closure or a bound method, not a module:
 recomp finds the modules it runs through (the bound method's module, a partial's
 arguments, the closure's cells) and, the first time it sees each, wraps the matching
@@ -17,7 +18,6 @@ imported here: their modules are looked up in ``sys.modules`` by the caller.
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import importlib
 import sys
@@ -29,6 +29,7 @@ from typing import Any
 
 from torch import nn
 
+from .._selection import Selection
 from .._wrapping import REGION, FirstLooks, recomp_wrapper_of
 from ..errors import RecompError
 
@@ -36,36 +37,38 @@ __all__ = ["Exclusions", "Installation", "replace_attributes"]
 
 
 class Exclusions:
-    """The modules to exclude inside each checkpointed piece: classes (``isinstance``),
-    module paths (strings matched, with ``fnmatch`` wildcards, against the end of a
-    module's dotted name below the piece: ``"self_attention"``, ``"mlp.router"``,
-    ``"layers.*.mlp"``) and predicates (functions of the module)."""
+    """The modules to exclude inside each checkpointed piece, a selection: classes
+    (``isinstance``), module paths (strings matched, with ``fnmatch`` wildcards, against
+    the end of a module's dotted path below the piece: ``"self_attention"``,
+    ``"mlp.router"``, ``"layers.*.mlp"``), predicates (functions of the module), or a list
+    of them. The trainer's modules are not known at install time, so a path that matches
+    nothing is not refused here (it excludes nothing)."""
 
     def __init__(self, exclude: Any, api: str) -> None:
-        entries = [exclude] if isinstance(exclude, (str, type)) or callable(exclude) else exclude
-        try:
-            entries = list(entries)
-        except TypeError:
-            raise TypeError(_bad_entry(api, exclude)) from None
-        self.classes = tuple(e for e in entries if isinstance(e, type))
-        self.patterns = tuple(e for e in entries if isinstance(e, str))
-        self.predicates = tuple(e for e in entries if callable(e) and not isinstance(e, type))
-        for entry in entries:
-            if not isinstance(entry, (str, type)) and not callable(entry):
-                raise TypeError(_bad_entry(api, entry))
+        selection = Selection.parse(exclude, "exclude", api, nn.Module, none_ok=False)
+        assert selection is not None  # none_ok=False
+        self.selection = selection
         self._seen = FirstLooks()
         self._lock = threading.Lock()
         self._wrapped: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
+    @property
+    def classes(self) -> tuple[type, ...]:
+        return self.selection.classes
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        return self.selection.patterns
+
+    @property
+    def predicates(self) -> tuple[Callable[[Any], Any], ...]:
+        return self.selection.predicates
+
     def __bool__(self) -> bool:
-        return bool(self.classes or self.patterns or self.predicates)
+        return bool(self.selection)
 
     def matches(self, path: str, module: nn.Module) -> bool:
-        if self.classes and isinstance(module, self.classes):
-            return True
-        if any(_path_matches(path, pattern) for pattern in self.patterns):
-            return True
-        return any(predicate(module) for predicate in self.predicates)
+        return self.selection.matches(path, module)
 
     def apply_within(self, function: Any) -> None:
         """Wrap, once per module, the matching modules below each module ``function`` runs."""
@@ -105,17 +108,6 @@ class Exclusions:
         for module in wrapped:
             if REGION in vars(module):
                 unwrap(module)
-
-
-def _path_matches(path: str, pattern: str) -> bool:
-    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, "*." + pattern)
-
-
-def _bad_entry(api: str, entry: Any) -> str:
-    return (
-        f"{api}: exclude must hold classes, module paths (strings such as 'self_attention' "
-        f"or 'mlp.router') or functions of a module, got {type(entry).__name__} ({entry!r})."
-    )
 
 
 def modules_reached(function: Any) -> Iterator[nn.Module]:

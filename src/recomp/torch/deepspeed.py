@@ -98,7 +98,10 @@ def install(exclude: Any = (), *, exclude_collectives: bool = True) -> Installat
     ``exclude``: the modules inside each checkpointed function that run once and are
     never replayed: classes, module paths matched against the end of a module's dotted
     name below the modules the function runs through (``"self_attention"``,
-    ``"layers.*.mlp"``), or functions of a module. ``exclude_collectives``: as for
+    ``"layers.*.mlp"``), functions of a module, or a list of these (the selection every
+    recomp argument that chooses modules takes; anything else raises
+    :class:`~recomp.errors.SelectionError` before anything is installed).
+    ``exclude_collectives``: as for
     :func:`recomp.torch.checkpoint` (collectives in recomputed code run once).
 
     Raises ``ImportError`` when DeepSpeed cannot be imported, ``RecompError`` when

@@ -77,7 +77,10 @@ def install(exclude: Any = (), *, exclude_collectives: bool = True) -> Installat
     (``TopKRouter``: ``isinstance``), module paths matched against the end of a
     module's dotted name below the checkpointed piece (``"self_attention"``,
     ``"router"``, ``"layers.*.mlp.linear_fc2"``; with ``fnmatch`` wildcards) or
-    functions of a module returning True. A path is relative to the module the piece
+    functions of a module returning True, or a list of these (the selection every
+    recomp argument that chooses modules takes; anything else raises
+    :class:`~recomp.errors.SelectionError` here, before anything is installed). A path
+    that matches nothing excludes nothing: the modules are not known yet. A path is relative to the module the piece
     runs: the ``TransformerBlock`` under full recompute (``"layers.0.self_attention"``),
     the ``MoELayer`` under selective ``"moe"`` (``"router"``); the last name of a path
     (``"router"``) matches under both. ``exclude_collectives=False`` lets the replay

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..._policy import tensor_swapped
 from ..._swap_pairs import OwnScopes, SwapHooks, SwapWrappers
+from ..._wrapping import instance_required
 from .. import _compat
 from .._backend import BACKEND
 from .._plain import PlainFunction
@@ -152,6 +153,8 @@ def swap_wrapper(
     if policy_fn is not None and not callable(policy_fn):
         raise TypeError(f"policy_fn must be callable or None, got {policy_fn!r}.")
     _check_swap_options(group_swap, cpu_pool)
+    if isinstance(module, type):
+        raise instance_required(module, "swap_wrapper", "module or a function")
     if not isinstance(module, nn.Module):
         if not callable(module):
             raise TypeError(f"swap_wrapper needs a module or a function, got {module!r}.")
