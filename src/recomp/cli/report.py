@@ -26,7 +26,7 @@ from .config import (
 )
 from .plots import write_report_png
 from .saved_tensors import REFERENCES, reporter, temporary_compile_cache
-from .strategies import parse, refused, report_strategy
+from .strategies import Run, parse, refused, report_strategy
 
 PROG = "recomp report"
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.strategy.endswith(".json"):
-        run = "mindspore" if args.framework == "mindspore" else "eager"
+        run: Run = "mindspore" if args.framework == "mindspore" else "eager"
         why = refused(parse(args.strategy), run)
         if why:
             parser.error(why)
