@@ -10,8 +10,8 @@ that the Benchmarks page (docs/benchmarks.md) quotes. Run::
 Every file version ``recomp.cli.results.load_report`` reads works. Each target has an id
 unique in a report (``"3a"``, ``"5 torch+inductor"``, ``"6b plan@50%"``), the measured
 figures it was judged on, and a verdict: met, MISSED, or n/a where a strategy it needs
-was not run. The exact relations among them (replay FLOPs of ``exclude-attn`` equal to
-``full``'s minus the excluded FLOPs; one activation per layer less than ``keep-R`` in the
+was not run. The exact relations among them (replay FLOPs of ``exclude:attn`` equal to
+``full``'s minus the excluded FLOPs; one activation per layer less than ``keep:R`` in the
 deferred-input scenario) are also asserted, exactly, by ``tests/cli/test_bench.py``.
 """
 
@@ -29,7 +29,7 @@ from recomp.cli.results import Result, WrapperOverhead, find_result, load_report
 VERDICTS = {None: "n/a", True: "met", False: "MISSED"}
 
 #: The uniform strategies a plan is compared with.
-UNIFORM = ("none", "full", "exclude-attn", "exclude-mlp")
+UNIFORM = ("none", "full", "exclude:attn", "exclude:mlp")
 
 
 @dataclass
@@ -60,12 +60,12 @@ def evaluate_targets(
     judged, say because a strategy was not run)."""
     out: list[Target] = []
     full = find_result(results, "torch", "full")
-    excl = find_result(results, "torch", "exclude-attn")
-    sac = find_result(results, "torch", "sac")
-    remat = find_result(results, "torch", "torch-remat")
+    excl = find_result(results, "torch", "exclude:attn")
+    sac = find_result(results, "torch", "sac:attn")
+    remat = find_result(results, "torch", "torch-remat:attn")
 
-    # 1. replay(exclude-attn) == replay(full) - excluded forward FLOPs, within 0.5 %.
-    t1 = Target("1", "1 replay FLOPs: exclude-attn = full - excluded (0.5%)")
+    # 1. replay(exclude:attn) == replay(full) - excluded forward FLOPs, within 0.5 %.
+    t1 = Target("1", "1 replay FLOPs: exclude:attn = full - excluded (0.5%)")
     if full and excl and full.replay_flops is not None:
         assert excl.excluded_flops is not None and excl.replay_flops is not None
         expected = full.replay_flops - excl.excluded_flops
@@ -75,8 +75,8 @@ def evaluate_targets(
         t1.ok = rel <= 0.005
     out.append(t1)
 
-    # 2a. activation memory of exclude-attn <= sac and torch-remat (within 2 %).
-    t2 = Target("2a", "2a activation: exclude-attn <= sac, torch-remat (2%)")
+    # 2a. activation memory of exclude:attn <= sac and torch-remat (within 2 %).
+    t2 = Target("2a", "2a activation: exclude:attn <= sac, torch-remat (2%)")
     if excl:
         memory = {
             other.strategy: _ratio(excl.activation_bytes, other.activation_bytes)
@@ -91,8 +91,8 @@ def evaluate_targets(
     # 2b. deferred inputs: exclude keeps one activation per layer less than keep.
     t2b = Target("2b", "2b norm->excluded matmul->silu: one activation per layer less than keep")
     if scenario:
-        ex = find_result(scenario, "torch", "exclude-proj")
-        keep = find_result(scenario, "torch", "keep-proj")
+        ex = find_result(scenario, "torch", "exclude:proj")
+        keep = find_result(scenario, "torch", "keep:proj")
         if ex and keep and ex.config and ex.num_layers:
             assert keep.activation_bytes is not None and ex.activation_bytes is not None
             cfg = ex.config
@@ -102,8 +102,8 @@ def evaluate_targets(
             t2b.ok = abs(per_layer - 1.0) <= 0.02
     out.append(t2b)
 
-    # 3a. step time of exclude-attn <= 1.02 x sac, torch-remat, and < full.
-    t3 = Target("3a", "3a step time: exclude-attn <= 1.02 x sac, torch-remat; < full")
+    # 3a. step time of exclude:attn <= 1.02 x sac, torch-remat, and < full.
+    t3 = Target("3a", "3a step time: exclude:attn <= 1.02 x sac, torch-remat; < full")
     if excl and excl.step_time_s:
         ratios = {
             other.strategy: excl.step_time_s / other.step_time_s
@@ -149,14 +149,14 @@ def _offload_target(
     sac: Result | None,
     excl: Result | None,
 ) -> Target:
-    """4. exclude-attn-offload: peak within 5 % of full; step time <= 1.03 x exclude-attn and
+    """4. exclude-offload:attn: peak within 5 % of full; step time <= 1.03 x exclude:attn and
     below full and sac. Also the share of copy time hidden behind compute, estimated as
     1 - (step time added by offloading) / (copy time measured on the copy stream)."""
     t = Target(
         "4",
-        "4 exclude-attn-offload: peak <= 1.05 x full; step <= 1.03 x exclude-attn, < full, sac",
+        "4 exclude-offload:attn: peak <= 1.05 x full; step <= 1.03 x exclude:attn, < full, sac",
     )
-    off = find_result(results, "torch", "exclude-attn-offload")
+    off = find_result(results, "torch", "exclude-offload:attn")
     moved = off.offload if off else None
     if off is None or moved is None or not moved.host_bytes:
         return t  # not run, or nothing offloaded (CPU without the host-copy test mode)
@@ -177,7 +177,7 @@ def _offload_target(
             o.strategy: step / o.step_time_s for o in (excl, full, sac) if o and o.step_time_s
         }
         t.details["step_ratios"] = ratios
-        ok += [v <= 1.03 if k == "exclude-attn" else v < 1.0 for k, v in ratios.items()]
+        ok += [v <= 1.03 if k == "exclude:attn" else v < 1.0 for k, v in ratios.items()]
         if excl and excl.step_time_s and moved.copy_s:
             added = max(0.0, step - excl.step_time_s)
             t.details["copy_ms_per_step"] = moved.copy_s * 1e3
@@ -188,17 +188,17 @@ def _offload_target(
 
 
 def _compiled_targets(results: list[Result]) -> list[Target]:
-    """Target 5, per compiled backend: exclude-attn against SAC saving the same tensors
+    """Target 5, per compiled backend: exclude:attn against SAC saving the same tensors
     (activation memory within 2 %, step time <= 1.02 x) and against full checkpointing."""
     out = []
     labels = sorted({r.framework for r in results if r.framework.startswith("torch+")})
     for label in labels:
-        excl = find_result(results, label, "exclude-attn")
-        sac = find_result(results, label, "sac")
+        excl = find_result(results, label, "exclude:attn")
+        sac = find_result(results, label, "sac:attn")
         full = find_result(results, label, "full")
         t = Target(
             f"5 {label}",
-            f"5 {label}: exclude-attn activation = sac (2%), step <= 1.02 x sac, < full",
+            f"5 {label}: exclude:attn activation = sac (2%), step <= 1.02 x sac, < full",
         )
         memory = _ratio(excl.activation_bytes, sac.activation_bytes) if excl and sac else None
         if excl and memory is not None:
@@ -215,7 +215,7 @@ def _compiled_targets(results: list[Result]) -> list[Target]:
             }
             if times:
                 t.details["time_ratios"] = times
-                ok = ok and times.get("sac", 0.0) <= 1.02 and times.get("full", 0.0) < 1.0
+                ok = ok and times.get("sac:attn", 0.0) <= 1.02 and times.get("full", 0.0) < 1.0
             if excl.step_cpu_time_s:
                 t.details["cpu_time_ratios"] = {
                     o.strategy: excl.step_cpu_time_s / o.step_cpu_time_s
@@ -227,7 +227,7 @@ def _compiled_targets(results: list[Result]) -> list[Target]:
     return out
 
 
-UNIFORM = ("none", "full", "exclude-attn", "exclude-mlp")
+UNIFORM = ("none", "full", "exclude:attn", "exclude:mlp")
 
 
 def _fits(o: Result, budget_bytes: int) -> bool:

@@ -1,6 +1,6 @@
 """What ``determinism_check="values"`` costs: step time and memory, side by side with the
 default check, on the built-in Llama-style decoder (every layer checkpointed, attention
-excluded, as ``recomp bench``'s ``exclude-attn``).
+excluded, as ``recomp bench``'s ``exclude:attn``).
 
 Time: training steps (forward, backward) alternate between the two settings, so both
 see the same machine load; the medians and their ratio are printed. Memory: what the

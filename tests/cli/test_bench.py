@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 from recomp.cli.config import BenchConfig  # noqa: E402
 from recomp.cli.memory import child_env  # noqa: E402
 from recomp.cli.results import Result, load_report  # noqa: E402
+from recomp.cli.strategies import canonical  # noqa: E402
 from recomp.cli.tables import table  # noqa: E402
 from recomp.cli.timing import summarize_times  # noqa: E402
 
@@ -75,9 +76,9 @@ def measured() -> dict[str, dict]:
     gradients do not need a clean heap)."""
     from recomp.cli.torch.runner import measure_strategy
 
-    names = ["none", "full", "sac", "torch-remat", "exclude-attn", "exclude-mlp", "keep-attn"]
+    names = ["none", "full", "sac:attn", "torch-remat:attn", "exclude:attn", "exclude:mlp", "keep:attn"]
     if not HAVE_TORCH_REMAT:
-        names.remove("torch-remat")
+        names.remove("torch-remat:attn")
     return {s: measure_strategy(TINY, s) for s in names}
 
 
@@ -124,7 +125,7 @@ def test_full_replay_equals_layer_forward_without_early_stop():
 
 
 def test_exclude_attn_replay_is_full_minus_excluded_exactly(measured):
-    full, excl = measured["full"], measured["exclude-attn"]
+    full, excl = measured["full"], measured["exclude:attn"]
     assert excl.excluded_flops == L * ATTN_FLOPS
     assert excl.replay_flops == full.replay_flops - excl.excluded_flops
 
@@ -132,7 +133,7 @@ def test_exclude_attn_replay_is_full_minus_excluded_exactly(measured):
 def test_replay_attribution_agrees_with_recomp_state(measured):
     # Grad mode during backward (the bench's criterion) and recomp.is_recomputing()
     # must pick the same ops for recomp's checkpoints ...
-    for name in ("exclude-attn", "exclude-mlp"):
+    for name in ("exclude:attn", "exclude:mlp"):
         r = measured[name]
         assert r.replay_flops == r.replay_flops_recomp_state > 0
     # ... and recomp's state stays off under other libraries' checkpoints.
@@ -140,26 +141,26 @@ def test_replay_attribution_agrees_with_recomp_state(measured):
 
 
 def test_kept_regions_are_not_replayed(measured):
-    sac, keep = measured["sac"], measured["keep-attn"]
-    assert sac.replay_flops == measured["exclude-attn"].replay_flops
-    assert keep.replay_flops == measured["exclude-attn"].replay_flops
-    assert measured["exclude-mlp"].replay_flops == L * ATTN_FLOPS
+    sac, keep = measured["sac:attn"], measured["keep:attn"]
+    assert sac.replay_flops == measured["exclude:attn"].replay_flops
+    assert keep.replay_flops == measured["exclude:attn"].replay_flops
+    assert measured["exclude:mlp"].replay_flops == L * ATTN_FLOPS
 
 
 @needs_torch_remat
 def test_torch_remat_replays_all_but_its_kept_region(measured):
     # torch-remat replays the whole layer body but the kept region (no early stop).
-    assert measured["torch-remat"].replay_flops == L * (LAYER_FLOPS - ATTN_FLOPS)
-    assert set(measured["torch-remat"].region_calls.values()) == {1}
+    assert measured["torch-remat:attn"].replay_flops == L * (LAYER_FLOPS - ATTN_FLOPS)
+    assert set(measured["torch-remat:attn"].region_calls.values()) == {1}
 
 
 def test_region_runs(measured):
-    excl = measured["exclude-attn"]
+    excl = measured["exclude:attn"]
     assert excl.region_runs == {f"layers.{i}.attn": 1 for i in range(L)}
     assert excl.region_skips == {f"layers.{i}.attn": 1 for i in range(L)}
     assert excl.region_calls == {f"layers.{i}.attn": 1 for i in range(L)}
     # SAC runs the region's Python code in the replay too (its ops come from a cache).
-    assert set(measured["sac"].region_calls.values()) == {2}
+    assert set(measured["sac:attn"].region_calls.values()) == {2}
 
 
 # --------------------------------------------------------------------------- strategies
@@ -170,17 +171,16 @@ def test_every_strategy_gives_the_gradient_of_none(measured):
         assert r.max_grad_diff <= 1e-6, name
 
 
-def test_strategy_names():
-    from recomp.cli.torch.strategies import parse
+def test_selective_and_swap_strategies_are_the_plan_options_for_every_layer():
+    from recomp.cli.strategies import parse
+    from recomp.cli.torch.models import llama
+    from recomp.cli.torch.strategies import layers_of, uniform_plan
 
-    assert parse("sac") == ("sac", "attn")
-    assert parse("torch-remat-mlp") == ("torch-remat", "mlp")
-    assert parse("exclude-proj") == ("exclude", "proj")
-    with pytest.raises(ValueError, match="unknown strategy"):
-        parse("exclude")
-    with pytest.raises(ValueError, match="unknown strategy"):
-        parse("selective")
-    assert parse("budget@0.5") == ("budget", "0.5")
+    model = llama(layers=2, hidden=32, heads=2)
+    plan = uniform_plan(parse("selective+exclude:attn"), layers_of(model))
+    assert [layer.option for layer in plan.layers] == ["selective+exclude:attn"] * 2
+    plan = uniform_plan(parse("exclude:attn+mlp"), layers_of(model))
+    assert [layer.option for layer in plan.layers] == ["exclude:attn+mlp"] * 2
 
 
 def test_torch_budget_strategy_is_compiled_only_and_checked():
@@ -198,7 +198,7 @@ def test_missing_region_is_reported():
     from recomp.cli.torch.strategies import prepare
 
     with pytest.raises(ValueError, match="no child module 'moe'"):
-        prepare("exclude-moe", llama(layers=1, hidden=32, heads=2))
+        prepare("exclude:moe", llama(layers=1, hidden=32, heads=2))
 
 
 def test_user_model_factory_gets_only_declared_options():
@@ -260,7 +260,7 @@ def test_model_input_keeps_its_containers():
     cfg = BenchConfig(layers=2, hidden=8, seq=4, batch=2, model=f"{__name__}:pair_input")
     _, x, _ = build(cfg)
     assert type(x) is Pair and type(x.options) is collections.OrderedDict
-    for strategy in ("full", "exclude-attn"):
+    for strategy in ("full", "exclude:attn"):
         row = measure_strategy(cfg, strategy)
         assert row.error is None and row.max_grad_diff == 0.0, strategy
         # Each layer's matmul: (batch * seq) x hidden x hidden.
@@ -296,8 +296,8 @@ def test_memory_reader_sees_a_known_tensor():
 
 def test_activation_readings_count_kept_tensors():
     # Scenario model: each layer is silu(norm(x) @ W); one activation is B*S*H*4 bytes.
-    # full keeps the layer inputs and the output (L activations); exclude-proj adds the
-    # matmul output per layer; keep-proj (no deferred inputs) also the norm output.
+    # full keeps the layer inputs and the output (L activations); exclude:proj adds the
+    # matmul output per layer; keep:proj (no deferred inputs) also the norm output.
     cfg = BenchConfig(
         layers=4, hidden=256, seq=256, batch=2, model="recomp.cli.torch.models:norm_matmul_silu"
     )
@@ -308,7 +308,7 @@ def test_activation_readings_count_kept_tensors():
         from recomp.cli.torch.runner import measure_strategy
         cfg = BenchConfig.from_dict({cfg.to_dict()!r})
         print(json.dumps({{s: measure_strategy(cfg, s).activation_bytes
-                          for s in ("full", "exclude-proj", "keep-proj")}}))
+                          for s in ("full", "exclude:proj", "keep:proj")}}))
         """
     )
     one = cfg.batch * cfg.seq * cfg.hidden * 4
@@ -316,8 +316,8 @@ def test_activation_readings_count_kept_tensors():
     # Beyond the tensors (512 KiB each): per checkpoint and per excluded call, a saved
     # CPU RNG state (5 KiB) and Python objects.
     assert 4 <= a["full"] <= 4.1, a
-    assert a["exclude-proj"] - a["full"] == pytest.approx(4, abs=0.1), a
-    assert a["keep-proj"] - a["exclude-proj"] == pytest.approx(4, abs=0.1), a
+    assert a["exclude:proj"] - a["full"] == pytest.approx(4, abs=0.1), a
+    assert a["keep:proj"] - a["exclude:proj"] == pytest.approx(4, abs=0.1), a
 
 
 # --------------------------------------------------------------------------- output
@@ -389,11 +389,11 @@ def _bench(tmp_path, *args: str) -> dict:
 @pytest.mark.system  # the whole recomp bench command
 def test_json_schema_torch(tmp_path):
     reports = tmp_path / "reports"
-    report = _bench(tmp_path, "--strategies", "none,full,exclude-attn", "--report", str(reports))
+    report = _bench(tmp_path, "--strategies", "none,full,exclude:attn", "--report", str(reports))
     # --report runs in this process: its files are there, and no others (see _bench).
-    assert (reports / "report-exclude-attn.txt").read_text().startswith("strategy exclude-attn")
+    assert (reports / "report-exclude-attn.txt").read_text().startswith("strategy exclude:attn")
     results = report["results"]
-    assert [r["strategy"] for r in results] == ["none", "full", "exclude-attn"]
+    assert [r["strategy"] for r in results] == ["none", "full", "exclude:attn"]
     for r in results:
         assert r.keys() >= FIELDS, FIELDS - r.keys()
         assert r["framework"] == "torch"
@@ -407,7 +407,7 @@ def test_json_schema_torch(tmp_path):
     # The file reads back into the same typed report.
     again = load_report(tmp_path / "bench.json")
     assert again.to_dict() == report
-    assert [r.strategy for r in again.results] == ["none", "full", "exclude-attn"]
+    assert [r.strategy for r in again.results] == ["none", "full", "exclude:attn"]
 
 
 def _mindspore_ready() -> bool:
@@ -425,7 +425,7 @@ def _mindspore_ready() -> bool:
 def test_json_schema_mindspore(tmp_path):
     report = _bench(tmp_path, "--framework", "mindspore")
     results = report["results"]
-    assert [r["strategy"] for r in results] == ["none", "full", "exclude-attn"]
+    assert [r["strategy"] for r in results] == ["none", "full", "exclude:attn"]
     for r in results:
         assert r.keys() >= FIELDS, r
         assert r["framework"] == "mindspore"
@@ -572,8 +572,8 @@ def _result(strategy: str, **kw) -> Result:
 
 
 def test_table_lists_errors_below():
-    text = table([_result("full"), Result("torch", "sac", error="Boom: x")])
-    assert "torch sac: Boom: x" in text
+    text = table([_result("full"), Result("torch", "sac:attn", error="Boom: x")])
+    assert "torch sac:attn: Boom: x" in text
 
 
 def test_summarize_times():
@@ -599,7 +599,8 @@ def test_committed_version_1_files_are_read(name):
     report = load_report(path)
     assert len(report.results) == len(raw["results"])
     for r, row in zip(report.results, raw["results"]):
-        assert (r.framework, r.strategy) == (row["framework"], row["strategy"])
+        # Strategies come back under their names now (exclude-attn is exclude:attn).
+        assert (r.framework, r.strategy) == (row["framework"], canonical(row["strategy"]))
         assert r.activation_bytes == row["activation_bytes"]
         assert r.replay_flops == row.get("replay_flops")
         assert r.step_times_s == row.get("step_times_s")
@@ -607,8 +608,8 @@ def test_committed_version_1_files_are_read(name):
         # What a version-1 row holds comes back unchanged in version 2 (its configuration
         # gains the fields added since, at their defaults).
         again = r.to_dict()
-        assert {k: again[k] for k in row if k != "config"} == {
-            k: v for k, v in row.items() if k != "config"
+        assert {k: again[k] for k in row if k not in ("config", "strategy")} == {
+            k: v for k, v in row.items() if k not in ("config", "strategy")
         }
         assert {k: again["config"][k] for k in row["config"]} == row["config"]
     assert table(report.results)
@@ -628,7 +629,9 @@ def test_committed_version_2_file_is_read():
     assert raw["version"] == 2 and raw["targets"]
     report = load_report(path)
     assert report.version == 3 and "targets" not in report.to_dict()
-    assert [r.to_dict() for r in report.results] == raw["results"]
+    renamed = [{**row, "strategy": canonical(row["strategy"])} for row in raw["results"]]
+    assert [r.to_dict() for r in report.results] == renamed
+    assert {r["strategy"] for r in raw["results"]} != {r["strategy"] for r in renamed}
 
 
 def test_report_version_3_round_trip_and_unknown_versions(tmp_path):
@@ -636,8 +639,8 @@ def test_report_version_3_round_trip_and_unknown_versions(tmp_path):
 
     rows = [
         _result("full", config=TINY, offload=None, region_runs={"layers.0.attn": 1}),
-        _result("exclude-attn-offload", offload=Offload(10, 10, 5, 0.25), device="cuda:0"),
-        Result("mindspore", "sac", error="ValueError: no"),
+        _result("exclude-offload:attn", offload=Offload(10, 10, 5, 0.25), device="cuda:0"),
+        Result("mindspore", "sac:attn", error="ValueError: no"),
     ]
     overhead = WrapperOverhead("x * 1.5", 20, 3.0, 30.0, 3.1, 29.0, 5.0)
     report = Report("recomp bench", {"python": "3"}, 1.5, rows, [], overhead, ["a note"])
@@ -650,7 +653,7 @@ def test_report_version_3_round_trip_and_unknown_versions(tmp_path):
     assert data["overhead"]["in_checkpoint_us"] == 30.0
     assert data["results"][2] == {
         "framework": "mindspore",
-        "strategy": "sac",
+        "strategy": "sac:attn",
         "error": "ValueError: no",
     }
     data["version"] = 4
@@ -664,13 +667,11 @@ def test_default_strategies_leave_torch_remat_out_where_it_is_missing(monkeypatc
     # child, which runs every strategy, and so every row's step time.
     from recomp.cli import bench as cli
 
-    real = importlib.util.find_spec
     notes: list[str] = []
-    monkeypatch.setattr(
-        cli.importlib.util, "find_spec", lambda name: None if name == "torch_remat" else real(name)
-    )
+    monkeypatch.setitem(sys.modules, "torch_remat", None)  # as if not installed
     torch_default = cli._installed(cli.TORCH_STRATEGIES, notes)
     scenario_default = cli._installed(cli.SCENARIO_STRATEGIES, notes)
-    assert "torch-remat" not in torch_default and "exclude-attn" in torch_default
-    assert "torch-remat-proj" not in scenario_default and "exclude-proj" in scenario_default
-    assert len(notes) == 1 and "torch-remat" in notes[0]
+    assert "torch-remat:attn" not in torch_default and "exclude:attn" in torch_default
+    assert "torch-remat:proj" not in scenario_default and "exclude:proj" in scenario_default
+    assert len(notes) == 1 and 'pip install "recomp[bench]"' in notes[0]
+    assert "PyTorch 2.14" not in notes[0]

@@ -45,9 +45,9 @@ def _overhead(in_checkpoint_us: float) -> WrapperOverhead:
 def test_target_verdicts():
     results = [
         _result("full", replay_flops=1000, step_time_s=1.2),
-        _result("exclude-attn", replay_flops=600, excluded_flops=400, activation_bytes=101),
-        _result("sac", activation_bytes=100, step_time_s=0.99),
-        _result("torch-remat", activation_bytes=90, step_time_s=1.1),
+        _result("exclude:attn", replay_flops=600, excluded_flops=400, activation_bytes=101),
+        _result("sac:attn", activation_bytes=100, step_time_s=0.99),
+        _result("torch-remat:attn", activation_bytes=90, step_time_s=1.1),
     ]
     targets = {t.id: t for t in evaluate_targets(results, None, _overhead(31))}
     assert targets["1"].verdict == "met"
@@ -66,12 +66,12 @@ def test_target_ids_are_unique_with_offload_compiled_and_plan_rows():
     plan = PlanCheck("50%", 100, {"layers.0": "full"}, 90, 0, 1.0, 1.0, 0.0, "wall")
     results = [
         _result("full", peak_bytes=100),
-        _result("exclude-attn"),
-        _result("exclude-attn-offload", offload=Offload(10, 10, 5, 0.1), device="cuda:0"),
+        _result("exclude:attn"),
+        _result("exclude-offload:attn", offload=Offload(10, 10, 5, 0.1), device="cuda:0"),
         _result("plan@50%", plan=plan, activation_bytes=90),
-        Result("torch+inductor", "exclude-attn", activation_bytes=100, step_time_s=1.0),
-        Result("torch+inductor", "sac", activation_bytes=100, step_time_s=1.0),
-        Result("torch+aot_eager", "exclude-attn", activation_bytes=100, step_time_s=1.0),
+        Result("torch+inductor", "exclude:attn", activation_bytes=100, step_time_s=1.0),
+        Result("torch+inductor", "sac:attn", activation_bytes=100, step_time_s=1.0),
+        Result("torch+aot_eager", "exclude:attn", activation_bytes=100, step_time_s=1.0),
         # A compiled plan of the same budget: its row has a plan too, but no eager target.
         Result("torch+inductor", "plan@50%", activation_bytes=90, step_time_s=1.0, plan=plan),
     ]
@@ -85,16 +85,16 @@ def test_target_ids_are_unique_with_offload_compiled_and_plan_rows():
 
 
 def test_offload_target_is_judged_on_a_gpu_only():
-    """Rows as ``measure_strategy`` gives them for exclude-attn-offload (see
+    """Rows as ``measure_strategy`` gives them for exclude-offload:attn (see
     tests/torch/test_offload.py): on the CPU host bytes are shown, nothing is judged."""
     kept = 8192
     moved = Offload(host_bytes=kept, restored_bytes=kept, prefetched_bytes=0, copy_s=0.0)
-    forced = _result("exclude-attn-offload", offload=moved, device="cpu", peak_bytes=1000)
+    forced = _result("exclude-offload:attn", offload=moved, device="cpu", peak_bytes=1000)
     target = evaluate_targets([forced])[-1]
     assert target.id == "4" and target.details["host_bytes_per_step"] == kept
     assert target.verdict == "n/a"  # judged on a GPU only
     full = replace(forced, strategy="full", peak_bytes=forced.peak_bytes * 0.9)
-    excl = replace(forced, strategy="exclude-attn", step_time_s=0.99)
+    excl = replace(forced, strategy="exclude:attn", step_time_s=0.99)
     cuda = replace(forced, device="cuda:0", offload=replace(moved, copy_s=0.02))
     target = evaluate_targets([full, excl, cuda])[-1]
     assert target.details["peak_vs_full"] == pytest.approx(1 / 0.9)
@@ -106,8 +106,8 @@ def test_compiled_target_of_each_backend():
     """Compiled rows (``torch+aot_eager``, as tests/torch/test_compile.py measures them:
     no FLOPs) get target 5 of their backend, judged on activation memory and step time."""
     rows = [
-        Result("torch+aot_eager", "sac", activation_bytes=1000, step_time_s=1.0),
-        Result("torch+aot_eager", "exclude-attn", activation_bytes=1010, step_time_s=1.01),
+        Result("torch+aot_eager", "sac:attn", activation_bytes=1000, step_time_s=1.0),
+        Result("torch+aot_eager", "exclude:attn", activation_bytes=1010, step_time_s=1.01),
     ]
     target = {t.id: t for t in evaluate_targets(rows)}["5 torch+aot_eager"]
     assert target.details["activation_ratio_sac"] == pytest.approx(1.01)

@@ -49,19 +49,25 @@ def _kept(strategy):
     attention its all-gather and reduce-scatter."""
     gathered = BATCH * SEQ * HIDDEN * FLOAT32
     scattered = BATCH * (SEQ // TP) * HIDDEN * FLOAT32
-    per_block = {"full": 2 * gathered + scattered, "exclude-attn": gathered}[strategy]
+    per_block = {"full": 2 * gathered + scattered, "exclude:attn": gathered}[strategy]
     return LAYERS * per_block
 
 
 def test_rows_and_gradients(report):
-    assert list(report) == ["none", "full", "full:no-keep", "exclude-attn", "exclude-attn:no-keep"]
+    assert list(report) == [
+        "none",
+        "full",
+        "full+replay-collectives",
+        "exclude:attn",
+        "full+replay-collectives+exclude:attn",
+    ]
     for row in report.values():
         assert row["max_grad_diff"] == 0.0, row
         assert row["loss"] == report["none"]["loss"]
         assert row["forward_collectives"] == report["none"]["forward_collectives"]
 
 
-@pytest.mark.parametrize("strategy", ["none", "full", "exclude-attn"])
+@pytest.mark.parametrize("strategy", ["none", "full", "exclude:attn"])
 def test_default_rows_replay_no_collective(report, strategy):
     row = report[strategy]
     assert row["replay_collectives"] == {}
@@ -69,13 +75,14 @@ def test_default_rows_replay_no_collective(report, strategy):
     assert row["kept_collective_bytes"] == (0 if strategy == "none" else _kept(strategy))
 
 
-@pytest.mark.parametrize("strategy", ["full", "exclude-attn"])
+@pytest.mark.parametrize("strategy", ["full", "exclude:attn"])
 def test_keeping_nothing_replays_collectives_and_saves_the_kept_bytes(report, strategy):
-    kept, nothing = report[strategy], report[f"{strategy}:no-keep"]
+    replaying = "full+replay-collectives" + ("" if strategy == "full" else f"+{strategy}")
+    kept, nothing = report[strategy], report[replaying]
     assert nothing["kept_collective_bytes"] == 0
     expected = {
         "full": {"all_gather": 2 * LAYERS, "reduce_scatter": LAYERS},
-        "exclude-attn": {"all_gather": LAYERS},
+        "exclude:attn": {"all_gather": LAYERS},
     }[strategy]
     assert nothing["replay_collectives"] == expected
     # Each replayed collective's input: a sequence shard (all-gather) or the whole

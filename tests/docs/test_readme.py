@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import pathlib
 import re
 import shlex
+import sys
 import warnings
 
 import pytest
@@ -129,9 +131,21 @@ def command_lines() -> list[tuple[str, str, str]]:
 
 
 @pytest.mark.parametrize(("where", "command", "args"), command_lines(), ids=lambda v: str(v)[:40])
-def test_command_line_parses(where: str, command: str, args: str) -> None:
+def test_command_line_parses(
+    where: str, command: str, args: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     module = importlib.import_module(f"recomp.cli.{command}")
     argv = shlex.split(args)
+    # ``--model`` is checked as the command line is read (the module must import): the
+    # docs' example package ``mypkg.models`` exists for the test, with the factories the
+    # docs name, in the directory the command runs in.
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "models.py").write_text("def build():\n    pass\n\n\ntiny_llama = build\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "mypkg", raising=False)
+    monkeypatch.delitem(sys.modules, "mypkg.models", raising=False)
     # A command whose options depend on a mode (recomp plan --simulate) says which parser.
     parser = module.parser_for(argv) if hasattr(module, "parser_for") else module.build_parser()
     try:

@@ -295,7 +295,7 @@ def test_bench_report_writer_on_mindspore(tmp_path):
     from recomp.cli.saved_tensors import write_strategy_reports
 
     config = BenchConfig(layers=2, hidden=32, heads=2, seq=16, batch=2)
-    written = write_strategy_reports(str(tmp_path), config, ["exclude-attn"], "mindspore")
+    written = write_strategy_reports(str(tmp_path), config, ["exclude:attn"], "mindspore")
     text = (tmp_path / "report-mindspore-exclude-attn.txt").read_text()
     assert str(tmp_path / "report-mindspore-exclude-attn.txt") in written
     assert "layers.1.attn" in text and "total held for backward" in text

@@ -214,11 +214,11 @@ def test_bench_strategies_run_on_a_hugging_face_model():
     )
     made = make_plans(cfg, ["plan@50%"])
     cfg.extra["plans"] = made.plans
-    strategies = ["full", "sac", "exclude-attn", "every@2", "plan@50%"]
+    strategies = ["full", "sac:attn", "exclude:attn", "every@2", "plan@50%"]
     try:
         import torch_remat  # noqa: F401
 
-        strategies.append("torch-remat")
+        strategies.append("torch-remat:attn")
     except ImportError:  # torch-remat runs on torch 2.14 only
         pass
     for strategy in strategies:
@@ -227,7 +227,7 @@ def test_bench_strategies_run_on_a_hugging_face_model():
         assert row.max_grad_diff == 0.0, strategy
         assert row.num_layers == 2, strategy
         assert set(row.region_runs.values()) <= {1}, strategy
-        if strategy == "exclude-attn":
+        if strategy == "exclude:attn":
             assert set(row.region_runs) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
 
 

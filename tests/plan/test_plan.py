@@ -843,7 +843,7 @@ def test_selective_option_keeps_the_expensive_outputs_and_replays_no_matmul(deco
 
 def test_plan_at_75_percent_replays_almost_nothing_and_beats_uniform_strategies(decoder):
     """At 75% the plan replays at most 5% of full checkpointing's FLOPs. At every budget
-    it replays no more FLOPs than none, full, exclude-attn or exclude-mlp on every layer
+    it replays no more FLOPs than none, full, exclude:attn or exclude:mlp on every layer
     when their predicted memory fits the same budget, and is predicted no slower (up to
     the tie tolerance) than any uniform option that fits, the selective one included
     (which replays no FLOPs, but whose per-op policy costs time on a CPU)."""

@@ -684,7 +684,7 @@ def test_bench_measures_compiled_strategies() -> None:
     assert build_parser().parse_args([]).compile is None
 
     config = BenchConfig(layers=2, hidden=32, heads=2, seq=16, batch=2, compile="aot_eager")
-    rows = [measure_strategy(config, s) for s in ("sac", "exclude-attn")]
+    rows = [measure_strategy(config, s) for s in ("sac:attn", "exclude:attn")]
     for row in rows:
         assert row.error is None
         assert row.framework == "torch+aot_eager"

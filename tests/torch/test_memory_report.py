@@ -96,13 +96,13 @@ def test_total_is_the_activation_memory_the_allocator_sees():
     region_saved_bytes, except what two regions share; nothing is left after backward."""
 
     pytest.importorskip("transformers")
-    cases = [(DECODER, s, 256, 512) for s in ("none", "full", "sac", "exclude-attn")]
-    cases += [(HF_LLAMA, s, 256, 256) for s in ("none", "exclude-attn")]
+    cases = [(DECODER, s, 256, 512) for s in ("none", "full", "sac:attn", "exclude:attn")]
+    cases += [(HF_LLAMA, s, 256, 256) for s in ("none", "exclude:attn")]
     figures = run_measured(MEASURE.format(tests=str(paths.SUPPORT), cases=cases))
     for case, f in figures.items():
         assert abs(f["total"] / f["measured"] - 1) < 0.02, (case, f)
         assert f["after_backward"] == 0, case
-        if not case.endswith("exclude-attn"):
+        if not case.endswith("exclude:attn"):
             assert f["deferred"] == 0 and not f["regions"], case
             continue
         assert f["deferred"] > 0  # each attention's input, rebuilt by the replay

@@ -510,23 +510,26 @@ def test_random_programs_gradients_equal_with_and_without_offload(program):
 
 def test_bench_strategy_reports_host_bytes(monkeypatch):
     from recomp.cli.config import BenchConfig
+    from recomp.cli.strategies import parse
     from recomp.cli.tables import table
     from recomp.cli.torch.runner import measure_strategy
-    from recomp.cli.torch.strategies import parse
 
-    assert parse("exclude-attn-offload") == ("exclude-offload", "attn")
-    assert parse("exclude-mlp") == ("exclude", "mlp")
+    assert parse("exclude-offload:attn") == parse("exclude-attn-offload")  # earlier spelling
+    assert (parse("exclude-offload:attn").kind, parse("exclude-offload:attn").regions) == (
+        "exclude-offload",
+        ("attn",),
+    )
     config = BenchConfig(layers=2, hidden=32, heads=2, seq=16, batch=1, warmup=1)
     monkeypatch.delenv(_offload.ENV_HOST_COPY, raising=False)
-    plain = measure_strategy(config, "exclude-attn-offload")
+    plain = measure_strategy(config, "exclude-offload:attn")
     assert plain.offload.host_bytes == 0  # CPU: nothing to do
     monkeypatch.setenv(_offload.ENV_HOST_COPY, "1")
-    forced = measure_strategy(config, "exclude-attn-offload")
+    forced = measure_strategy(config, "exclude-offload:attn")
     # Below the default 1 MiB threshold nothing moves; the bench model's attention
     # keeps 4 KiB storages, so count them with a threshold of 0.
     assert forced.offload.host_bytes == 0
     monkeypatch.setattr(_offload, "DEFAULT_MIN_BYTES", 0)
-    forced = measure_strategy(config, "exclude-attn-offload")
+    forced = measure_strategy(config, "exclude-offload:attn")
     kept = sum(forced.region_saved_bytes.values())
     assert forced.offload.host_bytes == kept > 0
     assert forced.offload.restored_bytes == kept

@@ -644,18 +644,19 @@ def test_bench_swap_strategies(monkeypatch: pytest.MonkeyPatch) -> None:
     """``recomp bench`` strategies for the GPU comparison: full checkpointing with the
     inputs swapped, and with the matmul outputs swapped instead of recomputed."""
     from recomp.cli.config import BenchConfig
+    from recomp.cli.strategies import parse
     from recomp.cli.torch.runner import measure_strategy
-    from recomp.cli.torch.strategies import parse
 
-    assert parse("full-swap-inputs") == ("full-swap-inputs", None)
-    assert parse("swap-mm") == ("swap-mm", None)
+    # The earlier spellings name the same strategies.
+    assert parse("full-swap-inputs").name == "full+swap-inputs"
+    assert parse("swap-mm").name == "full+swap-matmuls"
     monkeypatch.setenv(ENV_HOST_COPY, "1")
     config = BenchConfig(layers=2, hidden=32, heads=2, seq=16, batch=1, warmup=1)
-    inputs = measure_strategy(config, "full-swap-inputs")
+    inputs = measure_strategy(config, "full+swap-inputs")
     # each layer's input, 1 x 16 x 32 float32, out and back
     assert inputs.offload.host_bytes == inputs.offload.restored_bytes == 2 * 16 * 32 * 4
     assert inputs.max_grad_diff == 0.0
-    matmuls = measure_strategy(config, "swap-mm")
+    matmuls = measure_strategy(config, "full+swap-matmuls")
     # An output no backward reads (one the replay stops before) goes out and stays there.
     assert 0 < matmuls.offload.restored_bytes <= matmuls.offload.host_bytes
     assert matmuls.max_grad_diff == 0.0

@@ -6,7 +6,6 @@ project's own targets are judged from the JSON by ``benchmarks/targets.py``)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import platform
 import sys
@@ -14,11 +13,14 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from . import installs
+from .args import CommandParser
 from .config import (
     DEFAULT_MODEL,
     MODEL_PROTOCOL,
     BenchConfig,
     add_config_arguments,
+    add_model_argument,
     config_from_args,
     row_label,
 )
@@ -26,18 +28,20 @@ from .jobs import Job, Progress, run_jobs
 from .messages import Framework, MeasureResult, PlanResult, Task, TimingResult
 from .predictions import attach_predictions
 from .results import Report, Result, WrapperOverhead, write_json, write_report
-from .tables import plan_summary, table
+from .strategies import Strategy, help_text, parse, refused, renamed_note, strategy_list
+from .tables import plan_summary, table, verdicts
 from .timing import StepTimes
 
-TORCH_STRATEGIES = ("none", "full", "sac", "torch-remat", "exclude-attn", "exclude-mlp")
-COMPILED_STRATEGIES = ("none", "full", "sac", "exclude-attn")
-MS_STRATEGIES = ("none", "full", "exclude-attn")
+TORCH_STRATEGIES = ("none", "full", "sac:attn", "torch-remat:attn", "exclude:attn", "exclude:mlp")
+COMPILED_STRATEGIES = ("none", "full", "sac:attn", "exclude:attn")
+MS_STRATEGIES = ("none", "full", "exclude:attn")
 SCENARIO_MODEL = "recomp.cli.torch.models:norm_matmul_silu"
-SCENARIO_STRATEGIES = ("full", "exclude-proj", "keep-proj", "sac-proj", "torch-remat-proj")
+SCENARIO_STRATEGIES = ("full", "exclude:proj", "keep:proj", "sac:proj", "torch-remat:proj")
+PROG = "recomp bench"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    p = CommandParser(
         prog="recomp bench",
         description=(
             "Train a few steps of a model under several activation-checkpointing strategies "
@@ -45,28 +49,32 @@ def build_parser() -> argparse.ArgumentParser:
             "FLOPs, excluded-region runs, step time and the gradient difference to no "
             "checkpointing."
         ),
-        epilog=MODEL_PROTOCOL
-        + " Strategy exclude-R excludes the child R of every layer (attn also finds self_attn "
-        "or attention; mlp also finds feed_forward or ffn).",
+        epilog="Strategies (the names of recomp.plan's layer options where a plan file has "
+        "one; R is a child of every layer, by name: attn also finds self_attn or attention, "
+        "mlp also feed_forward or ffn; R+R names several): "
+        + help_text()
+        + ". Names of earlier versions (exclude-attn, sac-attn, full-swap-inputs, swap-mm, "
+        "...) are still accepted. "
+        + MODEL_PROTOCOL,
     )
     p.add_argument("--framework", choices=("torch", "mindspore", "all"), default="torch")
     p.add_argument(
         "--strategies",
+        type=strategy_list,
+        metavar="S[,S...]",
         help=(
-            "comma-separated; torch: none, full, sac[-R], torch-remat[-R], exclude-R, "
-            "exclude-R-offload, keep-R, every@K (checkpoint every K-th layer), "
-            "plan@BUDGET (recomp.plan; 50%%, 6GiB); "
-            f"mindspore: none, full, exclude-R (default torch: {','.join(TORCH_STRATEGIES)}; "
-            f"mindspore: {','.join(MS_STRATEGIES)})"
+            "comma-separated, see below (default PyTorch: "
+            f"{','.join(TORCH_STRATEGIES)}; MindSpore, which runs none, full and "
+            f"exclude:R: {','.join(MS_STRATEGIES)})"
         ),
     )
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="PyTorch model factory MODULE:FACTORY (default: the built-in Llama-style "
-        "decoder); a Hugging Face PreTrainedModel works as it is: see below",
+    add_model_argument(
+        p,
+        "PyTorch model factory (default: the built-in Llama-style decoder; MODULE is "
+        "looked for in the current directory too); a Hugging Face PreTrainedModel works as "
+        "it is: see below",
     )
-    p.add_argument("--ms-model", help="MindSpore model factory MODULE:FACTORY (a Cell)")
+    add_model_argument(p, "MindSpore model factory (a Cell)", name="--ms-model")
     add_config_arguments(
         p,
         steps=BenchConfig.steps,
@@ -124,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
             "instead: the built-in decoder with DTensor tensor + sequence parallelism on N "
             "gloo processes (CPU); per strategy rank 0's activation memory, the bytes "
             "recomp keeps for collectives' results, and the collectives the replay runs "
-            "(strategies: none, full, exclude-attn, and full:no-keep, exclude-attn:no-keep "
-            "with exclude_collectives=False)"
+            "(strategies: none, full, exclude:attn, and full+replay-collectives, "
+            "full+replay-collectives+exclude:attn with exclude_collectives=False)"
         ),
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -138,15 +146,38 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not installs.check(PROG, _needs(args)):
+        return installs.EXIT_MISSING
     base = config_from_args(args)
     if args.tp is not None:
         return run_tensor_parallel(parser, args, base, argv)
     notes: list[str] = []
-    runs = plan_runs(args, base, notes)
+    given = args.strategies or []
+    old = renamed_note(given)
+    if old:
+        notes.append(old)
+    runs, refusals = plan_runs(args, base, notes)
+    if refusals:
+        parser.error("; ".join(refusals))
     measured = run_benchmark(args, base, runs, notes)
+    absent = missing_package(measured)
+    if absent is not None:
+        print(installs.install_line(PROG, absent, f"--model {args.model}"), file=sys.stderr)
+        return installs.EXIT_MISSING
     print_measured(measured)
     write_outputs(args, argv, measured)
     return exit_code(measured)
+
+
+def _needs(args: argparse.Namespace) -> list[str]:
+    """The packages the command line needs before anything runs: the frameworks it
+    measures, and torch-remat where a strategy names it."""
+    needs = [m for m in ("torch", "mindspore") if args.framework in (m, "all")]
+    if args.tp is not None:
+        needs = ["torch"]
+    if any(s.kind == "torch-remat" for s in args.strategies or []):
+        needs.append("torch_remat")
+    return needs
 
 
 @dataclass
@@ -180,46 +211,55 @@ class Measured:
 # --------------------------------------------------------------------------- configuration
 
 
-def _split(value: str | None, default: tuple[str, ...]) -> list[str]:
-    if not value:
-        return list(default)
-    return [s.strip() for s in value.split(",") if s.strip()]
+def _names(given: list[Strategy], default: tuple[str, ...]) -> list[str]:
+    return [s.name for s in given] if given else list(default)
 
 
 def _installed(default: tuple[str, ...], notes: list[str]) -> tuple[str, ...]:
-    """The default PyTorch strategies without torch-remat's where it is not installed (it
-    runs on PyTorch 2.14 only): one strategy that cannot start would fail the timing
-    child, which runs every strategy, and so every row's step time."""
-    if importlib.util.find_spec("torch_remat") is not None:
+    """The default PyTorch strategies without torch-remat's where it is not installed:
+    one strategy that cannot start would fail the timing child, which runs every
+    strategy, and so every row's step time."""
+    if installs.installed("torch_remat"):
         return default
-    note = "torch-remat is not installed (it needs PyTorch 2.14): its rows are left out"
+    note = (
+        "torch-remat is not installed, its rows are left out: "
+        + installs.INSTALLS["torch_remat"][1]
+    )
     if note not in notes:
         notes.append(note)
-    return tuple(s for s in default if not s.startswith("torch-remat"))
-
-
-def _ms_supported(strategy: str) -> bool:
-    return strategy in ("none", "full") or (
-        strategy.startswith("exclude-") and not strategy.endswith("-offload")
-    )
+    return tuple(s for s in default if parse(s).kind != "torch-remat")
 
 
 def _frameworks(args: argparse.Namespace) -> list[Framework]:
     return ["torch", "mindspore"] if args.framework == "all" else [args.framework]
 
 
-def plan_runs(args: argparse.Namespace, base: BenchConfig, notes: list[str]) -> list[Run]:
+def plan_runs(
+    args: argparse.Namespace, base: BenchConfig, notes: list[str]
+) -> tuple[list[Run], list[str]]:
     """The runs the options ask for: PyTorch eager (and compiled with ``--compile``),
-    MindSpore with the strategies it supports."""
+    MindSpore; and the strategies named that a run asked for cannot take (what to
+    change, for the usage error). With ``--framework all`` the strategies that only
+    PyTorch runs are left out of MindSpore's rows, with a note."""
+    given: list[Strategy] = args.strategies or []
     runs: list[Run] = []
+    refusals: list[str] = []
     for fw in _frameworks(args):
         if fw == "torch":
-            eager = _split(args.strategies, _installed(TORCH_STRATEGIES, notes))
+            eager = _names(given, _installed(TORCH_STRATEGIES, notes))
             # budget@F is PyTorch's compiled memory budget: compiled rows only.
-            runs.append(Run(fw, base, [s for s in eager if not s.startswith("budget@")]))
+            compiled_only = [s for s in given if refused(s, "eager") and not refused(s, "compiled")]
+            if not args.compile:
+                refusals += [refused(s, "eager") or "" for s in compiled_only]
+            refusals += [
+                why for s in given if s not in compiled_only and (why := refused(s, "eager"))
+            ]
+            runs.append(Run(fw, base, [s for s in eager if refused(parse(s), "eager") is None]))
             if args.compile:
                 compiled = replace(base, compile=args.compile)
-                runs.append(Run(fw, compiled, _split(args.strategies, COMPILED_STRATEGIES)))
+                names = _names(given, COMPILED_STRATEGIES)
+                refusals += [why for s in given if (why := refused(s, "compiled"))]
+                runs.append(Run(fw, compiled, names))
             continue
         cfg = replace(
             base,
@@ -227,12 +267,14 @@ def plan_runs(args: argparse.Namespace, base: BenchConfig, notes: list[str]) -> 
             steps=args.ms_steps or min(base.steps, 5),
             extra={"ms_model": args.ms_model} if args.ms_model else {},
         )
-        wanted = _split(args.strategies, MS_STRATEGIES)
-        skipped = [s for s in wanted if not _ms_supported(s)]
-        if skipped:
+        wanted = _names(given, MS_STRATEGIES)
+        skipped = [s for s in wanted if refused(parse(s), "mindspore")]
+        if skipped and args.framework == "all":
             notes.append(f"mindspore: skipped {', '.join(skipped)} (PyTorch-only strategies)")
-        runs.append(Run(fw, cfg, [s for s in wanted if _ms_supported(s)]))
-    return runs
+        elif skipped:
+            refusals.append(refused(parse(skipped[0]), "mindspore") or "")
+        runs.append(Run(fw, cfg, [s for s in wanted if s not in skipped]))
+    return runs, list(dict.fromkeys(refusals))
 
 
 # --------------------------------------------------------------------------- running
@@ -393,8 +435,21 @@ def _overhead(time_jobs: list[Job]) -> WrapperOverhead | None:
 # --------------------------------------------------------------------------- output
 
 
+def missing_package(measured: Measured) -> str | None:
+    """The package every row failed for want of (the model factory imports it and it
+    is not installed), if there is one: a table of error rows would only repeat it."""
+    rows = measured.results + measured.scenario
+    if not rows or any(r.error is None for r in rows):
+        return None
+    absent = {installs.missing_in(r.error or "") for r in rows}
+    return absent.pop() if len(absent) == 1 else None
+
+
 def print_measured(measured: Measured) -> None:
     print(table(measured.results))
+    judged = verdicts(measured.results)
+    if judged:
+        print("\n" + judged)
     if measured.scenario:
         print("\nDeferred-input scenario (per layer: RMSNorm, excluded matmul `proj`, SiLU):")
         print(table(measured.scenario))
@@ -449,7 +504,7 @@ def _write_plot(path: str, results: list[Result]) -> None:
     try:
         write_plot(path, results)
     except ImportError:
-        print("no plot: matplotlib is not installed (pip install recomp[bench])")
+        print("no plot: matplotlib is not installed: " + installs.INSTALLS["matplotlib"][1])
         return
     print(f"wrote {path}")
 
@@ -542,7 +597,7 @@ def _tensor_parallel_strategies(
     ]
     if others:
         parser.error(f"--tp runs PyTorch's eager decoder only: drop {', '.join(others)}")
-    strategies = _split(args.strategies, tensor_parallel.TP_STRATEGIES)
+    strategies = _names(args.strategies or [], tensor_parallel.TP_STRATEGIES)
     try:
         tensor_parallel.check_config(base, args.tp, strategies)
     except ValueError as exc:

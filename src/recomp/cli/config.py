@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import inspect
 import math
+import os
+import sys
 import traceback
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -101,17 +104,57 @@ def intermediate_size(hidden: int) -> int:
     return 64 * math.ceil(8 * hidden / 3 / 64)
 
 
+def add_model_argument(parser: argparse.ArgumentParser, help: str, name: str = "--model") -> None:
+    """``--model MODULE:FACTORY`` of every command, resolved alike (:func:`model_spec`)."""
+    default = DEFAULT_MODEL if name == "--model" else None
+    parser.add_argument(name, default=default, type=model_spec, metavar="MODULE:FACTORY", help=help)
+
+
+def model_spec(text: str) -> str:
+    """``--model`` as argparse reads it: ``MODULE:FACTORY`` whose module can be found from
+    here (the current directory first, as ``python -m`` finds modules), checked without
+    importing it; a usage error otherwise."""
+    module_name, sep, attr = text.partition(":")
+    if not sep or not module_name or not attr:
+        raise argparse.ArgumentTypeError(
+            f"takes MODULE:FACTORY (mymodels:build for build() in ./mymodels.py), got {text!r}"
+        )
+    with_current_directory()
+    top = module_name.split(".")[0]
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise argparse.ArgumentTypeError(
+            f"{text}: no module {top!r} in the current directory ({os.getcwd()}) or on "
+            "the import path (PYTHONPATH)"
+        )
+    return text
+
+
+def with_current_directory() -> None:
+    """Put the current directory on the import path if it is not there (a console script
+    starts with its own directory there instead), so that ``--model mymodels:build``
+    finds ``./mymodels.py`` in every command and in the child processes alike."""
+    here = os.getcwd()
+    if not any(os.path.abspath(p or ".") == here for p in sys.path):
+        sys.path.insert(0, here)
+
+
 def load_factory(spec: str) -> Any:
-    """``"package.module:factory"`` -> the factory callable."""
+    """``"package.module:factory"`` -> the factory callable (the module looked for in the
+    current directory too)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--model takes MODULE:FACTORY (e.g. mypkg.models:build), got {spec!r}")
+    with_current_directory()
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(
             f"--model {spec}: cannot import {module_name!r} ({type(exc).__name__}: {exc}); "
-            "the module must be importable from here (its directory on PYTHONPATH)"
+            "the module must be importable from here (the current directory or PYTHONPATH)"
         ) from exc
     factory = module
     for part in attr.split("."):

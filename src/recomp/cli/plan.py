@@ -17,11 +17,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..plan.budget import TORCH_BUDGET_NOTE, parse_budget
+from . import installs
+from .args import CommandParser
 from .config import (
-    DEFAULT_MODEL,
     MODEL_PROTOCOL,
     BenchConfig,
     add_config_arguments,
+    add_model_argument,
     config_from_args,
 )
 from .jobs import Job, Progress, run_jobs
@@ -29,10 +31,12 @@ from .messages import MeasureResult, PlanResult, Task, TimingResult
 from .predictions import attach_predictions, paired_ratio
 from .results import Result, write_json
 
+PROG = "recomp plan"
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="recomp plan",
+
+def build_parser() -> CommandParser:
+    p = CommandParser(
+        prog=PROG,
         description=(
             "Choose per layer no checkpoint, full checkpoint, a checkpoint with some "
             "sub-modules excluded from the replay, a selective checkpoint that keeps the "
@@ -56,11 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(100%%), or bytes with a unit (6GiB, 512MiB, 123456B); a bare number above 1 is "
         "refused. " + TORCH_BUDGET_NOTE.replace("%", "%%"),
     )
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="PyTorch model factory MODULE:FACTORY (default: the built-in Llama-style "
-        "decoder); a Hugging Face PreTrainedModel works as it is: see below",
+    add_model_argument(
+        p,
+        "PyTorch model factory (default: the built-in Llama-style decoder; MODULE is "
+        "looked for in the current directory too); a Hugging Face PreTrainedModel works as "
+        "it is: see below",
     )
     p.add_argument("--json", metavar="PATH", help="write the plan here")
     p.add_argument("--profile-json", metavar="PATH", help="write the profile here")
@@ -128,12 +132,16 @@ def parser_for(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     if simulating(given):
+        if not installs.check(f"{PROG} --simulate", ["torch", "transformers"]):
+            return installs.EXIT_MISSING
         from .plan_simulate import main as simulate_main
 
         return simulate_main(given)
     parser = build_parser()
     args = parser.parse_args(argv)
     config, strategy = plan_config(parser, args)
+    if not installs.check(PROG, ["torch"]):
+        return installs.EXIT_MISSING
     progress = Progress(3 if args.no_measure else 3 + 2 + args.steps + 2, not args.quiet)
     try:
         planned = profile_and_plan(config, strategy, progress)
@@ -141,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = None if args.no_measure else measure_plan(config, planned, args.steps, progress)
     except PlanningFailed as exc:
         progress.close()
-        print(f"recomp plan: {exc}", file=sys.stderr)
+        absent = installs.missing_in(str(exc))
+        if absent is not None:
+            print(installs.install_line(PROG, absent, f"--model {args.model}"), file=sys.stderr)
+            return installs.EXIT_MISSING
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return exc.exit_code
     finally:
         progress.close()
@@ -225,6 +237,17 @@ def show_plan(args: argparse.Namespace, planned: Planned) -> None:
     print(plan_table(planned.plan))
     if args.json:
         print(f"wrote {args.json}")
+        print(apply_hint(args.json, compiled=planned.plan.compiled is not None))
+
+
+def apply_hint(path: str, compiled: bool) -> str:
+    """How to apply the plan file just written, to a fresh model of the same factory."""
+    call = (
+        f"model = recomp.plan.compile_with_plan(model, {json.dumps(path)})"
+        if compiled
+        else f"recomp.plan.apply_plan(model, {json.dumps(path)})"
+    )
+    return f"apply it to a fresh model from the same factory: {call}"
 
 
 def show_measurement(planned: Planned, rows: tuple[Result, Result] | str | None) -> int:
@@ -232,7 +255,7 @@ def show_measurement(planned: Planned, rows: tuple[Result, Result] | str | None)
     if rows is None:
         return 0
     if isinstance(rows, str):
-        print(f"recomp plan: running the plan failed: {rows}")
+        print(f"{PROG}: running the plan failed: {rows}")
         return 1
     plan_row, none_row = rows
     print()

@@ -30,8 +30,9 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def build_parser() -> argparse.ArgumentParser:
     from ..plan.models import MODELS
+    from .args import CommandParser
 
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="recomp plan --simulate",
         description=(
             "Simulate one rank of a training job of a published model on fake tensors "

@@ -3,7 +3,7 @@ activation memory goes (``recomp.torch.report.saved_tensors_report``), as a tabl
 
 The model options are those of ``recomp plan`` and ``recomp bench`` (the built-in decoder's
 size, or ``--model MODULE:FACTORY``, Hugging Face models included); the strategy is one of
-the benchmark's (``none``, ``full``, ``exclude-attn``, ...) or a plan file written by
+the benchmark's (``none``, ``full``, ``exclude:attn``, ...) or a plan file written by
 ``recomp plan --json``. The report reads the autograd graph, not the allocator, so it runs
 in this process: no child process, no warm-up.
 """
@@ -14,19 +14,25 @@ import argparse
 import sys
 from typing import Any
 
+from . import installs
+from .args import CommandParser
 from .config import (
     DEFAULT_MODEL,
     MODEL_PROTOCOL,
     BenchConfig,
     add_config_arguments,
+    add_model_argument,
     config_from_args,
 )
 from .plots import write_report_png
 from .saved_tensors import REFERENCES, reporter, temporary_compile_cache
+from .strategies import Run, parse, refused, report_strategy
+
+PROG = "recomp report"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    p = CommandParser(
         prog="recomp report",
         description=(
             "Run one forward of the model under a checkpointing strategy and print every "
@@ -36,24 +42,26 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=MODEL_PROTOCOL,
     )
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="PyTorch model factory MODULE:FACTORY (default: the built-in Llama-style "
-        "decoder); a Hugging Face PreTrainedModel works as it is",
+    add_model_argument(
+        p,
+        "PyTorch model factory (default: the built-in Llama-style decoder; MODULE is "
+        "looked for in the current directory too); a Hugging Face PreTrainedModel works as "
+        "it is",
     )
     p.add_argument(
         "--strategy",
-        default="exclude-attn",
-        help="none, full, exclude-REGION, sac, every@K, ... (see recomp bench --help), or "
-        "PLAN.json written by recomp plan --json (default: exclude-attn)",
+        default="exclude:attn",
+        type=report_strategy,
+        metavar="STRATEGY",
+        help="none, full, exclude:R, selective, sac:R, every@K, ... (recomp bench --help "
+        "lists them), or PLAN.json written by recomp plan --json (default: exclude:attn)",
     )
     p.add_argument(
         "--framework",
         choices=("torch", "mindspore"),
         default="torch",
         help="torch (default) or mindspore: the MindSpore decoder of recomp bench, with "
-        "strategies none, full (mindspore.recompute) and exclude-REGION, recorded during "
+        "strategies none, full (mindspore.recompute) and exclude:R, recorded during "
         "one step with recomp.mindspore.report.record_saved_tensors",
     )
     p.add_argument("--png", metavar="PATH", help="write per-layer stacked bars here")
@@ -70,7 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.strategy.endswith(".json"):
+        run: Run = "mindspore" if args.framework == "mindspore" else "eager"
+        why = refused(parse(args.strategy), run)
+        if why:
+            parser.error(why)
+    if not installs.check(PROG, [args.framework]):
+        return installs.EXIT_MISSING
     config = report_config(args)
     if config is None:
         return 2
@@ -79,12 +95,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_report(args: argparse.Namespace, config: BenchConfig) -> int:
-    """Report, print and draw; 2 if the strategy or model cannot be reported."""
+    """Report, print and draw; 2 if the strategy or model cannot be reported, 1 if the
+    model needs a package that is not installed."""
     report_of, model = reporter(args.framework, config)
     try:
         report = report_of(config, args.strategy)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"recomp report: {exc}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as exc:
+        absent = installs.missing_in(str(exc))
+        if absent is not None:
+            print(installs.install_line(PROG, absent, f"--model {args.model}"), file=sys.stderr)
+            return installs.EXIT_MISSING
+        if isinstance(exc, ImportError):
+            raise
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     print_report(args, report, model)
     if args.png:
@@ -119,4 +142,4 @@ def write_picture(path: str, report: Any, strategy: str, references: dict[str, A
     if write_report_png(path, report, strategy, references):
         print(f"wrote {path}")
     else:
-        print("no picture: matplotlib is not installed (pip install recomp[bench])")
+        print("no picture: matplotlib is not installed: " + installs.INSTALLS["matplotlib"][1])

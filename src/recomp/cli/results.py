@@ -18,7 +18,8 @@ The JSON keeps the flat layout of the first files (``results[i]["replay_flops"]`
   and judges nothing.
 
 ``load_report`` reads all three (the verdicts of versions 1 and 2 are not read: they
-follow from the rows, see ``benchmarks/targets.py``).
+follow from the rows, see ``benchmarks/targets.py``). Strategies are read under their
+names now (``exclude-attn`` of earlier files is ``exclude:attn``: ``strategies.canonical``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .config import BenchConfig
+from .strategies import canonical
 from .timing import summarize_times
 
 REPORT_VERSION = 3
@@ -167,9 +169,11 @@ class Result:
 
 
 def find_result(results: list[Result], framework: str, strategy: str) -> Result | None:
-    """The row of ``strategy`` under the row label ``framework`` that did not fail."""
+    """The row of ``strategy`` (named in any version's spelling) under the row label
+    ``framework`` that did not fail."""
+    name = canonical(strategy)
     for r in results:
-        if r.framework == framework and r.strategy == strategy and r.error is None:
+        if r.framework == framework and canonical(r.strategy) == name and r.error is None:
             return r
     return None
 
@@ -235,12 +239,18 @@ class Report:
             command=data.get("command", ""),
             environment=dict(data.get("environment") or {}),
             elapsed_s=float(data.get("elapsed_s") or 0.0),
-            results=[Result.from_dict(r) for r in data["results"]],
-            scenario=[Result.from_dict(r) for r in data.get("scenario") or []],
+            results=[_renamed(Result.from_dict(r)) for r in data["results"]],
+            scenario=[_renamed(Result.from_dict(r)) for r in data.get("scenario") or []],
             overhead=None if overhead is None else WrapperOverhead.from_dict(overhead),
             notes=list(data.get("notes") or []),
             version=REPORT_VERSION,
         )
+
+
+def _renamed(row: Result) -> Result:
+    """``row`` with its strategy under its name now (files of earlier versions)."""
+    row.strategy = canonical(row.strategy)
+    return row
 
 
 def write_report(path: str | os.PathLike[str], report: Report) -> None:

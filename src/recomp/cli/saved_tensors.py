@@ -49,6 +49,11 @@ def temporary_compile_cache() -> Iterator[None]:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
 
+def file_stem(strategy: str) -> str:
+    """A strategy's name in a file name: ``exclude:attn+mlp`` -> ``exclude-attn-mlp``."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", re.sub(r"[:+]", "-", strategy))
+
+
 def write_strategy_reports(
     directory: str, config: BenchConfig, strategies: list[str], framework: str = "torch"
 ) -> list[str]:
@@ -64,7 +69,7 @@ def write_strategy_reports(
         for strategy in strategies:
             known = references.get(strategy)
             report = known if known is not None else report_of(config, strategy)
-            stem = os.path.join(directory, prefix + re.sub(r"[^A-Za-z0-9_.-]+", "_", strategy))
+            stem = os.path.join(directory, prefix + file_stem(strategy))
             with open(stem + ".txt", "w") as f:
                 f.write(f"strategy {strategy}, model {model}\n{report.format()}\n")
             written.append(stem + ".txt")

@@ -1,6 +1,6 @@
 """MindSpore (PyNative) measurements: the counterpart of ``recomp.cli.torch.runner`` for
 strategies
-``none``, ``full`` (``mindspore.recompute``, non-reentrant, per layer) and ``exclude-R``
+``none``, ``full`` (``mindspore.recompute``, non-reentrant, per layer) and ``exclude:R``
 (recomp.mindspore).
 
 Memory: MindSpore takes CPU memory for tensors from its own pool (1 GiB reserved at the
@@ -31,12 +31,10 @@ from mindspore import Tensor, nn
 from ..config import BenchConfig, call_factory, load_factory
 from ..counters import count_delta, region_counts, saved_bytes
 from ..results import Result
+from ..strategies import REGION_ALIASES, parse
 from ..timing import StepTimes, time_interleaved
 
 DEFAULT_MODEL = "recomp.cli.mindspore.models:llama"
-
-ALIASES = {"attn": ("attn", "self_attn", "attention"), "mlp": ("mlp", "feed_forward", "ffn")}
-
 
 def setup(config: BenchConfig) -> None:
     ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -74,7 +72,7 @@ class FullRecompute(nn.Cell):
 
 
 def _child(layer: nn.Cell, region: str) -> tuple[str, nn.Cell]:
-    for name in ALIASES.get(region, (region,)):
+    for name in REGION_ALIASES.get(region, (region,)):
         child = getattr(layer, name, None)
         if isinstance(child, nn.Cell):
             return name, child
@@ -89,24 +87,25 @@ class Prepared:
 
 
 def prepare(strategy: str, model: nn.Cell) -> Prepared:
+    parsed = parse(strategy)
     prepared = Prepared(model)
     layers = model.layers
-    if strategy == "none":
+    if parsed.kind == "none":
         return prepared
-    if strategy == "full":
+    if parsed.kind == "full":
         for i in range(len(layers)):
             layers[i] = FullRecompute(layers[i])
         return prepared
-    if strategy.startswith("exclude-"):
+    if parsed.kind == "exclude":
         from recomp.mindspore import apply_activation_checkpointing
 
-        region = strategy[len("exclude-") :]
         units = {id(layer) for layer in layers}
         kept: dict[int, str] = {}
         for i, layer in enumerate(layers):
-            cname, child = _child(layer, region)
-            kept[id(child)] = f"layers.{i}.{cname}"
-            prepared.regions[f"layers.{i}.{cname}"] = child
+            for region in parsed.regions:
+                cname, child = _child(layer, region)
+                kept[id(child)] = f"layers.{i}.{cname}"
+                prepared.regions[f"layers.{i}.{cname}"] = child
         apply_activation_checkpointing(
             model,
             checkpoint_fn=lambda c: id(c) in units,
@@ -114,7 +113,7 @@ def prepare(strategy: str, model: nn.Cell) -> Prepared:
         )
         prepared.exclude_wrappers.update(prepared.regions)  # wrapped in place
         return prepared
-    raise ValueError(f"unknown MindSpore strategy {strategy!r}: use none, full or exclude-REGION")
+    raise ValueError(f"MindSpore runs none, full and exclude:R[+R...]; not {parsed}")
 
 
 class Trainer:

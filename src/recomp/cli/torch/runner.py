@@ -32,7 +32,7 @@ from ..messages import PlanResult
 from ..results import Offload, Result
 from ..timing import StepTimes, time_interleaved
 from .measure import CpuMemory, RegionTracker, SplitFlopCounter, max_grad_diff, memory_reader
-from .strategies import Prepared, layers_of, parse, prepare, torch_memory_budget
+from .strategies import Prepared, layers_of, parse, prepare, prepare_plan, torch_memory_budget
 
 
 def build(config: BenchConfig) -> tuple[nn.Module, Any, Callable[[Any], torch.Tensor]]:
@@ -61,7 +61,7 @@ class Trainer:
     def __init__(self, config: BenchConfig, strategy: str) -> None:
         model, self.x, self.loss_fn = build(config)
         plan = None
-        if parse(strategy)[0] == "plan":
+        if parse(strategy).kind == "plan":
             plan = plan_for(config, strategy, model, self.x, self.loss_fn)
         self.prepared: Prepared = prepare(strategy, model, plan, compiled=bool(config.compile))
         self.model = self.prepared.model
@@ -77,7 +77,7 @@ class Trainer:
         # PyTorch's partitioner budget (budget@F, or a compiled plan's), read when the
         # model compiles: the forward runs with it set.
         self.memory_budget: float | None = None
-        if parse(strategy)[0] == "budget":
+        if parse(strategy).kind == "budget":
             self.memory_budget = torch_memory_budget(strategy)
         elif plan is not None and plan.compiled is not None:
             self.memory_budget = float(plan.compiled["activation_memory_budget"])
@@ -130,8 +130,7 @@ def plan_for(
     given = config.extra.get("plans", {}).get(strategy)
     if given is not None:
         return load_plan(given)
-    budget = parse(strategy)[1] or ""
-    return make_plan(_profile(config, model, x, loss_fn), budget)
+    return make_plan(_profile(config, model, x, loss_fn), parse(strategy).value)
 
 
 def _profile(
@@ -172,7 +171,7 @@ def make_plans(config: BenchConfig, strategies: list[str]) -> PlanResult:
     made = PlanResult(plans={}, profile=prof.to_dict(), clock=plan_clock(config))
     for strategy in strategies:
         try:
-            made.plans[strategy] = make_plan(prof, parse(strategy)[1] or "").to_dict()
+            made.plans[strategy] = make_plan(prof, parse(strategy).value).to_dict()
         except ValueError as exc:
             made.errors[strategy] = f"{type(exc).__name__}: {exc}"
     return made
@@ -323,8 +322,8 @@ def report_strategy(config: BenchConfig, strategy: str) -> Any:
     if strategy.endswith(".json"):
         if not os.path.exists(strategy):
             raise FileNotFoundError(f"plan file {strategy!r} not found")
-        prepared = prepare(f"plan@{os.path.basename(strategy)}", model, load_plan(strategy))
-    elif parse(strategy)[0] == "plan":  # plan@BUDGET: profiled and planned here
+        prepared = prepare_plan(model, load_plan(strategy), os.path.basename(strategy))
+    elif parse(strategy).kind == "plan":  # plan@BUDGET: profiled and planned here
         prepared = prepare(strategy, model, plan_for(config, strategy, model, x, loss_fn))
     else:
         prepared = prepare(strategy, model)

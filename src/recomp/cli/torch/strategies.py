@@ -1,35 +1,45 @@
 """Checkpointing strategies for PyTorch models, all applied per layer (``model.layers``, or
-the decoder layers of a Hugging Face model: ``layers_of``).
+the decoder layers of a Hugging Face model: ``layers_of``). Their names and what each
+is: ``recomp.cli.strategies``; how each is made here:
 
-========================  ==============================================================
-``none``                  no checkpointing
-``full``                  ``torch.utils.checkpoint`` (non-reentrant) around every layer
-``sac[-R]``               PyTorch selective checkpointing: every layer checkpointed, the
-                          outputs of the non-view ops inside region ``R`` (default
-                          ``attn``) saved: the tensors an exclusion of ``R`` keeps.
-                          Compiled, the policy finds the region's ops through the module
-                          stack Dynamo records on each node (module hooks do not run
-                          while AOTAutograd traces)
-``torch-remat[-R]``       torch-remat 0.2.2: ``remat.checkpoint`` per layer,
-                          ``remat.region(R, recompute=False)``, and
-                          ``remat.recompute_needs_tensor`` on its output
-``exclude-R``             recomp: ``apply_activation_checkpointing`` with every layer
-                          checkpointed and its child ``R`` excluded
-``exclude-R-offload``     the same, with ``R`` offloading what it keeps to host memory
-                          (CUDA; a no-op on CPU unless ``RECOMP_OFFLOAD_HOST_COPY=1``)
-``keep-R``                reference design without deferred inputs: like ``exclude-R``,
-                          but the region keeps every tensor it saves, its inputs
-                          included (written here, 40 lines, for the
-                          deferred-input scenario)
-``every@k``               layer-frequency policy (torchtitan's): ``torch.utils.checkpoint``
-                          around every k-th layer (layers k-1, 2k-1, ...), none elsewhere
-``plan@B``                ``recomp.plan``: the fastest plan whose predicted activation
-                          memory fits budget ``B`` (``50%``, ``6GiB``), applied with
-                          ``recomp.plan.apply_plan``; compiled, the partitioner's memory
-                          budget that lands on ``B`` (``recomp.plan.compiled``)
-``budget@F``              compiled only: no checkpoint, PyTorch's partitioner with
-                          ``torch._functorch.config.activation_memory_budget = F``
-========================  ==============================================================
+==============================  ========================================================
+``none``                        no checkpointing
+``full``                        ``torch.utils.checkpoint`` (non-reentrant) around every
+                                layer
+``exclude:R``                   recomp: ``apply_activation_checkpointing`` with every
+                                layer checkpointed and its children ``R`` excluded
+``selective``, ``swap``,        the plan option of that name for every layer, applied
+``selective+exclude:R``         with ``recomp.plan.apply_plan``
+``full+swap-inputs``            recomp's checkpoint with ``swap_inputs=True``
+``full+swap-matmuls``           recomp's checkpoint, the outputs of its matmuls
+                                ``MUST_SWAP`` (kept on the host instead of recomputed)
+``sac:R``                       PyTorch selective checkpointing: every layer
+                                checkpointed, the outputs of the non-view ops inside
+                                region ``R`` saved: the tensors an exclusion of ``R``
+                                keeps. Compiled, the policy finds the region's ops
+                                through the module stack Dynamo records on each node
+                                (module hooks do not run while AOTAutograd traces)
+``torch-remat:R``               torch-remat 0.2.2: ``remat.checkpoint`` per layer,
+                                ``remat.region(R, recompute=False)``, and
+                                ``remat.recompute_needs_tensor`` on its output
+``exclude-offload:R``           ``exclude:R``, with ``R`` offloading what it keeps to
+                                host memory (CUDA; a no-op on CPU unless
+                                ``RECOMP_OFFLOAD_HOST_COPY=1``)
+``keep:R``                      reference design without deferred inputs: like
+                                ``exclude:R``, but the region keeps every tensor it
+                                saves, its inputs included (written here, 40 lines, for
+                                the deferred-input scenario)
+``every@K``                     layer-frequency policy (torchtitan's):
+                                ``torch.utils.checkpoint`` around every K-th layer
+                                (layers K-1, 2K-1, ...), none elsewhere
+``plan@B``                      ``recomp.plan``: the fastest plan whose predicted
+                                activation memory fits budget ``B`` (``50%``,
+                                ``6GiB``), applied with ``recomp.plan.apply_plan``;
+                                compiled, the partitioner's memory budget that lands on
+                                ``B`` (``recomp.plan.compiled``)
+``budget@F``                    compiled only: no checkpoint, PyTorch's partitioner with
+                                ``torch._functorch.config.activation_memory_budget = F``
+==============================  ========================================================
 """
 
 from __future__ import annotations
@@ -45,18 +55,12 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
 
+from ..args import did_you_mean
+from ..strategies import REGION_ALIASES, Strategy, StrategyError, parse
 from .measure import RegionTracker
 
-ALIASES = {
-    "attn": ("attn", "self_attn", "attention"),
-    "mlp": ("mlp", "feed_forward", "ffn"),
-}
-
-TORCH_STRATEGIES = ("none", "full", "sac", "torch-remat", "exclude-attn", "exclude-mlp")
-#: Full recomp checkpointing with swap (activation offload, HyperParallel's names):
-#: the checkpoint's inputs on the host until the replay (``swap_inputs=True``), or
-#: the outputs of its matmuls kept on the host instead of recomputed (``MUST_SWAP``).
-SWAP_STRATEGIES = ("full-swap-inputs", "swap-mm")
+#: The plan options that are strategies made with ``recomp.plan.apply_plan`` here.
+PLANNED_KINDS = ("selective", "selective+exclude", "swap")
 
 
 @dataclass
@@ -72,37 +76,8 @@ class Prepared:
     exclude_wrappers: dict[str, Any] = field(default_factory=dict)
     # Shared region tracker that a strategy's policy reads (SAC), if any.
     tracker: RegionTracker | None = None
-    # recomp Offloader of the offloading regions (exclude-R-offload), if any.
+    # recomp Offloader of the offloading regions (exclude-offload:R), if any.
     offloader: Any = None
-
-
-def parse(strategy: str) -> tuple[str, str | None]:
-    """``"sac"`` -> ``("sac", "attn")``, ``"exclude-mlp"`` -> ``("exclude", "mlp")``,
-    ``"plan@50%"`` -> ``("plan", "50%")``, ``"every@2"`` -> ``("every", "2")``."""
-    if strategy in ("none", "full", *SWAP_STRATEGIES):
-        return strategy, None
-    if strategy.startswith("exclude-") and strategy.endswith("-offload"):
-        region = strategy[len("exclude-") : -len("-offload")]
-        if region:
-            return "exclude-offload", region
-    for kind in ("plan", "every", "budget"):
-        if strategy.startswith(kind + "@") and len(strategy) > len(kind) + 1:
-            return kind, strategy[len(kind) + 1 :]
-    for kind, default in (
-        ("torch-remat", "attn"),
-        ("sac", "attn"),
-        ("exclude", None),
-        ("keep", None),
-    ):
-        if strategy == kind and default is not None:
-            return kind, default
-        if strategy.startswith(kind + "-") and len(strategy) > len(kind) + 1:
-            return kind, strategy[len(kind) + 1 :]
-    raise ValueError(
-        f"unknown strategy {strategy!r}: use none, full, full-swap-inputs, swap-mm, "
-        "sac[-REGION], torch-remat[-REGION], exclude-REGION[-offload], keep-REGION, every@K, "
-        "plan@BUDGET or (compiled) budget@F"
-    )
 
 
 def layers_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -129,14 +104,15 @@ def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def child_of(layer: nn.Module, region: str) -> tuple[str, nn.Module]:
-    for name in ALIASES.get(region, (region,)):
+    for name in REGION_ALIASES.get(region, (region,)):
         child = getattr(layer, name, None)
         if isinstance(child, nn.Module):
             return name, child
-    children = ", ".join(n for n, _ in layer.named_children())
+    names = [n for n, _ in layer.named_children()]
+    hint = did_you_mean(region, list(dict.fromkeys(names + list(REGION_ALIASES))))
     raise ValueError(
-        f"layer {type(layer).__name__} has no child module {region!r} "
-        f"(children: {children}); name a child for exclude-/sac-/torch-remat-/keep-REGION"
+        f"layer {type(layer).__name__} has no child module {region!r}{hint}; a region is "
+        f"a child of every layer, by name (children: {', '.join(names)})"
     )
 
 
@@ -146,26 +122,33 @@ def prepare(
     """Apply ``strategy`` to ``model`` in place; ``plan`` (a ``recomp.plan.Plan``) for
     ``plan@B``. ``compiled``: the model will be run under ``torch.compile`` (SAC then
     identifies the region without module hooks)."""
-    kind, region = parse(strategy)
+    parsed = parse(strategy)
+    kind = parsed.kind
     layers = layers_of(model)
-    prepared = Prepared(strategy, model, units=dict(layers))
+    prepared = Prepared(parsed.name, model, units=dict(layers))
     if kind == "every":
-        _apply_every(model, region or "")
+        _apply_every(model, int(parsed.value))
         return prepared
     if kind == "budget":
         if not compiled:
             raise ValueError(
                 f"strategy {strategy!r} is PyTorch's compiled memory budget: run it with --compile"
             )
-        torch_memory_budget(strategy)
         return prepared
     if kind == "plan":
         if plan is None:
             raise ValueError(f"strategy {strategy!r} needs a plan (recomp.plan.make_plan)")
         _apply_plan(model, plan, prepared)
         return prepared
-    if region is not None:
-        for lname, layer in layers:
+    if kind in PLANNED_KINDS:
+        _apply_plan(model, uniform_plan(parsed, layers), prepared)
+        if kind == "swap":
+            from recomp.torch import default_offloader
+
+            prepared.offloader = default_offloader()
+        return prepared
+    for lname, layer in layers:
+        for region in parsed.regions:
             cname, child = child_of(layer, region)
             prepared.regions[f"{lname}.{cname}"] = child
     if kind == "none":
@@ -184,32 +167,53 @@ def prepare(
         policy = partial(_sac_policy, tracker)
         context_fn = partial(tuc.create_selective_checkpoint_contexts, policy)
         _wrap_units(model, lambda name, layer: TorchCheckpoint(layer, context_fn=context_fn))
-    elif kind in SWAP_STRATEGIES:
+    elif kind in ("full+swap-inputs", "full+swap-matmuls"):
         _apply_swap(model, prepared, kind)
     elif kind == "torch-remat":
-        _apply_torch_remat(model, layers, region or "attn")
+        _apply_torch_remat(model, layers, parsed.regions)
     elif kind in ("exclude", "exclude-offload"):
         _apply_recomp(model, prepared, offload=kind == "exclude-offload")
     elif kind == "keep":
         for _lname, layer in layers:
-            cname, child = child_of(layer, region or "")
-            setattr(layer, cname, NaiveKeep(child))
+            for region in parsed.regions:
+                cname, child = child_of(layer, region)
+                setattr(layer, cname, NaiveKeep(child))
         _wrap_units(model, lambda name, layer: TorchCheckpoint(layer, context_fn=_naive_contexts))
+    else:
+        raise ValueError(f"strategy {parsed} does not run on a PyTorch model here")
     return prepared
 
 
+def prepare_plan(model: nn.Module, plan: Any, name: str) -> Prepared:
+    """Apply ``plan`` (a ``recomp.plan.Plan``, say read from a plan file) to ``model`` in
+    place; ``name`` names it in reports."""
+    prepared = Prepared(name, model, units=dict(layers_of(model)))
+    _apply_plan(model, plan, prepared)
+    return prepared
+
+
+def uniform_plan(strategy: Strategy, layers: list[tuple[str, nn.Module]]) -> Any:
+    """The plan that gives every layer the option ``strategy`` names (its regions found
+    under their aliases in each layer)."""
+    from recomp.plan import LayerPlan, Plan
+    from recomp.plan.planfile import exclude_option
+
+    plans = []
+    for path, layer in layers:
+        option = strategy.kind
+        if strategy.regions:
+            found = [child_of(layer, r)[0] for r in strategy.regions]
+            option = exclude_option(found, selective=strategy.kind == "selective+exclude")
+        plans.append(LayerPlan(path, option))
+    return Plan(budget_bytes=0, layers=plans, budget=strategy.name)
+
+
 def torch_memory_budget(strategy: str) -> float:
-    """``budget@F`` -> ``F``, checked to lie in [0, 1]."""
-    text = parse(strategy)[1] or ""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(
-            f"budget@F takes PyTorch's activation_memory_budget, a number in [0, 1], got {text!r}"
-        )
-    return value
+    """``budget@F`` -> ``F`` (checked to lie in [0, 1] when the name was parsed)."""
+    parsed = parse(strategy)
+    if parsed.kind != "budget":
+        raise StrategyError(f"{strategy!r} is not a budget@F strategy")
+    return float(parsed.value)
 
 
 def _wrap_units(model: nn.Module, wrap: Callable[[str, nn.Module], nn.Module]) -> None:
@@ -297,10 +301,13 @@ class RematRegion(nn.Module):
         return out
 
 
-def _apply_torch_remat(model: nn.Module, layers: list[tuple[str, nn.Module]], region: str) -> None:
+def _apply_torch_remat(
+    model: nn.Module, layers: list[tuple[str, nn.Module]], regions: tuple[str, ...]
+) -> None:
     for _lname, layer in layers:
-        cname, child = child_of(layer, region)
-        setattr(layer, cname, RematRegion(child, cname))
+        for region in regions:
+            cname, child = child_of(layer, region)
+            setattr(layer, cname, RematRegion(child, cname))
     _wrap_units(model, lambda name, layer: RematCheckpoint(layer, name))
 
 
@@ -339,7 +346,7 @@ def _apply_swap(model: nn.Module, prepared: Prepared, kind: str) -> None:
 
     units = set(prepared.units.values())
     options: dict[str, Any] = (
-        {"swap_inputs": True} if kind == "full-swap-inputs" else {"policy_fn": _swap_matmuls}
+        {"swap_inputs": True} if kind == "full+swap-inputs" else {"policy_fn": _swap_matmuls}
     )
     apply_activation_checkpointing(model, checkpoint_fn=lambda m: m in units, **options)
     prepared.offloader = default_offloader()
@@ -359,24 +366,16 @@ def _apply_plan(model: nn.Module, plan: Any, prepared: Prepared) -> None:
             prepared.exclude_wrappers[module.region.name] = module
 
 
-# --------------------------------------------------------------------------- every@k
+# --------------------------------------------------------------------------- every@K
 
 
-def _apply_every(model: nn.Module, frequency: str) -> None:
-    try:
-        k = int(frequency)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise ValueError(
-            f"every@K takes a whole number K >= 1 (checkpoint every K-th layer), got {frequency!r}"
-        )
+def _apply_every(model: nn.Module, k: int) -> None:
     for i, (path, layer) in enumerate(layers_of(model)):
         if (i + 1) % k == 0:
             _set_submodule(model, path, TorchCheckpoint(layer))
 
 
-# --------------------------------------------------------------------------- keep-R
+# --------------------------------------------------------------------------- keep:R
 
 
 class _NaiveInvocation:

@@ -14,14 +14,21 @@ read after the forward), the collectives the replay runs (and the bytes they mov
 and the largest gradient difference to the parallelised model without checkpoints.
 Strategies (recomp's checkpoints, per layer):
 
-==========================  ======================================================
-``none``                    no checkpointing
-``full``                    every layer checkpointed; collectives' results kept
-``exclude-attn``            the same, attention excluded (it runs once)
-``full:no-keep``            ``full`` with ``exclude_collectives=False``: nothing
-                            kept for collectives, the replay communicates again
-``exclude-attn:no-keep``    ``exclude-attn`` with ``exclude_collectives=False``
-==========================  ======================================================
+=============================================  ========================================
+``none``                                       no checkpointing
+``full``                                       every layer checkpointed; collectives'
+                                               results kept
+``exclude:attn``                               the same, attention excluded (it runs
+                                               once)
+``full+replay-collectives``                    ``full`` with ``exclude_collectives=False``:
+                                               nothing kept for collectives, the replay
+                                               communicates again
+``full+replay-collectives+exclude:attn``       ``exclude:attn`` with
+                                               ``exclude_collectives=False``
+=============================================  ========================================
+
+(``full:no-keep`` and ``exclude-attn:no-keep``, the names of earlier versions, are
+read as the last two.)
 
 The parent (``run``) starts the ranks as ``python -m recomp.cli.torch.tensor_parallel``,
 bounded in time; every rank it started, and every file of the run, is gone when it
@@ -44,9 +51,17 @@ from typing import Any
 from ..config import DEFAULT_MODEL, BenchConfig
 from ..jobs import child_environment
 from ..memory import malloc_in_use
+from ..strategies import parse
 
-TP_STRATEGIES = ("none", "full", "full:no-keep", "exclude-attn", "exclude-attn:no-keep")
-NO_KEEP = ":no-keep"
+TP_STRATEGIES = (
+    "none",
+    "full",
+    "full+replay-collectives",
+    "exclude:attn",
+    "full+replay-collectives+exclude:attn",
+)
+#: The strategies whose replay runs the collectives again (``exclude_collectives=False``).
+REPLAYING = "full+replay-collectives"
 # Measured forwards per strategy; the median reading counts (seen here: one reading
 # in three 64 KiB off the others, which agree to 1 %).
 READINGS = 5
@@ -69,7 +84,7 @@ def check_config(config: BenchConfig, tp: int, strategies: list[str]) -> None:
     unknown = [s for s in strategies if s not in TP_STRATEGIES]
     if unknown:
         raise ValueError(
-            f"--tp: unknown strategies {', '.join(unknown)}; choose among {', '.join(TP_STRATEGIES)}"
+            f"--tp runs {', '.join(TP_STRATEGIES)}; not {', '.join(unknown)}"
         )
 
 
@@ -130,13 +145,13 @@ def _build(config: BenchConfig, strategy: str, mesh: Any) -> tuple[Any, Any]:
     model = parallelize(llama(config.layers, config.hidden, config.heads), mesh)
     generator = torch.Generator().manual_seed(config.seed + 1)
     x = torch.randn(config.batch, config.seq, config.hidden, generator=generator)
-    name, _, suffix = strategy.partition(":")
-    if name != "none":
+    parsed = parse(strategy)
+    if parsed.kind != "none":
         apply_activation_checkpointing(
             model,
             checkpoint_fn=DecoderLayer,
-            exclude_fn=Attention if name == "exclude-attn" else None,
-            exclude_collectives=not suffix,
+            exclude_fn=Attention if parsed.regions == ("attn",) else None,
+            exclude_collectives=not parsed.kind.startswith(REPLAYING),
         )
     return model, x
 
@@ -191,7 +206,7 @@ def measure_rank(config: BenchConfig, strategies: list[str], mesh: Any) -> list[
         rows.append(
             {
                 "strategy": strategy,
-                "keeps_collectives": strategy != "none" and not strategy.endswith(NO_KEEP),
+                "keeps_collectives": strategy != "none" and not strategy.startswith(REPLAYING),
                 "activation_bytes": int(statistics.median(readings)),
                 "kept_collective_bytes": kept,
                 "forward_collectives": counts.total("forward"),
