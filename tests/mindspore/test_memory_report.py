@@ -286,7 +286,7 @@ def test_the_report_command_on_mindspore(tmp_path, capsys):
     assert "MindSpore decoder" in out and "layers.1.attn" in out and "kept by region" in out
     pytest.importorskip("matplotlib")
     assert png.stat().st_size > 0
-    assert main([*args, "--model", "some.module:factory"]) == 2
+    assert main([*args, "--model", "recomp.cli.torch.models:hf_llama"]) == 2
     assert "PyTorch factories only" in capsys.readouterr().err
 
 

@@ -584,8 +584,9 @@ from recomp.plan import Profile, load_plan
 names = ["plan@0%", "plan@50%", "plan@100%"]
 made = make_plans(cfg, names)
 prof = Profile.from_dict(made.profile)
-# the selective options on every layer, alone and with attention excluded
-for name, option in (("plan@selective", "selective"), ("plan@sel-attn", "selective+exclude:attn")):
+# the selective options on every layer, alone and with attention excluded: plans made
+# here, measured under strategy names of their own (a given plan's budget is not read)
+for name, option in (("plan@1%", "selective"), ("plan@2%", "selective+exclude:attn")):
     plan = load_plan(made.plans["plan@0%"])
     for layer in plan.layers:
         layer.option = option

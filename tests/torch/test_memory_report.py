@@ -606,10 +606,15 @@ def test_report_command_prints_the_table_and_draws(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "layers.1.attn" in text and "total held for backward" in text
     assert png.stat().st_size > 0
-    assert main(["report", "--layers", "1", "--strategy", "nonsense"]) == 2
-    assert "unknown strategy" in capsys.readouterr().err
-    assert main(["report", "--model", "no_such_module_here:build"]) == 2
-    assert "cannot import 'no_such_module_here'" in capsys.readouterr().err
+    # Usage errors stop the command as the line is read (argparse's exit status 2).
+    with pytest.raises(SystemExit) as stopped:
+        main(["report", "--layers", "1", "--strategy", "nonsense"])
+    assert stopped.value.code == 2
+    assert "unknown strategy 'nonsense' (did you mean none?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        main(["report", "--model", "no_such_module_here:build"])
+    assert stopped.value.code == 2
+    assert "no module 'no_such_module_here'" in capsys.readouterr().err
     assert main(["report", "--model", "recomp.cli.torch.models:no_such_factory"]) == 2
     assert "has no 'no_such_factory'" in capsys.readouterr().err
     assert main([*args[:7], "--strategy", "none", "--summary"]) == 0
