@@ -233,3 +233,4 @@ def test_region_wrapped_again_inline_with_the_same_pair_is_the_same_region():
     region = rt.checkpoint_exclude_wrapper(Region(), saved_tensors_hooks=rec.pair)
     assert rt.checkpoint_exclude_wrapper(region, saved_tensors_hooks=rec.pair) is region
     assert "saved_tensors_hooks" in repr(region)
+
