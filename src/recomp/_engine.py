@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 from ._backend import Backend
-from ._hooks import OBSERVERS, CallPart, CheckpointCallView, Stage
+from ._hooks import OBSERVERS, CallPart, CheckpointCallView, Placer, Stage
 from ._module_state import ModuleState
 from ._record import Invocation, invocation_of, weak_or_nothing
 from ._region import ExcludedRegion, check_flag
@@ -316,6 +316,7 @@ def begin(
     align_rng: bool,
     restore_rng: bool = False,
     function: Any = None,
+    placer: Placer | None = None,
 ) -> CheckpointCall:
     """Start one checkpoint call; hand ``call.context_fn`` to the framework's checkpoint.
 
@@ -326,7 +327,9 @@ def begin(
     state, the user's ``context_fn``, the state of the modules the replay re-runs (if
     ``function`` is a module or a module's bound method, see ``_module_state``),
     with ``restore_rng`` the replay's RNG, and with ``align_rng`` the states of the RNG
-    trackers (``_rng_trackers``).
+    trackers (``_rng_trackers``). ``placer``: where the excluded regions called inside keep
+    their tensors when they name no place of their own (a nested call without one takes
+    the enclosing call's).
     """
     parent = get_recompute_state()
     if parent is not None and parent.is_recomputing:
@@ -340,6 +343,9 @@ def begin(
             rewind=SWITCHES.replay_rewind,
         )
         invocation.root = weak_or_nothing(backend.modules.module_of(function))
+        if placer is None and parent is not None:
+            placer = invocation_of(parent).placer
+        invocation.placer = placer
         for leaf in _iter_tensors(backend, (args, kwargs)):
             key = backend.storage_key(leaf)
             if key is not None:

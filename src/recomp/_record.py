@@ -243,6 +243,7 @@ class Invocation:
         "child_cursor",
         "children",
         "excluded_outputs",
+        "placer",
         "regions",
         "replays",
         "rewind",
@@ -261,6 +262,9 @@ class Invocation:
         # Whether each replay starts from the first entry (always, but for the test
         # seam that shows why it must).
         self.rewind = rewind
+        # Where the excluded regions called inside keep their tensors when they name no
+        # place of their own (``checkpoint(..., saved_tensors_hooks=...)``); None: the device.
+        self.placer: Any = None
         # Exclusion cache: one entry per excluded-region call, in call order.
         self.regions: EntryLog[RegionEntry] = EntryLog("excluded regions")
         # Every log of the call, regions first; parts add theirs (``log``).

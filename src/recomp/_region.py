@@ -378,7 +378,7 @@ class RegionCall:
         leaves, in_spec = backend.flatten((args, kwargs))
         call = cls(region, callee_identity(fn), in_spec)
         observers = OBSERVERS.get()
-        placer = region.placer
+        placer = region.placer if region.placer is not None else inv.placer
         placement = placer.open_group(region.name) if placer is not None else None
         hook = _SaveHook(call, inv, fn, leaves, placement, observers)
         token = ACTIVE_REGION.set(region)

@@ -277,7 +277,7 @@ def same_region(
     return (
         region.save_output is save_output
         and region.copy_output is copy_output
-        and region.placer is placer
+        and (region.placer is placer or region.placer == placer)
         and (name is None or name == region.name)
     )
 

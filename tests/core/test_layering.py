@@ -182,6 +182,7 @@ CORE_ORDER = [
     "recomp._pytree",
     "recomp._backend",
     "recomp._hooks",
+    "recomp._saved_hooks",
     "recomp._rng_trackers",
     "recomp._record",
     "recomp._op_policy",

@@ -12,7 +12,7 @@ from recomp._wrapping import recomp_wrapper_of
 
 ACCEPTED = {
     "torch": "context_fn, cpu_pool, debug, determinism_check, early_stop, exclude_collectives, "
-    "group_swap, partition_inputs, policy_fn, preserve_rng_state, swap_inputs, use_reentrant",
+    "group_swap, partition_inputs, policy_fn, preserve_rng_state, saved_tensors_hooks, swap_inputs, use_reentrant",
     "mindspore": "context_fn, cpu_pool, early_stop, exclude_collectives, group_swap, "
     "output_recompute, policy_fn, save_rng_state, swap_inputs, use_reentrant",
 }

@@ -94,6 +94,13 @@ def checkpoint(
     _engine.check_flag("exclude_collectives", exclude_collectives)
     if context_fn is not None:  # HyperParallel's no-op context_fn: none
         context_fn = without_noop(context_fn)
+    if "saved_tensors_hooks" in kwargs:
+        raise ValueError(
+            "recomp.mindspore.checkpoint(..., saved_tensors_hooks=...) is not available: on "
+            "MindSpore recomp does not yet route a user's pack/unpack pair to what a "
+            "checkpoint keeps (PyTorch only). Drop the option, or wrap the call in "
+            "mindspore.saved_tensors_hooks(pack, unpack), which sees the inputs it saves."
+        )
     policy_fn, swap_inputs = _swap.checkpoint_swap("checkpoint", kwargs)
     check_callable(function, "checkpoint", "Cell")
     _refuse_value_check(kwargs, "checkpoint")

@@ -14,6 +14,7 @@ from torch import nn
 from .. import _engine, _wrapping
 from .._hyperparallel import without_noop
 from .._module_state import warn_unhandled
+from .._saved_hooks import UserHooks, exclude_placer
 from .._selection import Selection
 from .._state import get_recompute_state
 from .._wrapping import (
@@ -48,6 +49,7 @@ CHECKPOINT_OPTIONS = (
     "partition_inputs",
     "policy_fn",
     "preserve_rng_state",
+    "saved_tensors_hooks",
     "swap_inputs",
     "use_reentrant",
 )
@@ -64,6 +66,7 @@ def checkpoint(
     group_swap: bool = False,
     cpu_pool: Any = None,
     partition_inputs: Any = None,
+    saved_tensors_hooks: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None,
     **kwargs: Any,
 ) -> Any:
     """Checkpoint ``function(*args, **kwargs)`` with recomp's recompute state installed.
@@ -92,6 +95,17 @@ def checkpoint(
     DeepSpeed's ``partition_activations``; NOTE [ Partitioned checkpoint inputs ] in
     ``recomp.torch._partition``.
 
+    ``saved_tensors_hooks=(pack, unpack)`` applies a pair of saved-tensors hooks to what
+    the checkpoint keeps (compression, a custom store): the inputs it saves for its
+    replay and what the excluded regions called inside it keep for their backward
+    (saved tensors and cached outputs; a region's own ``offload`` or
+    ``saved_tensors_hooks`` wins). ``pack`` runs once per tensor in the forward,
+    ``unpack`` once per read. For those tensors the pair takes the place of an enclosing
+    ``torch.autograd.graph.saved_tensors_hooks`` (the innermost hooks apply, as in
+    PyTorch; the enclosing ones still see what the code around the checkpoint saves).
+    It cannot be given with ``swap_inputs`` or ``partition_inputs``, which keep the
+    inputs their own way.
+
     HyperParallel's options: ``policy_fn`` (per op, a function or a list of ops to
     save, see :func:`recomp.torch.hyperparallel.create_selective_checkpoint_contexts`;
     ``CheckpointPolicy.MUST_SWAP`` keeps an op's output on the host until backward),
@@ -106,10 +120,10 @@ def checkpoint(
     if context_fn is not None:  # HyperParallel's no-op: none (torch.compile wants that)
         context_fn = without_noop(context_fn)
     if _compile.is_compiling():
-        if partition_inputs is not None:
+        if partition_inputs is not None or saved_tensors_hooks is not None:
             raise ValueError(
                 "recomp.torch.checkpoint under torch.compile does not support "
-                "partition_inputs: it runs in eager mode only."
+                "partition_inputs or saved_tensors_hooks: they run in eager mode only."
             )
         swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
         context_fn = swap.compiled_context_fn(context_fn)
@@ -120,6 +134,13 @@ def checkpoint(
         value_check_option(kwargs, debug=False, name="", compiled=True)
         return _compile.checkpoint(function, args, kwargs, context_fn)
     check_callable(function, "checkpoint", "module")
+    user = None if saved_tensors_hooks is None else UserHooks(saved_tensors_hooks, "checkpoint")
+    if user is not None and (partition_inputs is not None or swap_inputs):
+        raise ValueError(
+            "checkpoint(..., saved_tensors_hooks=...) cannot be combined with "
+            "partition_inputs or swap_inputs=True: each keeps the checkpoint's saved "
+            "inputs its own way. Pass one of them."
+        )
     if _TORCH_CALL.pending:
         _TORCH_CALL.pending = False
         raise RecompError(
@@ -161,8 +182,14 @@ def checkpoint(
         parts,
         align_rng=kwargs.get("preserve_rng_state", True),
         function=function,
+        placer=user,
     )
-    saved_inputs = None if partitioned is None else partitioned.hooks()
+    if partitioned is not None:
+        saved_inputs = partitioned.hooks()
+    elif user is not None:
+        saved_inputs = BACKEND.saved_tensors_hooks(user.pack, user.unpack)
+    else:
+        saved_inputs = None
     with torch_debug_off, swap.scope(function, context_fn, saved_inputs) as finish:
         try:
             out = finish(_torch_checkpoint(function, args, kwargs, call.context_fn))
@@ -325,7 +352,9 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
 
     def extra_repr(self) -> str:
         own = f"region={self.region.name!r}, save_output={self.save_output}"
-        if self.region.placer is not None:
+        if isinstance(self.region.placer, UserHooks):
+            own += ", saved_tensors_hooks=(pack, unpack)"
+        elif self.region.placer is not None:
             own += ", offload=True"
         return ", ".join(part for part in (super().extra_repr(), own) if part)
 
@@ -359,6 +388,7 @@ def checkpoint_exclude_wrapper(
     copy_output: bool = False,
     name: str | None = None,
     offload: bool | Offloader = False,
+    saved_tensors_hooks: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None,
 ) -> Any:
     """Make a module or function a region that recomp checkpoints never replay.
 
@@ -383,9 +413,15 @@ def checkpoint_exclude_wrapper(
     backward. On a machine without CUDA it does nothing (unless the
     ``RECOMP_OFFLOAD_HOST_COPY=1`` test mode is on). An :class:`Offloader` passed
     instead of True sets the size threshold and collects its own counters.
+
+    ``saved_tensors_hooks=(pack, unpack)`` hands the same tensors (what the region
+    keeps for its backward, cached output included) to a pair of saved-tensors hooks
+    instead: ``pack`` once per tensor in the forward, ``unpack`` once per read. Inside
+    the region the pair replaces an enclosing ``torch.autograd.graph.saved_tensors_hooks``
+    for those tensors. It cannot be given with ``offload``.
     """
     check_callable(module, "checkpoint_exclude_wrapper", "module")
-    placer = resolve(offload)
+    placer = exclude_placer(offload, saved_tensors_hooks, resolve)
     if _wrapping.same_region(module, ExcludeWrapper, name, save_output, copy_output, placer):
         return module  # wrapped inline again (in the checkpointed function): the same region
     region = _engine.ExcludedRegion(
@@ -513,6 +549,13 @@ def _exclusion_options(
     _wrapping.check_option_fns(
         selected["exclude_fn"], offload_fn=select_offload, copy_output_fn=select_copy
     )
+    if checkpoint_kwargs.get("saved_tensors_hooks") is not None:
+        UserHooks(checkpoint_kwargs["saved_tensors_hooks"], api)  # checked before wrapping
+        if select_offload is not None:
+            raise ValueError(
+                f"{api}(..., saved_tensors_hooks=...) cannot be combined with offload_fn: "
+                "the excluded regions keep their tensors through the hooks. Pass one of them."
+            )
 
     def exclude_region(module: nn.Module, path: str) -> Any:
         return checkpoint_exclude_wrapper(

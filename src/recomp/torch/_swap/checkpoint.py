@@ -88,7 +88,8 @@ class CheckpointSwap:
     ) -> contextlib.AbstractContextManager[Any]:
         """Around the framework's checkpoint of ``function``: yields ``finish(outputs)``.
         ``saved_inputs``: other saved-tensors hooks for the checkpoint's own saved inputs
-        (``partition_inputs``: ``recomp.torch._partition``), which ``swap_inputs`` cannot
+        (``partition_inputs``: ``recomp.torch._partition``; a user's
+        ``saved_tensors_hooks`` pair), which ``swap_inputs`` cannot
         be given with."""
         if saved_inputs is not None:
             if self.swap_inputs:
