@@ -62,6 +62,23 @@ class UserHooks:
     def open_group(self, name: str) -> _Placement:
         return _Placement(self)
 
+    def input_hooks(self) -> tuple[Any, Any]:
+        """The pair for what a checkpoint saves of its inputs. An empty tensor holds no
+        memory and stays as it is, unseen by ``pack``: PyTorch's checkpoint in older releases
+        (2.9) saves an empty placeholder of its own beside the inputs."""
+        pack, unpack = self.pack, self.unpack
+
+        def pack_input(tensor: Any) -> Any:
+            if tensor.numel() == 0:
+                return tensor
+            return _Packed(unpack, pack(tensor))
+
+        return pack_input, _unpack_input
+
+
+def _unpack_input(held: Any) -> Any:
+    return held.get() if isinstance(held, _Packed) else held
+
 
 class _Placement:
     __slots__ = ("hooks",)

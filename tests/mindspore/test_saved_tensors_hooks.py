@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest.importorskip("mindspore")
+
 import recomp.mindspore as rm
 
 

@@ -187,7 +187,7 @@ def checkpoint(
     if partitioned is not None:
         saved_inputs = partitioned.hooks()
     elif user is not None:
-        saved_inputs = BACKEND.saved_tensors_hooks(user.pack, user.unpack)
+        saved_inputs = BACKEND.saved_tensors_hooks(*user.input_hooks())
     else:
         saved_inputs = None
     with torch_debug_off, swap.scope(function, context_fn, saved_inputs) as finish:
