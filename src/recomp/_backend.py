@@ -56,6 +56,9 @@ class Backend:
     versions_need_sync = False
     #: the framework's :class:`Modules`; ``modules`` is one of it, built with this backend
     modules_class: type[Modules]
+    #: the framework's tensor class(es), for ``isinstance`` where a call per value would
+    #: cost more than the check (the engine's fast paths); :meth:`is_tensor` agrees
+    tensor_class: type | tuple[type, ...] = ()
 
     def __init__(self) -> None:
         self.modules = self.modules_class(self)

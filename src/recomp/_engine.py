@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import operator
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from ._backend import Backend
@@ -346,7 +346,7 @@ def begin(
         if placer is None and parent is not None:
             placer = invocation_of(parent).placer
         invocation.placer = placer
-        for leaf in _iter_tensors(backend, (args, kwargs)):
+        for leaf in _input_tensors(backend, args, kwargs):
             key = backend.storage_key(leaf)
             if key is not None:
                 invocation.add_checkpoint_input(key, leaf)
@@ -370,9 +370,12 @@ def begin(
     return CheckpointCall(invocation, all_parts, rerun=rerun, nested=parent is not None)
 
 
-def _iter_tensors(backend: Backend, tree: Any) -> Iterator[Any]:
-    leaves, _ = backend.flatten(tree)
-    return (leaf for leaf in leaves if backend.is_tensor(leaf))
+def _input_tensors(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The tensors among a checkpoint call's arguments; one tensor alone needs no walk."""
+    if not kwargs and len(args) == 1 and isinstance(args[0], backend.tensor_class):
+        return args
+    leaves, _ = backend.flatten((args, kwargs))
+    return [leaf for leaf in leaves if backend.is_tensor(leaf)]
 
 
 def check_use_reentrant(use_reentrant: Any, package: str) -> None:

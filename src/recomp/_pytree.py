@@ -91,6 +91,8 @@ class TreeSpec:
             self.num_leaves = n
 
     def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
         return (
             isinstance(other, TreeSpec)
             and self.kind == other.kind
@@ -118,6 +120,9 @@ class TreeSpec:
 
 
 _LEAF = TreeSpec("leaf")
+# Specs shared by every walk that builds them (specs are never changed once built).
+_EMPTY_DICT = TreeSpec("dict", dict, (), ())
+_LEAF_TUPLES: dict[int, TreeSpec] = {}
 
 
 def flatten(tree: Any, registry: Registry = NO_REGISTRY) -> tuple[list[Any], TreeSpec]:
@@ -140,10 +145,23 @@ def _flatten_into(tree: Any, leaves: list[Any], registry: Registry) -> TreeSpec:
         return _LEAF
     # Exact built-in containers first.
     if kind is tuple:
+        # A tuple of known leaves (a call's tensor arguments): one shared spec per length.
+        leaf_types = registry.leaf_types
+        for v in tree:
+            if type(v) not in leaf_types:
+                break
+        else:
+            leaves.extend(tree)
+            spec = _LEAF_TUPLES.get(len(tree))
+            if spec is None:
+                spec = _LEAF_TUPLES[len(tree)] = TreeSpec("tuple", tuple, None, (_LEAF,) * len(tree))
+            return spec
         return TreeSpec(
             "tuple", tuple, None, tuple([_flatten_into(v, leaves, registry) for v in tree])
         )
     if kind is dict:
+        if not tree:
+            return _EMPTY_DICT
         keys = tuple(tree)
         children = tuple([_flatten_into(tree[k], leaves, registry) for k in keys])
         return TreeSpec("dict", dict, keys, children)

@@ -325,5 +325,5 @@ def test_under_torch_compile_the_option_is_taken_out_and_nothing_is_made() -> No
     """Dynamo traces recomp's checkpoint: the option must reach PyTorch as "default"
     and build nothing Dynamo cannot trace."""
     kwargs = {"determinism_check": "values"}
-    assert _value_check.value_check_option(kwargs, debug=True, name="f", compiled=True) is None
+    assert _value_check.value_check_option(kwargs, debug=True, compiled=True) is None
     assert kwargs == {"determinism_check": "default"}

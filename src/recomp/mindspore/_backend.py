@@ -97,6 +97,7 @@ class MindSporeModules(Modules):
 class MindSporeBackend(Backend):
     name = "mindspore"
     modules_class = MindSporeModules
+    tensor_class = mindspore.Tensor
     foreign_checkpoint = "mindspore.recompute"
     versions_need_sync = True
 

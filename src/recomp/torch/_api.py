@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -125,13 +126,14 @@ def checkpoint(
                 "recomp.torch.checkpoint under torch.compile does not support "
                 "partition_inputs or saved_tensors_hooks: they run in eager mode only."
             )
-        swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
-        context_fn = swap.compiled_context_fn(context_fn)
+        context_fn = _swap.CheckpointSwap(
+            policy_fn, swap_inputs, group_swap, cpu_pool
+        ).compiled_context_fn(context_fn)
         # PyTorch's partitioner never recomputes a functional collective (which is what
         # Dynamo makes of every collective) unless told to: nothing to add here. A
         # compiled program saves no tensor through hooks: no value check there. (The
         # eager call checked the function already; Dynamo 2.9 cannot trace that check.)
-        value_check_option(kwargs, debug=False, name="", compiled=True)
+        value_check_option(kwargs, debug=False, compiled=True)
         return _compile.checkpoint(function, args, kwargs, context_fn)
     check_callable(function, "checkpoint", "module")
     user = None if saved_tensors_hooks is None else UserHooks(saved_tensors_hooks, "checkpoint")
@@ -158,20 +160,29 @@ def checkpoint(
         # contexts). Inside one, the engine still runs, so that a replay of the
         # enclosing checkpoint finds the same nested calls as its forward did.
         return function(*args, **_function_kwargs(kwargs))
-    swap = _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
+    # No swap, no partition, no pair of hooks (the common call): none of their parts.
+    plain = (
+        policy_fn is None
+        and swap_inputs is False
+        and group_swap is False
+        and cpu_pool is None
+        and partition_inputs is None
+        and user is None
+        and context_fn is None  # a user's selective checkpointing may swap (MUST_SWAP)
+    )
+    swap = None if plain else _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
     partitioned = None if partition_inputs is None else _partition.for_call(partition_inputs)
     adapt_hf_layer_call(function, kwargs)
-    name = _checkpointed_name(function)
-    refuse_enclosing_checkpoint(name)
+    refuse_enclosing_checkpoint(function)
     parts, kwargs, torch_debug_off = debug_options(kwargs)
-    value_check = value_check_option(kwargs, debug=bool(parts), name=name)
+    value_check = value_check_option(kwargs, debug=bool(parts), function=function)
     if value_check is not None:
         parts.append(value_check)
     if _engine.SWITCHES.kept_replays:
         parts.append(_kept.KEPT_REPLAYS)
     if exclude_collectives and collectives_may_run():
         parts.append(keep_collective_results(function))
-    selective = swap.part()
+    selective = None if swap is None else swap.part()
     if selective is not None:
         parts.append(selective)
     call = _engine.begin(
@@ -184,21 +195,45 @@ def checkpoint(
         function=function,
         placer=user,
     )
+    if swap is None and torch_debug_off is None:
+        return _run_checkpoint(function, args, kwargs, call, None)
     if partitioned is not None:
         saved_inputs = partitioned.hooks()
     elif user is not None:
         saved_inputs = BACKEND.saved_tensors_hooks(*user.input_hooks())
     else:
         saved_inputs = None
-    with torch_debug_off, swap.scope(function, context_fn, saved_inputs) as finish:
-        try:
-            out = finish(_torch_checkpoint(function, args, kwargs, call.context_fn))
-            if partitioned is not None:
-                partitioned.forward_done()
-            return out
-        except BaseException as exc:
-            _compat.finish_failed_checkpoint(exc)  # PyTorch 2.9 leaves it open
-            raise
+    scope = (
+        contextlib.nullcontext(_identity)
+        if swap is None
+        else swap.scope(function, context_fn, saved_inputs)
+    )
+    with torch_debug_off or contextlib.nullcontext(), scope as finish:
+        return _run_checkpoint(function, args, kwargs, call, finish, partitioned)
+
+
+def _identity(out: Any) -> Any:
+    return out
+
+
+def _run_checkpoint(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    call: _engine.CheckpointCall,
+    finish: Callable[[Any], Any] | None,
+    partitioned: _partition.PartitionedInputs | None = None,
+) -> Any:
+    try:
+        out = _torch_checkpoint(function, args, kwargs, call.context_fn)
+        if finish is not None:
+            out = finish(out)
+        if partitioned is not None:
+            partitioned.forward_done()
+        return out
+    except BaseException as exc:
+        _compat.finish_failed_checkpoint(exc)  # PyTorch 2.9 leaves it open
+        raise
 
 
 class _TorchCall(threading.local):
@@ -257,13 +292,6 @@ def _refuse_script(module: nn.Module) -> nn.Module:
         f"Script the model before wrapping it, call recomp.torch.unwrap(model) first, or "
         f"use torch.compile, which compiles wrapped models."
     )
-
-
-def _checkpointed_name(function: Any) -> str:
-    owner = getattr(function, "__self__", None)
-    if isinstance(owner, nn.Module):
-        return f"{type(owner).__name__}.{getattr(function, '__name__', 'forward')}"
-    return repr(default_name(function))
 
 
 class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):

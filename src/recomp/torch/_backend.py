@@ -114,6 +114,7 @@ class TorchModules(Modules):
 class TorchBackend(Backend):
     name = "torch"
     modules_class = TorchModules
+    tensor_class = torch.Tensor
     foreign_checkpoint = "torch.utils.checkpoint"
 
     def is_tensor(self, x: Any) -> bool:

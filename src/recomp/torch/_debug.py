@@ -40,11 +40,12 @@ _MAX_LISTED = 400  # ops listed per phase; the rest are counted
 
 def debug_options(
     kwargs: dict[str, Any],
-) -> tuple[list[CallPart], dict[str, Any], contextlib.AbstractContextManager[Any]]:
+) -> tuple[list[CallPart], dict[str, Any], contextlib.AbstractContextManager[Any] | None]:
     """Take ``debug`` out of the checkpoint options and, if debugging is on, make the op log.
 
     Returns the parts of the checkpoint call that keep the log (none when debugging is
-    off), the remaining options, and a context to call PyTorch's checkpoint in.
+    off), the remaining options, and a context to call PyTorch's checkpoint in (None
+    when debugging is off: nothing to enter).
     Debugging is on as PyTorch decides it:
     ``torch.utils.checkpoint.set_checkpoint_debug_enabled`` wins over ``debug=``. While
     that global switch is on, PyTorch's checkpoint would refuse recomp's ``context_fn``,
@@ -54,7 +55,7 @@ def debug_options(
     debug = kwargs.pop("debug", False)
     forced = _compat.checkpoint_debug_switch()
     if not (forced if forced is not None else debug):
-        return [], kwargs, contextlib.nullcontext()
+        return [], kwargs, None
     log = _DebugLog(restore_switch=forced)
     hide = (
         torch_checkpoint.set_checkpoint_debug_enabled(None)

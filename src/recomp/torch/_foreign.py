@@ -38,7 +38,7 @@ from typing import Any, NoReturn
 from torch import nn
 
 from .._state import get_recompute_state
-from .._wrapping import CHECKPOINT_KWARGS, REGION
+from .._wrapping import CHECKPOINT_KWARGS, REGION, default_name
 from ..errors import DoubleCheckpointError
 from . import _compat
 
@@ -62,8 +62,17 @@ def refuse_double_checkpoint(message: str) -> NoReturn:
     raise error
 
 
-def refuse_enclosing_checkpoint(name: str) -> None:
-    """Raise if the recomp checkpoint of ``name`` is starting inside the forward of a
+def checkpointed_name(function: Any) -> str:
+    """How messages name what a checkpoint runs: ``Class.forward`` for a module's method,
+    else the function's name. Built only where a message needs it."""
+    owner = getattr(function, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return f"{type(owner).__name__}.{getattr(function, '__name__', 'forward')}"
+    return repr(default_name(function))
+
+
+def refuse_enclosing_checkpoint(function: Any) -> None:
+    """Raise if the recomp checkpoint of ``function`` is starting inside the forward of a
     plain PyTorch checkpoint (one that recomp does not control)."""
     if get_recompute_state() is not None:
         # Inside a recomp checkpoint (nested ones are recomp's), or in its replay.
@@ -71,7 +80,7 @@ def refuse_enclosing_checkpoint(name: str) -> None:
     if _compat.top_checkpoint_hooks() is None:
         return
     refuse_double_checkpoint(
-        f"recomp's checkpoint of {name} is running inside a plain PyTorch checkpoint "
+        f"recomp's checkpoint of {checkpointed_name(function)} is running inside a plain PyTorch checkpoint "
         "(torch.utils.checkpoint.checkpoint, or PyTorch's checkpoint_wrapper as trainers apply "
         "it for their activation checkpointing option): in backward that checkpoint would run "
         "recomp's again, excluded regions included, so the exclusion would not take effect. "

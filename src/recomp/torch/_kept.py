@@ -66,6 +66,10 @@ __all__ = [
 ]
 
 
+#: What a handle's two dictionaries are until it keeps something: read, never written.
+_EMPTY: Any = weakref.WeakKeyDictionary()
+
+
 class RecomputeHandle:
     """One recomp checkpoint call's replay: what it recomputed and no pass has read yet.
 
@@ -82,7 +86,6 @@ class RecomputeHandle:
         "_lock",
         "_running",
         "_store",
-        "_used",
         "session",
     )
 
@@ -97,19 +100,16 @@ class RecomputeHandle:
         # read by a node that gives more gradients in a later pass, what a pass's replay
         # recomputed and did not read (taken from PyTorch when the pass ends), a replay
         # run ahead of backward, a session that retains. A plain backward fills nothing.
-        self._kept: weakref.WeakKeyDictionary[Any, dict[int, tuple[torch.Tensor, int | None]]] = (
-            weakref.WeakKeyDictionary()
-        )
+        # (Both dictionaries are made on first use: most handles never need them.)
+        self._kept: weakref.WeakKeyDictionary[Any, dict[int, tuple[torch.Tensor, int | None]]]
+        self._kept = _EMPTY
         # Holder -> the backward pass that read and dropped its kept tensor: what that
         # pass's replay recomputed for it is not kept again (no node reads it twice).
-        self._consumed: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._consumed: weakref.WeakKeyDictionary[Any, int] = _EMPTY
         # The backward passes that read through this handle and have not ended: another
         # pass (one run from a hook inside them) does not read what they kept, and replays
         # for itself.
         self._running: set[int] = set()
-        # Whether anything was ever kept or consumed here: a plain backward reads none of
-        # the two dictionaries above (set under the lock, never reset).
-        self._used = False
         self._lock = threading.Lock()
         self.session: _Session | None = None
 
@@ -125,7 +125,7 @@ class RecomputeHandle:
         current = _compat.graph_task_id()
         if current != -1 and current not in self._running:
             self._pass_started(current)
-        if self._used:  # a later pass, or a session: the rare path
+        if self._kept is not _EMPTY:  # a later pass, or a session: the rare path
             with self._lock:
                 found = self._find(holder, current)
                 consumed = self._consumed.get(holder) == current != -1
@@ -179,7 +179,6 @@ class RecomputeHandle:
                         del self._kept[holder]
                 if current != -1:
                     self._consumed[holder] = current
-                    self._used = True
         return value
 
     def _find(
@@ -201,8 +200,10 @@ class RecomputeHandle:
 
     def _keep(self, holder: Any, value: torch.Tensor, task: int) -> None:
         """Keep ``value`` for ``holder`` on behalf of pass ``task`` (under the lock)."""
+        if self._kept is _EMPTY:
+            self._kept = weakref.WeakKeyDictionary()
+            self._consumed = weakref.WeakKeyDictionary()
         self._kept.setdefault(holder, {})[task] = (value, _compat.version(value))
-        self._used = True
 
     def _pass_started(self, task: int) -> None:
         with self._lock:
@@ -250,8 +251,9 @@ class RecomputeHandle:
     def release(self) -> None:
         """Drop every kept tensor (the graph keeps its holders; a later read replays)."""
         with self._lock:
-            self._kept.clear()
-            self._consumed.clear()
+            if self._kept is not _EMPTY:
+                self._kept.clear()
+                self._consumed.clear()
 
     @property
     def checkpoint_unpack(self) -> Callable[[Any], Any] | None:

@@ -57,6 +57,7 @@ from .._state import get_recompute_state
 from ..errors import ReplayMismatchError
 from . import _compat
 from ._debug import caller_frame
+from ._foreign import checkpointed_name
 
 __all__ = ["value_check_option"]
 
@@ -71,7 +72,7 @@ _NAMES = ("sum", "norm", "first element", "last element")
 
 
 def value_check_option(
-    kwargs: dict[str, Any], *, debug: bool, name: str, compiled: bool = False
+    kwargs: dict[str, Any], *, debug: bool, function: Any = None, compiled: bool = False
 ) -> CallPart | None:
     """Take ``determinism_check="values"`` out of the checkpoint options (PyTorch's
     checkpoint then runs its own ``"default"`` check) and give the part that compares
@@ -83,7 +84,7 @@ def value_check_option(
         kwargs["determinism_check"] = "default"
     elif not (debug and check == "default"):
         return None
-    return None if compiled else ValueCheck(name)
+    return None if compiled else ValueCheck(checkpointed_name(function))
 
 
 class ValueCheck(CallPart):

@@ -26,18 +26,34 @@ import torch.utils.checkpoint
 # --------------------------------------------------------------------------- saved-tensors hook stack
 
 
+try:
+    from torch.utils.checkpoint import _CheckpointFrame
+except ImportError:  # not in this PyTorch: no frame is ever found
+    _CheckpointFrame = None  # type: ignore[assignment,misc]
+
+# Per code object of a pack hook: the index of its closure cell that holds the frame
+# (-1: none). Read at every checkpoint call, twice (the save counter, kept replays).
+_FRAME_CELL: dict[Any, int] = {}
+
+
 def _checkpoint_frame(pack: Any) -> Any:
     """The ``_CheckpointFrame`` a non-reentrant checkpoint's pack hook closes over, or None."""
-    try:
-        from torch.utils.checkpoint import _CheckpointFrame
-    except ImportError:
-        return None
     cells = getattr(pack, "__closure__", None)
-    frame = next(
-        (c.cell_contents for c in cells or () if isinstance(c.cell_contents, _CheckpointFrame)),
-        None,
-    )
-    if frame is None or not isinstance(getattr(frame, "weak_holders", None), list):
+    if not cells or _CheckpointFrame is None:
+        return None
+    code = pack.__code__
+    index = _FRAME_CELL.get(code)
+    if index is None:
+        index = next(
+            (i for i, c in enumerate(cells) if isinstance(c.cell_contents, _CheckpointFrame)), -1
+        )
+        _FRAME_CELL[code] = index
+    if index < 0 or index >= len(cells):
+        return None
+    frame = cells[index].cell_contents
+    if not isinstance(frame, _CheckpointFrame) or not isinstance(
+        getattr(frame, "weak_holders", None), list
+    ):
         return None
     return frame
 

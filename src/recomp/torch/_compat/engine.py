@@ -90,8 +90,10 @@ def graph_task_id() -> int:
     If it changes: -1 always, and prefetching chains once per process instead.
     Retired by: a public "current graph task" query.
     """
-    query = getattr(torch._C, "_current_graph_task_id", None)
-    return int(query()) if query is not None else -1
+    return _CURRENT_GRAPH_TASK_ID() if _CURRENT_GRAPH_TASK_ID is not None else -1
+
+
+_CURRENT_GRAPH_TASK_ID: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
 
 
 def at_pass_end(callback: Callable[[], None]) -> bool:
