@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mindspore
@@ -445,9 +445,10 @@ Selects = type | str | Callable[[Any], bool] | list[Any] | tuple[Any, ...]
 def apply_activation_checkpointing(
     model: Any,
     *,
-    checkpoint_fn: Selects,
+    checkpoint_fn: Selects | None = None,
     exclude_fn: Selects | None = None,
     copy_output_fn: Selects | None = None,
+    layers: Sequence[int] | None = None,
     **checkpoint_kwargs: Any,
 ) -> Any:
     """Checkpoint every sub-cell ``checkpoint_fn`` selects, excluding inside them every
@@ -466,6 +467,14 @@ def apply_activation_checkpointing(
     :class:`recomp.InstanceRequiredError`, before anything is wrapped.
     ``copy_output_fn`` selects the excluded cells that get ``copy_output=True`` (see
     :func:`checkpoint_exclude_wrapper`).
+
+    ``layers`` holds the checkpoints to some of the model's layers, by position from 0
+    (``range(16)``, ``[0, 4, 8]``), as on PyTorch: ``checkpoint_fn`` then selects among
+    the cells of those layers, and without it the chosen layers are checkpointed whole.
+    The layers are those of a ``CellList``/``SequentialCell`` named ``layers`` (or, in a
+    Hugging Face port, below the cell with ``gradient_checkpointing``), else the children
+    of a model that is itself one; a bad value raises :class:`recomp.SelectionError`
+    before anything is wrapped.
 
     Active ``nn.Dropout`` cells (and ``Dropout1d/2d/3d``) inside a checkpoint keep
     their mask for the replay (see :func:`checkpoint_wrapper`); a subclass of them
@@ -490,19 +499,13 @@ def apply_activation_checkpointing(
         model,
         api,
         {"checkpoint_fn": checkpoint_fn, "exclude_fn": exclude_fn, "copy_output_fn": copy_output_fn},
-        required=("checkpoint_fn",),
+        required=("checkpoint_fn",) if layers is None else (),
     )
-    select_checkpoint, select_exclude = selected["checkpoint_fn"], selected["exclude_fn"]
-    select_copy = selected["copy_output_fn"]
-    assert select_checkpoint is not None  # required
+    chosen = _wrapping.read_layers(_MODEL_OPS, model, api, layers)
+    select_checkpoint = _wrapping.held_to_layers(selected["checkpoint_fn"], chosen)
+    select_exclude, select_copy = selected["exclude_fn"], selected["copy_output_fn"]
     _wrapping.check_option_fns(select_exclude, copy_output_fn=select_copy)
-    _refuse_value_check(checkpoint_kwargs, api)
-    check_options(api, checkpoint_kwargs, CHECKPOINT_OPTIONS)
-    _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
-    _swap.checkpoint_swap(api, dict(checkpoint_kwargs))
-    exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)
-    _engine.check_flag("exclude_collectives", exclude_collectives)
-    communicates = issues_collectives() if exclude_collectives else (lambda c: False)
+    also_exclude = model_options(api, checkpoint_kwargs)
 
     def exclude_region(cell: Any, path: str) -> Any:
         copy = select_copy is not None and select_copy.matches(path, cell)
@@ -515,8 +518,23 @@ def apply_activation_checkpointing(
         select_exclude,
         lambda c: checkpoint_wrapper(c, **checkpoint_kwargs),
         exclude_region,
-        also_exclude=lambda c: is_unreplayable_dropout(c) or communicates(c),
+        also_exclude=also_exclude,
     )
+
+
+def model_options(api: str, checkpoint_kwargs: dict[str, Any]) -> Callable[[Any], bool]:
+    """Check the checkpoint options of a whole-model call (``api``) before anything is
+    wrapped (``use_reentrant`` popped); return what MindSpore excludes on its own: the
+    unreplayable dropouts and, with ``exclude_collectives`` (the default), the sub-cells
+    that issue collectives."""
+    _refuse_value_check(checkpoint_kwargs, api)
+    check_options(api, checkpoint_kwargs, CHECKPOINT_OPTIONS)
+    _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
+    _swap.checkpoint_swap(api, dict(checkpoint_kwargs))
+    exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)
+    _engine.check_flag("exclude_collectives", exclude_collectives)
+    communicates = issues_collectives() if exclude_collectives else (lambda c: False)
+    return lambda c: is_unreplayable_dropout(c) or communicates(c)
 
 
 _MODEL_OPS = _wrapping.ModelOps(
@@ -530,4 +548,5 @@ _MODEL_OPS = _wrapping.ModelOps(
     check_reachable=_check_reachable,
     hooks_may_remove_themselves=False,
     forward_hooks_run=_compat.forward_hooks_run,
+    layer_containers=(nn.CellList, nn.SequentialCell, nn.CellDict),
 )

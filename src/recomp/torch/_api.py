@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -463,10 +463,11 @@ Selects = type | str | Callable[[nn.Module], bool] | list[Any] | tuple[Any, ...]
 def apply_activation_checkpointing(
     model: nn.Module,
     *,
-    checkpoint_fn: Selects,
+    checkpoint_fn: Selects | None = None,
     exclude_fn: Selects | None = None,
     offload_fn: Selects | None = None,
     copy_output_fn: Selects | None = None,
+    layers: Sequence[int] | None = None,
     **checkpoint_kwargs: Any,
 ) -> nn.Module:
     """Checkpoint every sub-module ``checkpoint_fn`` selects, excluding inside them every
@@ -497,6 +498,17 @@ def apply_activation_checkpointing(
     ``out += identity``). Other options pass to :func:`checkpoint_wrapper`,
     ``exclude_collectives`` among them (see :func:`checkpoint`).
 
+    ``layers`` holds the checkpoints to some of the model's layers, by position from 0:
+    ``range(16)`` (the first 16), ``[0, 4, 8]``, ``range(0, 32, 2)`` (every other one).
+    ``checkpoint_fn`` then selects among the modules of those layers (the layers
+    themselves, or regions inside them), and without ``checkpoint_fn`` the chosen layers
+    are checkpointed whole; ``range(0)`` checkpoints nothing. The layers are a Hugging
+    Face model's decoder (or encoder) layers, else the blocks of a container named
+    ``layers``, else the children of a model that is itself a ``Sequential`` or
+    ``ModuleList``. A number (``layers=4``), a negative or repeated position, a position
+    past the last layer or a model without layers raises :class:`recomp.SelectionError`
+    before anything is wrapped.
+
     Called again on a model wrapped before, it leaves every wrapper in place and adds:
     checkpoints where ``checkpoint_fn`` selects modules outside every checkpoint,
     excluded regions where ``exclude_fn`` selects modules inside one. It never removes an
@@ -515,17 +527,16 @@ def apply_activation_checkpointing(
             "offload_fn": offload_fn,
             "copy_output_fn": copy_output_fn,
         },
-        required=("checkpoint_fn",),
+        required=("checkpoint_fn",) if layers is None else (),
     )
+    chosen = _wrapping.read_layers(_MODEL_OPS, model, "apply_activation_checkpointing", layers)
     exclude_region = _exclusion_options(
         "apply_activation_checkpointing", selected, checkpoint_kwargs
     )
-    checkpoint_selection = selected["checkpoint_fn"]
-    assert checkpoint_selection is not None  # required
     _wrapping.apply_activation_checkpointing(
         _MODEL_OPS,
         model,
-        checkpoint_selection,
+        _wrapping.held_to_layers(selected["checkpoint_fn"], chosen),
         selected["exclude_fn"],
         lambda m: checkpoint_wrapper(m, **checkpoint_kwargs),
         exclude_region,
@@ -690,6 +701,7 @@ _MODEL_OPS = _wrapping.ModelOps(
     # An instance ``forward`` is moved aside by wrap_in_place; nothing else bypasses it.
     check_reachable=lambda module, api: None,
     rebase_foreign=_rebase_parametrization,
+    layer_containers=(nn.ModuleList, nn.Sequential, nn.ModuleDict),
 )
 
 
