@@ -28,6 +28,7 @@ from .errors import (
     IneffectiveSelectionWarning,
     InstanceRequiredError,
     RecompError,
+    SelectionError,
     WrapperNotReachedWarning,
     internal_assert,
 )
@@ -448,6 +449,16 @@ def read_selections(
             selection.check_paths(api, named, type(model).__name__)
         out[argument] = selection
     return out
+
+
+def check_something_to_checkpoint(api: str, checkpoint_fn: Any, layers: Any) -> None:
+    """A whole-model call needs ``checkpoint_fn`` or ``layers`` (``SelectionError``)."""
+    if checkpoint_fn is None and layers is None:
+        raise SelectionError(
+            f"{api} needs checkpoint_fn (the modules to checkpoint: a class, a module path "
+            f"such as 'layers.*', a function of a module) or layers (the layers to "
+            f"checkpoint whole, by position: range(16), [0, 4, 8])."
+        )
 
 
 def read_layers(

@@ -494,6 +494,7 @@ def apply_activation_checkpointing(
     :func:`unwrap` the model first and apply again.
     """
     api = "apply_activation_checkpointing"
+    _wrapping.check_something_to_checkpoint(api, checkpoint_fn, layers)
     selected = _wrapping.read_selections(
         _MODEL_OPS,
         model,

@@ -517,6 +517,7 @@ def apply_activation_checkpointing(
     :class:`recomp.EarlierExclusionsWarning` naming them. To replace the exclusions,
     :func:`unwrap` the model first and apply again.
     """
+    _wrapping.check_something_to_checkpoint("apply_activation_checkpointing", checkpoint_fn, layers)
     selected = _wrapping.read_selections(
         _MODEL_OPS,
         model,
