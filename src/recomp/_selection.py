@@ -340,13 +340,14 @@ class LayerChoice:
                 f"{api}: {argument} takes non-negative integers (layer positions counted "
                 f"from 0); got {', '.join(repr(p) for p in bad[:3])}."
             )
-        twice = sorted({p for p in positions if positions.count(p) > 1})  # type: ignore[type-var]
+        checked = [p for p in positions if p is not None]
+        twice = sorted({p for p in checked if checked.count(p) > 1})
         if twice:
             raise SelectionError(
                 f"{api}: {argument} names layer position(s) {', '.join(map(str, twice))} more "
                 f"than once; name each layer once."
             )
-        return cls(tuple(p for p in positions if p is not None), argument)
+        return cls(tuple(checked), argument)
 
     def resolve(
         self, layers: list[tuple[str, Any]], api: str, model_name: str

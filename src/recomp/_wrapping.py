@@ -455,8 +455,9 @@ def check_something_to_checkpoint(api: str, checkpoint_fn: Any, layers: Any) -> 
     """A whole-model call needs ``checkpoint_fn`` or ``layers`` (``SelectionError``)."""
     if checkpoint_fn is None and layers is None:
         raise SelectionError(
-            f"{api} needs checkpoint_fn (the modules to checkpoint: a class, a module path "
-            f"such as 'layers.*', a function of a module) or layers (the layers to "
+            f"{api}: checkpoint_fn got None and no layers were given, so nothing is chosen "
+            f"to checkpoint. Pass checkpoint_fn (the modules to checkpoint: a class, a module "
+            f"path such as 'layers.*', a function of a module) or layers (the layers to "
             f"checkpoint whole, by position: range(16), [0, 4, 8])."
         )
 
