@@ -8,21 +8,23 @@ gradients, and each re-runs nodes whose saved tensors the first pass already
 read. So every pass replays the block again.
 
 :class:`RecomputeHandle` (one per recomp checkpoint call) sits between PyTorch's
-checkpoint and autograd:
+checkpoint and autograd, and costs a plain backward next to nothing:
 
 * in the forward, the unpack hook of the checkpoint's saved tensors becomes
   :meth:`RecomputeHandle.unpack` (PyTorch's pack hook stays on top of the stack);
-* in each replay, the replay's saved tensors go through the pack hook of
-  :class:`_Capture` first, which keeps each under the forward holder it belongs to
-  and hands PyTorch's own replay hook a shape-only stand-in, so that PyTorch holds
-  no second reference;
-* an unpack reads the kept tensor if there is one; only a holder with none makes
-  PyTorch replay (in this pass). After the read the tensor is dropped when the node
-  reading it gives all its gradients in this pass (a plain backward, or the last
-  pass that needs it); a node that a later pass will run again for its other
-  gradients keeps it (the input-gradient pass of a zero-bubble schedule). A second
-  read of a dropped tensor (a true double backward, or a later pass from the loss
-  that re-runs a node an earlier pass finished) replays, as before.
+* an unpack reads a kept tensor if there is one; otherwise it is PyTorch's own, which
+  replays once in this pass and hands each tensor over once. After the read, a tensor
+  whose reading node gives more gradients in a later pass over the retained graph (the
+  input-gradient pass of a zero-bubble schedule) is kept for that pass; a node that
+  gives all its gradients in this pass (a plain backward, or the last pass that needs
+  it) leaves nothing;
+* when a pass ends, what its replay recomputed and no node of it read (the tensors of
+  the weight-gradient nodes, in an input-gradient pass) is taken from PyTorch's
+  checkpoint and kept under its holder for the next pass;
+* a later pass reads what is kept and drops it once its node gives all its gradients.
+  A second read of a dropped tensor (a true double backward, or a later pass from the
+  loss that re-runs a node an earlier pass finished) replays, as before. A pass run
+  from a hook inside a running pass replays for itself and leaves that pass's tensors.
 
 Kept tensors live under the holder, so they go with the graph: a pass with
 ``retain_graph=False`` frees each holder as its node runs, and freeing the graph
@@ -76,38 +78,38 @@ class RecomputeHandle:
         "_checkpoint_unpack",
         "_collectable",
         "_consumed",
-        "_holders",
         "_kept",
         "_lock",
-        "_replaying_for",
         "_running",
+        "_store",
+        "_used",
         "session",
     )
 
     def __init__(self, collectable: bool = True) -> None:
         self._collectable = collectable
-        self._holders: Callable[[], list[Any]] | None = None
+        self._store: _compat.ReplayStore | None = None
         self._checkpoint_unpack: Callable[[Any], Any] | None = None
-        # Holder -> the backward pass (graph task) whose replay kept it -> the tensor. Each
-        # pass reads what its own replay kept first: a backward run from a hook inside
-        # another pass (a nested graph task) replays and reads its own, and leaves the
-        # outer pass's tensors where the outer pass will read them.
-        # Each kept tensor with its version when kept: a parameter the replay saved that
-        # changes before a later pass reads it is refused (NOTE [ State changed before
-        # backward ] in ``recomp._module_state``).
+        # Holder -> the backward pass (graph task) whose replay kept it -> the tensor, with
+        # its version when kept: a parameter the replay saved that changes before a later
+        # pass reads it is refused (NOTE [ State changed before backward ] in
+        # ``recomp._module_state``). Filled only where a later pass may read it: a tensor
+        # read by a node that gives more gradients in a later pass, what a pass's replay
+        # recomputed and did not read (taken from PyTorch when the pass ends), a replay
+        # run ahead of backward, a session that retains. A plain backward fills nothing.
         self._kept: weakref.WeakKeyDictionary[Any, dict[int, tuple[torch.Tensor, int | None]]] = (
             weakref.WeakKeyDictionary()
         )
-        # Holder -> the backward pass that read and dropped its tensor: a replay later in
-        # that same pass does not keep it again (no node of the pass reads it twice).
+        # Holder -> the backward pass that read and dropped its kept tensor: what that
+        # pass's replay recomputed for it is not kept again (no node reads it twice).
         self._consumed: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-        # The backward passes that kept tensors here and have not ended: another pass (one
-        # run from a hook inside them) does not read what they kept.
+        # The backward passes that read through this handle and have not ended: another
+        # pass (one run from a hook inside them) does not read what they kept, and replays
+        # for itself.
         self._running: set[int] = set()
-        # The passes whose unpack is running this checkpoint's replay (innermost last):
-        # what the replay saves is that pass's, also what it saves while a backward runs
-        # inside the replayed code (a gradient taken in the checkpointed function).
-        self._replaying_for: list[int] = []
+        # Whether anything was ever kept or consumed here: a plain backward reads none of
+        # the two dictionaries above (set under the lock, never reset).
+        self._used = False
         self._lock = threading.Lock()
         self.session: _Session | None = None
 
@@ -117,45 +119,46 @@ class RecomputeHandle:
         """Entered directly inside PyTorch's checkpoint hook, around the forward."""
         return _UnpackThroughHandle(self)
 
-    def replay_context(self) -> contextlib.AbstractContextManager[None]:
-        """Entered directly inside PyTorch's replay hook, around each replay."""
-        return _Capture(self)
-
-    @property
-    def active(self) -> bool:
-        """Whether this checkpoint's unpacks go through the handle (its forward ran
-        under a checkpoint hook recomp could take over)."""
-        return self._checkpoint_unpack is not None
-
     # ----------------------------------------------------------------- unpack
 
     def unpack(self, holder: Any) -> Any:
         current = _compat.graph_task_id()
-        with self._lock:
-            found = self._find(holder, current)
-        if found is None:
-            unpack = self._checkpoint_unpack
-            if unpack is None:  # not reached: the hook is installed only with it
-                raise RecompError("recomp: a kept-replay unpack ran without its checkpoint")
-            self._replaying_for.append(current)
-            try:
-                unpack(holder)  # replays in this pass; _Capture keeps every tensor
-            except CheckpointError as exc:
-                mismatch = as_replay_mismatch(exc)
-                if mismatch is None:
-                    raise
-                raise mismatch from exc
-            finally:
-                self._replaying_for.pop()
+        if current != -1 and current not in self._running:
+            self._pass_started(current)
+        if self._used:  # a later pass, or a session: the rare path
             with self._lock:
                 found = self._find(holder, current)
-            if found is None:
+                consumed = self._consumed.get(holder) == current != -1
+            if found is not None:
+                return self._read_kept(holder, current, *found)
+            if consumed:
                 raise CheckpointError(
                     "torch.utils.checkpoint: Unpack is being triggered for a tensor that was "
                     "already unpacked once in this backward pass. If you are calling "
                     "ctx.saved_tensors in backward, make sure to do so only once."
                 )
-        keeper, (value, version) = found
+        unpack = self._checkpoint_unpack
+        if unpack is None:  # not reached: the hook is installed only with it
+            raise RecompError("recomp: a kept-replay unpack ran without its checkpoint")
+        try:
+            value = unpack(holder)  # PyTorch's: replays once in this pass, then reads
+        except CheckpointError as exc:
+            mismatch = as_replay_mismatch(exc)
+            if mismatch is None:
+                raise
+            raise mismatch from exc
+        session = self.session
+        if (session is not None and session.retain_on_unpack) or not (
+            _compat.node_finishes_in_this_pass()
+        ):
+            with self._lock:
+                self._keep(holder, value, current)
+        return value
+
+    def _read_kept(
+        self, holder: Any, current: int, keeper: int, kept: tuple[torch.Tensor, int | None]
+    ) -> Any:
+        value, version = kept
         if _compat.version(value) != version:
             raise ParameterChangedError(
                 "A tensor that the replay of a checkpoint kept for a later backward pass was "
@@ -176,15 +179,16 @@ class RecomputeHandle:
                         del self._kept[holder]
                 if current != -1:
                     self._consumed[holder] = current
+                    self._used = True
         return value
 
     def _find(
         self, holder: Any, current: int
     ) -> tuple[int, tuple[torch.Tensor, int | None]] | None:
-        """What a replay kept for ``holder``: this pass's own first, else that of a pass
-        that has ended (an earlier pass of a zero-bubble schedule, or a replay run ahead
-        of backward); with the pass that kept it. A pass still running (this one runs
-        from a hook inside it) keeps its tensors: this pass replays for itself."""
+        """What is kept for ``holder``: this pass's own first, else that of a pass that
+        has ended (an earlier pass of a zero-bubble schedule, or a replay run ahead of
+        backward); with the pass that kept it. A pass still running (this one runs from a
+        hook inside it) keeps its tensors: this pass replays for itself."""
         by_pass = self._kept.get(holder)
         if not by_pass:
             return None
@@ -195,28 +199,36 @@ class RecomputeHandle:
                 return keeper, value
         return None
 
-    def keep(self, holder: Any, value: torch.Tensor) -> None:
-        replaying_for = self._replaying_for
-        current = replaying_for[-1] if replaying_for else _compat.graph_task_id()
+    def _keep(self, holder: Any, value: torch.Tensor, task: int) -> None:
+        """Keep ``value`` for ``holder`` on behalf of pass ``task`` (under the lock)."""
+        self._kept.setdefault(holder, {})[task] = (value, _compat.version(value))
+        self._used = True
+
+    def _pass_started(self, task: int) -> None:
         with self._lock:
-            if current != -1 and self._consumed.get(holder) == current:
-                return
-            self._kept.setdefault(holder, {})[current] = (value, _compat.version(value))
-            if current == -1 or current in self._running:
-                return
-            self._running.add(current)
-        if not _compat.at_pass_end(lambda: self._pass_ended(current)):
-            self._pass_ended(current)
+            self._running.add(task)
+        if not _compat.at_pass_end(lambda: self._pass_ended(task)):
+            with self._lock:
+                self._running.discard(task)
 
     def _pass_ended(self, task: int) -> None:
+        """What the pass's replay recomputed and no node read is kept for a later pass
+        (taken from PyTorch's checkpoint, which would hold it until the graph goes)."""
+        store = self._store
+        leftovers = store.take_leftovers(task) if store is not None else []
         with self._lock:
             self._running.discard(task)
+            for holder, value in leftovers:
+                if self._consumed.get(holder) != task:
+                    self._keep(holder, value, task)
 
     def replay_now(self) -> None:
         """Run the replay outside backward; its tensors are kept until read."""
-        holders = self._holders() if self._holders is not None else []
+        store = self._store
+        unpack = self._checkpoint_unpack
+        holders = store.holders() if store is not None else []
         first = next((h for h in holders if h is not None), None)
-        if first is None or self._checkpoint_unpack is None:
+        if first is None or unpack is None or store is None:
             raise RecompError(
                 "recompute_handle: this checkpoint has nothing left to recompute: its "
                 "backward already ran (or its output was dropped), or it ran with "
@@ -225,7 +237,15 @@ class RecomputeHandle:
         with self._lock:
             if first in self._kept:
                 return  # its replay already ran and nothing has been read since
-        self._checkpoint_unpack(first)
+        current = _compat.graph_task_id()
+        value = unpack(first)
+        # Outside backward PyTorch files the replay under a pass id of its own: every pass
+        # but those running here is that one.
+        leftovers = store.take_leftovers(current if current != -1 else None, self._running)
+        with self._lock:
+            self._keep(first, value, current)
+            for holder, kept in leftovers:
+                self._keep(holder, kept, current)
 
     def release(self) -> None:
         """Drop every kept tensor (the graph keeps its holders; a later read replays)."""
@@ -254,6 +274,8 @@ class RecomputeHandle:
 class _UnpackThroughHandle:
     """Forward context: the checkpoint's saved tensors unpack through the handle."""
 
+    __slots__ = ("_collector", "_replaced", "handle")
+
     def __init__(self, handle: RecomputeHandle) -> None:
         self.handle = handle
         self._replaced: Any = None
@@ -261,12 +283,12 @@ class _UnpackThroughHandle:
 
     def __enter__(self) -> None:
         hooks = _compat.top_checkpoint_hooks()
-        holders = _compat.checkpoint_holders(hooks[0]) if hooks is not None else None
-        if hooks is None or holders is None:
+        store = _compat.replay_store(hooks[0]) if hooks is not None else None
+        if hooks is None or store is None:
             return  # not directly under PyTorch's checkpoint hook: PyTorch's unpack stays
         pack, unpack = hooks
         handle = self.handle
-        handle._holders = holders
+        handle._store = store
         handle._checkpoint_unpack = unpack
         if handle._collectable:
             self._collector = _COLLECTOR.get()
@@ -285,91 +307,20 @@ class _UnpackThroughHandle:
             collector.remove(self.handle)  # a forward that failed has nothing to replay
 
 
-class _Capture:
-    """Replay context: each tensor the replay saves is kept under its forward holder.
-
-    Holds its handle weakly, and so does the pack hook it installs: the handle holds
-    PyTorch's unpack hook, which holds the checkpoint frame, which holds this context
-    (its ``recompute_fn``) and the checkpointed function; a strong reference back would
-    make a cycle that only the garbage collector frees, and through the graph's saved
-    tensors one that it cannot see at all. The replay's saved tensors keep the pack hook
-    for as long as the replay's graph lives, which is past the backward when the
-    checkpointed code left a tensor of an early-stopped replay on a module (Megatron-
-    Core's TransformerLayer does).
-    """
-
-    def __init__(self, handle: RecomputeHandle) -> None:
-        self.handle_ref = weakref.ref(handle)
-        # Per entry (innermost last): the hooks it replaced, or None.
-        self._entries: list[Any] = []
-
-    def __enter__(self) -> None:
-        self._entries.append(None)
-        handle = self.handle_ref()
-        if handle is None:
-            return
-        hooks = _compat.top_checkpoint_hooks() if handle.active else None
-        if hooks is None or handle._holders is None:
-            return
-        replay_pack, replay_unpack = hooks
-        holders = handle._holders()
-        position = iter(range(len(holders)))
-        stand_ins: dict[Any, Any] = {}
-        handle_ref = self.handle_ref  # the replay's saved tensors keep ``pack``: weakly
-
-        def pack(x: Any) -> Any:
-            kept = x.detach() if x.requires_grad else x
-            i = next(position, None)
-            owner = handle_ref()
-            if i is not None and holders[i] is not None and owner is not None:
-                owner.keep(holders[i], kept)
-            # PyTorch files what it is given under the same holder and checks only its
-            # shape, dtype and device; a stand-in keeps it from holding the tensor too.
-            replay_pack(_stand_in(kept, stand_ins))
-            return kept
-
-        _compat.mark_as_checkpoint_hook(pack, replay_pack)
-        replaced = _compat.replace_top_hooks(pack, replay_unpack, hooks)
-        replaced.__enter__()
-        self._entries[-1] = replaced
-
-    def __exit__(self, *exc_info: Any) -> None:
-        replaced = self._entries.pop()
-        if replaced is not None:
-            replaced.__exit__(None, None, None)
-
-
 class KeptReplays(CallPart):
     """The part of a checkpoint call that gives it a :class:`RecomputeHandle`, whose
-    contexts sit directly inside PyTorch's checkpoint and replay hooks. A checkpoint
-    nested in another recomp checkpoint is not collected for sessions: the enclosing
-    one's replay runs it."""
+    forward context sits directly inside PyTorch's checkpoint hook (the replay is
+    PyTorch's own). A checkpoint nested in another recomp checkpoint is not collected for
+    sessions: the enclosing one's replay runs it."""
 
     stage = Stage.KEPT_REPLAYS
 
     def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
-        handle = RecomputeHandle(collectable=not call.nested)
-        return handle.forward_context(), handle.replay_context()
+        return _UnpackThroughHandle(RecomputeHandle(collectable=not call.nested)), None
 
 
 #: Holds nothing of a call: one serves every checkpoint call.
 KEPT_REPLAYS = KeptReplays()
-
-
-def _stand_in(t: Any, cache: dict[Any, Any]) -> Any:
-    """A tensor with ``t``'s shape, dtype and device and one element of memory, shared
-    by the tensors of one replay that have those (PyTorch only reads them)."""
-    if type(t) is not torch.Tensor or t.layout is not torch.strided:
-        return t  # subclasses (DTensor) and other layouts: PyTorch keeps the tensor itself
-    key = (t.shape, t.dtype, t.device)
-    stand_in = cache.get(key)
-    if stand_in is None:
-        # Made with no dispatch mode active: bookkeeping, not a model op (selective
-        # checkpointing's cache and FLOP counters must not see it).
-        with _compat.no_dispatch_modes():
-            stand_in = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
-        cache[key] = stand_in
-    return stand_in
 
 
 # --------------------------------------------------------------------------- sessions

@@ -62,16 +62,16 @@ def test_top_checkpoint_hooks_are_found_and_can_be_replaced():
     assert _compat.top_checkpoint_hooks() is None
 
 
-def test_checkpoint_holders_are_the_frames_in_save_order():
+def test_replay_store_holders_are_the_frames_in_save_order():
     seen = []
 
     def body(x):
         hooks = _compat.top_checkpoint_hooks()
-        holders = _compat.checkpoint_holders(hooks[0])
-        assert holders is not None and holders() == []
+        store = _compat.replay_store(hooks[0])
+        assert store is not None and store.holders() == []
         y = torch.sin(x)  # saves x
         z = torch.tanh(y)  # saves its output
-        seen.extend(holders())
+        seen.extend(store.holders())
         return z
 
     x = torch.randn(3, requires_grad=True)
@@ -79,7 +79,31 @@ def test_checkpoint_holders_are_the_frames_in_save_order():
     assert len(seen) == 2 and all(h is not None for h in seen)
     assert len({id(h) for h in seen}) == 2
     del out
-    assert _compat.checkpoint_holders(lambda t: t) is None  # not a checkpoint's hook
+    assert _compat.replay_store(lambda t: t) is None  # not a checkpoint's hook
+
+
+def test_replay_store_gives_what_a_pass_recomputed_and_did_not_read():
+    """A pass that computes one gradient of two reads one of the replay's tensors; the
+    store hands over the other (and nothing of a pass that read everything)."""
+    stores = []
+
+    def body(a, b):
+        stores.append(_compat.replay_store(_compat.top_checkpoint_hooks()[0]))
+        return (a.sin() * b.cos()).sum()
+
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(body, a, b, use_reentrant=False)
+    (store,) = stores
+    # Only a's gradient: cos's saved input (b) is recomputed too and left unread.
+    torch.autograd.grad(out, [a], retain_graph=True)
+    leftovers = store.take_leftovers(None)
+    assert any(value is not None and torch.equal(value, b) for _, value in leftovers)
+    assert all(holder is not None for holder, _ in leftovers)
+    assert store.take_leftovers(None) == []  # taken once
+    # A full pass reads everything its replay recomputed: nothing is left over.
+    out.backward()
+    assert store.take_leftovers(None) == []
 
 
 def test_marks_of_a_checkpoint_hook_are_copied():

@@ -59,8 +59,8 @@ with one test per entry that fails when PyTorch changes underneath.
 from __future__ import annotations
 
 from .checkpoint import (
+    ReplayStore,
     checkpoint_debug_switch,
-    checkpoint_holders,
     checkpoint_save_counter,
     close_enclosing_checkpoint,
     finish_failed_checkpoint,
@@ -68,6 +68,7 @@ from .checkpoint import (
     is_early_stop,
     mark_as_checkpoint_hook,
     replace_top_hooks,
+    replay_store,
     top_checkpoint_hooks,
 )
 from .compile import (
@@ -154,6 +155,7 @@ from .saved_tensors import (
 __all__ = [
     "PLANNABLE_BACKENDS",
     "SIMULATION_MIN_TORCH",
+    "ReplayStore",
     "TorchDispatchMode",
     "activation_memory_budget",
     "at_pass_end",
@@ -161,7 +163,6 @@ __all__ = [
     "checkpoint_debug_switch",
     "checkpoint_frame",
     "checkpoint_function",
-    "checkpoint_holders",
     "checkpoint_input_handles",
     "checkpoint_plain_arguments",
     "checkpoint_rng_states",
@@ -218,6 +219,7 @@ __all__ = [
     "pytree_node",
     "register_selective_mode_type",
     "replace_top_hooks",
+    "replay_store",
     "replay_tensors",
     "reset_dtensor_random",
     "run_at_trace_time",

@@ -142,33 +142,75 @@ class replace_top_hooks:
 # ``_checkpoint_without_reentrant_generator`` enters ``_checkpoint_hook(frame)`` and then,
 # directly inside it, the forward context of ``context_fn``; ``_checkpoint_hook``'s pack
 # hook appends ``weakref.ref(holder)`` to ``frame.weak_holders`` in save order, and its
-# unpack hook replays the forward (once per graph task) under ``_recomputation_hook``,
-# whose pack hook files the n-th saved tensor of the replay under the n-th holder and
-# checks only its shape, dtype and device against the forward's; ``recompute_fn`` enters
-# the recompute context of ``context_fn`` directly inside that hook.
+# unpack hook replays the forward once per graph task ``gid`` under
+# ``_recomputation_hook``, whose pack hook files the n-th saved tensor of the replay as
+# ``frame.recomputed[gid][holder.handles[gid]]`` for the n-th holder (a weak-keyed
+# dictionary: the ``_Handle`` key lives as long as the holder's entry for ``gid``); the
+# unpack returns that tensor and sets ``holder.handles[gid] = None``, which drops it.
 
 
-def checkpoint_holders(pack: Any) -> Callable[[], list[Any]] | None:
-    """For the checkpoint whose pack hook is ``pack``: a function giving its holders
-    (the objects its saved tensors are replaced by), in save order, None for dead ones.
+class ReplayStore:
+    """PyTorch's record of one checkpoint call's replays, as recomp's kept replays read
+    it: the holders (what the forward's saved tensors were replaced by, in save order)
+    and, per backward pass, the tensors that pass's replay recomputed and no unpack has
+    taken yet. Holds the checkpoint frame weakly.
 
-    Why: a replay's n-th saved tensor belongs to the forward's n-th holder; recomp keeps
-    it under that holder for the backward passes that have not read it yet.
-    How: the frame's ``weak_holders`` list (see the note above), held weakly here.
-    If it changes: None, and recomp leaves PyTorch's unpack alone: one replay per
-    backward pass, as with PyTorch's checkpoint.
+    Why: a zero-bubble pipeline runs several backward passes over one micro-batch's
+    graph; PyTorch replays once per pass. What one pass's replay recomputed and did not
+    read is what a later pass needs: recomp takes it over when the pass ends instead of
+    replaying again, and in the common single pass touches nothing.
+    How: the frame's ``weak_holders``, ``recomputed`` and each holder's ``handles``
+    (see the note above).
+    If it changes: :func:`replay_store` returns None and recomp leaves PyTorch's unpack
+    alone (one replay per backward pass, as with PyTorch's checkpoint); a store whose
+    frame no longer has these fields gives no holders and no leftovers.
     Retired by: a public per-holder recompute cache in PyTorch's checkpoint.
     """
+
+    __slots__ = ("_frame_ref",)
+
+    def __init__(self, frame: Any) -> None:
+        self._frame_ref = weakref.ref(frame)
+
+    def holders(self) -> list[Any]:
+        """The holders in save order, None for those already freed."""
+        frame = self._frame_ref()
+        return [] if frame is None else [ref() for ref in frame.weak_holders]
+
+    def take_leftovers(self, task: int | None, running: Any = ()) -> list[tuple[Any, Any]]:
+        """``(holder, tensor)`` for what the replay of pass ``task`` (None: of every pass
+        but those in ``running``) recomputed and no unpack took, removed from the frame:
+        the caller holds them from now on."""
+        frame = self._frame_ref()
+        if frame is None:
+            return []
+        recomputed = frame.recomputed
+        if task is not None:
+            tasks = [task] if recomputed.get(task) else []
+        else:
+            tasks = [t for t, by_key in recomputed.items() if by_key and t not in running]
+        found: list[tuple[Any, Any]] = []
+        for t in tasks:
+            by_key = recomputed.pop(t)
+            for ref in frame.weak_holders:
+                holder = ref()
+                key = None if holder is None else holder.handles.get(t)
+                if key is None:
+                    continue
+                value = by_key.get(key)
+                holder.handles[t] = None  # the pass has ended: no unpack reads it there
+                if value is not None:
+                    found.append((holder, value))
+        return found
+
+
+def replay_store(pack: Any) -> ReplayStore | None:
+    """The :class:`ReplayStore` of the checkpoint whose pack hook is ``pack``, or None
+    (not a non-reentrant checkpoint's hook, or a PyTorch whose frame differs)."""
     frame = _checkpoint_frame(pack)
-    if frame is None:
+    if frame is None or not isinstance(getattr(frame, "recomputed", None), dict):
         return None
-    frame_ref = weakref.ref(frame)
-
-    def holders() -> list[Any]:
-        live = frame_ref()
-        return [] if live is None else [ref() for ref in live.weak_holders]
-
-    return holders
+    return ReplayStore(frame)
 
 
 def mark_as_checkpoint_hook(hook: Callable[[Any], Any], like: Callable[[Any], Any]) -> None:
