@@ -108,7 +108,7 @@ def checkpoint(
     cell = BACKEND.modules.module_of(function) if exclude_collectives else None
     if exclude_collectives:
         exclude_communicating_cells(cell, "checkpoint", once=True)
-    make_dropout_replayable(function, _MODEL_OPS, "checkpoint", once=True)
+    make_dropout_replayable(function, MODEL_OPS, "checkpoint", once=True)
     if get_recompute_state() is None and not _compat.records_gradients():
         # NOTE [ Nothing to checkpoint without gradients ] (recomp.torch._api): outside
         # a gradient computation (mindspore.grad, value_and_grad, GradOperation) no
@@ -337,7 +337,7 @@ def exclude_communicating_cells(cell: Any, api: str, *, once: bool = False) -> N
     if own:
         warn_own_collective(cell, own, api)
     for _, child, _ in found:
-        _wrapping.check_wrappable(_MODEL_OPS, child, ExcludeWrapper, api)
+        _wrapping.check_wrappable(MODEL_OPS, child, ExcludeWrapper, api)
     for path, child, _ in found:
         checkpoint_exclude_wrapper(child, name=f"{type(cell).__name__}.{path}")
 
@@ -378,14 +378,14 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     _swap.checkpoint_swap("checkpoint_wrapper", dict(checkpoint_kwargs))  # checked now, not later
     if not isinstance(module, nn.Cell):
         module = PlainFunction(module)
-    _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
+    _wrapping.check_wrappable(MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
     warn_unhandled(BACKEND, module, "checkpoint_wrapper")
     if exclude_collectives:
         exclude_communicating_cells(module, "checkpoint_wrapper")
     _wrapping.wrap_in_place(
-        _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
+        MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
-    make_dropout_replayable(module, _MODEL_OPS, "checkpoint_wrapper")
+    make_dropout_replayable(module, MODEL_OPS, "checkpoint_wrapper")
     return module
 
 
@@ -416,9 +416,9 @@ def checkpoint_exclude_wrapper(
         module = PlainFunction(module)
     if isinstance(module, ReplayableDropout):
         # A dropout cell that recomp made replayable, now excluded: it runs once either way.
-        _wrapping.unwrap(_MODEL_OPS, module)
-    _wrapping.check_wrappable(_MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
-    return _wrapping.wrap_in_place(_MODEL_OPS, module, ExcludeWrapper, {REGION: region})
+        _wrapping.unwrap(MODEL_OPS, module)
+    _wrapping.check_wrappable(MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
+    return _wrapping.wrap_in_place(MODEL_OPS, module, ExcludeWrapper, {REGION: region})
 
 
 def unwrap(module: Any) -> Any:
@@ -435,7 +435,7 @@ def unwrap(module: Any) -> Any:
         _wrapping.recomp_wrapper_of(c) is not None for _, c in module.cells_and_names()
     ):
         return module  # only swap wrappers below it
-    return _wrapping.unwrap(_MODEL_OPS, module)
+    return _wrapping.unwrap(MODEL_OPS, module)
 
 
 # What each selection argument may be (see recomp._selection).
@@ -496,13 +496,13 @@ def apply_activation_checkpointing(
     api = "apply_activation_checkpointing"
     _wrapping.check_something_to_checkpoint(api, checkpoint_fn, layers)
     selected = _wrapping.read_selections(
-        _MODEL_OPS,
+        MODEL_OPS,
         model,
         api,
         {"checkpoint_fn": checkpoint_fn, "exclude_fn": exclude_fn, "copy_output_fn": copy_output_fn},
         required=("checkpoint_fn",) if layers is None else (),
     )
-    chosen = _wrapping.read_layers(_MODEL_OPS, model, api, layers)
+    chosen = _wrapping.read_layers(MODEL_OPS, model, api, layers)
     select_checkpoint = _wrapping.held_to_layers(selected["checkpoint_fn"], chosen)
     select_exclude, select_copy = selected["exclude_fn"], selected["copy_output_fn"]
     _wrapping.check_option_fns(select_exclude, copy_output_fn=select_copy)
@@ -513,7 +513,7 @@ def apply_activation_checkpointing(
         return checkpoint_exclude_wrapper(cell, name=path, copy_output=copy)
 
     return _wrapping.apply_activation_checkpointing(
-        _MODEL_OPS,
+        MODEL_OPS,
         model,
         select_checkpoint,
         select_exclude,
@@ -538,7 +538,7 @@ def model_options(api: str, checkpoint_kwargs: dict[str, Any]) -> Callable[[Any]
     return lambda c: is_unreplayable_dropout(c) or communicates(c)
 
 
-_MODEL_OPS = _wrapping.ModelOps(
+MODEL_OPS = _wrapping.ModelOps(
     framework="mindspore",
     module_type=nn.Cell,
     checkpoint_wrapper=CheckpointWrapper,

@@ -238,7 +238,7 @@ def apply_recompute_policy(
     options = wrapper_options({**checkpoint_kwargs, "swap_inputs": swap_inputs}, early_stop=None)
     also_exclude = _api.model_options(api, options)
     return _recompute_policy.apply_recompute_policy(
-        _api._MODEL_OPS,
+        _api.MODEL_OPS,
         model,
         policy,
         selection,
@@ -266,7 +266,7 @@ def apply_submodule_checkpointing(
     check_swap_inputs(swap_inputs, api)
     options = {} if enable_compile else {"swap_inputs": swap_inputs}
     return _recompute_policy.apply_submodule_checkpointing(
-        _api._MODEL_OPS,
+        _api.MODEL_OPS,
         layers,
         has_kv_sharing,
         api=api,

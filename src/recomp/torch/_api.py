@@ -374,10 +374,10 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
         _engine.check_flag("exclude_collectives", checkpoint_kwargs["exclude_collectives"])
     if not isinstance(module, nn.Module):
         module = PlainFunction(module)
-    _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
+    _wrapping.check_wrappable(MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
     warn_unhandled(BACKEND, module, "checkpoint_wrapper")
     return _wrapping.wrap_in_place(
-        _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
+        MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
 
 
@@ -429,8 +429,8 @@ def checkpoint_exclude_wrapper(
     )
     if not isinstance(module, nn.Module):
         module = PlainFunction(module)
-    _wrapping.check_wrappable(_MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
-    return _wrapping.wrap_in_place(_MODEL_OPS, module, ExcludeWrapper, {REGION: region})
+    _wrapping.check_wrappable(MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
+    return _wrapping.wrap_in_place(MODEL_OPS, module, ExcludeWrapper, {REGION: region})
 
 
 def unwrap(module: Any) -> Any:
@@ -451,7 +451,7 @@ def unwrap(module: Any) -> Any:
     ):
         _hf.undo_hf_checkpointing(taken)  # hf_activation_checkpointing without exclusions
         return module  # or only swap wrappers below it
-    result = _wrapping.unwrap(_MODEL_OPS, module)
+    result = _wrapping.unwrap(MODEL_OPS, module)
     _hf.undo_hf_checkpointing(taken)
     return result
 
@@ -519,7 +519,7 @@ def apply_activation_checkpointing(
     """
     _wrapping.check_something_to_checkpoint("apply_activation_checkpointing", checkpoint_fn, layers)
     selected = _wrapping.read_selections(
-        _MODEL_OPS,
+        MODEL_OPS,
         model,
         "apply_activation_checkpointing",
         {
@@ -530,12 +530,12 @@ def apply_activation_checkpointing(
         },
         required=("checkpoint_fn",) if layers is None else (),
     )
-    chosen = _wrapping.read_layers(_MODEL_OPS, model, "apply_activation_checkpointing", layers)
-    exclude_region = _exclusion_options(
+    chosen = _wrapping.read_layers(MODEL_OPS, model, "apply_activation_checkpointing", layers)
+    exclude_region = exclusion_options(
         "apply_activation_checkpointing", selected, checkpoint_kwargs
     )
     _wrapping.apply_activation_checkpointing(
-        _MODEL_OPS,
+        MODEL_OPS,
         model,
         _wrapping.held_to_layers(selected["checkpoint_fn"], chosen),
         selected["exclude_fn"],
@@ -546,7 +546,7 @@ def apply_activation_checkpointing(
     return model
 
 
-def _exclusion_options(
+def exclusion_options(
     api: str, selected: dict[str, Selection | None], checkpoint_kwargs: dict[str, Any]
 ) -> Callable[[nn.Module, str], Any]:
     """Check the checkpoint options of a whole-model call (``api``) and that its option
@@ -636,12 +636,12 @@ def hf_activation_checkpointing(
             f"model's layers. For other models use apply_activation_checkpointing."
         )
     selected = _wrapping.read_selections(
-        _MODEL_OPS,
+        MODEL_OPS,
         model,
         api,
         {"exclude_fn": exclude_fn, "offload_fn": offload_fn, "copy_output_fn": copy_output_fn},
     )
-    exclude_region = _exclusion_options(api, selected, checkpoint_kwargs)
+    exclude_region = exclusion_options(api, selected, checkpoint_kwargs)
     doubled = [path or "(the model itself)" for path, m in layers if isinstance(m, CheckpointWrapper)]
     if doubled:
         raise ValueError(
@@ -662,7 +662,7 @@ def hf_activation_checkpointing(
     owner = _hf.HFCheckpointing(checkpoint, checkpoint_kwargs)
     layer_ids = {id(m) for _, m in layers}
     _wrapping.apply_activation_checkpointing(
-        _MODEL_OPS,
+        MODEL_OPS,
         model,
         Selection("checkpoint_fn", predicates=(lambda m: id(m) in layer_ids,)),
         selected["exclude_fn"],
@@ -691,7 +691,7 @@ def _rebase_parametrization(module: nn.Module, wrapped: type, base: type) -> typ
     return type(cls.__name__, (base,), namespace)
 
 
-_MODEL_OPS = _wrapping.ModelOps(
+MODEL_OPS = _wrapping.ModelOps(
     framework="torch",
     module_type=nn.Module,
     checkpoint_wrapper=CheckpointWrapper,

@@ -238,9 +238,9 @@ def apply_recompute_policy(
     check_swap_inputs(swap_inputs, api)
     options = wrapper_options({**checkpoint_kwargs, "swap_inputs": swap_inputs}, early_stop=True)
     unselected: dict[str, Any] = {"exclude_fn": None, "offload_fn": None, "copy_output_fn": None}
-    exclude_region = _api._exclusion_options(api, unselected, options)
+    exclude_region = _api.exclusion_options(api, unselected, options)
     _recompute_policy.apply_recompute_policy(
-        _api._MODEL_OPS,
+        _api.MODEL_OPS,
         model,
         policy,
         selection,
@@ -273,7 +273,7 @@ def apply_submodule_checkpointing(
     check_swap_inputs(swap_inputs, api)
     options = {} if enable_compile else {"swap_inputs": swap_inputs}
     return _recompute_policy.apply_submodule_checkpointing(
-        _api._MODEL_OPS,
+        _api.MODEL_OPS,
         layers,
         has_kv_sharing,
         api=api,
