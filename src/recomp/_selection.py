@@ -20,13 +20,20 @@ that match no module of a model. Both run before the caller changes anything.
 
 Where a path is measured from is the caller's to say: the model for
 ``apply_activation_checkpointing``, each checkpointed piece for a trainer install.
+
+A selection can also be held to some of a model's layers (:meth:`Selection.within`):
+``apply_activation_checkpointing(..., layers=range(16))`` and HyperParallel's
+``layer_count``/``layer_indices`` choose layers by position (:class:`LayerChoice`), among
+the layers :func:`find_layers` finds (NOTE [ A model's layers ]).
 """
 
 from __future__ import annotations
 
 import difflib
 import fnmatch
+import operator
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import SelectionError
@@ -42,7 +49,7 @@ class Selection:
     """Modules chosen by classes, module paths and predicates (a module any of them
     selects). Built by :meth:`parse`; asked with :meth:`matches`."""
 
-    __slots__ = ("argument", "classes", "patterns", "predicates")
+    __slots__ = ("argument", "classes", "patterns", "predicates", "scope")
 
     def __init__(
         self,
@@ -50,11 +57,38 @@ class Selection:
         classes: tuple[type, ...] = (),
         patterns: tuple[str, ...] = (),
         predicates: tuple[Callable[[Any], Any], ...] = (),
+        scope: tuple[str, ...] | None = None,
     ) -> None:
         self.argument = argument
         self.classes = classes
         self.patterns = patterns
         self.predicates = predicates
+        # The paths of the layers the selection is held to (None: anywhere; empty: none).
+        self.scope = scope
+
+    @classmethod
+    def every_module(cls, argument: str) -> Selection:
+        """A selection of every module (held to some layers with :meth:`within`, the
+        layers themselves: outermost matches)."""
+        return cls(argument, predicates=(_any_module,))
+
+    def within(self, layers: Iterable[tuple[str, Any]]) -> Selection:
+        """This selection held to the modules at or below ``layers`` ((path, module)
+        pairs, paths measured as this selection's are)."""
+        return Selection(
+            self.argument,
+            self.classes,
+            self.patterns,
+            self.predicates,
+            scope=tuple(path for path, _ in layers),
+        )
+
+    def in_scope(self, path: str) -> bool:
+        """Whether ``path`` is at or below one of the layers the selection is held to
+        (always, for a selection held to none)."""
+        if self.scope is None:
+            return True
+        return any(path == layer or path.startswith(layer + ".") for layer in self.scope)
 
     @classmethod
     def parse(
@@ -117,6 +151,8 @@ class Selection:
     def matches(self, path: str, module: Any) -> bool:
         """Whether ``module``, at ``path`` (dotted, from where the caller measures), is
         selected."""
+        if not self.in_scope(path):
+            return False
         if self.classes and isinstance(module, self.classes):
             return True
         if any(path_matches(path, pattern) for pattern in self.patterns):
@@ -158,7 +194,185 @@ class Selection:
     def __repr__(self) -> str:
         parts = [c.__name__ for c in self.classes] + [repr(p) for p in self.patterns]
         parts += [getattr(f, "__name__", repr(f)) for f in self.predicates]
-        return f"{self.argument}=[{', '.join(parts)}]"
+        held = "" if self.scope is None else f" in {len(self.scope)} layer(s)"
+        return f"{self.argument}=[{', '.join(parts)}]{held}"
+
+
+def _any_module(module: Any) -> bool:
+    return True
+
+
+# NOTE [ A model's layers ]
+# Layers are chosen by position, so "a model's layers" must be one list, the same for
+# every caller, in the model's order. find_layers takes the first of these that finds any:
+#   1. Hugging Face's: the modules with a ``gradient_checkpointing`` attribute own the
+#      layers; each of their children that is a list or dict container (ModuleList,
+#      Sequential, ModuleDict; CellList, SequentialCell, CellDict) holds layers, its own
+#      children. Owners are visited depth first, in registration order, and a module
+#      found as a layer is not searched for more (HF's layers carry the attribute too).
+#      This is HyperParallel's rule, so that positions mean the same layers there and
+#      here (several towers are numbered one after the other), except that it counts
+#      only containers, where HyperParallel takes any child that has children.
+#   2. The children of every container whose attribute name is ``layers`` (outermost
+#      ones, depth first): ``model.layers`` of torchtitan's and Megatron's models,
+#      ``model.model.layers``, MindSpore zoos' ``CellList`` named ``layers``.
+#   3. The children of the model itself, where it is a container (``nn.Sequential``
+#      of blocks).
+# Anything else is refused with a SelectionError naming the way out: select the layers
+# by path (``checkpoint_fn=['blocks.0', 'blocks.4']``).
+
+
+def find_layers(
+    children: Callable[[Any], Iterable[tuple[str, Any]]],
+    model: Any,
+    containers: tuple[type, ...],
+    api: str,
+    argument: str,
+) -> list[tuple[str, Any]]:
+    """``model``'s layers in order, each with its path from ``model`` (NOTE [ A model's
+    layers ]); raises ``SelectionError`` naming ``api`` and ``argument`` where none is
+    found."""
+    walk = _depth_first(children, model)
+    layers: list[tuple[str, Any]] = []
+    taken: set[int] = set()
+    for path, owner in walk:
+        if id(owner) in taken or not _has(owner, "gradient_checkpointing"):
+            continue
+        for name, container in children(owner):
+            if not isinstance(container, containers):
+                continue
+            prefix = _join(path, name)
+            for key, layer in children(container):
+                if id(layer) not in taken:
+                    taken.add(id(layer))
+                    layers.append((_join(prefix, key), layer))
+    if layers:
+        return layers
+    named_layers = [
+        (path, module)
+        for path, module in walk
+        if path.rpartition(".")[2] == "layers" and isinstance(module, containers)
+    ]
+    outermost = [
+        (path, module)
+        for path, module in named_layers
+        if not any(path.startswith(other + ".") for other, _ in named_layers)
+    ]
+    for path, container in outermost:
+        layers.extend((_join(path, key), layer) for key, layer in children(container))
+    if not layers and isinstance(model, containers):
+        layers = [(key, layer) for key, layer in children(model)]
+    if layers:
+        return layers
+    examples = ", ".join(repr(p) for p in _examples([p for p, _ in walk if p])) or "none"
+    raise SelectionError(
+        f"{api}: {argument} chooses layers by position, but recomp found no layers in "
+        f"{type(model).__name__}: it takes the blocks of a Hugging Face model (below the "
+        f"module with gradient_checkpointing), else those of a container named 'layers', "
+        f"else the children of a model that is itself a container. Select the modules by "
+        f"path instead (checkpoint_fn=['blocks.0', 'blocks.4'], or 'blocks.*' for all); the "
+        f"model's paths include {examples}."
+    )
+
+
+def _depth_first(
+    children: Callable[[Any], Iterable[tuple[str, Any]]], root: Any
+) -> list[tuple[str, Any]]:
+    """``root`` and every module below it, each once, depth first in registration order
+    (as PyTorch's ``named_modules``), with its path from ``root``."""
+    seen: set[int] = set()
+    out: list[tuple[str, Any]] = []
+    stack = [("", root)]
+    while stack:
+        path, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        out.append((path, module))
+        stack.extend(reversed([(_join(path, name), child) for name, child in children(module)]))
+    return out
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else str(name)
+
+
+def _has(module: Any, name: str) -> bool:
+    try:
+        getattr(module, name)
+    except AttributeError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """Which of a model's layers (:func:`find_layers`), by position from 0: the value of
+    ``apply_activation_checkpointing``'s ``layers=`` (``range(16)``, ``[0, 4, 8]``), or
+    HyperParallel's ``layer_count`` (``range(layer_count)``) and ``layer_indices``."""
+
+    positions: tuple[int, ...]
+    argument: str = "layers"
+
+    @classmethod
+    def parse(cls, value: Any, argument: str, api: str) -> LayerChoice | None:
+        """``value`` (None, or a range, list or tuple of distinct non-negative integers)
+        as a LayerChoice; anything else raises ``SelectionError`` naming ``api`` and
+        ``argument`` and what to pass."""
+        if value is None:
+            return None
+        if isinstance(value, bool) or _as_int(value) is not None:
+            raise SelectionError(
+                f"{api}: {argument}={value!r} is a number, and {argument} takes layer "
+                f"positions (counted from 0): {argument}=range({value!r}) for the first "
+                f"{value!r} layers, {argument}=[{value!r}] for the layer at position {value!r}."
+            )
+        if isinstance(value, (str, bytes)) or not isinstance(value, (range, list, tuple)):
+            raise SelectionError(
+                f"{api}: {argument} must be a range, list or tuple of layer positions "
+                f"(counted from 0), such as range(16) or [0, 4, 8]; got "
+                f"{type(value).__name__} ({value!r})."
+            )
+        positions = [_as_int(p) for p in value]
+        bad = [p for p, i in zip(value, positions, strict=True) if i is None or i < 0]
+        if bad:
+            raise SelectionError(
+                f"{api}: {argument} takes non-negative integers (layer positions counted "
+                f"from 0); got {', '.join(repr(p) for p in bad[:3])}."
+            )
+        checked = [p for p in positions if p is not None]
+        twice = sorted({p for p in checked if checked.count(p) > 1})
+        if twice:
+            raise SelectionError(
+                f"{api}: {argument} names layer position(s) {', '.join(map(str, twice))} more "
+                f"than once; name each layer once."
+            )
+        return cls(tuple(checked), argument)
+
+    def resolve(
+        self, layers: list[tuple[str, Any]], api: str, model_name: str
+    ) -> list[tuple[str, Any]]:
+        """The chosen layers (path, module), in the model's order; a position past the
+        last layer raises ``SelectionError`` naming the layers there are."""
+        past = [p for p in self.positions if p >= len(layers)]
+        if past:
+            last = len(layers) - 1
+            raise SelectionError(
+                f"{api}: {self.argument} has position(s) {', '.join(map(str, past[:3]))}"
+                f"{' ...' if len(past) > 3 else ''}, past the last of the {len(layers)} "
+                f"layer(s) of {model_name} (positions 0 to {last}: {layers[0][0]!r} to "
+                f"{layers[last][0]!r})."
+            )
+        return [layers[p] for p in sorted(self.positions)]
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def walk_named(

@@ -22,13 +22,15 @@ from typing import Any
 from ._engine import ExcludedRegion
 from ._record import weak_or_nothing
 from ._region import REGION_ATTRIBUTE
-from ._selection import Selection, walk_named
+from ._selection import LayerChoice, Selection, find_layers, walk_named
 from .errors import (
     EarlierExclusionsWarning,
     IneffectiveSelectionWarning,
     InstanceRequiredError,
     RecompError,
+    SelectionError,
     WrapperNotReachedWarning,
+    internal_assert,
 )
 
 # Instance attributes recomp sets on a wrapped module (all removed by unwrap).
@@ -258,6 +260,9 @@ class ModelOps:
     # Whether a forward hook on the model runs now: a library may have replaced the
     # framework's hook runner with one that fails (mindnlp 0.3.1 on MindSpore).
     forward_hooks_run: Callable[[], bool] = lambda: True
+    # The framework's list and dict containers (where a model's layers are found:
+    # NOTE [ A model's layers ] in _selection.py).
+    layer_containers: tuple[type, ...] = ()
 
 
 def same_region(
@@ -446,39 +451,99 @@ def read_selections(
     return out
 
 
-def apply_activation_checkpointing(
+def check_something_to_checkpoint(api: str, checkpoint_fn: Any, layers: Any) -> None:
+    """A whole-model call needs ``checkpoint_fn`` or ``layers`` (``SelectionError``)."""
+    if checkpoint_fn is None and layers is None:
+        raise SelectionError(
+            f"{api}: checkpoint_fn got None and no layers were given, so nothing is chosen "
+            f"to checkpoint. Pass checkpoint_fn (the modules to checkpoint: a class, a module "
+            f"path such as 'layers.*', a function of a module) or layers (the layers to "
+            f"checkpoint whole, by position: range(16), [0, 4, 8])."
+        )
+
+
+def read_layers(
+    ops: ModelOps, model: Any, api: str, value: Any, argument: str = "layers"
+) -> list[tuple[str, Any]] | None:
+    """The layers ``value`` (``layers=`` of a whole-model call: positions, see
+    :class:`LayerChoice`) chooses among ``model``'s, with their paths; None for None.
+    Raises ``SelectionError``, changing nothing, on a bad value, a model without layers
+    or a position past its last layer."""
+    choice = LayerChoice.parse(value, argument, api)
+    if choice is None:
+        return None
+    check_model(ops, model, api)
+    layers = find_layers(ops.children, model, ops.layer_containers, api, argument)
+    return choice.resolve(layers, api, type(model).__name__)
+
+
+def held_to_layers(
+    checkpoint: Selection | None, layers: list[tuple[str, Any]] | None, argument: str = "layers"
+) -> Selection:
+    """What a whole-model call checkpoints: ``checkpoint`` (``checkpoint_fn``) held to
+    ``layers`` where given, the layers themselves where ``checkpoint`` is None."""
+    if layers is None:
+        internal_assert(checkpoint is not None, "checkpoint_fn is required without layers=")
+        return checkpoint  # type: ignore[return-value]
+    return (checkpoint or Selection.every_module(argument)).within(layers)
+
+
+@dataclass
+class WrapPlan:
+    """What a whole-model call will wrap, found and checked before anything changes
+    (:func:`plan_checkpointing`); :meth:`carry_out` wraps."""
+
+    ops: ModelOps
+    model: Any
+    # (module, path, checkpoint?) in the order found.
+    planned: list[tuple[Any, str, bool]]
+    # Paths of the checkpoints, planned or already wrapped (in the selection's layers).
+    checkpoints: list[str]
+    # Paths of the modules excluded by ``exclude``, planned or already wrapped.
+    exclusions: list[str]
+    # Paths of modules selected as checkpoints that ``exclude`` also selects.
+    excluded_checkpoints: list[str]
+    # Regions in earlier checkpoints that ``exclude`` does not select.
+    kept_earlier: list[str]
+
+    def carry_out(
+        self, wrap_checkpoint: Callable[[Any], Any], wrap_exclude: Callable[[Any, str], Any]
+    ) -> None:
+        """Wrap what was planned: exclusions first (a checkpoint wrapper then sees its
+        final contents; the MindSpore one warns about what its replay cannot
+        reproduce), then the checkpoints; then the reach check."""
+        for module, path, is_checkpoint in self.planned:
+            if not is_checkpoint:
+                wrap_exclude(module, path)
+        for module, _, is_checkpoint in self.planned:
+            if is_checkpoint:
+                wrap_checkpoint(module)
+        if self.planned:
+            ReachCheck(self.ops, self.model, [(m, p) for m, p, _ in self.planned])
+
+
+def plan_checkpointing(
     ops: ModelOps,
     model: Any,
     checkpoint: Selection,
     exclude: Selection | None,
-    wrap_checkpoint: Callable[[Any], Any],
-    wrap_exclude: Callable[[Any, str], Any],
     also_exclude: Callable[[Any], bool] | None = None,
     api: str = "apply_activation_checkpointing",
-) -> Any:
-    """Wrap, in place, each sub-module that ``checkpoint`` selects with
-    ``wrap_checkpoint``, and inside those each sub-module that ``exclude`` (or the
-    framework's own ``also_exclude``) selects with ``wrap_exclude`` (named by its path,
-    for error messages). Paths are measured from ``model``. Checkpoints are not nested;
-    modules already wrapped are left as they are. Every module is checked before any is
-    changed, so an error leaves the model as it was. Warns (``IneffectiveSelectionWarning``)
-    when ``checkpoint`` or ``exclude`` selects nothing that takes effect, and
-    (``EarlierExclusionsWarning``) when checkpoints wrapped before hold excluded regions
-    that ``exclude`` does not select: those stay, this call adds to them (NOTE [ A second
-    call adds exclusions ]). Returns the model."""
+) -> WrapPlan:
+    """What :func:`apply_activation_checkpointing` wraps, every module checked
+    (``check_wrappable``) and nothing changed."""
     check_model(ops, model, api)
     planned: list[tuple[Any, str, bool]] = []  # (module, path, checkpoint?)
     claimed: set[int] = set()
-    # What the user's selections did, for the warnings below.
-    checkpoints: list[str] = []  # planned or already wrapped
-    exclusions: list[str] = []  # by exclude, planned or already wrapped
-    excluded_checkpoints: list[str] = []  # checkpointed modules exclude also matches
-    kept_earlier: list[str] = []  # regions in earlier checkpoints that exclude does not select
+    checkpoints: list[str] = []
+    exclusions: list[str] = []
+    excluded_checkpoints: list[str] = []
+    kept_earlier: list[str] = []
 
-    def plan(module: Any, path: str, checkpoint: bool) -> None:
+    def plan(module: Any, path: str, is_checkpoint: bool) -> None:
         if id(module) not in claimed:
             claimed.add(id(module))
-            planned.append((module, path, checkpoint))
+            planned.append((module, path, is_checkpoint))
 
     def exclude_inside(module: Any, path: str, earlier: bool) -> None:
         if exclude is None and also_exclude is None:
@@ -511,8 +576,11 @@ def apply_activation_checkpointing(
         if isinstance(module, ops.exclude_wrapper) or id(module) in claimed:
             return
         if isinstance(module, ops.checkpoint_wrapper):
-            checkpoints.append(path)
-            exclude_inside(module, path, True)
+            # Checkpoints are not nested: nothing below an earlier one is checkpointed,
+            # and exclusions are added only in the layers the selection is held to.
+            if checkpoint.in_scope(path):
+                checkpoints.append(path)
+                exclude_inside(module, path, True)
         elif checkpoint.matches(path, module):
             checkpoints.append(path)
             if exclude is not None and exclude.matches(path, module):
@@ -527,17 +595,44 @@ def apply_activation_checkpointing(
     for module, _, is_checkpoint in planned:
         mixin = ops.checkpoint_wrapper if is_checkpoint else ops.exclude_wrapper
         check_wrappable(ops, module, mixin, api)
-    # Exclusions first: a checkpoint wrapper then sees its final contents (the
-    # MindSpore one warns about what its replay cannot reproduce).
-    for module, path, is_checkpoint in planned:
-        if not is_checkpoint:
-            wrap_exclude(module, path)
-    for module, _, is_checkpoint in planned:
-        if is_checkpoint:
-            wrap_checkpoint(module)
-    if planned:
-        ReachCheck(ops, model, [(m, p) for m, p, _ in planned])
-    if not checkpoints:
+    return WrapPlan(ops, model, planned, checkpoints, exclusions, excluded_checkpoints, kept_earlier)
+
+
+def apply_activation_checkpointing(
+    ops: ModelOps,
+    model: Any,
+    checkpoint: Selection,
+    exclude: Selection | None,
+    wrap_checkpoint: Callable[[Any], Any],
+    wrap_exclude: Callable[[Any, str], Any],
+    also_exclude: Callable[[Any], bool] | None = None,
+    api: str = "apply_activation_checkpointing",
+) -> Any:
+    """Wrap, in place, each sub-module that ``checkpoint`` selects with
+    ``wrap_checkpoint``, and inside those each sub-module that ``exclude`` (or the
+    framework's own ``also_exclude``) selects with ``wrap_exclude`` (named by its path,
+    for error messages). Paths are measured from ``model``. Checkpoints are not nested;
+    modules already wrapped are left as they are. Every module is checked before any is
+    changed, so an error leaves the model as it was. Warns (``IneffectiveSelectionWarning``)
+    when ``checkpoint`` or ``exclude`` selects nothing that takes effect, and
+    (``EarlierExclusionsWarning``) when checkpoints wrapped before hold excluded regions
+    that ``exclude`` does not select: those stay, this call adds to them (NOTE [ A second
+    call adds exclusions ]). Returns the model."""
+    wrap = plan_checkpointing(ops, model, checkpoint, exclude, also_exclude, api)
+    wrap.carry_out(wrap_checkpoint, wrap_exclude)
+    checkpoints, exclusions = wrap.checkpoints, wrap.exclusions
+    excluded_checkpoints, kept_earlier = wrap.excluded_checkpoints, wrap.kept_earlier
+    if not checkpoints and checkpoint.scope == ():
+        pass  # no layer was chosen (layers=range(0)): nothing to checkpoint, as asked
+    elif not checkpoints and checkpoint.scope is not None:
+        _warn_selection(
+            f"{checkpoint.argument} matched no module in the {len(checkpoint.scope)} layer(s) "
+            f"chosen by layers= ({_shown(list(checkpoint.scope))}), so nothing is "
+            f"checkpointed and the model trains as without recomp. Leave checkpoint_fn out "
+            f"to checkpoint those layers whole, or make it select modules inside them.",
+            api,
+        )
+    elif not checkpoints:
         _warn_selection(
             f"{checkpoint.argument} matched no module of {type(model).__name__}, so nothing is "
             f"checkpointed and the model trains as without recomp. Its module classes "

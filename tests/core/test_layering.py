@@ -192,6 +192,7 @@ CORE_ORDER = [
     "recomp._kv_cache",
     "recomp._collectives",
     "recomp._wrapping",
+    "recomp._recompute_policy",
     "recomp._report",
     "recomp._testing",
     "recomp",

@@ -271,7 +271,7 @@ def test_a_list_mixes_classes_paths_and_functions(fw):
             "'Block' is the name of a module class of the model, and a string is a module path: "
             "pass the class itself (checkpoint_fn=Block)",
         ),
-        (lambda c, m: {"checkpoint_fn": None}, "checkpoint_fn", "got NoneType (None)"),
+        (lambda c, m: {"checkpoint_fn": None}, "checkpoint_fn", "got None and no layers were given"),
         (lambda c, m: {"checkpoint_fn": []}, "checkpoint_fn", "selects nothing (got [])"),
         (lambda c, m: {"checkpoint_fn": 3}, "checkpoint_fn", "got int (3)"),
         (

@@ -17,6 +17,7 @@ import recomp.mindspore.report as rr  # noqa: E402
 from ms_models import assert_same, grads, nn, ops, tensor  # noqa: E402
 from public_surface import (  # noqa: E402
     HYPERPARALLEL_API,
+    HYPERPARALLEL_REGIONS,
     HYPERPARALLEL_SWAP,
     assert_moved,
     assert_star_import_is_quiet,
@@ -33,6 +34,7 @@ TORCH_SHAPED = {  # recomp.torch's own names that MindSpore has no counterpart f
 def test_counts_and_shape():
     assert len(rm.__all__) <= 25
     assert set(hp.__all__) >= set(HYPERPARALLEL_API) | set(HYPERPARALLEL_SWAP)
+    assert set(hp.__all__) >= set(HYPERPARALLEL_REGIONS)
     assert not [n for n in rm.__all__ if n.endswith(("Error", "Warning"))]
 
 

@@ -32,6 +32,16 @@ HYPERPARALLEL_API = [
 ]
 #: from hyper_parallel.core.activation_memory.swap
 HYPERPARALLEL_SWAP = ["SwapManager", "PinnedMemoryPool", "AsyncSaveOnCpu"]
+#: the declarative recompute regions: RecomputePolicy (hyper_parallel.models.adapter_spec),
+#: ActivationCheckpointSelection (hyper_parallel.trainer.config.parallelism), recomp's
+#: name for what HyperParallel's trainer does with them, and the public helper of
+#: hyper_parallel.distributed.activation_checkpoint that wraps a layer's parts
+HYPERPARALLEL_REGIONS = [
+    "RecomputePolicy",
+    "ActivationCheckpointSelection",
+    "apply_recompute_policy",
+    "apply_submodule_checkpointing",
+]
 
 REFERENCE_INDEX = paths.DOCS / "reference" / "index.md"
 _ROW = re.compile(r"^\| `(recomp\.[\w.]+)` \| `(recomp\.[\w.]+)` \|\s*$", re.M)

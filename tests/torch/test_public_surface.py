@@ -17,6 +17,7 @@ import recomp.torch.hyperparallel as hp  # noqa: E402
 import recomp.torch.report as rr  # noqa: E402
 from public_surface import (  # noqa: E402
     HYPERPARALLEL_API,
+    HYPERPARALLEL_REGIONS,
     HYPERPARALLEL_SWAP,
     assert_moved,
     assert_star_import_is_quiet,
@@ -27,6 +28,7 @@ from public_surface import (  # noqa: E402
 def test_counts():
     assert len(rt.__all__) <= 25
     assert set(hp.__all__) >= set(HYPERPARALLEL_API) | set(HYPERPARALLEL_SWAP)
+    assert set(hp.__all__) >= set(HYPERPARALLEL_REGIONS)
     assert len(rt.__all__) + len(rr.__all__) < 38  # the 38 of before, HyperParallel's aside
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mindspore
@@ -108,7 +108,7 @@ def checkpoint(
     cell = BACKEND.modules.module_of(function) if exclude_collectives else None
     if exclude_collectives:
         exclude_communicating_cells(cell, "checkpoint", once=True)
-    make_dropout_replayable(function, _MODEL_OPS, "checkpoint", once=True)
+    make_dropout_replayable(function, MODEL_OPS, "checkpoint", once=True)
     if get_recompute_state() is None and not _compat.records_gradients():
         # NOTE [ Nothing to checkpoint without gradients ] (recomp.torch._api): outside
         # a gradient computation (mindspore.grad, value_and_grad, GradOperation) no
@@ -337,7 +337,7 @@ def exclude_communicating_cells(cell: Any, api: str, *, once: bool = False) -> N
     if own:
         warn_own_collective(cell, own, api)
     for _, child, _ in found:
-        _wrapping.check_wrappable(_MODEL_OPS, child, ExcludeWrapper, api)
+        _wrapping.check_wrappable(MODEL_OPS, child, ExcludeWrapper, api)
     for path, child, _ in found:
         checkpoint_exclude_wrapper(child, name=f"{type(cell).__name__}.{path}")
 
@@ -378,14 +378,14 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     _swap.checkpoint_swap("checkpoint_wrapper", dict(checkpoint_kwargs))  # checked now, not later
     if not isinstance(module, nn.Cell):
         module = PlainFunction(module)
-    _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
+    _wrapping.check_wrappable(MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
     warn_unhandled(BACKEND, module, "checkpoint_wrapper")
     if exclude_collectives:
         exclude_communicating_cells(module, "checkpoint_wrapper")
     _wrapping.wrap_in_place(
-        _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
+        MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
-    make_dropout_replayable(module, _MODEL_OPS, "checkpoint_wrapper")
+    make_dropout_replayable(module, MODEL_OPS, "checkpoint_wrapper")
     return module
 
 
@@ -416,9 +416,9 @@ def checkpoint_exclude_wrapper(
         module = PlainFunction(module)
     if isinstance(module, ReplayableDropout):
         # A dropout cell that recomp made replayable, now excluded: it runs once either way.
-        _wrapping.unwrap(_MODEL_OPS, module)
-    _wrapping.check_wrappable(_MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
-    return _wrapping.wrap_in_place(_MODEL_OPS, module, ExcludeWrapper, {REGION: region})
+        _wrapping.unwrap(MODEL_OPS, module)
+    _wrapping.check_wrappable(MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
+    return _wrapping.wrap_in_place(MODEL_OPS, module, ExcludeWrapper, {REGION: region})
 
 
 def unwrap(module: Any) -> Any:
@@ -435,7 +435,7 @@ def unwrap(module: Any) -> Any:
         _wrapping.recomp_wrapper_of(c) is not None for _, c in module.cells_and_names()
     ):
         return module  # only swap wrappers below it
-    return _wrapping.unwrap(_MODEL_OPS, module)
+    return _wrapping.unwrap(MODEL_OPS, module)
 
 
 # What each selection argument may be (see recomp._selection).
@@ -445,9 +445,10 @@ Selects = type | str | Callable[[Any], bool] | list[Any] | tuple[Any, ...]
 def apply_activation_checkpointing(
     model: Any,
     *,
-    checkpoint_fn: Selects,
+    checkpoint_fn: Selects | None = None,
     exclude_fn: Selects | None = None,
     copy_output_fn: Selects | None = None,
+    layers: Sequence[int] | None = None,
     **checkpoint_kwargs: Any,
 ) -> Any:
     """Checkpoint every sub-cell ``checkpoint_fn`` selects, excluding inside them every
@@ -467,6 +468,14 @@ def apply_activation_checkpointing(
     ``copy_output_fn`` selects the excluded cells that get ``copy_output=True`` (see
     :func:`checkpoint_exclude_wrapper`).
 
+    ``layers`` holds the checkpoints to some of the model's layers, by position from 0
+    (``range(16)``, ``[0, 4, 8]``), as on PyTorch: ``checkpoint_fn`` then selects among
+    the cells of those layers, and without it the chosen layers are checkpointed whole.
+    The layers are those of a ``CellList``/``SequentialCell`` named ``layers`` (or, in a
+    Hugging Face port, below the cell with ``gradient_checkpointing``), else the children
+    of a model that is itself one; a bad value raises :class:`recomp.SelectionError`
+    before anything is wrapped.
+
     Active ``nn.Dropout`` cells (and ``Dropout1d/2d/3d``) inside a checkpoint keep
     their mask for the replay (see :func:`checkpoint_wrapper`); a subclass of them
     with a ``construct`` of its own is excluded, whatever ``exclude_fn`` says:
@@ -485,17 +494,40 @@ def apply_activation_checkpointing(
     :func:`unwrap` the model first and apply again.
     """
     api = "apply_activation_checkpointing"
+    _wrapping.check_something_to_checkpoint(api, checkpoint_fn, layers)
     selected = _wrapping.read_selections(
-        _MODEL_OPS,
+        MODEL_OPS,
         model,
         api,
         {"checkpoint_fn": checkpoint_fn, "exclude_fn": exclude_fn, "copy_output_fn": copy_output_fn},
-        required=("checkpoint_fn",),
+        required=("checkpoint_fn",) if layers is None else (),
     )
-    select_checkpoint, select_exclude = selected["checkpoint_fn"], selected["exclude_fn"]
-    select_copy = selected["copy_output_fn"]
-    assert select_checkpoint is not None  # required
+    chosen = _wrapping.read_layers(MODEL_OPS, model, api, layers)
+    select_checkpoint = _wrapping.held_to_layers(selected["checkpoint_fn"], chosen)
+    select_exclude, select_copy = selected["exclude_fn"], selected["copy_output_fn"]
     _wrapping.check_option_fns(select_exclude, copy_output_fn=select_copy)
+    also_exclude = model_options(api, checkpoint_kwargs)
+
+    def exclude_region(cell: Any, path: str) -> Any:
+        copy = select_copy is not None and select_copy.matches(path, cell)
+        return checkpoint_exclude_wrapper(cell, name=path, copy_output=copy)
+
+    return _wrapping.apply_activation_checkpointing(
+        MODEL_OPS,
+        model,
+        select_checkpoint,
+        select_exclude,
+        lambda c: checkpoint_wrapper(c, **checkpoint_kwargs),
+        exclude_region,
+        also_exclude=also_exclude,
+    )
+
+
+def model_options(api: str, checkpoint_kwargs: dict[str, Any]) -> Callable[[Any], bool]:
+    """Check the checkpoint options of a whole-model call (``api``) before anything is
+    wrapped (``use_reentrant`` popped); return what MindSpore excludes on its own: the
+    unreplayable dropouts and, with ``exclude_collectives`` (the default), the sub-cells
+    that issue collectives."""
     _refuse_value_check(checkpoint_kwargs, api)
     check_options(api, checkpoint_kwargs, CHECKPOINT_OPTIONS)
     _engine.check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", None), BACKEND.package)
@@ -503,23 +535,10 @@ def apply_activation_checkpointing(
     exclude_collectives = checkpoint_kwargs.get("exclude_collectives", True)
     _engine.check_flag("exclude_collectives", exclude_collectives)
     communicates = issues_collectives() if exclude_collectives else (lambda c: False)
-
-    def exclude_region(cell: Any, path: str) -> Any:
-        copy = select_copy is not None and select_copy.matches(path, cell)
-        return checkpoint_exclude_wrapper(cell, name=path, copy_output=copy)
-
-    return _wrapping.apply_activation_checkpointing(
-        _MODEL_OPS,
-        model,
-        select_checkpoint,
-        select_exclude,
-        lambda c: checkpoint_wrapper(c, **checkpoint_kwargs),
-        exclude_region,
-        also_exclude=lambda c: is_unreplayable_dropout(c) or communicates(c),
-    )
+    return lambda c: is_unreplayable_dropout(c) or communicates(c)
 
 
-_MODEL_OPS = _wrapping.ModelOps(
+MODEL_OPS = _wrapping.ModelOps(
     framework="mindspore",
     module_type=nn.Cell,
     checkpoint_wrapper=CheckpointWrapper,
@@ -530,4 +549,5 @@ _MODEL_OPS = _wrapping.ModelOps(
     check_reachable=_check_reachable,
     hooks_may_remove_themselves=False,
     forward_hooks_run=_compat.forward_hooks_run,
+    layer_containers=(nn.CellList, nn.SequentialCell, nn.CellDict),
 )

@@ -20,7 +20,11 @@ when called, saying what MindSpore lacks: ``group_swap=True``, ``cpu_pool`` and
 swapped layer (no in-place storage resize), the recompute sessions (no public session
 API, and PyNative's ``mindspore.grad`` runs the whole backward in one call), and
 :func:`create_native_selective_checkpoint_contexts` (PyTorch's, for compiled code).
-What differs, name by name: docs/guides/hyperparallel.md.
+HyperParallel's declarative recompute regions run too: :class:`RecomputePolicy`,
+:class:`ActivationCheckpointSelection`, :func:`apply_recompute_policy` and
+:func:`apply_submodule_checkpointing` (``recomp._recompute_policy``: NOTE [ Declared
+recompute regions ]), on recomp's checkpoints and excluded regions of MindSpore. What
+differs, name by name: docs/guides/hyperparallel.md.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from typing import Any, NoReturn
 
 import mindspore
 
+from .. import _recompute_policy
 from .._hyperparallel import check_early_stop, noop_context_fn, without_noop, wrapper_options
+from .._recompute_policy import ActivationCheckpointSelection, RecomputePolicy, check_swap_inputs
 from .._wrapping import WrapperMixin
 from . import _api
 from ._api import checkpoint_exclude_wrapper
@@ -46,13 +52,18 @@ from ._swap import (
     swap_wrapper,
 )
 
-# The 18 names of hyper_parallel.core.activation_memory.api.__all__, and SwapManager,
-# PinnedMemoryPool and AsyncSaveOnCpu of its swap module.
+# The 18 names of hyper_parallel.core.activation_memory.api.__all__, SwapManager,
+# PinnedMemoryPool and AsyncSaveOnCpu of its swap module, and HyperParallel's declarative
+# regions (RecomputePolicy, ActivationCheckpointSelection and what applies them).
 __all__ = [
+    "ActivationCheckpointSelection",
     "AsyncSaveOnCpu",
     "CheckpointPolicy",
     "PinnedMemoryPool",
+    "RecomputePolicy",
     "SwapManager",
+    "apply_recompute_policy",
+    "apply_submodule_checkpointing",
     "async_save_on_cpu",
     "checkpoint",
     "checkpoint_exclude_wrapper",
@@ -198,3 +209,66 @@ class PinnedMemoryPool:
             "Drop the pool and the cpu_pool= arguments: each swapped tensor is then copied "
             "on its own.",
         )
+
+
+def apply_recompute_policy(
+    model: Any,
+    policy: RecomputePolicy,
+    selection: ActivationCheckpointSelection | None = None,
+    *,
+    swap_inputs: bool = False,
+    **checkpoint_kwargs: Any,
+) -> Any:
+    """Checkpoint the recompute regions ``policy`` declares, in the layers ``selection``
+    chooses, and keep its excluded cells out of the replay, as
+    :func:`recomp.torch.hyperparallel.apply_recompute_policy` does on PyTorch: each
+    outermost cell ``region_patterns`` selects in a chosen layer becomes a
+    :func:`checkpoint_wrapper` (``early_stop`` False unless given, ``swap_inputs`` and
+    the other options passed on), each outermost cell ``exclude_patterns`` selects inside
+    the regions a :func:`checkpoint_exclude_wrapper`; MindSpore's own exclusions (the
+    sub-cells that issue collectives, dropouts it cannot replay) are added as in
+    :func:`recomp.mindspore.apply_activation_checkpointing`. The layers are those of a
+    ``CellList`` or ``SequentialCell`` named ``layers`` (or below a cell with
+    ``gradient_checkpointing``), else the children of a model that is one. Everything is
+    checked before anything is wrapped, with the same refusals as on PyTorch. Pairs the
+    regions of consecutive layers with :class:`SwapManager` when ``swap_inputs=True``,
+    calls ``policy.on_applied(model)`` and returns the model."""
+    api = "apply_recompute_policy"
+    check_swap_inputs(swap_inputs, api)
+    options = wrapper_options({**checkpoint_kwargs, "swap_inputs": swap_inputs}, early_stop=None)
+    also_exclude = _api.model_options(api, options)
+    return _recompute_policy.apply_recompute_policy(
+        _api.MODEL_OPS,
+        model,
+        policy,
+        selection,
+        api=api,
+        wrap_checkpoint=lambda c: _api.checkpoint_wrapper(c, **options),
+        wrap_exclude=lambda c, path: checkpoint_exclude_wrapper(c, name=path),
+        pair=SwapManager().set_forward_prefetch_layer if swap_inputs else None,
+        also_exclude=also_exclude,
+    )
+
+
+def apply_submodule_checkpointing(
+    layers: list[Any],
+    has_kv_sharing: bool,
+    enable_compile: bool = False,
+    swap_inputs: bool = False,
+) -> int:
+    """HyperParallel's ``apply_submodule_checkpointing`` on MindSpore: in each of
+    ``layers``, checkpoint the MLP, the attention (not with ``has_kv_sharing``), the two
+    norms and any ``*_moe_gen`` parts, by HyperParallel's names for them (see
+    :func:`recomp.torch.hyperparallel.apply_submodule_checkpointing`), with
+    :func:`checkpoint_wrapper`. ``enable_compile=True`` drops ``swap_inputs`` as there
+    (recomp's wrappers run in PyNative only). Returns how many parts it wrapped."""
+    api = "apply_submodule_checkpointing"
+    check_swap_inputs(swap_inputs, api)
+    options = {} if enable_compile else {"swap_inputs": swap_inputs}
+    return _recompute_policy.apply_submodule_checkpointing(
+        _api.MODEL_OPS,
+        layers,
+        has_kv_sharing,
+        api=api,
+        wrap_checkpoint=lambda c: checkpoint_wrapper(c, **options),
+    )

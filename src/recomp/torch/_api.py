@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -402,10 +402,10 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
         _engine.check_flag("exclude_collectives", checkpoint_kwargs["exclude_collectives"])
     if not isinstance(module, nn.Module):
         module = PlainFunction(module)
-    _wrapping.check_wrappable(_MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
+    _wrapping.check_wrappable(MODEL_OPS, module, CheckpointWrapper, "checkpoint_wrapper")
     warn_unhandled(BACKEND, module, "checkpoint_wrapper")
     return _wrapping.wrap_in_place(
-        _MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
+        MODEL_OPS, module, CheckpointWrapper, {CHECKPOINT_KWARGS: checkpoint_kwargs}
     )
 
 
@@ -457,8 +457,8 @@ def checkpoint_exclude_wrapper(
     )
     if not isinstance(module, nn.Module):
         module = PlainFunction(module)
-    _wrapping.check_wrappable(_MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
-    return _wrapping.wrap_in_place(_MODEL_OPS, module, ExcludeWrapper, {REGION: region})
+    _wrapping.check_wrappable(MODEL_OPS, module, ExcludeWrapper, "checkpoint_exclude_wrapper")
+    return _wrapping.wrap_in_place(MODEL_OPS, module, ExcludeWrapper, {REGION: region})
 
 
 def unwrap(module: Any) -> Any:
@@ -479,7 +479,7 @@ def unwrap(module: Any) -> Any:
     ):
         _hf.undo_hf_checkpointing(taken)  # hf_activation_checkpointing without exclusions
         return module  # or only swap wrappers below it
-    result = _wrapping.unwrap(_MODEL_OPS, module)
+    result = _wrapping.unwrap(MODEL_OPS, module)
     _hf.undo_hf_checkpointing(taken)
     return result
 
@@ -491,10 +491,11 @@ Selects = type | str | Callable[[nn.Module], bool] | list[Any] | tuple[Any, ...]
 def apply_activation_checkpointing(
     model: nn.Module,
     *,
-    checkpoint_fn: Selects,
+    checkpoint_fn: Selects | None = None,
     exclude_fn: Selects | None = None,
     offload_fn: Selects | None = None,
     copy_output_fn: Selects | None = None,
+    layers: Sequence[int] | None = None,
     **checkpoint_kwargs: Any,
 ) -> nn.Module:
     """Checkpoint every sub-module ``checkpoint_fn`` selects, excluding inside them every
@@ -525,6 +526,17 @@ def apply_activation_checkpointing(
     ``out += identity``). Other options pass to :func:`checkpoint_wrapper`,
     ``exclude_collectives`` among them (see :func:`checkpoint`).
 
+    ``layers`` holds the checkpoints to some of the model's layers, by position from 0:
+    ``range(16)`` (the first 16), ``[0, 4, 8]``, ``range(0, 32, 2)`` (every other one).
+    ``checkpoint_fn`` then selects among the modules of those layers (the layers
+    themselves, or regions inside them), and without ``checkpoint_fn`` the chosen layers
+    are checkpointed whole; ``range(0)`` checkpoints nothing. The layers are a Hugging
+    Face model's decoder (or encoder) layers, else the blocks of a container named
+    ``layers``, else the children of a model that is itself a ``Sequential`` or
+    ``ModuleList``. A number (``layers=4``), a negative or repeated position, a position
+    past the last layer or a model without layers raises :class:`recomp.SelectionError`
+    before anything is wrapped.
+
     Called again on a model wrapped before, it leaves every wrapper in place and adds:
     checkpoints where ``checkpoint_fn`` selects modules outside every checkpoint,
     excluded regions where ``exclude_fn`` selects modules inside one. It never removes an
@@ -533,8 +545,9 @@ def apply_activation_checkpointing(
     :class:`recomp.EarlierExclusionsWarning` naming them. To replace the exclusions,
     :func:`unwrap` the model first and apply again.
     """
+    _wrapping.check_something_to_checkpoint("apply_activation_checkpointing", checkpoint_fn, layers)
     selected = _wrapping.read_selections(
-        _MODEL_OPS,
+        MODEL_OPS,
         model,
         "apply_activation_checkpointing",
         {
@@ -543,17 +556,16 @@ def apply_activation_checkpointing(
             "offload_fn": offload_fn,
             "copy_output_fn": copy_output_fn,
         },
-        required=("checkpoint_fn",),
+        required=("checkpoint_fn",) if layers is None else (),
     )
-    exclude_region = _exclusion_options(
+    chosen = _wrapping.read_layers(MODEL_OPS, model, "apply_activation_checkpointing", layers)
+    exclude_region = exclusion_options(
         "apply_activation_checkpointing", selected, checkpoint_kwargs
     )
-    checkpoint_selection = selected["checkpoint_fn"]
-    assert checkpoint_selection is not None  # required
     _wrapping.apply_activation_checkpointing(
-        _MODEL_OPS,
+        MODEL_OPS,
         model,
-        checkpoint_selection,
+        _wrapping.held_to_layers(selected["checkpoint_fn"], chosen),
         selected["exclude_fn"],
         lambda m: checkpoint_wrapper(m, **checkpoint_kwargs),
         exclude_region,
@@ -562,7 +574,7 @@ def apply_activation_checkpointing(
     return model
 
 
-def _exclusion_options(
+def exclusion_options(
     api: str, selected: dict[str, Selection | None], checkpoint_kwargs: dict[str, Any]
 ) -> Callable[[nn.Module, str], Any]:
     """Check the checkpoint options of a whole-model call (``api``) and that its option
@@ -652,12 +664,12 @@ def hf_activation_checkpointing(
             f"model's layers. For other models use apply_activation_checkpointing."
         )
     selected = _wrapping.read_selections(
-        _MODEL_OPS,
+        MODEL_OPS,
         model,
         api,
         {"exclude_fn": exclude_fn, "offload_fn": offload_fn, "copy_output_fn": copy_output_fn},
     )
-    exclude_region = _exclusion_options(api, selected, checkpoint_kwargs)
+    exclude_region = exclusion_options(api, selected, checkpoint_kwargs)
     doubled = [path or "(the model itself)" for path, m in layers if isinstance(m, CheckpointWrapper)]
     if doubled:
         raise ValueError(
@@ -678,7 +690,7 @@ def hf_activation_checkpointing(
     owner = _hf.HFCheckpointing(checkpoint, checkpoint_kwargs)
     layer_ids = {id(m) for _, m in layers}
     _wrapping.apply_activation_checkpointing(
-        _MODEL_OPS,
+        MODEL_OPS,
         model,
         Selection("checkpoint_fn", predicates=(lambda m: id(m) in layer_ids,)),
         selected["exclude_fn"],
@@ -707,7 +719,7 @@ def _rebase_parametrization(module: nn.Module, wrapped: type, base: type) -> typ
     return type(cls.__name__, (base,), namespace)
 
 
-_MODEL_OPS = _wrapping.ModelOps(
+MODEL_OPS = _wrapping.ModelOps(
     framework="torch",
     module_type=nn.Module,
     checkpoint_wrapper=CheckpointWrapper,
@@ -718,6 +730,7 @@ _MODEL_OPS = _wrapping.ModelOps(
     # An instance ``forward`` is moved aside by wrap_in_place; nothing else bypasses it.
     check_reachable=lambda module, api: None,
     rebase_foreign=_rebase_parametrization,
+    layer_containers=(nn.ModuleList, nn.Sequential, nn.ModuleDict),
 )
 
 

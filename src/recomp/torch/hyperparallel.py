@@ -10,10 +10,14 @@ changed::
         swap_wrapper,
     )
 
-Every name of that module's ``__all__`` is here, and the public helpers of
+Every name of that module's ``__all__`` is here, the public helpers of
 ``hyper_parallel.distributed``'s ``attention_swap`` and ``activation_checkpoint``
 modules (``recomp.torch._hp_distributed``: NOTE [ Attention swap ], NOTE [
-Selective-checkpointing presets ]). Where HyperParallel defines a
+Selective-checkpointing presets ]), and its declarative recompute regions:
+:class:`RecomputePolicy` (of its model adapters), :class:`ActivationCheckpointSelection`
+(of its trainer config), :func:`apply_recompute_policy` and
+:func:`apply_submodule_checkpointing` (``recomp._recompute_policy``: NOTE [ Declared
+recompute regions ]). Where HyperParallel defines a
 behaviour, these names follow it: :func:`checkpoint` and :func:`checkpoint_wrapper`
 pass ``early_stop=True`` unless told otherwise and refuse a non-bool one
 (``ValueError``), run non-reentrant whatever ``use_reentrant`` says (in eager mode),
@@ -31,9 +35,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from torch import nn
+
+from .. import _recompute_policy
 from .._hyperparallel import check_early_stop, noop_context_fn, without_noop, wrapper_options
+from .._recompute_policy import ActivationCheckpointSelection, RecomputePolicy, check_swap_inputs
 from . import _api
 from ._api import checkpoint_exclude_wrapper
+from ._hf import guard_model_cache
 from ._hp_distributed import (
     apply_attention_swap,
     attention_swap_policy,
@@ -66,14 +75,20 @@ from ._swap import (
 )
 
 # The 18 names of hyper_parallel.core.activation_memory.api.__all__, SwapManager,
-# PinnedMemoryPool and AsyncSaveOnCpu of its swap module, and the public names of
-# hyper_parallel.distributed's attention_swap and activation_checkpoint modules.
+# PinnedMemoryPool and AsyncSaveOnCpu of its swap module, the public names of
+# hyper_parallel.distributed's attention_swap and activation_checkpoint modules, and
+# its declarative regions (RecomputePolicy, ActivationCheckpointSelection and what
+# applies them).
 __all__ = [
+    "ActivationCheckpointSelection",
     "AsyncSaveOnCpu",
     "CheckpointPolicy",
     "PinnedMemoryPool",
+    "RecomputePolicy",
     "SwapManager",
     "apply_attention_swap",
+    "apply_recompute_policy",
+    "apply_submodule_checkpointing",
     "async_save_on_cpu",
     "attention_swap_policy",
     "checkpoint",
@@ -178,3 +193,89 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     ``isinstance`` unchanged; ``recomp.torch.unwrap`` undoes it)."""
     options = wrapper_options(checkpoint_kwargs, early_stop=True)
     return _api.checkpoint_wrapper(module, **options)
+
+
+def apply_recompute_policy(
+    model: nn.Module,
+    policy: RecomputePolicy,
+    selection: ActivationCheckpointSelection | None = None,
+    *,
+    swap_inputs: bool = False,
+    **checkpoint_kwargs: Any,
+) -> nn.Module:
+    """Checkpoint the recompute regions ``policy`` declares, in the layers ``selection``
+    chooses, and keep its excluded modules out of the replay: what HyperParallel does
+    for ``activation_checkpoint.selection.source: model_adapter_safe_regions`` with the
+    model adapter's ``RecomputePolicy``::
+
+        policy = RecomputePolicy(region_patterns=("model.layers.*",),
+                                 exclude_patterns=("model.layers.*.self_attn",))
+        apply_recompute_policy(model, policy, ActivationCheckpointSelection(
+            source="model_adapter_safe_regions", layer_count=16))
+
+    Each outermost module ``region_patterns`` selects in a chosen layer becomes a
+    :func:`checkpoint_wrapper` (HyperParallel's defaults, ``swap_inputs`` and the other
+    options passed on), each outermost module ``exclude_patterns`` selects inside the
+    regions a :func:`checkpoint_exclude_wrapper` (it runs once; the replay gets its
+    output). Patterns are module paths with ``fnmatch`` wildcards, matched as
+    :func:`recomp.torch.apply_activation_checkpointing` matches them (against the end of
+    each module's dotted path). ``selection``: an :class:`ActivationCheckpointSelection`
+    (or a mapping or object with its fields), ``layer_count`` or ``layer_indices``
+    counting the model's layers from 0 (a Hugging Face model's decoder layers, several
+    stacks one after the other); None takes the regions anywhere in the model.
+
+    Checks everything before wrapping anything, and raises (the model unchanged) for: no
+    region pattern; a pattern that matches no module of the model
+    (:class:`recomp.SelectionError`, with the closest paths); region patterns selecting
+    no module in the chosen layers; exclude patterns selecting nothing inside the
+    regions; a region that is itself excluded; a bad selection or one past the model's
+    layers (``ValueError``). Then turns Hugging Face's own checkpointing off if it is on,
+    wraps in place (names, ``state_dict`` keys and ``isinstance`` unchanged;
+    :func:`recomp.torch.unwrap` undoes it), pairs the regions of consecutive layers with
+    :class:`SwapManager` when ``swap_inputs=True``, calls ``policy.on_applied(model)``
+    and returns the model. ``layer_count=0`` checks the policy and wraps nothing."""
+    api = "apply_recompute_policy"
+    check_swap_inputs(swap_inputs, api)
+    options = wrapper_options({**checkpoint_kwargs, "swap_inputs": swap_inputs}, early_stop=True)
+    unselected: dict[str, Any] = {"exclude_fn": None, "offload_fn": None, "copy_output_fn": None}
+    exclude_region = _api.exclusion_options(api, unselected, options)
+    _recompute_policy.apply_recompute_policy(
+        _api.MODEL_OPS,
+        model,
+        policy,
+        selection,
+        api=api,
+        wrap_checkpoint=lambda m: _api.checkpoint_wrapper(m, **options),
+        wrap_exclude=exclude_region,
+        pair=SwapManager().set_forward_prefetch_layer if swap_inputs else None,
+    )
+    guard_model_cache(model)
+    return model
+
+
+def apply_submodule_checkpointing(
+    layers: list[nn.Module],
+    has_kv_sharing: bool,
+    enable_compile: bool = False,
+    swap_inputs: bool = False,
+) -> int:
+    """HyperParallel's ``apply_submodule_checkpointing``: in each of ``layers``, checkpoint
+    the MLP (the first of ``mlp``, ``feed_forward``, ``ffn``), the attention (``self_attn``,
+    ``attention``, ``attn``, ``linear_attn``; left alone when ``has_kv_sharing``: an
+    attention writing a cache other layers read must not run again), the two norms
+    (``input_layernorm``, ``attention_norm``, ``layer_norm1``, ``norm1``;
+    ``post_attention_layernorm``, ``ffn_norm``, ``layer_norm2``, ``norm2``) and any
+    ``mlp_moe_gen``, ``input_layernorm_moe_gen``, ``post_attention_layernorm_moe_gen``,
+    each with :func:`checkpoint_wrapper` (``swap_inputs`` passed, except with
+    ``enable_compile=True``). A part recomp already wraps is left as it is. Wraps in place
+    (every part checked first) and returns how many parts it wrapped."""
+    api = "apply_submodule_checkpointing"
+    check_swap_inputs(swap_inputs, api)
+    options = {} if enable_compile else {"swap_inputs": swap_inputs}
+    return _recompute_policy.apply_submodule_checkpointing(
+        _api.MODEL_OPS,
+        layers,
+        has_kv_sharing,
+        api=api,
+        wrap_checkpoint=lambda m: checkpoint_wrapper(m, **options),
+    )
