@@ -49,6 +49,7 @@ from ._kept import (
     recompute_handle_collector_ctx,
     recompute_session_ctx,
 )
+from ._offload_session import OffloadConfig, OffloadSession, skip_offload
 from ._swap import (
     AsyncSaveOnCpu,
     CheckpointPolicy,
@@ -66,11 +67,14 @@ from ._swap import (
 )
 
 # The 18 names of hyper_parallel.core.activation_memory.api.__all__, SwapManager,
-# PinnedMemoryPool and AsyncSaveOnCpu of its swap module, and the public names of
-# hyper_parallel.distributed's attention_swap and activation_checkpoint modules.
+# PinnedMemoryPool and AsyncSaveOnCpu of its swap module, the public names of
+# hyper_parallel.distributed's attention_swap and activation_checkpoint modules, and
+# hyper_parallel.auto_parallel.hyper_offload's three.
 __all__ = [
     "AsyncSaveOnCpu",
     "CheckpointPolicy",
+    "OffloadConfig",
+    "OffloadSession",
     "PinnedMemoryPool",
     "SwapManager",
     "apply_attention_swap",
@@ -93,6 +97,7 @@ __all__ = [
     "recompute_handle",
     "recompute_handle_collector_ctx",
     "recompute_session_ctx",
+    "skip_offload",
     "swap",
     "swap_tensor_wrapper",
     "swap_wrapper",
