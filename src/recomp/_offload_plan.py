@@ -19,8 +19,10 @@ can, and copies not hidden by compute cost more:
 1. Candidates: storages that may move (a plain device tensor of at least the size
    threshold, not a parameter) with at least one event between their last save and
    their first read (their reuse distance).
-2. Each candidate's gain is the excess over the budget it removes, summed over the
-   events it frees (``min(size, excess)`` per event); its cost is the bytes it moves,
+2. Each candidate frees the events between its last save and its first read (as if
+   it came back just in time; step 4 says when). Its gain is the excess over the
+   budget it removes, summed over those events (``min(size, excess)`` per event); its
+   cost is the bytes it moves,
    weighted up by the part of its copies (out and back, at the host link's bandwidth)
    that its reuse window cannot hide. The candidate with the best gain per cost is
    taken, the gains updated (lazily: a gain only falls as the excess does), until no
@@ -31,9 +33,10 @@ can, and copies not hidden by compute cost more:
    budget holds without them.
 4. Copies back share one stream: from the last read backwards, each copy is placed to
    end before its read and before the next copy starts, and starts at the latest
-   event whose time allows it. Where that brings a storage back earlier than step 2
-   assumed, the resident bytes are checked again and steps 2-4 repeat for what is
-   over (three rounds at most).
+   event whose time allows it.
+5. Where a copy back started that early passes the budget, it starts later (at its
+   read at the latest, where backward then waits for it). If events are still over
+   the budget, steps 2-5 run again for them (three rounds at most).
 
 Times come from the trace (device times of each event, measured on a device) and
 the host link's bandwidth; an untimed trace (CPU) counts every event and every copy
@@ -172,7 +175,7 @@ class TraceRecorder:
 class OffloadDecision:
     """One storage the plan moves: its copy to the host starts after event
     ``offload_after`` (its last save), its copy back at event ``prefetch_at`` (None:
-    never read in the traced step)."""
+    when backward reads it, or never if it is not read in the traced step)."""
 
     storage: int
     nbytes: int
@@ -239,7 +242,7 @@ class OffloadPlan:
         if tr.host_bandwidth and tr.seconds is not None and self.decisions:
             hidden = sum(1 for d in self.decisions.values() if d.hidden)
             lines.append(
-                f"Host link {tr.host_bandwidth / 1e9:.1f} GB/s: {hidden} of "
+                f"Host link {tr.host_bandwidth / 1e9:.3g} GB/s: {hidden} of "
                 f"{len(self.decisions)} copies hidden in their reuse window; predicted wait "
                 f"{(self.exposed_seconds or 0.0) * 1e3:.2f} ms."
             )
@@ -331,10 +334,8 @@ class _Planning:
                 break
         return best
 
-    def own_prefetch(self, s: TracedStorage) -> int:
-        if not s.reads:
-            return self.n
-        return self.latest_start(s, self.t[s.reads[0]])
+    def first_read(self, s: TracedStorage) -> int:
+        return s.reads[0] if s.reads else self.n
 
     # -- the steps -----------------------------------------------------------------
 
@@ -357,6 +358,7 @@ class _Planning:
             self.reverse_delete(prefetch)
             prefetch = self.schedule_copies_back()
             self.res = self.resident_with(prefetch)
+            self.delay_copies_back(prefetch)
             if max(self.res) <= self.budget:
                 break
         self.chosen = prefetch
@@ -385,7 +387,7 @@ class _Planning:
         for s in self.candidates():
             if s.index in self.chosen:
                 continue
-            span = range(s.saves[-1] + 1, self.own_prefetch(s))
+            span = range(s.saves[-1] + 1, self.first_read(s))
             if not span:
                 continue
             spans[s.index] = span
@@ -446,9 +448,30 @@ class _Planning:
             s = storages[index]
             finish = min(self.t[s.reads[0]], free)
             out[index] = self.latest_start(s, finish)
-            free = min(finish - self.copy(s.nbytes), self.t[out[index]])
+            free = finish - self.copy(s.nbytes)  # the copy before it ends by then
         self.chosen = dict(out)
         return out
+
+    def delay_copies_back(self, prefetch: dict[int, int]) -> None:
+        """Step 5: where a copy back started early passes the budget, start it later
+        (at its read at the latest, where backward waits for it)."""
+        storages, res, budget = self.tr.storages, self.res, self.budget
+        for e in range(self.n):
+            if res[e] <= budget:
+                continue
+            early = [
+                i
+                for i, stop in prefetch.items()
+                if storages[i].reads and stop <= e < storages[i].reads[0]
+            ]
+            for index in sorted(early, key=lambda i: -storages[i].reads[0]):
+                if res[e] <= budget:
+                    break
+                s, old = storages[index], prefetch[index]
+                for f in range(old, e + 1):
+                    res[f] -= s.nbytes
+                prefetch[index] = e + 1
+        self.chosen = dict(prefetch)
 
     def resident_with(self, prefetch: dict[int, int]) -> list[int]:
         res = list(self.base)
@@ -477,9 +500,26 @@ class _Planning:
 
     # -- the reasons -------------------------------------------------------------------
 
+    def waits(self) -> dict[int, float]:
+        """Per storage read: how long after its read its copy back ends, the copies
+        run one after another in the order their events start them."""
+        storages, out = self.tr.storages, {}
+        order = sorted(
+            (i for i in self.chosen if storages[i].reads),
+            key=lambda i: (self.chosen[i], storages[i].reads[0]),
+        )
+        free = float("-inf")
+        for index in order:
+            s = storages[index]
+            end = max(self.t[self.chosen[index]], free) + self.copy(s.nbytes)
+            out[index] = max(0.0, end - self.t[s.reads[0]])
+            free = end
+        return out
+
     def explain(self, plan: OffloadPlan) -> None:
-        tr, n = self.tr, self.n
+        tr = self.tr
         exposed = 0.0
+        waits = self.waits() if self.timed else {}
         for index, stop in sorted(self.chosen.items()):
             s = tr.storages[index]
             last, first = s.saves[-1], (s.reads[0] if s.reads else None)
@@ -496,20 +536,25 @@ class _Planning:
                 f"; off the device over events {span.start}-{span.stop - 1}, where the step held "
                 f"up to {format_bytes(held)}"
             )
+            if first is not None:
+                text += (
+                    f"; back from event {stop}, ahead of its read"
+                    if stop < first
+                    else "; copied back when read"
+                )
             hidden: bool | None = None
             if self.timed and first is not None:
                 c = self.copy(s.nbytes)
-                late = max(0.0, self.t[stop] - (self.t[first] - c))
+                late = waits[index]
                 exposed += late
                 hidden = self.exposure(s) == 0.0 and late == 0.0
                 text += (
                     f"; copies {c * 1e3:.2f} ms each way at "
-                    f"{float(tr.host_bandwidth or 0) / 1e9:.1f} GB/s, "
+                    f"{float(tr.host_bandwidth or 0) / 1e9:.3g} GB/s, "
                     + ("hidden" if hidden else "not all hidden")
                 )
-            plan.decisions[index] = OffloadDecision(
-                index, s.nbytes, last, stop if stop < n else None, hidden, text
-            )
+            ahead = stop if first is not None and stop < first else None
+            plan.decisions[index] = OffloadDecision(index, s.nbytes, last, ahead, hidden, text)
         if self.timed:
             plan.exposed_seconds = exposed
         for s in tr.storages:
