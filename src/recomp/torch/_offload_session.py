@@ -67,13 +67,16 @@ from ._swap.pool import PinnedMemoryPool
 class _Record:
     """One storage the step saved (NOTE [ Offload sessions ], 1)."""
 
-    __slots__ = ("__weakref__", "aborted", "alias", "index", "movable", "nbytes", "read", "step",
-                 "stored", "views")  # fmt: skip
+    __slots__ = ("__weakref__", "aborted", "alias", "index", "movable", "nbytes", "origin",
+                 "read", "step", "stored", "views")  # fmt: skip
 
     def __init__(self, step: _Step, index: int, alias: torch.Tensor, nbytes: int, movable: bool):
         self.step = step
         self.index = index  # its storage index in the step's trace
         self.alias: torch.Tensor | None = alias
+        # The tensor first saved, weakly: its version counter (shared by every view of
+        # the storage) tells a change in place after the record moved.
+        self.origin: Any = None
         self.nbytes = nbytes
         self.movable = movable
         self.stored: Any = None  # the offloader's record once moved
@@ -176,6 +179,7 @@ class _Step:
             host = self.pool.block_size(nbytes)
             index = self.recorder.new_storage(nbytes, label, movable, why, host)
         rec = _Record(self, index, t.detach(), nbytes, movable)
+        rec.origin = weakref.ref(t)
         self.records.append(weakref.ref(rec, self._died(index)))
         if movable:
             self.movable[index] = weakref.ref(rec)
@@ -317,11 +321,12 @@ class _Step:
         if self.recorder is not None:
             self.recorder.read(rec.index)
         self.after_event()
+        origin = rec.origin()
+        now = _compat.version(origin if origin is not None else rec.alias)  # type: ignore[arg-type]
+        if now is not None and handle.version is not None and now != handle.version:
+            raise _changed(handle)
         if rec.stored is None:
             flat = rec.alias
-            now = _compat.version(flat)  # type: ignore[arg-type]
-            if now is not None and handle.version is not None and now != handle.version:
-                raise _changed(handle)
         else:
             flat = self.fetch(rec, handle)
         with _quiet():
