@@ -325,10 +325,7 @@ class _Step:
         now = _compat.version(origin if origin is not None else rec.alias)  # type: ignore[arg-type]
         if now is not None and handle.version is not None and now != handle.version:
             raise _changed(handle)
-        if rec.stored is None:
-            flat = rec.alias
-        else:
-            flat = self.fetch(rec, handle)
+        flat = rec.alias if rec.stored is None else self.fetch(rec, handle)
         with _quiet():
             out = torch.empty(0, dtype=handle.dtype, device=flat.device)  # type: ignore[union-attr]
             out.set_(flat.untyped_storage(), handle.offset, handle.size, handle.stride)  # type: ignore[union-attr]
