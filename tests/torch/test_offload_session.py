@@ -564,3 +564,29 @@ def test_a_planner_of_ones_own(host):
     step = exp_step(session, [4, 1, 2])
     # Nothing planned: the budget check moves what passes it, counted as unplanned.
     assert step.mode == "replay" and step.unplanned_evictions > 0
+
+
+def test_a_hugging_face_llama_with_its_own_checkpointing_switch(host):
+    pytest.importorskip("transformers")
+    from hf_models import tiny_llama
+
+    plain = tiny_llama(layers=3, hidden=64, heads=4)
+    wrapped = copy.deepcopy(plain)
+    rt.hf_activation_checkpointing(wrapped, exclude_fn="*.self_attn")
+    ids = torch.randint(0, plain.config.vocab_size, (2, 32))
+
+    def run(m, ctx):
+        m.zero_grad(set_to_none=True)
+        with ctx:
+            m(ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in m.parameters() if p.grad is not None]
+
+    reference = run(plain, contextlib.nullcontext())
+    for m in (plain, wrapped):
+        session = rt.offload_session(32 * K, min_bytes=0)
+        for _ in range(2):
+            assert_equal(run(m, session), reference)
+        step = session.last_step
+        assert step.mode == "replay" and step.offloaded_bytes > 0
+        largest = max(s.nbytes for s in session.trace.storages)
+        assert step.peak_resident_bytes <= 32 * K + largest

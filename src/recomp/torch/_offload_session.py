@@ -287,6 +287,8 @@ class _Step:
     def after_event(self) -> None:
         event = self.events
         self.events += 1
+        if self.off.pending_copies:
+            self.off.poll()  # copies to the host that are done give their storage back
         if self.timing is not None:
             done = torch.cuda.Event(enable_timing=True)
             done.record()
