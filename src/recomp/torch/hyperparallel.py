@@ -10,10 +10,12 @@ changed::
         swap_wrapper,
     )
 
-Every name of that module's ``__all__`` is here, and the public helpers of
+Every name of that module's ``__all__`` is here, the public helpers of
 ``hyper_parallel.distributed``'s ``attention_swap`` and ``activation_checkpoint``
 modules (``recomp.torch._hp_distributed``: NOTE [ Attention swap ], NOTE [
-Selective-checkpointing presets ]). Where HyperParallel defines a
+Selective-checkpointing presets ]), and HyperOffload's ``OffloadConfig``,
+``OffloadSession`` and ``skip_offload`` (``hyper_parallel.auto_parallel.hyper_offload``;
+NOTE [ Offload sessions ] in ``recomp.torch._offload_session``). Where HyperParallel defines a
 behaviour, these names follow it: :func:`checkpoint` and :func:`checkpoint_wrapper`
 pass ``early_stop=True`` unless told otherwise and refuse a non-bool one
 (``ValueError``), run non-reentrant whatever ``use_reentrant`` says (in eager mode),
