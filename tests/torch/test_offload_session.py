@@ -170,7 +170,8 @@ def test_gradients_equal_the_model_without_the_session(host, budget):
     for seed in (1, 1, 2):  # warmup, replay, replay with other dropout masks
         reference = grads(plain, x, contextlib.nullcontext(), seed)
         assert_equal(grads(plain, x, session, seed), reference)
-        assert session.last_step.peak_resident_bytes <= max(budget, 0) + 64 * 32 * 4 * 16
+        largest = max(s.nbytes for s in session.trace.storages)
+        assert session.last_step.peak_resident_bytes <= budget + largest
     if budget < 1 << 30:
         assert session.last_step.offloaded_bytes > 0
 
@@ -210,6 +211,30 @@ def test_hyperparallel_checkpoints_under_the_session(host):
     for _ in range(2):
         assert_equal(grads(wrapped, x, session), reference)
     assert session.last_step.mode == "replay" and session.last_step.offloaded_bytes > 0
+
+
+def test_a_region_s_own_offload_and_a_swapped_layer_keep_their_places(host):
+    # offload=True on a region and swap_wrapper's hooks are inner to the session's: they
+    # decide for their tensors; the session takes the rest. Gradients stay exact.
+    plain = model()
+    wrapped = copy.deepcopy(plain)
+    own = rt.Offloader(min_bytes=0)
+    wrapped[0].attn = rt.checkpoint_exclude_wrapper(wrapped[0].attn, offload=own, name="own")
+    wrapped[0] = rt.checkpoint_wrapper(wrapped[0])
+    wrapped[1] = rt.swap_wrapper(wrapped[1])
+    wrapped[2].attn = rt.checkpoint_exclude_wrapper(wrapped[2].attn, name="theirs")
+    wrapped[2] = rt.checkpoint_wrapper(wrapped[2])
+    x = torch.randn(16, 32)
+    reference = grads(plain, x, contextlib.nullcontext())
+    session = rt.offload_session(0, min_bytes=0)
+    for _ in range(2):
+        before = own.stats.offloaded_bytes
+        assert_equal(grads(wrapped, x, session), reference)
+        assert own.stats.offloaded_bytes > before  # the region's own offloader moved its part
+    regions = {s.label.rpartition(" in ")[2] for s in session.trace.storages}
+    assert "theirs" in regions and "own" not in regions
+    assert sum(" in a checkpoint's inputs" in s.label for s in session.trace.storages) == 2
+    assert session.last_step.offloaded_bytes > 0
 
 
 def test_a_second_backward_brings_the_tensors_back_again(host):
