@@ -17,6 +17,7 @@ __all__ = [
     "IneffectiveSelectionWarning",
     "InstanceRequiredError",
     "NestedExclusionError",
+    "OffloadTraceWarning",
     "OutputNotSavedError",
     "ParameterChangedError",
     "PlanFormatError",
@@ -225,6 +226,13 @@ class SwapPolicyError(RecompError, ValueError):
     ``CheckpointPolicy`` or a bool), or a swap was asked for where none can happen
     (``MUST_SWAP`` with no recomp checkpoint around it, or under ``torch.compile``).
     Raised by both frameworks; also a ``ValueError``."""
+
+
+class OffloadTraceWarning(UserWarning):
+    """A step under an offload session saved tensors of other shapes, types or order
+    than the traced step: it ran without the plan (tensors move when the budget is
+    passed, as in the traced step) and the next step is traced again. The message
+    names the first save that differs."""
 
 
 class SwapNotSupportedError(RecompError, NotImplementedError):

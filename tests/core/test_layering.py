@@ -183,6 +183,8 @@ CORE_ORDER = [
     "recomp._backend",
     "recomp._hooks",
     "recomp._saved_hooks",
+    "recomp._offload_plan",
+    "recomp._offload_session",
     "recomp._rng_trackers",
     "recomp._record",
     "recomp._op_policy",

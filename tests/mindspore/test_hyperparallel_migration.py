@@ -439,3 +439,27 @@ def test_swap_call_and_async_save_on_cpu_block_with_the_environment_switch(monke
     assert_same(grads(ref, ref.trainable_params(), X), got)
     assert _swap.STATS.offloaded_bytes == _swap.STATS.restored_bytes > 0
     assert "async_save_on_cpu" in _swap.STATS.prefetched_groups  # read after the swap call's
+
+
+def test_the_offload_session_names_are_there_and_the_session_says_what_is_missing():
+    # HyperOffload's three names: the config is the one class both frameworks share,
+    # skip_offload runs what it decorates (no session is ever active here), and making a
+    # session raises, naming what recomp's MindSpore backend lacks and what to use.
+    from recomp import _offload_session
+
+    config = hp.OffloadConfig(max_resident_activation_mb=512)
+    assert hp.OffloadConfig is _offload_session.OffloadConfig  # recomp.torch's too
+    assert config.budget_bytes == 512 << 20
+
+    @hp.skip_offload
+    def region(x):
+        return ops.sin(x)
+
+    x = tensor(2, 3)
+    assert_same(region(x), ops.sin(x))
+    assert hp.OffloadSession.get_active() is None
+    with pytest.raises(errors.SwapNotSupportedError, match="pinned host pool") as info:
+        hp.OffloadSession(config)
+    assert "swap_wrapper(layer, policy_fn=...)" in str(info.value)
+    with pytest.raises(ValueError, match="max_resident_activation_mb"):
+        hp.OffloadConfig(max_resident_activation_mb=-1)

@@ -18,8 +18,10 @@ rest is here under its name and raises :class:`recomp.errors.SwapNotSupportedErr
 when called, saying what MindSpore lacks: ``group_swap=True``, ``cpu_pool`` and
 :class:`PinnedMemoryPool` (no pinned host pool), ``swap_tensor_wrapper`` inside a
 swapped layer (no in-place storage resize), the recompute sessions (no public session
-API, and PyNative's ``mindspore.grad`` runs the whole backward in one call), and
-:func:`create_native_selective_checkpoint_contexts` (PyTorch's, for compiled code).
+API, and PyNative's ``mindspore.grad`` runs the whole backward in one call),
+:func:`create_native_selective_checkpoint_contexts` (PyTorch's, for compiled code) and
+:class:`OffloadSession` (no storage-level moves or pinned pool; :class:`OffloadConfig`
+and :func:`skip_offload` are there, so that code naming them imports).
 HyperParallel's declarative recompute regions run too: :class:`RecomputePolicy`,
 :class:`ActivationCheckpointSelection`, :func:`apply_recompute_policy` and
 :func:`apply_submodule_checkpointing` (``recomp._recompute_policy``: NOTE [ Declared
@@ -36,6 +38,7 @@ import mindspore
 
 from .. import _recompute_policy
 from .._hyperparallel import check_early_stop, noop_context_fn, without_noop, wrapper_options
+from .._offload_session import OffloadConfig, skip_offload
 from .._recompute_policy import ActivationCheckpointSelection, RecomputePolicy, check_swap_inputs
 from .._wrapping import WrapperMixin
 from . import _api
@@ -53,12 +56,15 @@ from ._swap import (
 )
 
 # The 18 names of hyper_parallel.core.activation_memory.api.__all__, SwapManager,
-# PinnedMemoryPool and AsyncSaveOnCpu of its swap module, and HyperParallel's declarative
-# regions (RecomputePolicy, ActivationCheckpointSelection and what applies them).
+# PinnedMemoryPool and AsyncSaveOnCpu of its swap module, HyperParallel's declarative
+# regions (RecomputePolicy, ActivationCheckpointSelection and what applies them), and
+# hyper_parallel.auto_parallel.hyper_offload's three.
 __all__ = [
     "ActivationCheckpointSelection",
     "AsyncSaveOnCpu",
     "CheckpointPolicy",
+    "OffloadConfig",
+    "OffloadSession",
     "PinnedMemoryPool",
     "RecomputePolicy",
     "SwapManager",
@@ -78,6 +84,7 @@ __all__ = [
     "recompute_handle",
     "recompute_handle_collector_ctx",
     "recompute_session_ctx",
+    "skip_offload",
     "swap",
     "swap_tensor_wrapper",
     "swap_wrapper",
@@ -272,3 +279,26 @@ def apply_submodule_checkpointing(
         api=api,
         wrap_checkpoint=lambda c: checkpoint_wrapper(c, **options),
     )
+
+
+class OffloadSession:
+    """Not on MindSpore: making one raises :class:`recomp.errors.SwapNotSupportedError`.
+    :class:`OffloadConfig` is the same class as on PyTorch, and :func:`skip_offload`
+    runs the function it decorates as it is (no session is ever active here)."""
+
+    def __init__(self, config: OffloadConfig | None = None) -> None:
+        raise refuse(
+            "OffloadSession(config)",
+            "an offload session moves each storage saved for backward once, with every view "
+            "saved of it rebuilt on the bytes brought back, into a bounded pinned host pool "
+            "(max_offload_activation_mb); recomp's MindSpore backend copies whole tensors "
+            "with Tensor.move_to and has no pinned host pool (as for cpu_pool)",
+            "Choose what moves per layer instead: swap_wrapper(layer, policy_fn=...) or "
+            "checkpoint_wrapper(layer, swap_inputs=True); on PyTorch, "
+            "recomp.torch.hyperparallel.OffloadSession runs.",
+        )
+
+    @staticmethod
+    def get_active() -> None:
+        """Always None on MindSpore."""
+        return None

@@ -40,6 +40,7 @@ from ._kept import (
     recompute_session_ctx,
 )
 from ._offload import Offloader, OffloadStats, default_offloader
+from ._offload_session import offload_session
 from ._swap import CheckpointPolicy, swap, swap_wrapper
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "clear_recompute_session",
     "default_offloader",
     "hf_activation_checkpointing",
+    "offload_session",
     "recompute_handle",
     "recompute_handle_collector_ctx",
     "recompute_session_ctx",

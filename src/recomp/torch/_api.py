@@ -27,7 +27,7 @@ from .._wrapping import (
     default_name,
 )
 from ..errors import RecompError
-from . import _compat, _compile, _hf, _kept, _partition, _swap
+from . import _compat, _compile, _hf, _kept, _offload_session, _partition, _swap
 from ._backend import BACKEND
 from ._collective_cache import collectives_may_run, keep_collective_results
 from ._debug import debug_options
@@ -136,13 +136,16 @@ def checkpoint(
         value_check_option(kwargs, debug=False, compiled=True)
         return _compile.checkpoint(function, args, kwargs, context_fn)
     check_callable(function, "checkpoint", "module")
-    user = None if saved_tensors_hooks is None else UserHooks(saved_tensors_hooks, "checkpoint")
+    user: Any = None if saved_tensors_hooks is None else UserHooks(saved_tensors_hooks, "checkpoint")
     if user is not None and (partition_inputs is not None or swap_inputs):
         raise ValueError(
             "checkpoint(..., saved_tensors_hooks=...) cannot be combined with "
             "partition_inputs or swap_inputs=True: each keeps the checkpoint's saved "
             "inputs its own way. Pass one of them."
         )
+    if user is None and partition_inputs is None and not swap_inputs:
+        # An offload session keeps what the checkpoint keeps (NOTE [ Offload sessions ]).
+        user = _offload_session.active_placer()
     if _TORCH_CALL.pending:
         _TORCH_CALL.pending = False
         raise RecompError(

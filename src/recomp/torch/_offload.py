@@ -102,6 +102,7 @@ class _Stored:
         "offloader",
         "reads",
         "ready",
+        "release",
         "resident",
         "source",
         "source_version",
@@ -133,6 +134,9 @@ class _Stored:
         self.back = False
         # What the caller called it (``swap_tensor_wrapper``'s tag), for the trace.
         self.label: str | None = None
+        # Gives the host block back to its pool now (None: no pool); also runs when the
+        # record dies.
+        self.release: Any = None
 
     def changed(self) -> bool:
         src = self.source
@@ -171,6 +175,7 @@ class OffloadGroup:
 
     __slots__ = (
         "__weakref__",
+        "chain",
         "chained_pass",
         "name",
         "offloaded_bytes",
@@ -194,6 +199,9 @@ class OffloadGroup:
         # storage -> (alias of it, its record), for the region's forward only.
         self.sources: dict[Hashable, tuple[torch.Tensor, _Stored]] = {}
         self.chained_pass: int | None = None
+        # Whether its first read in a backward pass brings back the group before it
+        # (False: an offload session, whose plan says what comes back when).
+        self.chain = True
 
     def put(
         self,
@@ -252,6 +260,28 @@ class OffloadGroup:
                 if stored.ready is not None:
                     torch.cuda.current_stream(stored.device).wait_event(stored.ready)
                     stored.ready = None
+
+    # -- one storage at a time (the offload session's moves) --------------------------
+
+    def take(self, source: torch.Tensor) -> _Stored:
+        """Start copying ``source``'s whole storage to the host; the copy in flight holds
+        the storage until it completes, nothing else here does."""
+        with _quiet():
+            stored = self.offloader._copy_out(self, source)
+        self.records.append(weakref.ref(stored))
+        return stored
+
+    def bring_back(self, stored: _Stored) -> None:
+        """Start copying ``stored`` back to the device, if it is on the host only."""
+        if stored.resident is None and stored.source is None and stored.host is not None:
+            with _quiet():
+                self.offloader._restore(stored, ahead=True)
+
+    def read(self, stored: _Stored) -> torch.Tensor:
+        """``stored``'s bytes on the device, ready for the current stream (copied back
+        now if they were not brought back)."""
+        with _quiet():
+            return self.offloader._fetch(stored)
 
     def prefetch(self) -> None:
         """Start bringing this region's tensors back to the device."""
@@ -338,9 +368,26 @@ class Offloader:
         return group
 
     @property
+    def host_mode(self) -> bool:
+        """Whether the last group opened runs the CPU test mode (``host_copy``)."""
+        return self._host_mode
+
+    def eligible(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage would move (a plain tensor, on a device served here,
+        of at least ``min_bytes``)."""
+        return self._eligible(t)
+
+    @property
     def pending_copies(self) -> int:
         """Copies to the host not yet seen complete (their device storage is still held)."""
         return len(self._in_flight)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Device bytes held by the copies to the host not yet seen complete."""
+        with self._lock:
+            copies = list(self._in_flight)
+        return sum(c.source.untyped_storage().nbytes() for c in copies if c.source is not None)
 
     def poll(self) -> None:
         """Release the device storage of every copy that has completed."""
@@ -528,7 +575,7 @@ class Offloader:
         """On the first read of a region in a backward pass, start restoring the region
         recorded before it: the next one in backward order."""
         group = stored.group()
-        if group is None:
+        if group is None or not group.chain:
             return
         current_pass = _compat.graph_task_id()
         if group.chained_pass == current_pass:
@@ -567,7 +614,7 @@ def _host_buffer(group: OffloadGroup, stored: _Stored) -> torch.Tensor:
     if pool is None:
         return torch.empty(stored.nbytes, dtype=torch.uint8, pin_memory=True)
     block = pool.acquire(stored.nbytes)
-    weakref.finalize(stored, pool.release, block)
+    stored.release = weakref.finalize(stored, pool.release, block)
     return block[: stored.nbytes]
 
 

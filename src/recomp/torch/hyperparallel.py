@@ -13,11 +13,13 @@ changed::
 Every name of that module's ``__all__`` is here, the public helpers of
 ``hyper_parallel.distributed``'s ``attention_swap`` and ``activation_checkpoint``
 modules (``recomp.torch._hp_distributed``: NOTE [ Attention swap ], NOTE [
-Selective-checkpointing presets ]), and its declarative recompute regions:
+Selective-checkpointing presets ]), its declarative recompute regions:
 :class:`RecomputePolicy` (of its model adapters), :class:`ActivationCheckpointSelection`
 (of its trainer config), :func:`apply_recompute_policy` and
 :func:`apply_submodule_checkpointing` (``recomp._recompute_policy``: NOTE [ Declared
-recompute regions ]). Where HyperParallel defines a
+recompute regions ]), and HyperOffload's ``OffloadConfig``, ``OffloadSession`` and
+``skip_offload`` (``hyper_parallel.auto_parallel.hyper_offload``; NOTE [ Offload
+sessions ] in ``recomp.torch._offload_session``). Where HyperParallel defines a
 behaviour, these names follow it: :func:`checkpoint` and :func:`checkpoint_wrapper`
 pass ``early_stop=True`` unless told otherwise and refuse a non-bool one
 (``ValueError``), run non-reentrant whatever ``use_reentrant`` says (in eager mode),
@@ -58,6 +60,7 @@ from ._kept import (
     recompute_handle_collector_ctx,
     recompute_session_ctx,
 )
+from ._offload_session import OffloadConfig, OffloadSession, skip_offload
 from ._swap import (
     AsyncSaveOnCpu,
     CheckpointPolicy,
@@ -78,11 +81,13 @@ from ._swap import (
 # PinnedMemoryPool and AsyncSaveOnCpu of its swap module, the public names of
 # hyper_parallel.distributed's attention_swap and activation_checkpoint modules, and
 # its declarative regions (RecomputePolicy, ActivationCheckpointSelection and what
-# applies them).
+# applies them), and hyper_parallel.auto_parallel.hyper_offload's three.
 __all__ = [
     "ActivationCheckpointSelection",
     "AsyncSaveOnCpu",
     "CheckpointPolicy",
+    "OffloadConfig",
+    "OffloadSession",
     "PinnedMemoryPool",
     "RecomputePolicy",
     "SwapManager",
@@ -108,6 +113,7 @@ __all__ = [
     "recompute_handle",
     "recompute_handle_collector_ctx",
     "recompute_session_ctx",
+    "skip_offload",
     "swap",
     "swap_tensor_wrapper",
     "swap_wrapper",

@@ -40,14 +40,15 @@ class PinnedMemoryPool:
         self._free: dict[int, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
-    def _block_size(self, size: int) -> int:
+    def block_size(self, size: int) -> int:
+        """The bytes a block for ``size`` bytes takes."""
         if size > self.align_limit:
             return size
         return max(1024, 1 << (size - 1).bit_length())
 
     def acquire(self, size: int) -> torch.Tensor:
         """A uint8 host block of at least ``size`` bytes."""
-        block_size = self._block_size(size)
+        block_size = self.block_size(size)
         with self._lock:
             free = self._free.get(block_size)
             if free:
@@ -73,6 +74,22 @@ class PinnedMemoryPool:
         with self._lock:
             self.in_use_bytes -= block.numel()
             self._free.setdefault(block.numel(), []).append(block)
+
+    def fits(self, size: int) -> bool:
+        """Whether :meth:`acquire` of ``size`` bytes would succeed now."""
+        block_size = self.block_size(size)
+        with self._lock:
+            if self._free.get(block_size):
+                return True
+            spare = sum(s * len(b) for s, b in self._free.items())
+            return self.reserved_bytes - spare + block_size <= self.max_host_bytes
+
+    def clear(self) -> None:
+        """Free every block not in use (``reserved_bytes`` falls to ``in_use_bytes``)."""
+        with self._lock:
+            for size, blocks in self._free.items():
+                self.reserved_bytes -= size * len(blocks)
+            self._free.clear()
 
     def _trim(self, needed: int) -> None:
         for size in sorted(self._free, reverse=True):
