@@ -92,21 +92,21 @@ def held_for_backward(
     """(bytes the forward leaves allocated for backward, peak bytes of the step) for one
     training step of ``model`` after a warm-up, read from MindSpore's memory record at
     the model's output (``after_loss``: once the loss is computed, as ``recomp bench``)."""
+    import bisect
     import gc
     import tempfile
-    import time
 
-    from recomp.cli.mindspore.runner import _allocated_at, _profiled, _read_record
+    from recomp.cli.mindspore.runner import _profiled, _read_record, allocated_at_mark, mark
 
     marks: list[int] = []
 
     def loss(*xs):
         out = model(*xs)
         if not after_loss:
-            marks.append(time.time_ns())
+            marks.append(mark())
         value = (out**2).sum()
         if after_loss:
-            marks.append(time.time_ns())
+            marks.append(mark())
         return value
 
     step = ms.grad(loss, None, model.trainable_params())
@@ -119,18 +119,17 @@ def held_for_backward(
     try:
         with tempfile.TemporaryDirectory(prefix="recomp-test-ms-") as tmp:
             with _profiled(tmp):
-                # a tensor made and dropped before the step puts a reading into the record
-                (ms.Tensor(np.ones(16, np.float32)) * 2).asnumpy()
                 marks.clear()
-                start = time.time_ns()
+                start = mark()
                 step(*inputs)  # the gradients are dropped at once
-                end = time.time_ns()
+                end = mark()
             rows = _read_record(tmp)
     finally:
         gc.enable()
-    base = _allocated_at(rows, start)
-    peak = max(a for t, a in rows if start <= t <= end)
-    return _allocated_at(rows, marks[0]) - base, peak - base
+    base = allocated_at_mark(rows, start)
+    first, middle, last = (bisect.bisect_left(rows, (t, -1)) for t in (start, marks[0], end))
+    peak = max(rows[i][1] for i in range(first + 1, last) if i != middle)
+    return allocated_at_mark(rows, marks[0]) - base, peak - base
 
 
 __all__ = [

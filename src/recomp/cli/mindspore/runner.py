@@ -8,15 +8,21 @@ first op), so ``mallinfo2`` does not see tensors come and go, and
 ``mindspore.runtime.memory_allocated`` is 0 on CPU. The readings come instead from the
 pool's own allocation record, which MindSpore's profiler writes with
 ``profile_memory=True`` (``FRAMEWORK/cpu_ms_memory_record_0.txt``: time stamp, bytes
-allocated); the step is marked with ``time.time_ns()`` under ``launch_blocking`` so
-that the marks and the record use the same clock and the same order. FLOPs are not
-counted (MindSpore has no FLOP counter); the JSON holds ``null`` for them.
+allocated). The record has a row per allocation only: a free shows in the next row. So
+each point of the step is marked (:func:`mark`, under ``launch_blocking``) by its time
+and a small allocation of a known size right after it, whose row is the first at or
+after that time and holds everything allocated at that point (:func:`allocated_at_mark`);
+a mark read from the row before it would count what was freed since that row, which
+made readings move by a tensor between runs. The collector is off during the measured
+step. FLOPs are not counted (MindSpore has no FLOP counter); the JSON holds ``null`` for
+them.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import glob
 import os
 import tempfile
@@ -26,7 +32,7 @@ from typing import Any
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn
+from mindspore import Tensor, nn, ops
 
 from ..config import BenchConfig, call_factory, load_factory
 from ..counters import count_delta, region_counts, saved_bytes
@@ -128,7 +134,7 @@ class Trainer:
             out = self.model(x)
             loss = (out * out).mean()
             if self.marks is not None:
-                self.marks.append(time.time_ns())
+                self.marks.append(mark())
             return loss
 
         self.grad_fn = ms.value_and_grad(loss_fn, None, weights=self.params)
@@ -197,11 +203,27 @@ def _read_record(directory: str) -> list[tuple[int, int]]:
     return rows
 
 
-def _allocated_at(rows: list[tuple[int, int]], t: int) -> int:
-    i = bisect.bisect_right(rows, (t, 1 << 62)) - 1
-    if i < 0:
-        raise RuntimeError("MindSpore's memory record starts after the measured step")
-    return rows[i][1]
+#: The size of a mark's allocation: a multiple of the pool's 512-byte granule.
+_MARK_BYTES = 512
+
+
+def mark() -> int:
+    """The time now, and right after it an allocation of ``_MARK_BYTES`` from MindSpore's
+    pool (dropped at once), whose row in the memory record :func:`allocated_at_mark` reads.
+    Needs ``mindspore.runtime.launch_blocking()``: the allocation happens before the next
+    op does."""
+    now = time.time_ns()
+    ops.zeros((_MARK_BYTES // 4,), ms.float32)
+    return now
+
+
+def allocated_at_mark(rows: list[tuple[int, int]], t: int) -> int:
+    """Bytes allocated at the :func:`mark` taken at ``t``: its allocation's row (the first
+    at or after ``t``) less that allocation."""
+    i = bisect.bisect_left(rows, (t, -1))
+    if i >= len(rows):
+        raise RuntimeError("MindSpore's memory record ends before a mark of the measured step")
+    return rows[i][1] - _MARK_BYTES
 
 
 def measure_strategy(config: BenchConfig, strategy: str) -> Result:
@@ -221,32 +243,39 @@ def measure_strategy(config: BenchConfig, strategy: str) -> Result:
     runs_before, skips_before = region_counts(trainer.prepared.exclude_wrappers)
     counter = _CallCounter(trainer.prepared.regions)
     ms.runtime.launch_blocking()
-    with tempfile.TemporaryDirectory(prefix="recomp-mindspore-profile-") as tmp:
-        with _profiled(tmp):
-            # A tensor made and dropped before the step puts a reading into the record.
-            (Tensor(np.ones(16, np.float32)) * 2).asnumpy()
-            trainer.marks = []
-            start = time.time_ns()
-            trainer.step()
-            end = time.time_ns()
-            forward_end = trainer.marks[0]
-            trainer.marks = None
-        rows = _read_record(tmp)
+    # Garbage of earlier steps, freed by the collector in the middle of the step, would
+    # move the readings: collect it first, and keep the collector off.
+    gc.collect()
+    gc.disable()
+    try:
+        with tempfile.TemporaryDirectory(prefix="recomp-mindspore-profile-") as tmp:
+            with _profiled(tmp):
+                trainer.marks = []
+                start = mark()
+                trainer.step()
+                end = mark()
+                forward_end = trainer.marks[0]
+                trainer.marks = None
+            rows = _read_record(tmp)
+    finally:
+        gc.enable()
     counter.remove()
     runs_after, skips_after = region_counts(trainer.prepared.exclude_wrappers)
     if not rows:
         raise RuntimeError("MindSpore's profiler wrote no memory record")
-    base = _allocated_at(rows, start)
-    in_step = [a for t, a in rows if start <= t <= end]
+    base = allocated_at_mark(rows, start)
+    # The step's rows, the marks' own left out.
+    first, middle, last = (bisect.bisect_left(rows, (t, -1)) for t in (start, forward_end, end))
+    in_step = [rows[i][1] for i in range(first + 1, last) if i != middle]
     # FLOPs stay None: MindSpore has no FLOP counter.
     return Result(
         framework="mindspore",
         strategy=strategy,
         device="cpu",
         memory_source="mindspore profiler memory record",
-        activation_bytes=_allocated_at(rows, forward_end) - base,
+        activation_bytes=allocated_at_mark(rows, forward_end) - base,
         peak_bytes=max(in_step, default=base) - base,
-        retained_after_step_bytes=_allocated_at(rows, end) - base,
+        retained_after_step_bytes=allocated_at_mark(rows, end) - base,
         region_runs=count_delta(runs_after, runs_before),
         region_skips=count_delta(skips_after, skips_before),
         region_calls=dict(counter.calls),
