@@ -143,9 +143,6 @@ def checkpoint(
             "partition_inputs or swap_inputs=True: each keeps the checkpoint's saved "
             "inputs its own way. Pass one of them."
         )
-    if user is None and partition_inputs is None and not swap_inputs:
-        # An offload session keeps what the checkpoint keeps (NOTE [ Offload sessions ]).
-        user = _offload_session.active_placer()
     if _TORCH_CALL.pending:
         _TORCH_CALL.pending = False
         raise RecompError(
@@ -163,6 +160,9 @@ def checkpoint(
         # contexts). Inside one, the engine still runs, so that a replay of the
         # enclosing checkpoint finds the same nested calls as its forward did.
         return function(*args, **_function_kwargs(kwargs))
+    if user is None and partition_inputs is None and not swap_inputs:
+        # An offload session keeps what the checkpoint keeps (NOTE [ Offload sessions ]).
+        user = _offload_session.active_placer()
     # No swap, no partition, no pair of hooks (the common call): none of their parts.
     plain = (
         policy_fn is None
