@@ -112,7 +112,9 @@ def test_code_block_runs(
 
 _NAMESPACES = pytest.StashKey[dict]()
 
-RECOMP_COMMAND = re.compile(r"^(?:\S+=\S+\s+)*(?:\S*python\S*\s+-m\s+)?recomp\s+(bench|plan|report)\b(.*)$")
+RECOMP_COMMAND = re.compile(
+    r"^(?:\S+=\S+\s+)*(?:\S*python\S*\s+-m\s+)?recomp\s+(bench|plan|report|simulate)\b(.*)$"
+)
 
 
 def command_lines() -> list[tuple[str, str, str]]:
@@ -146,8 +148,7 @@ def test_command_line_parses(
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "mypkg", raising=False)
     monkeypatch.delitem(sys.modules, "mypkg.models", raising=False)
-    # A command whose options depend on a mode (recomp plan --simulate) says which parser.
-    parser = module.parser_for(argv) if hasattr(module, "parser_for") else module.build_parser()
+    parser = module.build_parser()
     try:
         parser.parse_args(argv)
     except SystemExit as exit:

@@ -189,14 +189,10 @@ def test_the_moe_stand_in_keeps_what_stock_experts_keep(mixtral_h200):
 
 @pytest.fixture(scope="module")
 def llama_405b():
-    from recomp.cli.plan_simulate import _meta_model, candidate_regions
     from recomp.plan.models import SimulatedModel
 
     sm = SimulatedModel("llama-3.1-405b", layers=2, seq=8192, tp=8, sp=True)
-    prof = sm.scale_profile(
-        simulate(sm.build, sm.inputs, world_size=8, exclude=candidate_regions)
-    )
-    return prof, model_params(_meta_model(sm))
+    return sm.simulate(), model_params(sm.meta_model())
 
 
 @pytest.mark.parametrize("option", ["none", "full"])
