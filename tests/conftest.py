@@ -39,6 +39,7 @@ SIMULATION_TESTS = {
     "test_swap_options.py",
     "test_simulate_command.py",
     "test_fit.py",
+    "test_collectives_per_layer.py",
     "test_simulate_parallel.py",
     "test_kernels.py",
     "test_fake.py",

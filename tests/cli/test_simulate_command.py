@@ -109,6 +109,7 @@ def test_the_parser_reads_the_layout_and_the_memory_as_a_budget() -> None:
         (["llama-3.1-8b", "--pp", "2", "--stage-layers", "16,15"], "say 16,16"),
         (["llama-3.1-8b", "--budget", "80GiB"], "unknown option --budget"),
         (["--tp", "2"], "the following arguments are required: MODEL"),
+        (["llama-3.1-8b", "--replay-collectives", "--keep-collectives"], "give one"),
     ],
 )
 def test_usage_errors_exit_2_naming_the_fix(argv, fix, capsys) -> None:

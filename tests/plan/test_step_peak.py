@@ -191,7 +191,7 @@ def test_the_moe_stand_in_keeps_what_stock_experts_keep(mixtral_h200):
 def llama_405b():
     from recomp.plan.models import SimulatedModel
 
-    sm = SimulatedModel("llama-3.1-405b", layers=2, seq=8192, tp=8, sp=True)
+    sm = SimulatedModel("llama-3.1-405b", layers=3, seq=8192, tp=8, sp=True)
     return sm.simulate(), model_params(sm.meta_model())
 
 

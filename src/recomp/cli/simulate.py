@@ -94,15 +94,23 @@ def build_parser() -> CommandParser:
     p.add_argument(
         "--layers",
         type=int,
-        default=2,
-        help="layers simulated, then scaled to the model's depth (default 2; at least one "
-        "per kind of layer); 0: all of them",
+        default=3,
+        help="layers simulated, then scaled to the model's depth (default 3: what every "
+        "layer keeps is told from what two neighbours share; at least one per kind of "
+        "layer); 0: all of them",
     )
     p.add_argument(
         "--replay-collectives",
         action="store_true",
-        help="checkpoints run their collectives again in the replay instead of keeping "
-        "their results (recomp's exclude_collectives=False)",
+        help="every checkpoint runs its collectives again in the replay instead of keeping "
+        "their results (recomp's exclude_collectives=False); default: the plan chooses per "
+        "layer, the collectives' time over the link against the bytes kept",
+    )
+    p.add_argument(
+        "--keep-collectives",
+        action="store_true",
+        help="every checkpoint keeps the results of the collectives its replay reaches "
+        "(exclude_collectives=True)",
     )
     p.add_argument("--json", metavar="PATH", help="write the table and the plan here")
     p.add_argument("--png", metavar="PATH", help="draw the strategies here (matplotlib)")
@@ -183,6 +191,11 @@ def check_args(args: argparse.Namespace) -> list[str]:
         errors.append("--microbatches is a positive integer")
     if args.ep is not None and args.ep < 1:
         errors.append("--ep is a positive integer")
+    if args.replay_collectives and args.keep_collectives:
+        errors.append(
+            "--replay-collectives and --keep-collectives each force one way on every layer: "
+            "give one (neither: the plan chooses per layer)"
+        )
     if args.zero and args.dp == 1:
         errors.append(f"--zero {args.zero} shards over the data-parallel ranks: add --dp N")
     layers = MODELS[args.model.lower()].values["num_hidden_layers"]
@@ -234,7 +247,9 @@ def run(args: argparse.Namespace) -> Any:
         device_memory=args.device_memory,
         precision=args.precision,
         layers=args.layers or None,
-        exclude_collectives=not args.replay_collectives,
+        exclude_collectives=(
+            False if args.replay_collectives else True if args.keep_collectives else "per-layer"
+        ),
     )
 
 

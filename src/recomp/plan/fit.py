@@ -32,7 +32,7 @@ from typing import Any
 from ..errors import BudgetTooSmallError
 from .budget import Budget, format_bytes, parse_budget
 from .job import JobMemory, OutsideLayers, Parallel, job_memory, replay_bytes, split_layers
-from .planfile import NO_CHECKPOINT, SWAP, Plan
+from .planfile import NO_CHECKPOINT, PER_LAYER, SWAP, Plan
 from .planner import Profile, make_plan
 from .solver import minimum_bytes
 
@@ -42,7 +42,8 @@ GiB = float(1 << 30)
 
 #: The uniform strategies shown beside the plan, where the profile has them.
 UNIFORM = (
-    "none", "full", "selective", "exclude:self_attn", "exclude:mlp", "full+swap-inputs", "swap",
+    "none", "full", "full+replay-collectives", "selective", "exclude:self_attn", "exclude:mlp",
+    "full+swap-inputs", "swap",
 )  # fmt: skip
 
 # A plan made per rank is checked by the whole-job walk; a rank found over is planned
@@ -219,7 +220,7 @@ def _whole_plan(profile: Profile, layers: list[Any], budget_bytes: int) -> Plan:
         layers=layers,
         budget=format_bytes(budget_bytes),
         predicted={**predicted, "note": "per device, whole job; made per pipeline rank"},
-        exclude_collectives=bool(profile.exclude_collectives),
+        exclude_collectives=profile.exclude_collectives is not False,
     )
 
 
@@ -275,8 +276,8 @@ def will_it_fit(
     hardware: Any = "H100 SXM",
     device_memory: str | int | Budget | None = None,
     precision: Any = "bf16-adam",
-    layers: int | None = 2,
-    exclude_collectives: bool = True,
+    layers: int | None = 3,
+    exclude_collectives: bool | str = PER_LAYER,
 ) -> FitReport:
     """Simulate one rank of a training job of the published ``model``
     (``recomp.plan.models.MODELS``) and count, per strategy and pipeline rank, its
@@ -290,9 +291,13 @@ def will_it_fit(
     (``recomp.plan.cost``); ``device_memory``: bytes per device (a :class:`Budget` of
     bytes, or ``"80GiB"``; default: the accelerator's memory; None without one: no plan,
     no verdict); ``precision``: the states' bytes (``recomp.plan.job`` presets);
-    ``layers``: layers simulated, then scaled to the model's depth (None: all);
-    ``exclude_collectives``: what the plan's checkpoints do with the results of
-    collectives (as for ``recomp.plan.simulate``).
+    ``layers``: layers simulated, then scaled to the model's depth (None: all; three
+    tell what every layer keeps, such as the rotary embedding's tables, from what two
+    neighbours share);
+    ``exclude_collectives``: what the checkpoints do with the results of collectives:
+    ``"per-layer"`` (the default) lets the plan choose, layer by layer, between keeping
+    them and running the collectives again in the replay; True keeps them, False runs
+    them again everywhere (as for ``recomp.plan.simulate``).
 
     Raises ``ValueError`` (or ``KeyError`` for an unknown model) naming what to change
     where the layout and the model do not go together."""

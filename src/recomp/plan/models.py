@@ -267,7 +267,7 @@ class SimulatedModel:
         self,
         *,
         hardware: Any = None,
-        exclude_collectives: bool = True,
+        exclude_collectives: bool | str = "per-layer",
         swap: bool = True,
     ) -> Any:
         """The profile of one micro-batch on one rank of the full model:
@@ -351,7 +351,12 @@ class SimulatedModel:
     def scale_profile(self, profile: Any) -> Any:
         """The profile of the full model: each simulated layer's profile repeated for the
         layers it stands for (:meth:`layer_counts`), renamed ``model.layers.<i>``, with its
-        neighbour-shared bytes; the profile's notes say so."""
+        neighbour-shared bytes; the profile's notes say so.
+
+        A storage two simulated layers keep is a neighbours' pair, repeated with every
+        layer; one three or more keep (the rotary embedding's tables every layer is
+        given) is shared once. With two layers simulated the second kind cannot be told
+        from the first: simulate three (the default of ``recomp simulate``)."""
         counts = self.layer_counts()
         if len(profile.layers) != len(counts):
             raise ValueError(
@@ -404,7 +409,8 @@ def parallelize(model: nn.Module, mesh: Any, s: ModelSpec, *, sp: bool) -> None:
     """Tensor parallelism over ``mesh`` (1-D), Megatron's layout, with sequence
     parallelism when ``sp``: column-parallel Q/K/V (or MLA's up-projections) and MLP
     input projections, row-parallel output projections, a row-parallel (vocabulary-
-    sharded) embedding and a column-parallel head whose logits are gathered. Mixture-of-
+    sharded) embedding whose output is reduce-scattered along the sequence with ``sp``,
+    and a column-parallel head whose logits are gathered. Mixture-of-
     experts blocks get this rank's share of the sequence as a plain tensor (their
     experts are sharded by expert parallelism, see :class:`GroupedExperts`). Parameters
     are not broadcast (``src_data_rank=None``), as a fake process group requires."""
@@ -419,18 +425,15 @@ def parallelize(model: nn.Module, mesh: Any, s: ModelSpec, *, sp: bool) -> None:
 
     residual = Shard(1) if sp else Replicate()
     top: dict[str, Any] = {
-        # The embedding's output stays whole: transformers builds the causal mask and the
-        # positions from it. The first layer takes this rank's share of it (below).
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        # Under sequence parallelism the embedding's output is reduce-scattered along the
+        # sequence, as Megatron's and torchtitan's are: the first layer gets this rank's
+        # share (the positions are given whole, the causal mask is not built).
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
         "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
     }
     if sp:
         top["model.norm"] = SequenceParallel()
     parallelize_module(model, mesh, top, src_data_rank=None)
-    if sp:
-        model.model.layers[0].register_forward_pre_hook(  # type: ignore[index,union-attr]
-            _SequenceShare(mesh.size(), mesh.get_local_rank()), with_kwargs=True
-        )
     for layer in model.model.layers:  # type: ignore[union-attr]
         attn, mlp = layer.self_attn, layer.mlp
         plan: dict[str, Any] = {
@@ -466,22 +469,6 @@ def parallelize(model: nn.Module, mesh: Any, s: ModelSpec, *, sp: bool) -> None:
             plan["mlp.down_proj"] = RowwiseParallel(output_layouts=residual)
         parallelize_module(layer, mesh, plan, src_data_rank=None)
         _localise_heads(attn, mesh.size())
-
-
-class _SequenceShare:
-    """A forward pre-hook: the layer's ``hidden_states`` become this rank's share of the
-    sequence (a copy, so that the whole embedding output is not kept alive by it)."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self.size, self.rank = size, rank
-
-    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        def share(t: torch.Tensor) -> torch.Tensor:
-            return t.chunk(self.size, dim=1)[self.rank].contiguous()
-
-        if args:
-            return (share(args[0]), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": share(kwargs["hidden_states"])}
 
 
 def _localise_heads(attn: nn.Module, tp: int) -> None:
