@@ -40,6 +40,7 @@ SIMULATION_TESTS = {
     "test_simulate_command.py",
     "test_fit.py",
     "test_collectives_per_layer.py",
+    "test_layouts.py",
     "test_simulate_parallel.py",
     "test_kernels.py",
     "test_fake.py",

@@ -110,6 +110,8 @@ def test_the_parser_reads_the_layout_and_the_memory_as_a_budget() -> None:
         (["llama-3.1-8b", "--budget", "80GiB"], "unknown option --budget"),
         (["--tp", "2"], "the following arguments are required: MODEL"),
         (["llama-3.1-8b", "--replay-collectives", "--keep-collectives"], "give one"),
+        (["llama-3.1-8b", "--loss-parallel"], "--loss-parallel shards the vocabulary"),
+        (["llama-3.1-8b", "--cp", "0"], "--cp is a positive integer"),
     ],
 )
 def test_usage_errors_exit_2_naming_the_fix(argv, fix, capsys) -> None:
@@ -126,6 +128,7 @@ def test_usage_errors_exit_2_naming_the_fix(argv, fix, capsys) -> None:
         (["mixtral-8x22b", "--tp", "2"], "add --sp"),
         (["qwen3-30b-a3b", "--tp", "8", "--sp"], "--tp must divide both"),
         (["llama-3.1-8b", "--accelerator", "TPU9"], "unknown hardware"),
+        (["llama-3.1-8b", "--cp", "3", "--seq", "512"], "choose a multiple of 6"),
     ],
 )
 def test_model_and_target_errors_exit_2_naming_the_fix(argv, fix, capsys) -> None:
@@ -151,6 +154,32 @@ def test_plan_simulate_still_runs_it_and_says_it_is_deprecated(tmp_path, capsys)
     with pytest.raises(SystemExit) as exit_info:
         plan_cli.main(["--simulate", "llama-3.1-8b", "--sp"])
     assert exit_info.value.code == 2
+
+
+def test_loss_and_context_parallelism_are_layouts_of_the_command(tmp_path, capsys) -> None:
+    """``--loss-parallel`` and ``--cp``: the profile is simulated under the layout, and
+    the rows are ``job_memory``'s for it; the layout line says so."""
+    out = tmp_path / "lp.json"
+    argv = [*ARGS, "--loss-parallel", "--cp", "2", "--json", str(out)]
+    assert simulate.main(argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "cp=2" in printed and "loss_parallel" in printed
+    data = json.loads(out.read_text())
+
+    from recomp.plan.job import Parallel, job_memory
+    from recomp.plan.models import SimulatedModel
+
+    model = SimulatedModel(
+        "llama-3.1-8b", layers=2, seq=512, tp=2, sp=True, cp=2, loss_parallel=True
+    )
+    profile = model.simulate(hardware="H100 SXM")
+    job = job_memory(
+        model.meta_model(), Parallel(tp=2, sp=True, cp=2, loss_parallel=True),
+        activations=profile, option="full", microbatches=1,
+    )  # fmt: skip
+    full = next(r for r in data["rows"] if r["strategy"] == "full")
+    assert full["activations"] == job.ranks[0].activations
+    assert full["total"] == job.ranks[0].total
 
 
 def test_recomp_lists_the_command() -> None:

@@ -204,7 +204,7 @@ def test_405b_first_rank_is_not_billed_for_the_head(llama_405b, option):
     prof, params = llama_405b
     stages = [7] + [8] * 14 + [7]
     result = job_memory(
-        params, Parallel(tp=8, pp=16), activations=prof, option=option, schedule="1F1B",
+        params, Parallel(tp=8, sp=True, pp=16), activations=prof, option=option, schedule="1F1B",
         microbatches=32, stage_layers=stages,
     )  # fmt: skip
     first, second, last = result.ranks[0], result.ranks[1], result.ranks[-1]

@@ -53,6 +53,19 @@ def build_parser() -> CommandParser:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="default bf16")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    p.add_argument(
+        "--loss-parallel",
+        action="store_true",
+        help="loss (vocabulary) parallelism (with --tp): each tensor-parallel rank keeps its "
+        "vocabulary shard of the logits and computes the loss on it",
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: each rank holds --seq / --cp tokens of each sequence "
+        "(default 1)",
+    )
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (default 1)")
     p.add_argument(
@@ -180,13 +193,17 @@ def check_args(args: argparse.Namespace) -> list[str]:
     if args.model.lower() not in MODELS:
         errors.append(f"unknown model {args.model!r}: use one of {', '.join(MODELS)}")
         return errors
-    for name in ("seq", "batch", "tp", "pp", "dp"):
+    for name in ("seq", "batch", "tp", "pp", "dp", "cp"):
         if getattr(args, name) < 1:
             errors.append(f"--{name} is a positive integer")
     if args.layers < 0:
         errors.append("--layers is 0 (all) or a positive number of layers")
     if args.sp and args.tp == 1:
         errors.append("--sp splits the sequence over the tensor-parallel ranks: add --tp N")
+    if args.loss_parallel and args.tp == 1:
+        errors.append(
+            "--loss-parallel shards the vocabulary over the tensor-parallel ranks: add --tp N"
+        )
     if args.microbatches is not None and args.microbatches < 1:
         errors.append("--microbatches is a positive integer")
     if args.ep is not None and args.ep < 1:
@@ -229,8 +246,9 @@ def run(args: argparse.Namespace) -> Any:
     model = spec(args.model)
     ep = (args.ep or args.tp) if model.moe else 1
     parallel = Parallel(
-        dp=args.dp, tp=args.tp, pp=args.pp, ep=ep, zero=args.zero, sp=args.sp
-    )
+        dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=ep, zero=args.zero, sp=args.sp,
+        loss_parallel=args.loss_parallel,
+    )  # fmt: skip
     stage_layers = (
         None if args.stage_layers is None else [int(n) for n in args.stage_layers.split(",")]
     )

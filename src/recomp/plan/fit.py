@@ -81,6 +81,7 @@ class NoPlan:
     least_bytes: int | None
     held: int
     pipeline: bool
+    computes_loss: bool = True  # the rank holds the last stage
 
     def describe(self) -> str:
         where = f"pipeline rank {self.rank}" if self.pipeline else "each rank"
@@ -160,9 +161,13 @@ def plan_per_rank(
             if states < budget_bytes:
                 least = held * minimum_bytes(part.layer_options(), part.shared_bytes).kept_bytes
                 least += transient
-            return None, NoPlan(rank.rank, budget_bytes, states, least, held, pipeline)
+            return None, NoPlan(
+                rank.rank, budget_bytes, states, least, held, pipeline, num_stages - 1 in rank.stages
+            )
         rooms[rank.rank] = room
-        parts[rank.rank] = _RankPart(index, part, held, states, transient)
+        parts[rank.rank] = _RankPart(
+            index, part, held, states, transient, num_stages - 1 in rank.stages
+        )
     chosen: dict[int, Any] = {}
     for _ in range(_REPLANS):
         for rank_index, rp in parts.items():
@@ -171,7 +176,7 @@ def plan_per_rank(
                 stage_plan = make_plan(rp.profile, Budget(text=format_bytes(room), nbytes=room))
             except BudgetTooSmallError as exc:
                 least = exc.minimum_bytes * rp.held + rp.transient
-                return None, NoPlan(rank_index, budget_bytes, rp.states, least, rp.held, pipeline)
+                return None, rp.no_plan(rank_index, budget_bytes, least, pipeline)
             for i, layer_plan in zip(rp.layers, stage_plan.layers):
                 chosen[i] = layer_plan
         plan = _whole_plan(profile, [chosen[i] for i in range(len(profile.layers))], budget_bytes)
@@ -184,13 +189,10 @@ def plan_per_rank(
             rooms[rank_index] -= math.ceil(excess / rp.held)
             if rooms[rank_index] <= 0:
                 least = counted.ranks[rank_index].activations
-                return None, NoPlan(rank_index, budget_bytes, rp.states, least, rp.held, pipeline)
+                return None, rp.no_plan(rank_index, budget_bytes, least, pipeline)
     rank_index = min(over)
-    rp = parts[rank_index]
-    return None, NoPlan(
-        rank_index, budget_bytes, rp.states, counted.ranks[rank_index].activations, rp.held,
-        pipeline,
-    )  # fmt: skip
+    least = counted.ranks[rank_index].activations
+    return None, parts[rank_index].no_plan(rank_index, budget_bytes, least, pipeline)
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,12 @@ class _RankPart:
     held: int
     states: int
     transient: int
+    computes_loss: bool
+
+    def no_plan(self, rank: int, budget_bytes: int, least: int, pipeline: bool) -> NoPlan:
+        return NoPlan(
+            rank, budget_bytes, self.states, least, self.held, pipeline, self.computes_loss
+        )
 
 
 def _least_checkpointed(profile: Profile, index: int) -> int:
@@ -283,8 +291,9 @@ def will_it_fit(
     (``recomp.plan.models.MODELS``) and count, per strategy and pipeline rank, its
     memory per device and the step overhead of its replay, and the plan that fits.
 
-    ``parallel``: the layout (tensor, sequence, pipeline, data, expert parallelism,
-    ZeRO); ``seq`` tokens per sequence and ``batch`` sequences per micro-batch;
+    ``parallel``: the layout (tensor, sequence, context, pipeline, data, expert and
+    loss parallelism, ZeRO); ``seq`` tokens per sequence (before context parallelism
+    splits them) and ``batch`` sequences per micro-batch;
     ``dtype``: ``"bf16"``, ``"fp16"``, ``"fp32"`` or a ``torch.dtype``; ``schedule``,
     ``microbatches`` (default ``parallel.pp``) and ``stage_layers`` as for
     :func:`recomp.plan.job.job_memory`; ``hardware``: the accelerator of the cost model
@@ -316,6 +325,8 @@ def will_it_fit(
         tp=parallel.tp,
         sp=parallel.sp,
         ep=parallel.ep,
+        cp=parallel.cp,
+        loss_parallel=parallel.loss_parallel,
     )
     spec = resolve_hardware(hardware)
     budget = _device_budget(device_memory, spec.memory_bytes)
@@ -417,10 +428,18 @@ def _levers(no_plan: NoPlan, profile: Profile, parallel: Parallel, batch: int, s
         else:
             levers.append(f"a higher ZeRO stage over the {parallel.dp} data-parallel ranks (zero=3)")
     if no_plan.least_bytes is not None:
+        if no_plan.computes_loss and parallel.tp > 1 and not parallel.loss_parallel:
+            levers.append(
+                "loss parallelism (loss_parallel: each tensor-parallel rank holds its "
+                "vocabulary shard of the logits and of the loss's buffers)"
+            )
         if batch > 1:
             levers.append(f"a smaller micro-batch ({batch // 2} sequence(s))")
         else:
-            levers.append(f"shorter sequences than {seq} per micro-batch")
+            levers.append(
+                f"context parallelism (cp={2 * parallel.cp}: {seq // (2 * parallel.cp)} tokens "
+                f"of each sequence per rank) or shorter sequences than {seq}"
+            )
         swap_offered = any(o.name == SWAP for o in profile.layers[0].options)
         if not swap_offered:
             levers.append(

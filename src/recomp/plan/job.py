@@ -99,8 +99,12 @@ class Parallel:
     pipeline stages per rank (default: the schedule's, 1 or 2). ``etp`` defaults to 1;
     Megatron-Core's own default is ``etp = tp``: give it when that is your setting.
     ``sp``: sequence parallelism over the tensor-parallel ranks (the norms and the
-    residual stream split along the sequence). The activations come from a profile made
-    under the same layout (a simulated one: ``recomp.plan.models``)."""
+    residual stream split along the sequence); ``loss_parallel``: the head's logits and
+    the loss stay the tensor-parallel ranks' vocabulary shards (each rank holds its
+    shard of the logits and of the loss's fp32 buffers); ``cp``: each rank holds
+    ``seq / cp`` tokens of each sequence. What these change in the activations is in
+    the profile, made under the same layout (a simulated one: ``recomp.plan.models``,
+    whose ``Profile.layout`` :func:`job_memory` checks against this one)."""
 
     dp: int = 1
     tp: int = 1
@@ -112,6 +116,7 @@ class Parallel:
     shard: int | None = None
     stages_per_rank: int | None = None
     sp: bool = False
+    loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "etp"):
@@ -124,6 +129,11 @@ class Parallel:
         if self.sp and self.tp == 1:
             raise ValueError(
                 "Parallel.sp splits the sequence over the tensor-parallel ranks: give tp > 1"
+            )
+        if self.loss_parallel and self.tp == 1:
+            raise ValueError(
+                "Parallel.loss_parallel shards the vocabulary over the tensor-parallel ranks: "
+                "give tp > 1"
             )
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"Parallel.zero is 0, 1, 2 or 3, got {self.zero!r}")
@@ -188,7 +198,7 @@ class Parallel:
 
 
 # The layout's switches (``Parallel`` fields that are True or False).
-_FLAGS = ("sp",)
+_FLAGS = ("sp", "loss_parallel")
 
 
 @dataclass(frozen=True)
@@ -716,6 +726,24 @@ def weight_input_bytes(layer: Any, *args: Any, **kwargs: Any) -> int:
     return sum(seen.values())
 
 
+def check_layout(profile: Any, parallel: Parallel) -> None:
+    """Refuse activations profiled under another layout than the job's: each of tp,
+    sp, cp and loss_parallel the profile states (``Profile.layout``; a simulated
+    published model's) must be the ``Parallel``'s."""
+    layout = getattr(profile, "layout", None) or {}
+    wrong = [
+        f"{name}={layout[name]!r} (the job: {getattr(parallel, name)!r})"
+        for name in ("tp", "sp", "cp", "loss_parallel")
+        if name in layout and layout[name] != getattr(parallel, name)
+    ]
+    if wrong:
+        raise ValueError(
+            "the activations were profiled under another layout: " + ", ".join(wrong)
+            + "; profile (simulate) the model under the job's layout, or give the job's "
+            "Parallel the profile's"
+        )
+
+
 def split_layers(num_layers: int, num_stages: int, counts: Sequence[int] | None = None) -> list[int]:
     """The stage of each layer: ``counts`` layers per stage, or as even as possible (the
     first ``num_layers % num_stages`` stages one more)."""
@@ -941,6 +969,7 @@ def job_memory(
         if isinstance(activations, list):
             per_layer = activations
         else:
+            check_layout(activations, parallel)
             per_layer, more = layer_activations(
                 activations, plan=plan, option=option, weight_input_bytes=weight_input_bytes
             )

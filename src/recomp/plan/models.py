@@ -48,6 +48,8 @@ __all__ = [
     "ModelSpec",
     "SimulatedModel",
     "candidate_regions",
+    "context_chunks",
+    "context_parallel_attention",
     "flash_attention",
     "hf_config",
     "layer_kinds",
@@ -135,14 +137,130 @@ def flash_attention(
     what FlashAttention keeps: the query, key and value, the output and the row-wise
     log-sum-exp. Grouped key-value heads are passed as they are (as flash-attn keeps
     them); a value head narrower than the query's (DeepSeek's MLA) is zero-padded to it,
-    as transformers' flash path does. Padding masks are not modelled (causal only)."""
+    as transformers' flash path does. Padding masks are not modelled (causal only).
+    Under context parallelism (an attention module given a mesh by
+    :class:`SimulatedModel`), :func:`context_parallel_attention`."""
     q_dim, v_dim = query.shape[-1], value.shape[-1]
     if v_dim < q_dim:
         value = torch.nn.functional.pad(value, (0, q_dim - v_dim))
-    out = _compat.flash_attention_forward(
-        query, key, value, dropout if module.training else 0.0, scaling
-    )
+    cp_mesh = getattr(module, CONTEXT_PARALLEL, None)
+    if cp_mesh is not None:
+        out = context_parallel_attention(query, key, value, cp_mesh, scaling)
+    else:
+        out = _compat.flash_attention_forward(
+            query, key, value, dropout if module.training else 0.0, scaling
+        )
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
+
+
+#: The attribute of an attention module that holds its context-parallel mesh.
+CONTEXT_PARALLEL = "recomp_context_parallel"
+
+
+def context_chunks(rank: int, size: int) -> tuple[int, int]:
+    """The two chunks of the sequence (of ``2 * size``) that context-parallel rank
+    ``rank`` holds: ``rank`` and ``2 * size - 1 - rank``, so that every rank has the
+    same causal attention work (the head-tail split of torch's and Megatron's context
+    parallelism)."""
+    return rank, 2 * size - 1 - rank
+
+
+def context_parallel_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mesh: Any, scale: float | None
+) -> torch.Tensor:
+    """Causal attention of this rank's share of the sequence (two chunks,
+    :func:`context_chunks`, in ``(batch, heads, tokens, head_dim)``) against the keys
+    and values of the whole sequence, all-gathered over ``mesh`` (1-D, the
+    context-parallel ranks). It keeps what ring attention keeps: this rank's query, key
+    and value, the output and the log-sum-exp; the backward gathers the keys and values
+    again, runs the kernel's backward per chunk and reduce-scatters their gradients."""
+    return _ContextParallelAttention.apply(query, key, value, mesh, scale)  # type: ignore[no-any-return]
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, query: Any, key: Any, value: Any, mesh: Any, scale: Any) -> Any:
+        keys, values = _gathered_chunks(key, mesh), _gathered_chunks(value, mesh)
+        chunks = context_chunks(mesh.get_local_rank(), mesh.size())
+        length = query.shape[2] // 2
+        outs, lses, states = [], [], []
+        for half, chunk in enumerate(chunks):
+            q = query[:, :, half * length : (half + 1) * length]
+            k, v = torch.cat(keys[: chunk + 1], 2), torch.cat(values[: chunk + 1], 2)
+            out, lse, state = _compat.flash_attention_with_lse(q, k, v, scale)
+            outs.append(out)
+            lses.append(lse)
+            states.append(state)
+        # The output in (batch, tokens, heads, head_dim) memory, as the kernel lays out
+        # its own: the caller's transpose back to that order then copies nothing.
+        out = torch.cat([o.transpose(1, 2) for o in outs], 1).transpose(1, 2)
+        lse = torch.cat(lses, 2)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.mesh, ctx.scale, ctx.states = mesh, scale, states
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+        from torch.distributed.tensor import DTensor, Partial, Shard
+
+        query, key, value, out, lse = ctx.saved_tensors
+        mesh = ctx.mesh
+        keys, values = _gathered_chunks(key, mesh), _gathered_chunks(value, mesh)
+        chunks = context_chunks(mesh.get_local_rank(), mesh.size())
+        length = query.shape[2] // 2
+        grad = grad.contiguous()
+        dk = [torch.zeros_like(k) for k in keys]
+        dv = [torch.zeros_like(v) for v in values]
+        dqs = []
+        for half, chunk in enumerate(chunks):
+            part = slice(half * length, (half + 1) * length)
+            k, v = torch.cat(keys[: chunk + 1], 2), torch.cat(values[: chunk + 1], 2)
+            dq, dk_part, dv_part = _compat.flash_attention_backward(
+                grad[:, :, part], query[:, :, part], k, v, out[:, :, part].contiguous(),
+                lse[:, :, part].contiguous(), ctx.states[half], ctx.scale,
+            )  # fmt: skip
+            dqs.append(dq)
+            for c, (gk, gv) in enumerate(zip(dk_part.split(length, 2), dv_part.split(length, 2))):
+                dk[c] += gk
+                dv[c] += gv
+
+        def scattered(per_chunk: list[Any]) -> Any:
+            # Back in the order the ranks hold them, summed over the ranks: this rank's.
+            size = mesh.size()
+            order = [c for r in range(size) for c in context_chunks(r, size)]
+            whole = torch.cat([per_chunk[c] for c in order], 2)
+            partial = DTensor.from_local(whole, mesh, [Partial()], run_check=False)
+            return partial.redistribute(mesh, [Shard(2)]).to_local()
+
+        return torch.cat(dqs, 2), scattered(dk), scattered(dv), None, None
+
+
+def _gathered_chunks(t: torch.Tensor, mesh: Any) -> list[torch.Tensor]:
+    """The ``2 * size`` chunks of the whole sequence, in sequence order, from every
+    context-parallel rank's two (all-gathered along the sequence, dimension 2)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    size = mesh.size()
+    whole = DTensor.from_local(t.contiguous(), mesh, [Shard(2)], run_check=False).full_tensor()
+    pieces = whole.chunk(2 * size, 2)
+    order = [c for r in range(size) for c in context_chunks(r, size)]
+    by_chunk: list[Any] = [None] * (2 * size)
+    for piece, chunk in zip(pieces, order):
+        by_chunk[chunk] = piece
+    return by_chunk
+
+
+class _LossParallel:
+    """A model's loss function run under ``torch.distributed.tensor.parallel.loss_parallel``:
+    the logits are the tensor-parallel ranks' vocabulary shards, and the log-softmax and
+    the loss are computed on them (each rank keeps its shard)."""
+
+    def __init__(self, loss: Callable[..., Any]) -> None:
+        self.loss = loss
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with _compat.loss_parallel():
+            return self.loss(*args, **kwargs)
 
 
 class GroupedExperts(nn.Module):
@@ -191,12 +309,20 @@ class GroupedExperts(nn.Module):
 class SimulatedModel:
     """``build(mesh)`` and ``inputs(mesh)`` of one published model for ``simulate``.
 
-    ``layers``: layers built (None: all). ``tp``: tensor-parallel degree (the mesh's size
-    when a mesh is given); ``sp``: sequence parallelism on the norms and the residual
-    stream; ``ep``: expert-parallel degree of the routed experts (default: ``tp``).
-    ``batch`` and ``seq``: this rank's micro-batch (sequences and tokens each)."""
+    ``name``: a published model (``MODELS``) or a :class:`ModelSpec` of your own.
+    ``layers``: layers built (None: all). ``tp``: tensor-parallel degree; ``sp``:
+    sequence parallelism on the norms and the residual stream; ``ep``: expert-parallel
+    degree of the routed experts (default: ``tp``); ``cp``: context-parallel degree
+    (each rank holds ``seq / cp`` tokens of each sequence, two chunks of it, and its
+    attention sees the keys and values of the whole sequence:
+    :func:`context_parallel_attention`); ``loss_parallel``: the head's logits stay the
+    tensor-parallel ranks' vocabulary shards and the loss is computed on them
+    (``torch.distributed.tensor.parallel.loss_parallel``; a real run's backward must
+    run inside that context too). ``batch`` and ``seq``: the micro-batch (sequences
+    and tokens each, before context parallelism divides them). The mesh ``build`` and
+    ``inputs`` take is the 1-D mesh of :attr:`world_size` ranks (``cp x tp``)."""
 
-    name: str
+    name: str | ModelSpec
     layers: int | None = None
     batch: int = 1
     seq: int = 4096
@@ -205,10 +331,12 @@ class SimulatedModel:
     sp: bool = False
     ep: int | None = None
     device: str = "cuda"
+    cp: int = 1
+    loss_parallel: bool = False
     spec: ModelSpec = field(init=False)
 
     def __post_init__(self) -> None:
-        self.spec = spec(self.name)
+        self.spec = self.name if isinstance(self.name, ModelSpec) else spec(self.name)
         errors = self.check()
         if errors:
             raise ValueError("; ".join(errors))
@@ -220,8 +348,8 @@ class SimulatedModel:
     def check(self) -> list[str]:
         """What does not go together, each with its fix."""
         v, errors = self.spec.values, []
-        if self.tp < 1 or self.batch < 1 or self.seq < 1:
-            errors.append("tp, batch and seq are positive integers")
+        if min(self.tp, self.cp, self.batch, self.seq) < 1:
+            errors.append("tp, cp, batch and seq are positive integers")
             return errors
         heads, kv = v["num_attention_heads"], v.get("num_key_value_heads", v["num_attention_heads"])
         if heads % self.tp or kv % self.tp:
@@ -230,9 +358,19 @@ class SimulatedModel:
                 f"{self.spec.name} has {heads} attention heads and {kv} key-value heads: "
                 f"--tp must divide both (one of {divisors})"
             )
-        if self.sp and self.seq % self.tp:
-            errors.append(f"sequence parallelism splits --seq {self.seq} over --tp {self.tp}: "
-                          f"choose a multiple of {self.tp}")
+        if self.cp > 1 and self.seq % (2 * self.cp):
+            errors.append(
+                f"context parallelism gives each of --cp {self.cp} ranks two chunks of --seq "
+                f"{self.seq}: choose a multiple of {2 * self.cp}"
+            )
+        elif self.sp and (self.seq // self.cp) % self.tp:
+            errors.append(
+                f"sequence parallelism splits each rank's {self.seq // self.cp} tokens over "
+                f"--tp {self.tp}: choose a --seq that makes it a multiple of {self.tp}"
+            )
+        if self.loss_parallel and self.tp == 1:
+            errors.append("loss parallelism shards the vocabulary over the tensor-parallel "
+                          "ranks: add --tp N")
         if self.spec.moe:
             experts = num_experts(self.spec)
             if experts % self.expert_parallel:
@@ -260,8 +398,14 @@ class SimulatedModel:
 
     @property
     def world_size(self) -> int:
-        """The ranks ``simulate`` fakes for it: the tensor-parallel group."""
-        return self.tp
+        """The ranks ``simulate`` fakes for it: the context- and tensor-parallel ones."""
+        return self.cp * self.tp
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        """The layout its profile is of (``Profile.layout``; ``recomp.plan.job`` checks
+        it against the job's ``Parallel``)."""
+        return {"tp": self.tp, "sp": self.sp, "cp": self.cp, "loss_parallel": self.loss_parallel}
 
     def simulate(
         self,
@@ -281,6 +425,7 @@ class SimulatedModel:
             self.build,
             self.inputs,
             world_size=self.world_size,
+            device=self.device,
             exclude=candidate_regions,
             exclude_collectives=exclude_collectives,
             hardware=hardware,
@@ -312,9 +457,33 @@ class SimulatedModel:
         finally:
             torch.set_default_dtype(previous)
         model.train()
-        if mesh is not None and mesh.size() > 1:
-            parallelize(model, mesh, self.spec, sp=self.sp)
+        tp_mesh, cp_mesh = self._meshes(mesh)
+        if tp_mesh is not None:
+            parallelize(model, tp_mesh, self.spec, sp=self.sp, loss_parallel=self.loss_parallel)
+        if self.loss_parallel:
+            model.loss_function = _LossParallel(model.loss_function)
+        if cp_mesh is not None:
+            for layer in model.model.layers:  # type: ignore[union-attr]
+                setattr(layer.self_attn, CONTEXT_PARALLEL, cp_mesh)
         return model
+
+    def _meshes(self, mesh: Any) -> tuple[Any, Any]:
+        """The tensor- and context-parallel meshes (None: no such parallelism) of the
+        1-D mesh of :attr:`world_size` ranks, ranks ``cp x tp`` (tensor parallel
+        innermost)."""
+        if mesh is None or self.world_size == 1:
+            return None, None
+        if mesh.size() != self.world_size:
+            raise ValueError(
+                f"the mesh has {mesh.size()} ranks, the layout cp={self.cp} x tp={self.tp}: "
+                f"give a mesh of {self.world_size}"
+            )
+        if self.cp == 1:
+            return mesh, None
+        if self.tp == 1:
+            return None, mesh
+        grid = _compat.device_mesh_grid(mesh.device_type, (self.cp, self.tp), ("cp", "tp"))
+        return grid["tp"], grid["cp"]
 
     def inputs(self, mesh: Any = None) -> dict[str, Any]:
         """This rank's micro-batch: token ids, labels (the model computes the loss) and
@@ -324,7 +493,24 @@ class SimulatedModel:
         with torch.device(self.device):
             ids = torch.randint(0, vocab, (self.batch, self.seq))
             positions = torch.arange(self.seq).unsqueeze(0).expand(self.batch, -1)
-        return {"input_ids": ids, "labels": ids, "position_ids": positions, "use_cache": False}
+            if self.cp == 1:
+                return {"input_ids": ids, "labels": ids, "position_ids": positions,
+                        "use_cache": False}  # fmt: skip
+            # This rank's two chunks of the sequence; each token's label is the next token
+            # of the whole sequence (the loss does not shift within the share).
+            rank = 0 if mesh is None else mesh.get_local_rank() // self.tp
+            length = self.seq // (2 * self.cp)
+            share = torch.cat(
+                [torch.arange(c * length, (c + 1) * length) for c in context_chunks(rank, self.cp)]
+            )
+            following = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
+        return {
+            "input_ids": ids[:, share],
+            "labels": ids[:, share],
+            "shift_labels": following[:, share],
+            "position_ids": positions[:, share],
+            "use_cache": False,
+        }
 
     def _replace_experts(self, model: nn.Module, config: Any) -> None:
         local = num_experts(self.spec) // self.expert_parallel
@@ -364,7 +550,7 @@ class SimulatedModel:
                 f"{len(counts)}"
             )
         if all(c == 1 for c in counts):
-            return profile
+            return replace(profile, layout=self.layout)
         import copy
 
         layers: list[Any] = []
@@ -387,6 +573,7 @@ class SimulatedModel:
             layers=layers,
             baseline_step_s=profile.baseline_step_s + added_s,
             notes=[*profile.notes, note],
+            layout=self.layout,
         )
 
 
@@ -405,12 +592,15 @@ def _kinds_of(s: ModelSpec, config: Any) -> list[str]:
     return layer_kinds(replace(s, values=values))
 
 
-def parallelize(model: nn.Module, mesh: Any, s: ModelSpec, *, sp: bool) -> None:
+def parallelize(
+    model: nn.Module, mesh: Any, s: ModelSpec, *, sp: bool, loss_parallel: bool = False
+) -> None:
     """Tensor parallelism over ``mesh`` (1-D), Megatron's layout, with sequence
     parallelism when ``sp``: column-parallel Q/K/V (or MLA's up-projections) and MLP
     input projections, row-parallel output projections, a row-parallel (vocabulary-
     sharded) embedding whose output is reduce-scattered along the sequence with ``sp``,
-    and a column-parallel head whose logits are gathered. Mixture-of-
+    and a column-parallel head whose logits are gathered, or with ``loss_parallel`` left
+    as the ranks' vocabulary shards (a DTensor). Mixture-of-
     experts blocks get this rank's share of the sequence as a plain tensor (their
     experts are sharded by expert parallelism, see :class:`GroupedExperts`). Parameters
     are not broadcast (``src_data_rank=None``), as a fake process group requires."""
@@ -429,7 +619,11 @@ def parallelize(model: nn.Module, mesh: Any, s: ModelSpec, *, sp: bool) -> None:
         # sequence, as Megatron's and torchtitan's are: the first layer gets this rank's
         # share (the positions are given whole, the causal mask is not built).
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-        "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(
+            input_layouts=residual,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }
     if sp:
         top["model.norm"] = SequenceParallel()

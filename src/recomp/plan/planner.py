@@ -147,6 +147,9 @@ class Profile:
     # (a cross-entropy's: two fp32 logits-sized tensors). A transient of the step's
     # peak, on the rank that computes the loss; not part of the budget's activations.
     loss_backward_bytes: int = 0
+    # The parallel layout the profile was made under, where known (a simulated published
+    # model's: tp, sp, cp, loss_parallel); ``recomp.plan.job`` checks it against the job's.
+    layout: dict[str, Any] = field(default_factory=dict)
 
     # -- the solver's view ----------------------------------------------------
 

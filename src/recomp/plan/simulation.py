@@ -136,6 +136,7 @@ def simulate(
             stack.enter_context(_compat.fake_tensor_mode())
             stack.enter_context(target)
             stack.enter_context(_compat.target_attention_kernels(target))
+            stack.enter_context(_compat.dtensor_meta_as_on_device())
             model = build(mesh)
             _check_model(model)
             # transformers is imported by now where the model is one of its.
