@@ -57,7 +57,7 @@ def _requires(block: doc_blocks.Block) -> list[str]:
     # the MindSpore blocks).
     for m in re.finditer(r"^(?:import|from) (mindspore|mindcv|torch|torchvision|transformers|peft)\b", block.code, re.M):
         needed.append(m.group(1))
-    if re.search(r"\b(simulate|SimulatedModel)\(", block.code):
+    if re.search(r"\b(simulate|SimulatedModel|will_it_fit)\(", block.code):
         needed.append("simulation")  # the planner's simulation: PyTorch 2.13 or newer
     setup = block.options.get("setup")
     needed += {"llama": ["torch", "transformers"], "ms_net": ["mindspore"], "resnet": ["torchvision"]}.get(

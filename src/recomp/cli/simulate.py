@@ -317,9 +317,8 @@ def table(report: Any, *, all_ranks: bool = False) -> str:
         ).rstrip()
 
     budget = "none" if report.budget_bytes is None else f"{report.budget_bytes / GiB:.4g} GiB"
-    lines = wrapped(
-        f"{report.model} on {report.hardware}, {budget} per device: {report.layout}"
-    )
+    lines = [f"{report.model} on {report.hardware}, {budget} per device"]
+    lines += wrapped(f"layout: {report.layout}", indent="  ")
     lines += [line(header), line(["-" * w for w in widths]), *map(line, cells)]
     explained = (
         "GiB per device. act: the activations at the step's peak on that pipeline rank "

@@ -973,7 +973,9 @@ def job_memory(
             per_layer, more = layer_activations(
                 activations, plan=plan, option=option, weight_input_bytes=weight_input_bytes
             )
-            notes.extend(more)
+            split = any(kind in ("I", "W") for steps in actions.values() for kind, _, _ in steps)
+            if split:  # the weight-gradient figures matter only to a split backward
+                notes.extend(more)
             outside = OutsideLayers.of(activations)
         if len(per_layer) != len(model.layers):
             raise ValueError(
