@@ -6,8 +6,9 @@ in code: nothing is downloaded, and under ``simulate``'s fake tensors nothing is
 :class:`SimulatedModel` gives the ``build(mesh)`` and ``inputs(mesh)`` that ``simulate``
 takes, with a tensor-parallel plan written with ``torch.distributed.tensor.parallel``
 (Megatron-style: column-parallel Q/K/V and MLP input projections, row-parallel output
-projections, optionally sequence parallelism on the norms), and expert parallelism for
-the routed experts of mixture-of-experts models.
+projections, optionally sequence parallelism on the norms), expert parallelism for the
+routed experts of mixture-of-experts models, context parallelism
+(:func:`context_parallel_attention`) and loss parallelism.
 
 Fewer layers than the model has can be built (``layers=``): the simulated model keeps one
 layer of each kind (a dense layer and a mixture-of-experts one for DeepSeek-V3) and
@@ -26,8 +27,13 @@ What is modelled, and how (the limits are written here and in docs/tools/will-it
 * under tensor parallelism a mixture-of-experts block runs on this rank's share of the
   sequence (sequence parallelism is required there), the router and shared experts
   replicated;
-* the output head is column-parallel and its logits gathered for the loss (no loss
-  parallelism): they count outside the layers.
+* the output head is column-parallel and its logits gathered for the loss, or with loss
+  parallelism left as the ranks' vocabulary shards (the loss computed under PyTorch's
+  ``loss_parallel()``): they count outside the layers;
+* context parallelism of degree ``cp``: each rank holds two chunks of each sequence (the
+  head-tail split, :func:`context_chunks`) and all-gathers the keys and values in its
+  attention, keeping what ring attention keeps; the exchange of ring attention's
+  rotations is one all-gather here (the same bytes kept, the same link time sent).
 """
 
 from __future__ import annotations
