@@ -17,6 +17,8 @@ commands:
            why (`recomp report --help`)
   plan     choose per layer what to checkpoint and exclude so that a memory budget is
            met at the least step time, then run the plan (`recomp plan --help`)
+  simulate will a published model fit? Memory per device and step overhead per
+           strategy and pipeline rank, on fake tensors: no GPU (`recomp simulate --help`)
 """
 
 
@@ -34,6 +36,10 @@ def command_main(command: str) -> Callable[[list[str]], int] | None:
         from recomp.cli.report import main as report_main
 
         return report_main
+    if command == "simulate":
+        from recomp.cli.simulate import main as simulate_main
+
+        return simulate_main
     return None
 
 

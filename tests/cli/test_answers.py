@@ -162,10 +162,10 @@ def test_without_torch_the_commands_say_what_to_install(args):
 
 def test_the_simulation_without_transformers_says_what_to_install():
     pytest.importorskip("torch")
-    proc = _recomp("plan", "--simulate", "llama3-8b", blocked=("transformers",))
+    proc = _recomp("simulate", "llama-3.1-8b", blocked=("transformers",))
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "recomp plan --simulate: needs Hugging Face transformers, which is not installed: "
+        "recomp simulate: needs Hugging Face transformers, which is not installed: "
         "pip install transformers"
     ]
 

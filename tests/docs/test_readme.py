@@ -57,7 +57,7 @@ def _requires(block: doc_blocks.Block) -> list[str]:
     # the MindSpore blocks).
     for m in re.finditer(r"^(?:import|from) (mindspore|mindcv|torch|torchvision|transformers|peft)\b", block.code, re.M):
         needed.append(m.group(1))
-    if re.search(r"\b(simulate|SimulatedModel)\(", block.code):
+    if re.search(r"\b(simulate|SimulatedModel|will_it_fit)\(", block.code):
         needed.append("simulation")  # the planner's simulation: PyTorch 2.13 or newer
     setup = block.options.get("setup")
     needed += {"llama": ["torch", "transformers"], "ms_net": ["mindspore"], "resnet": ["torchvision"]}.get(
@@ -112,7 +112,9 @@ def test_code_block_runs(
 
 _NAMESPACES = pytest.StashKey[dict]()
 
-RECOMP_COMMAND = re.compile(r"^(?:\S+=\S+\s+)*(?:\S*python\S*\s+-m\s+)?recomp\s+(bench|plan|report)\b(.*)$")
+RECOMP_COMMAND = re.compile(
+    r"^(?:\S+=\S+\s+)*(?:\S*python\S*\s+-m\s+)?recomp\s+(bench|plan|report|simulate)\b(.*)$"
+)
 
 
 def command_lines() -> list[tuple[str, str, str]]:
@@ -146,8 +148,7 @@ def test_command_line_parses(
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "mypkg", raising=False)
     monkeypatch.delitem(sys.modules, "mypkg.models", raising=False)
-    # A command whose options depend on a mode (recomp plan --simulate) says which parser.
-    parser = module.parser_for(argv) if hasattr(module, "parser_for") else module.build_parser()
+    parser = module.build_parser()
     try:
         parser.parse_args(argv)
     except SystemExit as exit:

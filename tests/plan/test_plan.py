@@ -541,8 +541,19 @@ def test_apply_plan_gives_the_profiles_exclude_collectives_to_the_wrappers(small
     assert [o.kept_bytes for layer in without.layers for o in layer.options] == [
         o.kept_bytes for layer in prof.layers for o in layer.options
     ]
-    with pytest.raises(ValueError, match="exclude_collectives must be True or False"):
+    with pytest.raises(ValueError, match="exclude_collectives must be True, False or 'per-layer'"):
         profile(model, x, layers=_is_block, steps=1, exclude_collectives=None)
+    # Chosen per layer: a layer whose option replays the collectives gets False, the
+    # others the plan's True.
+    keeping = make_plan(prof, "0%")
+    keeping.layers[0].option = "full+replay-collectives"
+    for layer in keeping.layers[1:]:
+        layer.option = "full"
+    planned = apply_plan(copy.deepcopy(model), keeping)
+    wrapped = [m for m in planned.modules() if isinstance(m, CheckpointWrapper)]
+    assert [m.checkpoint_kwargs["exclude_collectives"] for m in wrapped] == [False] + [True] * (
+        len(wrapped) - 1
+    )
 
 
 def test_apply_plan_checks_everything_before_wrapping(small):

@@ -189,14 +189,10 @@ def test_the_moe_stand_in_keeps_what_stock_experts_keep(mixtral_h200):
 
 @pytest.fixture(scope="module")
 def llama_405b():
-    from recomp.cli.plan_simulate import _meta_model, candidate_regions
     from recomp.plan.models import SimulatedModel
 
-    sm = SimulatedModel("llama-3.1-405b", layers=2, seq=8192, tp=8, sp=True)
-    prof = sm.scale_profile(
-        simulate(sm.build, sm.inputs, world_size=8, exclude=candidate_regions)
-    )
-    return prof, model_params(_meta_model(sm))
+    sm = SimulatedModel("llama-3.1-405b", layers=3, seq=8192, tp=8, sp=True)
+    return sm.simulate(), model_params(sm.meta_model())
 
 
 @pytest.mark.parametrize("option", ["none", "full"])
@@ -208,7 +204,7 @@ def test_405b_first_rank_is_not_billed_for_the_head(llama_405b, option):
     prof, params = llama_405b
     stages = [7] + [8] * 14 + [7]
     result = job_memory(
-        params, Parallel(tp=8, pp=16), activations=prof, option=option, schedule="1F1B",
+        params, Parallel(tp=8, sp=True, pp=16), activations=prof, option=option, schedule="1F1B",
         microbatches=32, stage_layers=stages,
     )  # fmt: skip
     first, second, last = result.ranks[0], result.ranks[1], result.ranks[-1]

@@ -1,6 +1,7 @@
-"""The command line: ``recomp bench``, ``recomp plan`` and ``recomp report``.
+"""The command line: ``recomp bench``, ``recomp plan``, ``recomp report`` and
+``recomp simulate``.
 
-One module per command (``bench``, ``plan``, ``report``); what they share in modules
+One module per command (``bench``, ``plan``, ``report``, ``simulate``); what they share in modules
 named for what it is: the configuration and model options (``config``), the child
 processes (``jobs`` starts them, ``worker`` is the child, ``messages`` the typed
 messages between the two), measured rows and the JSON file (``results``), tables,

@@ -26,9 +26,8 @@ COMMANDS = {
     "bench": "recomp.cli.bench",
     "plan": "recomp.cli.plan",
     "report": "recomp.cli.report",
+    "simulate": "recomp.cli.simulate",
 }
-#: ``recomp plan --simulate`` has options of its own.
-SIMULATE = "recomp.cli.plan_simulate"
 
 
 def close_matches(word: str, known: Sequence[str], n: int = 3) -> list[str]:
@@ -126,15 +125,10 @@ def _long_options(args: list[str]) -> list[str]:
 
 
 def other_commands(prog: str) -> list[tuple[str, list[str]]]:
-    """The other commands and their options; for ``recomp plan``, also those of
-    ``recomp plan --simulate`` (whose parser imports PyTorch: only asked there)."""
+    """The other commands and their options."""
     found = []
-    modules = list(COMMANDS.values()) + ([SIMULATE] if prog == "recomp plan" else [])
-    for module_name in modules:
-        try:
-            parser = importlib.import_module(module_name).build_parser()
-        except ImportError:  # recomp plan --simulate's parser needs PyTorch
-            continue
+    for module_name in COMMANDS.values():
+        parser = importlib.import_module(module_name).build_parser()
         if parser.prog != prog and isinstance(parser, CommandParser):
             found.append((parser.prog, parser.option_names))
     return found

@@ -108,35 +108,24 @@ def build_parser() -> CommandParser:
     p.add_argument(
         "--simulate",
         metavar="MODEL",
-        help="plan a published model at full size on fake tensors instead (Llama-3.1, "
-        "Mixtral, DeepSeek-V3, Qwen3-MoE; no GPU needed): see recomp plan --simulate MODEL "
-        "--help",
+        help="deprecated: `recomp simulate MODEL` (will a published model fit?)",
     )
     return p
 
 
 def simulating(argv: list[str]) -> bool:
-    """Whether a command line is ``recomp plan --simulate MODEL ...``."""
+    """Whether a command line is ``recomp plan --simulate MODEL ...`` (deprecated)."""
     return any(a == "--simulate" or a.startswith("--simulate=") for a in argv)
-
-
-def parser_for(argv: list[str]) -> argparse.ArgumentParser:
-    """The parser that reads ``argv``: ``recomp plan --simulate``'s own, or this one."""
-    if simulating(argv):
-        from .plan_simulate import build_parser as simulate_parser
-
-        return simulate_parser()
-    return build_parser()
 
 
 def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     if simulating(given):
-        if not installs.check(f"{PROG} --simulate", ["torch", "transformers"]):
-            return installs.EXIT_MISSING
-        from .plan_simulate import main as simulate_main
+        from .simulate import DEPRECATED, from_plan_argv
+        from .simulate import main as simulate_main
 
-        return simulate_main(given)
+        print(DEPRECATED, file=sys.stderr)
+        return simulate_main(from_plan_argv(given))
     parser = build_parser()
     args = parser.parse_args(argv)
     config, strategy = plan_config(parser, args)

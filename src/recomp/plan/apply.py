@@ -90,7 +90,9 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
     gives the ``checkpoint_wrapper`` ``swap_inputs=True``; ``swap`` gives the layer
     ``recomp.torch.swap_wrapper`` (no checkpoint). Every checkpoint gets
     the plan's ``exclude_collectives`` (the profile's: True unless it was made with
-    False), so it keeps the results of collectives as predicted. Whatever a wrapper
+    False), so it keeps the results of collectives as predicted, but those of
+    ``full+replay-collectives`` (and ``...+exclude:A+B``), which get
+    ``exclude_collectives=False``: their replay runs the collectives again. Whatever a wrapper
     returns is assigned back to the parent module, so wrappers that return a new
     module and wrappers that change the module in place both work. Every path is checked
     before anything is wrapped: a plan that does not fit leaves the model unchanged.
@@ -142,7 +144,8 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
             parent, name = _parent(layer, region_path)
             setattr(parent, name, checkpoint_exclude_wrapper(region, name=f"{path}.{region_path}"))
         parent, name = _parent(model, path)
-        options: dict[str, Any] = {"exclude_collectives": plan.exclude_collectives}
+        keep = plan.exclude_collectives and not layer_plan.replays_collectives
+        options: dict[str, Any] = {"exclude_collectives": keep}
         if layer_plan.selective:
             options["context_fn"] = selective_context_fn()
         elif layer_plan.partitioner:

@@ -97,7 +97,14 @@ class Parallel:
     ``fully_shard``). ``shard``: the ranks each dense tensor is sharded over under
     ZeRO/FSDP (default ``dp * cp``; less for hybrid sharding). ``stages_per_rank``:
     pipeline stages per rank (default: the schedule's, 1 or 2). ``etp`` defaults to 1;
-    Megatron-Core's own default is ``etp = tp``: give it when that is your setting."""
+    Megatron-Core's own default is ``etp = tp``: give it when that is your setting.
+    ``sp``: sequence parallelism over the tensor-parallel ranks (the norms and the
+    residual stream split along the sequence); ``loss_parallel``: the head's logits and
+    the loss stay the tensor-parallel ranks' vocabulary shards (each rank holds its
+    shard of the logits and of the loss's fp32 buffers); ``cp``: each rank holds
+    ``seq / cp`` tokens of each sequence. What these change in the activations is in
+    the profile, made under the same layout (a simulated one: ``recomp.plan.models``,
+    whose ``Profile.layout`` :func:`job_memory` checks against this one)."""
 
     dp: int = 1
     tp: int = 1
@@ -108,12 +115,26 @@ class Parallel:
     zero: int = 0
     shard: int | None = None
     stages_per_rank: int | None = None
+    sp: bool = False
+    loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "etp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Parallel.{name} is a positive integer, got {value!r}")
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Parallel.{name} is True or False, got {getattr(self, name)!r}")
+        if self.sp and self.tp == 1:
+            raise ValueError(
+                "Parallel.sp splits the sequence over the tensor-parallel ranks: give tp > 1"
+            )
+        if self.loss_parallel and self.tp == 1:
+            raise ValueError(
+                "Parallel.loss_parallel shards the vocabulary over the tensor-parallel ranks: "
+                "give tp > 1"
+            )
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"Parallel.zero is 0, 1, 2 or 3, got {self.zero!r}")
         if self.shard is not None and (self.shard < 1 or (self.dp * self.cp) % self.shard):
@@ -129,17 +150,22 @@ class Parallel:
 
     @classmethod
     def parse(cls, text: str) -> Parallel:
-        """``"dp=8,tp=8,pp=4,zero=1"`` (commas or spaces; the field names above), for
-        command lines."""
-        fields: dict[str, int] = {}
+        """``"dp=8,tp=8,pp=4,zero=1,sp=1"`` (commas or spaces; the field names above; the
+        switches as 1/0, true/false), for command lines."""
+        fields: dict[str, int | bool] = {}
         for part in re.split(r"[,\s]+", text.strip()):
             if not part:
                 continue
             name, sep, value = part.partition("=")
-            if not sep or name not in cls.__dataclass_fields__ or not value.strip().isdigit():
+            value = value.strip().lower()
+            if name in _FLAGS and value in ("1", "0", "true", "false"):
+                fields[name] = value in ("1", "true")
+                continue
+            if not sep or name not in cls.__dataclass_fields__ or not value.isdigit():
                 raise ValueError(
                     f"cannot read {part!r} in parallel layout {text!r}: give name=integer with "
-                    f"names {', '.join(cls.__dataclass_fields__)}"
+                    f"names {', '.join(cls.__dataclass_fields__)} (the switches "
+                    f"{', '.join(_FLAGS)} as 1 or 0)"
                 )
             fields[name] = int(value)
         return cls(**fields)  # type: ignore[arg-type]
@@ -167,7 +193,12 @@ class Parallel:
         parts.append(f"zero={self.zero}")
         if self.zero:
             parts.append(f"shard={self.dense_shard}")
+        parts.extend(name for name in _FLAGS if getattr(self, name))
         return " ".join(parts) + f" (world {self.world})"
+
+
+# The layout's switches (``Parallel`` fields that are True or False).
+_FLAGS = ("sp", "loss_parallel")
 
 
 @dataclass(frozen=True)
@@ -632,7 +663,7 @@ def layer_activations(
         else:
             weight = max(kept, layer.no_checkpoint_bytes)
             bounded.append(layer.path)
-        replay = 0 if name == NO_CHECKPOINT else max(0, layer.no_checkpoint_bytes - kept)
+        replay = 0 if name == NO_CHECKPOINT else replay_bytes(layer, kept)
         out.append(LayerActivation(layer.path, name, kept, weight, replay))
     if bounded:
         notes.append(
@@ -641,6 +672,13 @@ def layer_activations(
             "(an upper bound; weight_input_bytes= gives the exact figure)"
         )
     return out, notes
+
+
+def replay_bytes(layer: Any, kept: int) -> int:
+    """What a checkpointed layer's replay re-creates for a while during its own backward,
+    beyond the ``kept`` bytes its option keeps: the rest of what it saves without a
+    checkpoint (``layer``: a profile's ``LayerProfile``)."""
+    return max(0, int(layer.no_checkpoint_bytes) - kept)
 
 
 def weight_input_bytes(layer: Any, *args: Any, **kwargs: Any) -> int:
@@ -686,6 +724,24 @@ def weight_input_bytes(layer: Any, *args: Any, **kwargs: Any) -> int:
         for h in handles:
             h.remove()
     return sum(seen.values())
+
+
+def check_layout(profile: Any, parallel: Parallel) -> None:
+    """Refuse activations profiled under another layout than the job's: each of tp,
+    sp, cp and loss_parallel the profile states (``Profile.layout``; a simulated
+    published model's) must be the ``Parallel``'s."""
+    layout = getattr(profile, "layout", None) or {}
+    wrong = [
+        f"{name}={layout[name]!r} (the job: {getattr(parallel, name)!r})"
+        for name in ("tp", "sp", "cp", "loss_parallel")
+        if name in layout and layout[name] != getattr(parallel, name)
+    ]
+    if wrong:
+        raise ValueError(
+            "the activations were profiled under another layout: " + ", ".join(wrong)
+            + "; profile (simulate) the model under the job's layout, or give the job's "
+            "Parallel the profile's"
+        )
 
 
 def split_layers(num_layers: int, num_stages: int, counts: Sequence[int] | None = None) -> list[int]:
@@ -913,10 +969,13 @@ def job_memory(
         if isinstance(activations, list):
             per_layer = activations
         else:
+            check_layout(activations, parallel)
             per_layer, more = layer_activations(
                 activations, plan=plan, option=option, weight_input_bytes=weight_input_bytes
             )
-            notes.extend(more)
+            split = any(kind in ("I", "W") for steps in actions.values() for kind, _, _ in steps)
+            if split:  # the weight-gradient figures matter only to a split backward
+                notes.extend(more)
             outside = OutsideLayers.of(activations)
         if len(per_layer) != len(model.layers):
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Models of real size for ``recomp.plan.simulate`` and ``recomp plan --simulate``.
+"""Models of real size for ``recomp.plan.simulate`` and ``recomp simulate``.
 
 Each model is a Hugging Face transformers config class filled with the dimensions its
 authors published (the ``config.json`` of the released checkpoint, cited per entry), built
@@ -6,15 +6,16 @@ in code: nothing is downloaded, and under ``simulate``'s fake tensors nothing is
 :class:`SimulatedModel` gives the ``build(mesh)`` and ``inputs(mesh)`` that ``simulate``
 takes, with a tensor-parallel plan written with ``torch.distributed.tensor.parallel``
 (Megatron-style: column-parallel Q/K/V and MLP input projections, row-parallel output
-projections, optionally sequence parallelism on the norms), and expert parallelism for
-the routed experts of mixture-of-experts models.
+projections, optionally sequence parallelism on the norms), expert parallelism for the
+routed experts of mixture-of-experts models, context parallelism
+(:func:`context_parallel_attention`) and loss parallelism.
 
 Fewer layers than the model has can be built (``layers=``): the simulated model keeps one
 layer of each kind (a dense layer and a mixture-of-experts one for DeepSeek-V3) and
 :meth:`SimulatedModel.scale_profile` repeats each simulated layer's profile for the
 layers of its kind in the full model (identical layers save identical bytes).
 
-What is modelled, and how (the limits are written here and in docs/tools/plan-simulate.md):
+What is modelled, and how (the limits are written here and in docs/tools/will-it-fit.md):
 
 * routed experts run as one grouped matrix multiply per projection
   (``torch.nn.functional.grouped_mm``, as torchtitan and transformers' ``grouped_mm``
@@ -26,8 +27,13 @@ What is modelled, and how (the limits are written here and in docs/tools/plan-si
 * under tensor parallelism a mixture-of-experts block runs on this rank's share of the
   sequence (sequence parallelism is required there), the router and shared experts
   replicated;
-* the output head is column-parallel and its logits gathered for the loss (no loss
-  parallelism): they count outside the layers.
+* the output head is column-parallel and its logits gathered for the loss, or with loss
+  parallelism left as the ranks' vocabulary shards (the loss computed under PyTorch's
+  ``loss_parallel()``): they count outside the layers;
+* context parallelism of degree ``cp``: each rank holds two chunks of each sequence (the
+  head-tail split, :func:`context_chunks`) and all-gathers the keys and values in its
+  attention, keeping what ring attention keeps; the exchange of ring attention's
+  rotations is one all-gather here (the same bytes kept, the same link time sent).
 """
 
 from __future__ import annotations
@@ -40,227 +46,25 @@ import torch
 from torch import nn
 
 from ..torch import _compat
+from ._specs import _FAMILIES, MODELS, ModelSpec, layer_kinds, model_names, num_experts, spec
 
-#: transformers' model families used here.
-_FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A published model: its family, the config values of its release, where they come
-    from, and the parameter count of the transformers model built from them (embeddings
-    and output head included; DeepSeek-V3's multi-token-prediction module, which the
-    transformers model does not build, excluded)."""
-
-    name: str
-    family: str
-    values: dict[str, Any]
-    source: str
-    parameters: int
-    note: str = ""
-
-    @property
-    def moe(self) -> bool:
-        return self.family != "llama"
-
-
-_LLAMA_31 = {
-    "vocab_size": 128256,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 131072,
-    "rope_parameters": {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-}
-
-#: The models, by name. Parameter counts: the published totals (the Hub's safetensors
-#: metadata), which the tests check against the built model exactly.
-MODELS: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in (
-        ModelSpec(
-            "llama-3.1-8b",
-            "llama",
-            {
-                **_LLAMA_31,
-                "hidden_size": 4096,
-                "intermediate_size": 14336,
-                "num_hidden_layers": 32,
-                "num_attention_heads": 32,
-                "num_key_value_heads": 8,
-            },
-            "https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json",
-            8_030_261_248,
-        ),
-        ModelSpec(
-            "llama-3.1-70b",
-            "llama",
-            {
-                **_LLAMA_31,
-                "hidden_size": 8192,
-                "intermediate_size": 28672,
-                "num_hidden_layers": 80,
-                "num_attention_heads": 64,
-                "num_key_value_heads": 8,
-            },
-            "https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json",
-            70_553_706_496,
-        ),
-        ModelSpec(
-            "llama-3.1-405b",
-            "llama",
-            {
-                **_LLAMA_31,
-                "hidden_size": 16384,
-                "intermediate_size": 53248,
-                "num_hidden_layers": 126,
-                "num_attention_heads": 128,
-                "num_key_value_heads": 8,
-            },
-            "https://huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json",
-            405_853_388_800,
-        ),
-        ModelSpec(
-            "mixtral-8x22b",
-            "mixtral",
-            {
-                "vocab_size": 32000,
-                "hidden_size": 6144,
-                "intermediate_size": 16384,
-                "num_hidden_layers": 56,
-                "num_attention_heads": 48,
-                "num_key_value_heads": 8,
-                "num_local_experts": 8,
-                "num_experts_per_tok": 2,
-                "rms_norm_eps": 1e-5,
-                "max_position_embeddings": 65536,
-                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-                "tie_word_embeddings": False,
-            },
-            "https://huggingface.co/mistralai/Mixtral-8x22B-v0.1/blob/main/config.json",
-            140_620_634_112,
-        ),
-        ModelSpec(
-            "deepseek-v3",
-            "deepseek_v3",
-            {
-                "vocab_size": 129280,
-                "hidden_size": 7168,
-                "intermediate_size": 18432,
-                "moe_intermediate_size": 2048,
-                "num_hidden_layers": 61,
-                "num_attention_heads": 128,
-                "num_key_value_heads": 128,
-                "n_shared_experts": 1,
-                "n_routed_experts": 256,
-                "routed_scaling_factor": 2.5,
-                "kv_lora_rank": 512,
-                "q_lora_rank": 1536,
-                "qk_rope_head_dim": 64,
-                "v_head_dim": 128,
-                "qk_nope_head_dim": 128,
-                "n_group": 8,
-                "topk_group": 4,
-                "num_experts_per_tok": 8,
-                "first_k_dense_replace": 3,
-                "norm_topk_prob": True,
-                "max_position_embeddings": 163840,
-                "rms_norm_eps": 1e-6,
-                "tie_word_embeddings": False,
-                "rope_parameters": {
-                    "rope_type": "yarn",
-                    "rope_theta": 10000.0,
-                    "factor": 40.0,
-                    "original_max_position_embeddings": 4096,
-                    "beta_fast": 32.0,
-                    "beta_slow": 1.0,
-                    "mscale": 1.0,
-                    "mscale_all_dim": 1.0,
-                },
-            },
-            "https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json",
-            671_026_404_352,
-            note="published as 671B (the paper; the exact count here is the config's); the 61 "
-            "layers of the main model, whose released "
-            "checkpoint's 685B add the multi-token-prediction module (14B)",
-        ),
-        ModelSpec(
-            "qwen3-30b-a3b",
-            "qwen3_moe",
-            {
-                "vocab_size": 151936,
-                "hidden_size": 2048,
-                "intermediate_size": 6144,
-                "moe_intermediate_size": 768,
-                "num_hidden_layers": 48,
-                "num_attention_heads": 32,
-                "num_key_value_heads": 4,
-                "head_dim": 128,
-                "num_experts": 128,
-                "num_experts_per_tok": 8,
-                "norm_topk_prob": True,
-                "decoder_sparse_step": 1,
-                "mlp_only_layers": [],
-                "rms_norm_eps": 1e-6,
-                "max_position_embeddings": 40960,
-                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-                "tie_word_embeddings": False,
-            },
-            "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json",
-            30_532_122_624,
-        ),
-        ModelSpec(
-            "qwen3-235b-a22b",
-            "qwen3_moe",
-            {
-                "vocab_size": 151936,
-                "hidden_size": 4096,
-                "intermediate_size": 12288,
-                "moe_intermediate_size": 1536,
-                "num_hidden_layers": 94,
-                "num_attention_heads": 64,
-                "num_key_value_heads": 4,
-                "head_dim": 128,
-                "num_experts": 128,
-                "num_experts_per_tok": 8,
-                "norm_topk_prob": True,
-                "decoder_sparse_step": 1,
-                "mlp_only_layers": [],
-                "rms_norm_eps": 1e-6,
-                "max_position_embeddings": 40960,
-                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-                "tie_word_embeddings": False,
-            },
-            "https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json",
-            235_093_634_560,
-        ),
-    )
-}
-
-
-def model_names() -> list[str]:
-    return list(MODELS)
-
-
-def spec(name: str) -> ModelSpec:
-    """The model called ``name`` (case-insensitive), or a ``KeyError`` naming the known ones."""
-    key = name.lower()
-    if key not in MODELS:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
-    return MODELS[key]
-
+__all__ = [
+    "MODELS",
+    "GroupedExperts",
+    "ModelSpec",
+    "SimulatedModel",
+    "candidate_regions",
+    "context_chunks",
+    "context_parallel_attention",
+    "flash_attention",
+    "hf_config",
+    "layer_kinds",
+    "model_names",
+    "parallelize",
+    "parameter_count",
+    "register_flash_attention",
+    "spec",
+]
 
 def _classes(family: str) -> tuple[Any, Any]:
     """The config and causal-LM classes, from their own modules (importing them through
@@ -272,21 +76,6 @@ def _classes(family: str) -> tuple[Any, Any]:
     config_module = importlib.import_module(f"{package}.configuration_{family}")
     model_module = importlib.import_module(f"{package}.modeling_{family}")
     return getattr(config_module, config_name), getattr(model_module, model_name)
-
-
-def layer_kinds(model: ModelSpec | str, num_layers: int | None = None) -> list[str]:
-    """Per layer of the model (or of its first ``num_layers``): ``"dense"`` or ``"moe"``."""
-    s = spec(model) if isinstance(model, str) else model
-    n = s.values["num_hidden_layers"] if num_layers is None else num_layers
-    if s.family == "llama":
-        return ["dense"] * n
-    if s.family == "deepseek_v3":
-        k = s.values["first_k_dense_replace"]
-        return ["dense" if i < k else "moe" for i in range(n)]
-    if s.family == "qwen3_moe":
-        step, only = s.values["decoder_sparse_step"], set(s.values["mlp_only_layers"])
-        return ["moe" if i not in only and (i + 1) % step == 0 else "dense" for i in range(n)]
-    return ["moe"] * n
 
 
 def hf_config(model: ModelSpec | str, num_layers: int | None = None) -> Any:
@@ -354,14 +143,130 @@ def flash_attention(
     what FlashAttention keeps: the query, key and value, the output and the row-wise
     log-sum-exp. Grouped key-value heads are passed as they are (as flash-attn keeps
     them); a value head narrower than the query's (DeepSeek's MLA) is zero-padded to it,
-    as transformers' flash path does. Padding masks are not modelled (causal only)."""
+    as transformers' flash path does. Padding masks are not modelled (causal only).
+    Under context parallelism (an attention module given a mesh by
+    :class:`SimulatedModel`), :func:`context_parallel_attention`."""
     q_dim, v_dim = query.shape[-1], value.shape[-1]
     if v_dim < q_dim:
         value = torch.nn.functional.pad(value, (0, q_dim - v_dim))
-    out = _compat.flash_attention_forward(
-        query, key, value, dropout if module.training else 0.0, scaling
-    )
+    cp_mesh = getattr(module, CONTEXT_PARALLEL, None)
+    if cp_mesh is not None:
+        out = context_parallel_attention(query, key, value, cp_mesh, scaling)
+    else:
+        out = _compat.flash_attention_forward(
+            query, key, value, dropout if module.training else 0.0, scaling
+        )
     return out[..., :v_dim].transpose(1, 2).contiguous(), None
+
+
+#: The attribute of an attention module that holds its context-parallel mesh.
+CONTEXT_PARALLEL = "recomp_context_parallel"
+
+
+def context_chunks(rank: int, size: int) -> tuple[int, int]:
+    """The two chunks of the sequence (of ``2 * size``) that context-parallel rank
+    ``rank`` holds: ``rank`` and ``2 * size - 1 - rank``, so that every rank has the
+    same causal attention work (the head-tail split of torch's and Megatron's context
+    parallelism)."""
+    return rank, 2 * size - 1 - rank
+
+
+def context_parallel_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mesh: Any, scale: float | None
+) -> torch.Tensor:
+    """Causal attention of this rank's share of the sequence (two chunks,
+    :func:`context_chunks`, in ``(batch, heads, tokens, head_dim)``) against the keys
+    and values of the whole sequence, all-gathered over ``mesh`` (1-D, the
+    context-parallel ranks). It keeps what ring attention keeps: this rank's query, key
+    and value, the output and the log-sum-exp; the backward gathers the keys and values
+    again, runs the kernel's backward per chunk and reduce-scatters their gradients."""
+    return _ContextParallelAttention.apply(query, key, value, mesh, scale)  # type: ignore[no-any-return]
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, query: Any, key: Any, value: Any, mesh: Any, scale: Any) -> Any:
+        keys, values = _gathered_chunks(key, mesh), _gathered_chunks(value, mesh)
+        chunks = context_chunks(mesh.get_local_rank(), mesh.size())
+        length = query.shape[2] // 2
+        outs, lses, states = [], [], []
+        for half, chunk in enumerate(chunks):
+            q = query[:, :, half * length : (half + 1) * length]
+            k, v = torch.cat(keys[: chunk + 1], 2), torch.cat(values[: chunk + 1], 2)
+            out, lse, state = _compat.flash_attention_with_lse(q, k, v, scale)
+            outs.append(out)
+            lses.append(lse)
+            states.append(state)
+        # The output in (batch, tokens, heads, head_dim) memory, as the kernel lays out
+        # its own: the caller's transpose back to that order then copies nothing.
+        out = torch.cat([o.transpose(1, 2) for o in outs], 1).transpose(1, 2)
+        lse = torch.cat(lses, 2)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.mesh, ctx.scale, ctx.states = mesh, scale, states
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+        from torch.distributed.tensor import DTensor, Partial, Shard
+
+        query, key, value, out, lse = ctx.saved_tensors
+        mesh = ctx.mesh
+        keys, values = _gathered_chunks(key, mesh), _gathered_chunks(value, mesh)
+        chunks = context_chunks(mesh.get_local_rank(), mesh.size())
+        length = query.shape[2] // 2
+        grad = grad.contiguous()
+        dk = [torch.zeros_like(k) for k in keys]
+        dv = [torch.zeros_like(v) for v in values]
+        dqs = []
+        for half, chunk in enumerate(chunks):
+            part = slice(half * length, (half + 1) * length)
+            k, v = torch.cat(keys[: chunk + 1], 2), torch.cat(values[: chunk + 1], 2)
+            dq, dk_part, dv_part = _compat.flash_attention_backward(
+                grad[:, :, part], query[:, :, part], k, v, out[:, :, part].contiguous(),
+                lse[:, :, part].contiguous(), ctx.states[half], ctx.scale,
+            )  # fmt: skip
+            dqs.append(dq)
+            for c, (gk, gv) in enumerate(zip(dk_part.split(length, 2), dv_part.split(length, 2))):
+                dk[c] += gk
+                dv[c] += gv
+
+        def scattered(per_chunk: list[Any]) -> Any:
+            # Back in the order the ranks hold them, summed over the ranks: this rank's.
+            size = mesh.size()
+            order = [c for r in range(size) for c in context_chunks(r, size)]
+            whole = torch.cat([per_chunk[c] for c in order], 2)
+            partial = DTensor.from_local(whole, mesh, [Partial()], run_check=False)
+            return partial.redistribute(mesh, [Shard(2)]).to_local()
+
+        return torch.cat(dqs, 2), scattered(dk), scattered(dv), None, None
+
+
+def _gathered_chunks(t: torch.Tensor, mesh: Any) -> list[torch.Tensor]:
+    """The ``2 * size`` chunks of the whole sequence, in sequence order, from every
+    context-parallel rank's two (all-gathered along the sequence, dimension 2)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    size = mesh.size()
+    whole = DTensor.from_local(t.contiguous(), mesh, [Shard(2)], run_check=False).full_tensor()
+    pieces = whole.chunk(2 * size, 2)
+    order = [c for r in range(size) for c in context_chunks(r, size)]
+    by_chunk: list[Any] = [None] * (2 * size)
+    for piece, chunk in zip(pieces, order):
+        by_chunk[chunk] = piece
+    return by_chunk
+
+
+class _LossParallel:
+    """A model's loss function run under ``torch.distributed.tensor.parallel.loss_parallel``:
+    the logits are the tensor-parallel ranks' vocabulary shards, and the log-softmax and
+    the loss are computed on them (each rank keeps its shard)."""
+
+    def __init__(self, loss: Callable[..., Any]) -> None:
+        self.loss = loss
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with _compat.loss_parallel():
+            return self.loss(*args, **kwargs)
 
 
 class GroupedExperts(nn.Module):
@@ -410,12 +315,20 @@ class GroupedExperts(nn.Module):
 class SimulatedModel:
     """``build(mesh)`` and ``inputs(mesh)`` of one published model for ``simulate``.
 
-    ``layers``: layers built (None: all). ``tp``: tensor-parallel degree (the mesh's size
-    when a mesh is given); ``sp``: sequence parallelism on the norms and the residual
-    stream; ``ep``: expert-parallel degree of the routed experts (default: ``tp``).
-    ``batch`` and ``seq``: this rank's micro-batch (sequences and tokens each)."""
+    ``name``: a published model (``MODELS``) or a :class:`ModelSpec` of your own.
+    ``layers``: layers built (None: all). ``tp``: tensor-parallel degree; ``sp``:
+    sequence parallelism on the norms and the residual stream; ``ep``: expert-parallel
+    degree of the routed experts (default: ``tp``); ``cp``: context-parallel degree
+    (each rank holds ``seq / cp`` tokens of each sequence, two chunks of it, and its
+    attention sees the keys and values of the whole sequence:
+    :func:`context_parallel_attention`); ``loss_parallel``: the head's logits stay the
+    tensor-parallel ranks' vocabulary shards and the loss is computed on them
+    (``torch.distributed.tensor.parallel.loss_parallel``; a real run's backward must
+    run inside that context too). ``batch`` and ``seq``: the micro-batch (sequences
+    and tokens each, before context parallelism divides them). The mesh ``build`` and
+    ``inputs`` take is the 1-D mesh of :attr:`world_size` ranks (``cp x tp``)."""
 
-    name: str
+    name: str | ModelSpec
     layers: int | None = None
     batch: int = 1
     seq: int = 4096
@@ -424,10 +337,12 @@ class SimulatedModel:
     sp: bool = False
     ep: int | None = None
     device: str = "cuda"
+    cp: int = 1
+    loss_parallel: bool = False
     spec: ModelSpec = field(init=False)
 
     def __post_init__(self) -> None:
-        self.spec = spec(self.name)
+        self.spec = self.name if isinstance(self.name, ModelSpec) else spec(self.name)
         errors = self.check()
         if errors:
             raise ValueError("; ".join(errors))
@@ -439,8 +354,8 @@ class SimulatedModel:
     def check(self) -> list[str]:
         """What does not go together, each with its fix."""
         v, errors = self.spec.values, []
-        if self.tp < 1 or self.batch < 1 or self.seq < 1:
-            errors.append("tp, batch and seq are positive integers")
+        if min(self.tp, self.cp, self.batch, self.seq) < 1:
+            errors.append("tp, cp, batch and seq are positive integers")
             return errors
         heads, kv = v["num_attention_heads"], v.get("num_key_value_heads", v["num_attention_heads"])
         if heads % self.tp or kv % self.tp:
@@ -449,11 +364,21 @@ class SimulatedModel:
                 f"{self.spec.name} has {heads} attention heads and {kv} key-value heads: "
                 f"--tp must divide both (one of {divisors})"
             )
-        if self.sp and self.seq % self.tp:
-            errors.append(f"sequence parallelism splits --seq {self.seq} over --tp {self.tp}: "
-                          f"choose a multiple of {self.tp}")
+        if self.cp > 1 and self.seq % (2 * self.cp):
+            errors.append(
+                f"context parallelism gives each of --cp {self.cp} ranks two chunks of --seq "
+                f"{self.seq}: choose a multiple of {2 * self.cp}"
+            )
+        elif self.sp and (self.seq // self.cp) % self.tp:
+            errors.append(
+                f"sequence parallelism splits each rank's {self.seq // self.cp} tokens over "
+                f"--tp {self.tp}: choose a --seq that makes it a multiple of {self.tp}"
+            )
+        if self.loss_parallel and self.tp == 1:
+            errors.append("loss parallelism shards the vocabulary over the tensor-parallel "
+                          "ranks: add --tp N")
         if self.spec.moe:
-            experts = _num_experts(self.spec)
+            experts = num_experts(self.spec)
             if experts % self.expert_parallel:
                 errors.append(
                     f"{self.spec.name} has {experts} routed experts: --ep must divide it"
@@ -477,6 +402,50 @@ class SimulatedModel:
     def full_kinds(self) -> list[str]:
         return layer_kinds(self.spec)
 
+    @property
+    def world_size(self) -> int:
+        """The ranks ``simulate`` fakes for it: the context- and tensor-parallel ones."""
+        return self.cp * self.tp
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        """The layout its profile is of (``Profile.layout``; ``recomp.plan.job`` checks
+        it against the job's ``Parallel``)."""
+        return {"tp": self.tp, "sp": self.sp, "cp": self.cp, "loss_parallel": self.loss_parallel}
+
+    def simulate(
+        self,
+        *,
+        hardware: Any = None,
+        exclude_collectives: bool | str = "per-layer",
+        swap: bool = True,
+    ) -> Any:
+        """The profile of one micro-batch on one rank of the full model:
+        ``recomp.plan.simulate`` of this model over its ranks, with each layer's attention
+        and MLP (or mixture-of-experts block) as the candidate regions
+        (:func:`candidate_regions`), scaled to the full depth (:meth:`scale_profile`).
+        ``hardware``, ``exclude_collectives`` and ``swap`` as for ``simulate``."""
+        from .simulation import simulate
+
+        profile = simulate(
+            self.build,
+            self.inputs,
+            world_size=self.world_size,
+            device=self.device,
+            exclude=candidate_regions,
+            exclude_collectives=exclude_collectives,
+            hardware=hardware,
+            swap=swap,
+        )
+        return self.scale_profile(profile)
+
+    def meta_model(self) -> nn.Module:
+        """The whole model (every layer, unparallelised) on the meta device: shapes only,
+        for its parameter counts (``recomp.plan.job.model_params``)."""
+        _, model_class = _classes(self.spec.family)
+        with torch.device("meta"):
+            return model_class(hf_config(self.spec))  # type: ignore[no-any-return]
+
     # -- simulate's callables -------------------------------------------------------
 
     def build(self, mesh: Any = None) -> nn.Module:
@@ -494,9 +463,33 @@ class SimulatedModel:
         finally:
             torch.set_default_dtype(previous)
         model.train()
-        if mesh is not None and mesh.size() > 1:
-            parallelize(model, mesh, self.spec, sp=self.sp)
+        tp_mesh, cp_mesh = self._meshes(mesh)
+        if tp_mesh is not None:
+            parallelize(model, tp_mesh, self.spec, sp=self.sp, loss_parallel=self.loss_parallel)
+        if self.loss_parallel:
+            model.loss_function = _LossParallel(model.loss_function)
+        if cp_mesh is not None:
+            for layer in model.model.layers:  # type: ignore[union-attr]
+                setattr(layer.self_attn, CONTEXT_PARALLEL, cp_mesh)
         return model
+
+    def _meshes(self, mesh: Any) -> tuple[Any, Any]:
+        """The tensor- and context-parallel meshes (None: no such parallelism) of the
+        1-D mesh of :attr:`world_size` ranks, ranks ``cp x tp`` (tensor parallel
+        innermost)."""
+        if mesh is None or self.world_size == 1:
+            return None, None
+        if mesh.size() != self.world_size:
+            raise ValueError(
+                f"the mesh has {mesh.size()} ranks, the layout cp={self.cp} x tp={self.tp}: "
+                f"give a mesh of {self.world_size}"
+            )
+        if self.cp == 1:
+            return mesh, None
+        if self.tp == 1:
+            return None, mesh
+        grid = _compat.device_mesh_grid(mesh.device_type, (self.cp, self.tp), ("cp", "tp"))
+        return grid["tp"], grid["cp"]
 
     def inputs(self, mesh: Any = None) -> dict[str, Any]:
         """This rank's micro-batch: token ids, labels (the model computes the loss) and
@@ -506,10 +499,27 @@ class SimulatedModel:
         with torch.device(self.device):
             ids = torch.randint(0, vocab, (self.batch, self.seq))
             positions = torch.arange(self.seq).unsqueeze(0).expand(self.batch, -1)
-        return {"input_ids": ids, "labels": ids, "position_ids": positions, "use_cache": False}
+            if self.cp == 1:
+                return {"input_ids": ids, "labels": ids, "position_ids": positions,
+                        "use_cache": False}  # fmt: skip
+            # This rank's two chunks of the sequence; each token's label is the next token
+            # of the whole sequence (the loss does not shift within the share).
+            rank = 0 if mesh is None else mesh.get_local_rank() // self.tp
+            length = self.seq // (2 * self.cp)
+            share = torch.cat(
+                [torch.arange(c * length, (c + 1) * length) for c in context_chunks(rank, self.cp)]
+            )
+            following = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
+        return {
+            "input_ids": ids[:, share],
+            "labels": ids[:, share],
+            "shift_labels": following[:, share],
+            "position_ids": positions[:, share],
+            "use_cache": False,
+        }
 
     def _replace_experts(self, model: nn.Module, config: Any) -> None:
-        local = _num_experts(self.spec) // self.expert_parallel
+        local = num_experts(self.spec) // self.expert_parallel
         for module in model.modules():
             experts = getattr(module, "experts", None)
             if experts is None or not hasattr(experts, "gate_up_proj"):
@@ -533,7 +543,12 @@ class SimulatedModel:
     def scale_profile(self, profile: Any) -> Any:
         """The profile of the full model: each simulated layer's profile repeated for the
         layers it stands for (:meth:`layer_counts`), renamed ``model.layers.<i>``, with its
-        neighbour-shared bytes; the profile's notes say so."""
+        neighbour-shared bytes; the profile's notes say so.
+
+        A storage two simulated layers keep is a neighbours' pair, repeated with every
+        layer; one three or more keep (the rotary embedding's tables every layer is
+        given) is shared once. With two layers simulated the second kind cannot be told
+        from the first: simulate three (the default of ``recomp simulate``)."""
         counts = self.layer_counts()
         if len(profile.layers) != len(counts):
             raise ValueError(
@@ -541,7 +556,7 @@ class SimulatedModel:
                 f"{len(counts)}"
             )
         if all(c == 1 for c in counts):
-            return profile
+            return replace(profile, layout=self.layout)
         import copy
 
         layers: list[Any] = []
@@ -564,7 +579,15 @@ class SimulatedModel:
             layers=layers,
             baseline_step_s=profile.baseline_step_s + added_s,
             notes=[*profile.notes, note],
+            layout=self.layout,
         )
+
+
+def candidate_regions(module: nn.Module) -> bool:
+    """The regions an exclusion may keep out of the replay in a published model's layer:
+    its attention and its MLP or mixture-of-experts block (not the norms: fewer options,
+    the same plans)."""
+    return type(module).__name__.endswith(("Attention", "MLP", "MoE", "SparseMoeBlock"))
 
 
 def _kinds_of(s: ModelSpec, config: Any) -> list[str]:
@@ -575,16 +598,15 @@ def _kinds_of(s: ModelSpec, config: Any) -> list[str]:
     return layer_kinds(replace(s, values=values))
 
 
-def _num_experts(s: ModelSpec) -> int:
-    v = s.values
-    return int(v.get("n_routed_experts") or v.get("num_local_experts") or v["num_experts"])
-
-
-def parallelize(model: nn.Module, mesh: Any, s: ModelSpec, *, sp: bool) -> None:
+def parallelize(
+    model: nn.Module, mesh: Any, s: ModelSpec, *, sp: bool, loss_parallel: bool = False
+) -> None:
     """Tensor parallelism over ``mesh`` (1-D), Megatron's layout, with sequence
     parallelism when ``sp``: column-parallel Q/K/V (or MLA's up-projections) and MLP
     input projections, row-parallel output projections, a row-parallel (vocabulary-
-    sharded) embedding and a column-parallel head whose logits are gathered. Mixture-of-
+    sharded) embedding whose output is reduce-scattered along the sequence with ``sp``,
+    and a column-parallel head whose logits are gathered, or with ``loss_parallel`` left
+    as the ranks' vocabulary shards (a DTensor). Mixture-of-
     experts blocks get this rank's share of the sequence as a plain tensor (their
     experts are sharded by expert parallelism, see :class:`GroupedExperts`). Parameters
     are not broadcast (``src_data_rank=None``), as a fake process group requires."""
@@ -599,18 +621,19 @@ def parallelize(model: nn.Module, mesh: Any, s: ModelSpec, *, sp: bool) -> None:
 
     residual = Shard(1) if sp else Replicate()
     top: dict[str, Any] = {
-        # The embedding's output stays whole: transformers builds the causal mask and the
-        # positions from it. The first layer takes this rank's share of it (below).
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
+        # Under sequence parallelism the embedding's output is reduce-scattered along the
+        # sequence, as Megatron's and torchtitan's are: the first layer gets this rank's
+        # share (the positions are given whole, the causal mask is not built).
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "lm_head": ColwiseParallel(
+            input_layouts=residual,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }
     if sp:
         top["model.norm"] = SequenceParallel()
     parallelize_module(model, mesh, top, src_data_rank=None)
-    if sp:
-        model.model.layers[0].register_forward_pre_hook(  # type: ignore[index,union-attr]
-            _SequenceShare(mesh.size(), mesh.get_local_rank()), with_kwargs=True
-        )
     for layer in model.model.layers:  # type: ignore[union-attr]
         attn, mlp = layer.self_attn, layer.mlp
         plan: dict[str, Any] = {
@@ -646,22 +669,6 @@ def parallelize(model: nn.Module, mesh: Any, s: ModelSpec, *, sp: bool) -> None:
             plan["mlp.down_proj"] = RowwiseParallel(output_layouts=residual)
         parallelize_module(layer, mesh, plan, src_data_rank=None)
         _localise_heads(attn, mesh.size())
-
-
-class _SequenceShare:
-    """A forward pre-hook: the layer's ``hidden_states`` become this rank's share of the
-    sequence (a copy, so that the whole embedding output is not kept alive by it)."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self.size, self.rank = size, rank
-
-    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        def share(t: torch.Tensor) -> torch.Tensor:
-            return t.chunk(self.size, dim=1)[self.rank].contiguous()
-
-        if args:
-            return (share(args[0]), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": share(kwargs["hidden_states"])}
 
 
 def _localise_heads(attn: nn.Module, tp: int) -> None:

@@ -13,13 +13,16 @@
 ``exclude:A+B`` (checkpointed, with the sub-modules at paths ``A`` and ``B`` inside the
 layer excluded from the replay), ``selective`` (checkpointed, the outputs of its
 expensive ops kept: ``recomp.plan.policy``), ``selective+exclude:A+B`` (both),
-``full+swap-inputs`` (checkpointed, its saved inputs on the host until the replay) or
-``swap`` (not checkpointed, what it saves on the host until backward).
+``full+swap-inputs`` (checkpointed, its saved inputs on the host until the replay),
+``swap`` (not checkpointed, what it saves on the host until backward), or
+``full+replay-collectives`` and ``full+replay-collectives+exclude:A+B`` (``full`` and
+``exclude:A+B`` whose replay runs the collectives again instead of keeping their
+results: ``exclude_collectives=False`` for that layer).
 ``predicted_ms`` is the replay time of the layer. ``near_ties``: per layer, the options
 it could have taken in a plan that fits and is predicted as fast within the tolerance
 (the choice a tie-break made). ``exclude_collectives``: the option every checkpoint
-of the plan gets (true unless profiled with ``exclude_collectives=False``; absent in
-older files: true). Version 1 files (no selective options, no near ties)
+of the plan gets but those whose option replays the collectives (true unless profiled
+with ``exclude_collectives=False``; absent in older files: true). Version 1 files (no selective options, no near ties)
 are read as well.
 
 Version 3 is a plan for a compiled model (``recomp.plan.compiled``): a ``"compiled"``
@@ -54,6 +57,12 @@ SELECTIVE_PREFIX = "selective+"
 # (``swap_wrapper``).
 FULL_SWAP_INPUTS = "full+swap-inputs"
 SWAP = "swap"
+# A checkpoint whose replay runs its collectives again instead of keeping their results
+# (``exclude_collectives=False`` for that layer alone): ``full+replay-collectives`` and
+# ``full+replay-collectives+exclude:A+B``.
+REPLAY_COLLECTIVES = "full+replay-collectives"
+# A profile's ``exclude_collectives`` that offers both, for the plan to choose per layer.
+PER_LAYER = "per-layer"
 # Compiled plans: PyTorch's partitioner decides, the named regions kept whole.
 PARTITIONER = "partitioner"
 PARTITIONER_PREFIX = "partitioner+"
@@ -105,6 +114,12 @@ class LayerPlan:
     def selective(self) -> bool:
         """Whether the checkpoint keeps the outputs of the layer's expensive ops."""
         return is_selective(self.option)
+
+    @property
+    def replays_collectives(self) -> bool:
+        """Whether the checkpoint's replay runs the collectives again instead of keeping
+        their results (``full+replay-collectives``, ``...+exclude:A``)."""
+        return replays_collectives(self.option)
 
 
 @dataclass
@@ -224,8 +239,12 @@ def parse_option(option: str) -> tuple[str, tuple[str, ...]]:
     ``("exclude", ("attn",))``: the checkpoint and its exclusions (``is_selective`` tells
     whether expensive ops' outputs are kept too)."""
     rest = option
-    if option in (SELECTIVE, FULL_SWAP_INPUTS):
+    if option in (SELECTIVE, FULL_SWAP_INPUTS, REPLAY_COLLECTIVES):
         return FULL_CHECKPOINT, ()
+    if option.startswith(REPLAY_COLLECTIVES + "+"):
+        replayed = parse_option(option[len(REPLAY_COLLECTIVES) + 1 :])
+        if replayed[0] == "exclude" and not is_selective(option[len(REPLAY_COLLECTIVES) + 1 :]):
+            return replayed
     if option == SWAP:
         return SWAP, ()
     if option == PARTITIONER:
@@ -245,13 +264,28 @@ def parse_option(option: str) -> tuple[str, tuple[str, ...]]:
     raise PlanFormatError(
         f"unknown layer option {option!r}: use none, full, exclude:PATH[+PATH...] "
         "(sub-module paths inside the layer), selective or selective+exclude:PATH[+PATH...], "
-        f"{FULL_SWAP_INPUTS} or {SWAP}; "
+        f"{FULL_SWAP_INPUTS}, {SWAP}, {REPLAY_COLLECTIVES} or "
+        f"{REPLAY_COLLECTIVES}+exclude:PATH[+PATH...]; "
         "in a plan for a compiled model partitioner or partitioner+exclude:PATH[+PATH...]"
     )
 
 
 def is_selective(option: str) -> bool:
     return option == SELECTIVE or option.startswith(SELECTIVE_PREFIX)
+
+
+def replays_collectives(option: str) -> bool:
+    """Whether ``option`` is a checkpoint whose replay runs the collectives again."""
+    return option == REPLAY_COLLECTIVES or option.startswith(REPLAY_COLLECTIVES + "+")
+
+
+def replay_collectives_option(option: str) -> str:
+    """The option that checkpoints as ``option`` (``full`` or ``exclude:A+B``) with its
+    collectives run again in the replay."""
+    kind, regions = parse_option(option)
+    if kind not in (FULL_CHECKPOINT, "exclude") or option != exclude_option(regions):
+        raise ValueError(f"{option!r} has no variant that replays the collectives")
+    return REPLAY_COLLECTIVES + ("+" + option if regions else "")
 
 
 def exclude_option(regions: tuple[str, ...] | list[str], selective: bool = False) -> str:

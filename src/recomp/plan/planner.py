@@ -31,6 +31,7 @@ from .planfile import (
     Plan,
     is_selective,
     parse_option,
+    replays_collectives,
 )
 from .solver import Choice, LayerOptions, Option, evaluate, minimum_bytes, solve_with_ties
 
@@ -128,8 +129,9 @@ class Profile:
     per_save_s: float = 0.0  # a checkpoint's hook time per saved tensor (in replay_s)
     per_policy_op_s: float = 0.0  # a selective policy's time per op passing it (in replay_s)
     notes: list[str] = field(default_factory=list)
-    # The checkpoints keep the results of collectives (their exclude_collectives option).
-    exclude_collectives: bool = True
+    # The checkpoints keep the results of collectives (their exclude_collectives option):
+    # True, False, or "per-layer" (each checkpoint option offered both ways).
+    exclude_collectives: bool | str = True
     # What the times rest on: "" measured on ``device`` (``profile``); else the cost
     # model's figures (``simulate``), which the plan repeats.
     timing: str = ""
@@ -145,6 +147,9 @@ class Profile:
     # (a cross-entropy's: two fp32 logits-sized tensors). A transient of the step's
     # peak, on the rank that computes the loss; not part of the budget's activations.
     loss_backward_bytes: int = 0
+    # The parallel layout the profile was made under, where known (a simulated published
+    # model's: tp, sp, cp, loss_parallel); ``recomp.plan.job`` checks it against the job's.
+    layout: dict[str, Any] = field(default_factory=dict)
 
     # -- the solver's view ----------------------------------------------------
 
@@ -306,7 +311,7 @@ def make_plan(
     return Plan(
         budget_bytes=budget_bytes,
         layers=layers,
-        exclude_collectives=profile.exclude_collectives,
+        exclude_collectives=profile.exclude_collectives is not False,
         budget=parsed.text,
         predicted=predicted,
         near_ties=[
@@ -328,6 +333,13 @@ def explain(layer: LayerProfile, option: OptionProfile) -> str:
             f"{what}: moves {format_bytes(option.swap_bytes)} to the host and back "
             f"({option.swap_s * 1e3:.1f} ms of it not hidden by compute), keeps "
             f"{format_bytes(option.kept_bytes)}, replays {(option.replay_s - option.swap_s) * 1e3:.1f} ms"
+        )
+    if replays_collectives(option.name):
+        what = "checkpoint" + (f", exclude {'+'.join(regions)}" if regions else "")
+        return (
+            f"{what}, its collectives run again in the replay: keeps "
+            f"{format_bytes(option.kept_bytes)} ({format_bytes(full.kept_bytes - option.kept_bytes)}"
+            f" less than full), replays {option.replay_s * 1e3:.1f} ms"
         )
     if is_selective(option.name):
         what = "keep expensive ops' outputs" + (f", exclude {'+'.join(regions)}" if regions else "")

@@ -69,7 +69,7 @@ from ._options import find_candidates, layer_option_sets
 from ._recording import LayerRecord, OpCost, Recorder, storage_of
 from ._timing import ModuleTimer, average_alike_layers, checkpoint_overheads, retime_ops, sync
 from .modelcall import call_model, default_loss, fresh_inputs, tensors_of
-from .planfile import SWAP, exclude_option
+from .planfile import PER_LAYER, SWAP, exclude_option, replay_collectives_option
 from .planner import LayerProfile, OptionProfile, OptionSlot, Profile, RegionProfile
 
 __all__ = ["find_candidates", "find_layers", "profile"]
@@ -85,7 +85,7 @@ def profile(
     steps: int = 3,
     clock: str = "wall",
     optimizer: Callable[[list[nn.Parameter]], Any] | None = None,
-    exclude_collectives: bool = True,
+    exclude_collectives: bool | str = PER_LAYER,
     keep: Callable[[nn.Module], bool] | None = None,
     backend: str | None = None,
     swap: bool = True,
@@ -108,7 +108,12 @@ def profile(
     ``exclude_collectives``: what the plan's checkpoints will be given (as
     ``checkpoint_wrapper``'s option of that name; ``apply_plan`` passes it on). True:
     a checkpointed option also keeps the results of the collectives its replay would
-    reach (DTensor's all-gathers and reduce-scatters, ...), and does not replay them.
+    reach (DTensor's all-gathers and reduce-scatters, ...), and does not replay them;
+    False: every checkpoint runs them again; ``"per-layer"`` (the default): where the
+    layers issue collectives, each checkpoint option (``full``, ``exclude:...``) is
+    offered both ways, the second as ``full+replay-collectives`` (``...+exclude:...``),
+    whose kept bytes leave out the collectives' results and whose replay time counts
+    the collectives run again: the plan chooses per layer.
     Collectives run only under a process group: in a distributed job call ``profile`` on
     every rank, where the model runs parallelised; each rank profiles its own share.
     ``swap``: offer the swap options (``full+swap-inputs``, ``swap``) where the device
@@ -145,8 +150,7 @@ def profile(
         raise ValueError(f"steps must be at least 1, got {steps}")
     if not isinstance(swap, bool):
         raise ValueError(f"swap must be True or False, got {swap!r}")
-    if not isinstance(exclude_collectives, bool):
-        raise ValueError(f"exclude_collectives must be True or False, got {exclude_collectives!r}")
+    check_exclude_collectives(exclude_collectives)
     clocks = {"wall": time.perf_counter, "cpu": time.process_time}
     if clock not in clocks:
         raise ValueError(f"clock is 'wall' or 'cpu', got {clock!r}")
@@ -182,7 +186,7 @@ def _profile(
     steps: int,
     clock: Callable[[], float],
     optimizer: Callable[[list[nn.Parameter]], Any] | None,
-    exclude_collectives: bool = True,
+    exclude_collectives: bool | str = PER_LAYER,
     swap: bool = True,
 ) -> Profile:
     """The profile of ``model`` (the caller's copy, which this trains)."""
@@ -316,7 +320,7 @@ def build_profile(
     times: StepTimes,
     overheads: Overheads,
     device: torch.device,
-    exclude_collectives: bool,
+    exclude_collectives: bool | str,
     notes: list[str] | None = None,
     timing: str = "",
     host_bandwidth: float | None = None,
@@ -326,15 +330,11 @@ def build_profile(
     ``host_bandwidth`` (bytes/s each way between the device and the host) every layer
     also gets the swap options (``full+swap-inputs``, ``swap``) after the others."""
     recorder = recording.recorder
+    keep = exclude_collectives is not False
     analysed = [
         [
             analyse_option(
-                record,
-                candidates[index],
-                excluded,
-                recording.preexisting,
-                selective,
-                exclude_collectives,
+                record, candidates[index], excluded, recording.preexisting, selective, keep
             )
             for excluded, selective in layer_option_sets(len(candidates[index]))
         ]
@@ -347,6 +347,17 @@ def build_profile(
                     record, options[OptionSlot.FULL], recording.preexisting, recording.parameters
                 )
             )
+    if exclude_collectives == PER_LAYER and _collectives(recorder.layers):
+        # The same checkpoints with their collectives run again in the replay.
+        for index, (options, record) in enumerate(zip(analysed, recorder.layers)):
+            for excluded, selective in layer_option_sets(len(candidates[index])):
+                if excluded is None or selective:
+                    continue
+                replayed = analyse_option(
+                    record, candidates[index], excluded, recording.preexisting, False, False
+                )
+                replayed.name = replay_collectives_option(replayed.name)
+                options.append(replayed)
     private, pairs, shared, spread = split_storages(
         [[o.kept for o in options] for options in analysed], recording.outside
     )
@@ -658,21 +669,35 @@ def _option_profiles(
     return profiles
 
 
-def _notes(records: list[LayerRecord], spread: int, exclude_collectives: bool) -> list[str]:
+def check_exclude_collectives(value: Any) -> None:
+    """``exclude_collectives`` of a profile: True, False or ``"per-layer"``."""
+    if not (isinstance(value, bool) or value == PER_LAYER):
+        raise ValueError(
+            f"exclude_collectives must be True, False or {PER_LAYER!r} (the plan chooses per "
+            f"layer), got {value!r}"
+        )
+
+
+def _collectives(records: list[LayerRecord]) -> int:
+    """The collectives the layers' forward issued."""
+    return sum(1 for record in records for op in record.ops if op.collective is not None)
+
+
+def _notes(records: list[LayerRecord], spread: int, exclude_collectives: bool | str) -> list[str]:
     """What the profile's reader should know: collectives in the layers, storages that
     count as shared because layers further apart keep them."""
     notes = []
-    collectives = sum(1 for record in records for op in record.ops if op.collective is not None)
+    collectives = _collectives(records)
     if collectives:
-        notes.append(
-            f"the layers' forward issued {collectives} collective(s): a checkpoint "
-            + (
-                "keeps the results of those its replay reaches (in the kept bytes) and "
-                "does not run them again"
-                if exclude_collectives
-                else "made with exclude_collectives=False runs them again in its replay"
-            )
-        )
+        done = {
+            True: "keeps the results of those its replay reaches (in the kept bytes) and "
+            "does not run them again",
+            False: "made with exclude_collectives=False runs them again in its replay",
+            PER_LAYER: "keeps the results of those its replay reaches (in the kept bytes), "
+            "or runs them again (the +replay-collectives options): the plan chooses per "
+            "layer, the time of the collectives run again against the bytes kept",
+        }[exclude_collectives]
+        notes.append(f"the layers' forward issued {collectives} collective(s): a checkpoint {done}")
     if spread:
         notes.append(
             f"{spread} bytes are kept by several non-adjacent layers (inputs every layer "

@@ -46,8 +46,16 @@ from ._recording import (
 )
 from .cost import Hardware, OpCostModel, resolve_hardware
 from .modelcall import call_model, default_loss, fresh_inputs
+from .planfile import PER_LAYER
 from .planner import Profile
-from .profiler import Overheads, StepTimes, bookkeeping_bytes, build_profile, record_forward
+from .profiler import (
+    Overheads,
+    StepTimes,
+    bookkeeping_bytes,
+    build_profile,
+    check_exclude_collectives,
+    record_forward,
+)
 
 __all__ = ["simulate"]
 
@@ -72,7 +80,7 @@ def simulate(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     layers: LayerSpec = None,
     exclude: Callable[[nn.Module], bool] | None = None,
-    exclude_collectives: bool = True,
+    exclude_collectives: bool | str = PER_LAYER,
     hardware: str | dict[str, Any] | Hardware | None = None,
     swap: bool = True,
 ) -> Profile:
@@ -100,8 +108,7 @@ def simulate(
     if unsupported is not None:
         raise RuntimeError(unsupported)
     target = _check_arguments(build, inputs, world_size, device, dtype, loss_fn)
-    if not isinstance(exclude_collectives, bool):
-        raise ValueError(f"exclude_collectives must be True or False, got {exclude_collectives!r}")
+    check_exclude_collectives(exclude_collectives)
     if not isinstance(swap, bool):
         raise ValueError(f"swap must be True or False, got {swap!r}")
     spec = None if hardware is None else resolve_hardware(hardware)
@@ -129,6 +136,7 @@ def simulate(
             stack.enter_context(_compat.fake_tensor_mode())
             stack.enter_context(target)
             stack.enter_context(_compat.target_attention_kernels(target))
+            stack.enter_context(_compat.dtensor_meta_as_on_device())
             model = build(mesh)
             _check_model(model)
             # transformers is imported by now where the model is one of its.
@@ -210,7 +218,7 @@ def _simulate(
     loss_fn: Callable[[Any], torch.Tensor],
     layer_spec: LayerSpec,
     exclude: Callable[[nn.Module], bool] | None,
-    exclude_collectives: bool,
+    exclude_collectives: bool | str,
     device: torch.device,
     spec: Hardware | None,
     world_size: int,

@@ -94,3 +94,54 @@ def test_group_size_of_a_named_group():
         assert _compat.group_size(mesh.get_group("tp").group_name) == 4
         assert _compat.group_size(mesh.get_group("dp").group_name) == 2
     assert _compat.group_size("no such group") is None
+
+
+def test_a_device_mesh_grid_is_made_inside_the_fake_mode():
+    with _compat.fake_process_group(8):
+        with _compat.fake_tensor_mode():
+            grid = _compat.device_mesh_grid("cpu", (2, 4), ("cp", "tp"))
+        assert grid["cp"].size() == 2 and grid["tp"].size() == 4
+        assert grid.mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_dtensor_meta_propagation_runs_no_op_under_the_fake_mode_once_cached():
+    """``loss_parallel()``'s log-softmax asks DTensor for the global output's shape: under
+    the fake mode DTensor runs the op on fake global tensors each time, unless the block
+    sends it to its cache (as on real tensors); the shim is undone on leaving."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    global_shapes: list[tuple[int, ...]] = []
+
+    class Shapes(_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            from torch.distributed.tensor import DTensor
+
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == (4, 64):
+                global_shapes.append(tuple(out.shape))
+            return out
+
+    def log_softmax(x):
+        with loss_parallel():
+            return torch.nn.functional.log_softmax(x, -1)
+
+    before = ShardingPropagator.__dict__["_propagate_tensor_meta"]
+    with _compat.fake_process_group(2):
+        mesh = init_device_mesh("cpu", (2,))
+        with _compat.fake_tensor_mode():
+            x = distribute_tensor(torch.empty(4, 64), mesh, [Shard(1)], src_data_rank=None)
+            with Shapes():
+                log_softmax(x)
+                log_softmax(x)
+            assert len(global_shapes) == 4, "without the shim the global op runs each time"
+            global_shapes.clear()
+            with _compat.dtensor_meta_as_on_device(), Shapes():
+                log_softmax(x)  # fills the cache
+                log_softmax(x)  # asks it
+            assert len(global_shapes) == 2
+    assert ShardingPropagator.__dict__["_propagate_tensor_meta"] is before

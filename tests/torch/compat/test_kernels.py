@@ -42,3 +42,35 @@ def test_hf_config_attention_setting():
     config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=2)
     _compat.set_hf_attention(config, "eager")
     assert config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
+def test_flash_attention_with_lse_aligns_the_causal_mask_to_the_last_key_on_cpu(heads, kv_heads):
+    """Queries of the last positions against every key up to them, by the CPU kernel:
+    the output and gradients of attention with the causal mask aligned to the last key
+    (what ``scaled_dot_product_attention`` computes with that mask given)."""
+    torch.manual_seed(0)
+    q = torch.randn(1, heads, 4, 8, requires_grad=True)
+    k = torch.randn(1, kv_heads, 12, 8, requires_grad=True)
+    v = torch.randn(1, kv_heads, 12, 8, requires_grad=True)
+    out, lse, state = _compat.flash_attention_with_lse(q, k, v, None)
+    allowed = torch.arange(12)[None, :] <= torch.arange(4)[:, None] + 8
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, enable_gqa=heads != kv_heads
+    )
+    torch.testing.assert_close(out, want)
+    assert lse.shape == (1, heads, 4)
+    grad = torch.randn_like(out)
+    dq, dk, dv = _compat.flash_attention_backward(grad, q, k, v, out, lse, state, None)
+    want.backward(grad)
+    for got, expected in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        torch.testing.assert_close(got, expected)
+
+
+def test_flash_attention_with_lse_on_fake_cuda_keeps_its_state_for_the_backward():
+    with _compat.fake_tensor_mode(), torch.device("cuda"):
+        q = torch.randn(1, 4, 512, 64, dtype=torch.bfloat16)
+        k = torch.randn(1, 2, 1024, 64, dtype=torch.bfloat16)
+        out, lse, state = _compat.flash_attention_with_lse(q, k, k, None)
+    assert tuple(out.shape) == (1, 4, 512, 64) and tuple(lse.shape) == (1, 4, 512)
+    assert len(state) == 6  # sequence offsets, lengths and the random state of the kernel

@@ -115,6 +115,8 @@ from .engine import (
 )
 from .fake import (
     SIMULATION_MIN_TORCH,
+    device_mesh_grid,
+    dtensor_meta_as_on_device,
     fake_process_group,
     fake_tensor_mode,
     fake_tensor_type,
@@ -135,7 +137,14 @@ from .hf import (
     is_hf_offload_checkpoint,
     set_hf_checkpoint_function,
 )
-from .kernels import flash_attention_forward, grouped_mm, set_hf_attention
+from .kernels import (
+    flash_attention_backward,
+    flash_attention_forward,
+    flash_attention_with_lse,
+    grouped_mm,
+    loss_parallel,
+    set_hf_attention,
+)
 from .pipelining import pipeline_actions, schedule_names
 from .pytree import pytree_generation, pytree_node
 from .saved_tensors import (
@@ -172,13 +181,17 @@ __all__ = [
     "compiled_original",
     "completed_work_factory",
     "cpu_attention_ops",
+    "device_mesh_grid",
+    "dtensor_meta_as_on_device",
     "dynamo_bypassing_wrapper",
     "fake_mode_of",
     "fake_process_group",
     "fake_tensor_mode",
     "fake_tensor_type",
     "finish_failed_checkpoint",
+    "flash_attention_backward",
     "flash_attention_forward",
+    "flash_attention_with_lse",
     "graph_task_id",
     "group_size",
     "grouped_mm",
@@ -197,6 +210,7 @@ __all__ = [
     "is_hf_checkpoint_call",
     "is_hf_offload_checkpoint",
     "is_view_op",
+    "loss_parallel",
     "many_recompiles",
     "mark_as_checkpoint_hook",
     "memory_history_enabled",

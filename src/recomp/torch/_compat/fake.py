@@ -189,6 +189,66 @@ def _cuda_attention(
         return None
 
 
+@contextlib.contextmanager
+def dtensor_meta_as_on_device() -> Iterator[None]:
+    """For the time of the block, DTensor works out the shape of an op's global output
+    once per kind of call, as it does on real tensors, where every tensor is fake.
+
+    Why: ``loss_parallel()``'s handlers (the vocabulary-parallel log-softmax and loss)
+    ask DTensor for the global output's shape; under a fake mode DTensor takes itself
+    to be tracing and runs the op on fake global tensors each time, where a real run
+    asks its cache. The simulation would record those runs as ops of the step (a
+    full-vocabulary log-softmax the run never computes).
+    How: ``ShardingPropagator._propagate_tensor_meta`` answers from
+    ``_propagate_tensor_meta_cached``, as on real tensors; restored on leaving. Checked
+    on torch 2.14.1.
+    If it changes: nothing is patched, and the loss's backward is counted with those
+    ops (more bytes than on the device).
+    Retired by: DTensor caching its shapes under fake tensors.
+    """
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:
+        yield
+        return
+    original = ShardingPropagator.__dict__.get("_propagate_tensor_meta")
+    if original is None or not hasattr(ShardingPropagator, "_propagate_tensor_meta_cached"):
+        yield
+        return
+
+    def cached(self: Any, op_schema: Any) -> Any:
+        return self._propagate_tensor_meta_cached(op_schema)
+
+    ShardingPropagator._propagate_tensor_meta = cached  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta = original  # type: ignore[method-assign]
+
+
+def device_mesh_grid(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """``init_device_mesh(device_type, shape, mesh_dim_names=names)`` over the default
+    group, also where tensors are fake (a simulated model's ``build`` runs under the
+    fake mode).
+
+    Why: a mesh is made of real rank numbers (its constructor reads them back as
+    Python ints), which a fake tensor cannot give. ``torch._subclasses.fake_tensor.
+    unset_fake_temporarily`` (private) leaves the fake mode for the time of the call, as
+    PyTorch's own tracing does for such metadata; checked on torch 2.14.1.
+    If it changes: ImportError, and the mesh is made under the fake mode (which fails
+    for a simulated model with context parallelism).
+    Retired by: a public way to make a mesh inside a fake mode.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    with unset_fake_temporarily():
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
 def group_size(group_name: str) -> int | None:
     """The number of ranks of the process group a functional collective names, or None.
 

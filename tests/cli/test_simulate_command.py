@@ -1,0 +1,228 @@
+"""``recomp simulate MODEL``: the command reads its options and prints what
+``recomp.plan.fit.will_it_fit`` finds (end to end on two layers of Llama-3.1-8B under
+tensor and sequence parallelism, its numbers against ``job_memory`` called directly),
+usage errors exit with status 2 naming the fix, and ``recomp plan --simulate`` still
+runs it for one release, saying so."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from recomp.cli import plan as plan_cli
+from recomp.cli import simulate
+from recomp.plan import Budget
+
+GiB = float(1 << 30)
+ARGS = ["llama-3.1-8b", "--layers", "2", "--seq", "512", "--tp", "2", "--sp"]
+
+
+def test_table_equals_the_library(tmp_path, capsys) -> None:
+    out_json, out_png = tmp_path / "sim.json", tmp_path / "sim.png"
+    code = simulate.main([*ARGS, "--json", str(out_json), "--png", str(out_png)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "llama-3.1-8b on H100 SXM" in printed and "plan@" in printed
+    data = json.loads(out_json.read_text())
+    assert os.path.getsize(out_png) > 0
+
+    # The same numbers from the library, called directly.
+    from recomp.plan.job import Parallel, job_memory, model_params
+    from recomp.plan.models import SimulatedModel
+
+    model = SimulatedModel("llama-3.1-8b", layers=2, seq=512, tp=2, sp=True)
+    profile = model.simulate(hardware="H100 SXM")
+    assert len(profile.layers) == 32
+    params = model_params(model.meta_model())
+    rows = {r["strategy"]: r for r in data["rows"]}
+    assert {"none", "full", "selective", "exclude:self_attn", "exclude:mlp"} <= set(rows)
+    for option in ("none", "full", "selective", "exclude:self_attn"):
+        row = rows[option]
+        assert row["activations_per_microbatch"] == profile.uniform_bytes(option)
+        job = job_memory(
+            params,
+            Parallel(tp=2, sp=True),
+            activations=profile,
+            option=option,
+            microbatches=1,
+            budget=Budget("80GB", nbytes=80 * 10**9),
+        )
+        assert row["total"] == job.ranks[0].total
+        assert row["activations"] == job.ranks[0].activations
+        assert row["fits"] == job.fits
+        predicted = profile.predict([option] * 32)
+        assert row["replay_flops"] == predicted["replay_flops"]
+    assert rows["none"]["replay_flops"] == 0 and rows["full"]["replay_flops"] > 0
+    assert rows["full"]["activations_per_microbatch"] < rows["none"]["activations_per_microbatch"]
+    # The plan fits and its row is the plan's own prediction.
+    plan_row = next(r for s, r in rows.items() if s.startswith("plan@"))
+    assert plan_row["fits"] is True
+    assert plan_row["activations_per_microbatch"] == data["plan"]["predicted"]["activation_bytes"]
+    # Every printed line fits a narrow terminal (and the docs page, without scrolling).
+    assert max(map(len, printed.splitlines())) <= simulate.WIDTH
+
+
+def test_pipeline_plan_is_made_per_rank(tmp_path, capsys) -> None:
+    """Under a pipeline, each rank's layers are planned for what that rank has left after
+    its states, divided by the micro-batches its schedule holds at once: the plan fits
+    every rank, the last one's with the loss's backward buffers on top of its peak."""
+    out = tmp_path / "pp.json"
+    argv = [*ARGS, "--seq", "2048", "--pp", "2", "--microbatches", "4",
+            "--device-memory", "38GiB"]  # fmt: skip
+    assert simulate.main([*argv, "--json", str(out)]) == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    plan_rows = [r for r in data["rows"] if r["strategy"].startswith("plan@")]
+    assert [r["rank"] for r in plan_rows] == [0, 1]
+    assert all(r["fits"] and r["total"] <= 38 * (1 << 30) for r in plan_rows)
+    none_rows = {r["rank"]: r for r in data["rows"] if r["strategy"] == "none"}
+    # 1F1B: 2 micro-batches held on the first rank, 1 on the last, whose peak falls in
+    # the loss's backward (its buffers on top of the micro-batch it holds).
+    assert none_rows[0]["activations"] > none_rows[0]["activations_per_microbatch"] / 2
+    assert len(data["plan"]["layers"]) == 32
+
+
+def test_the_parser_reads_the_layout_and_the_memory_as_a_budget() -> None:
+    args = simulate.build_parser().parse_args(
+        ["llama-3.1-70b", "--tp", "8", "--sp", "--pp", "4", "--device-memory", "75GB",
+         "--stage-layers", "19,20,20,21", "--replay-collectives"]
+    )  # fmt: skip
+    assert args.model == "llama-3.1-70b" and (args.tp, args.sp, args.pp) == (8, True, 4)
+    assert args.device_memory == Budget("75GB", nbytes=75 * 10**9)
+    assert args.stage_layers == "19,20,20,21" and args.replay_collectives
+    assert simulate.check_args(args) == []
+
+
+@pytest.mark.parametrize(
+    "argv, fix",
+    [
+        (["llama-4"], "unknown model 'llama-4': use one of llama-3.1-8b"),
+        (["llama-3.1-8b", "--sp"], "add --tp N"),
+        (["llama-3.1-8b", "--zero", "3"], "add --dp N"),
+        (["llama-3.1-8b", "--pp", "2", "--schedule", "Nope"], "unknown --schedule"),
+        (["llama-3.1-8b", "--pp", "33"], "--pp must be at most"),
+        (["llama-3.1-8b", "--device-memory", "50%"], "--device-memory is bytes per device"),
+        (["llama-3.1-8b", "--device-memory", "80"], "has no unit"),
+        (["llama-3.1-8b", "--pp", "2", "--stage-layers", "16,15"], "say 16,16"),
+        (["llama-3.1-8b", "--budget", "80GiB"], "unknown option --budget"),
+        (["--tp", "2"], "the following arguments are required: MODEL"),
+        (["llama-3.1-8b", "--replay-collectives", "--keep-collectives"], "give one"),
+        (["llama-3.1-8b", "--loss-parallel"], "--loss-parallel shards the vocabulary"),
+        (["llama-3.1-8b", "--cp", "0"], "--cp is a positive integer"),
+    ],
+)
+def test_usage_errors_exit_2_naming_the_fix(argv, fix, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        simulate.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("recomp simulate: ") and fix in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, fix",
+    [
+        (["mixtral-8x22b", "--tp", "2"], "add --sp"),
+        (["qwen3-30b-a3b", "--tp", "8", "--sp"], "--tp must divide both"),
+        (["llama-3.1-8b", "--accelerator", "TPU9"], "unknown hardware"),
+        (["llama-3.1-8b", "--cp", "3", "--seq", "512"], "choose a multiple of 6"),
+    ],
+)
+def test_model_and_target_errors_exit_2_naming_the_fix(argv, fix, capsys) -> None:
+    assert simulate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("recomp simulate: ") and fix in err, err
+
+
+def test_plan_simulate_still_runs_it_and_says_it_is_deprecated(tmp_path, capsys) -> None:
+    """``recomp plan --simulate MODEL`` for one more release: the same report, its
+    ``--budget`` read as the memory per device, and a line saying what to type now."""
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    argv = ["--layers", "2", "--seq", "512", "--tp", "2", "--sp"]
+    assert plan_cli.main(["--simulate", "llama-3.1-8b", *argv, "--budget", "30GiB",
+                          "--json", str(old)]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "recomp plan --simulate is deprecated" in err and "recomp simulate MODEL" in err
+    assert simulate.main(["llama-3.1-8b", *argv, "--device-memory", "30GiB", "--json",
+                          str(new)]) == 0  # fmt: skip
+    assert json.loads(old.read_text()) == json.loads(new.read_text())
+    assert json.loads(new.read_text())["budget_bytes"] == 30 * (1 << 30)
+    # Its usage errors still exit 2.
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main(["--simulate", "llama-3.1-8b", "--sp"])
+    assert exit_info.value.code == 2
+
+
+def test_loss_and_context_parallelism_are_layouts_of_the_command(tmp_path, capsys) -> None:
+    """``--loss-parallel`` and ``--cp``: the profile is simulated under the layout, and
+    the rows are ``job_memory``'s for it; the layout line says so."""
+    out = tmp_path / "lp.json"
+    argv = [*ARGS, "--loss-parallel", "--cp", "2", "--json", str(out)]
+    assert simulate.main(argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "cp=2" in printed and "loss_parallel" in printed
+    data = json.loads(out.read_text())
+
+    from recomp.plan.job import Parallel, job_memory
+    from recomp.plan.models import SimulatedModel
+
+    model = SimulatedModel(
+        "llama-3.1-8b", layers=2, seq=512, tp=2, sp=True, cp=2, loss_parallel=True
+    )
+    profile = model.simulate(hardware="H100 SXM")
+    job = job_memory(
+        model.meta_model(), Parallel(tp=2, sp=True, cp=2, loss_parallel=True),
+        activations=profile, option="full", microbatches=1,
+    )  # fmt: skip
+    full = next(r for r in data["rows"] if r["strategy"] == "full")
+    assert full["activations"] == job.ranks[0].activations
+    assert full["total"] == job.ranks[0].total
+
+
+def test_recomp_lists_the_command() -> None:
+    from recomp.__main__ import USAGE, command_main
+
+    assert "simulate" in USAGE and command_main("simulate") is simulate.main
+
+
+def test_few_ranks_show_all_many_show_the_first_two_the_largest_and_the_last() -> None:
+    ranks = list(range(16))
+    totals = {r: 100 - r for r in ranks} | {7: 500}
+    assert simulate.shown_ranks(ranks[:4], totals, False) == [0, 1, 2, 3]
+    assert simulate.shown_ranks(ranks, totals, False) == [0, 1, 7, 15]
+    assert simulate.shown_ranks(ranks, totals, True) == ranks
+
+
+@pytest.mark.system
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["llama-3.1-405b", "--tp", "8", "--sp", "--seq", "8192", "--pp", "8",
+         "--microbatches", "16", "--dp", "4", "--zero", "1", "--schedule", "Interleaved1F1B"],
+        ["deepseek-v3", "--tp", "8", "--sp", "--seq", "4096", "--dp", "8",
+         "--zero", "3", "--accelerator", "H200"],
+        ["mixtral-8x22b", "--tp", "8", "--sp", "--seq", "4096", "--dp", "4",
+         "--zero", "3"],
+        ["qwen3-235b-a22b", "--tp", "4", "--sp", "--seq", "4096", "--dp", "2",
+         "--zero", "3"],
+    ],
+    ids=["405b-pp8", "deepseek-v3", "mixtral-8x22b", "qwen3-235b"],
+)  # fmt: skip
+def test_large_models_end_to_end(argv, tmp_path, capsys) -> None:
+    """The largest models at full width (two layers simulated, scaled), with pipeline,
+    expert and data parallelism: a row per strategy and pipeline rank, full checkpointing
+    keeping less than none on every rank, and the states divided as the layout says."""
+    out = tmp_path / "t.json"
+    assert simulate.main([*argv, "--json", str(out)]) == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    pp = int(argv[argv.index("--pp") + 1]) if "--pp" in argv else 1
+    rows = data["rows"]
+    for rank in range(pp):
+        by = {r["strategy"]: r for r in rows if r["rank"] == rank}
+        assert by["full"]["activations"] < by["none"]["activations"]
+        assert by["full"]["states"] == by["none"]["states"] > 0
+    assert {r["rank"] for r in rows} == set(range(pp))
+    assert all(r["fits"] for r in rows if r["strategy"].startswith("plan@"))
