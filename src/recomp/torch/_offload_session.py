@@ -61,7 +61,7 @@ class OffloadSession:
 
     The first entry traces the step and moves the oldest saved tensors whenever the
     session holds more than the budget; when its backward has run, a planner turns the
-    trace into a plan (:attr:`plan`, readable with ``print(session.plan)``). Later
+    trace into a plan (``session.plan``, readable with ``print(session.plan)``). Later
     entries replay the plan: chosen tensors are copied to the host after their last
     save and brought back ahead of their first read, on a side stream (CUDA). A step
     that saves other shapes or in another order warns (``OffloadTraceWarning``), runs
