@@ -148,8 +148,11 @@ class RecomputeHandle:
                 raise
             raise mismatch from exc
         session = self.session
-        if (session is not None and session.retain_on_unpack) or not (
-            _compat.node_finishes_in_this_pass()
+        if (session is not None and session.retain_on_unpack) or (
+            # A pass that frees the graph never runs this node again.
+            current != -1
+            and _compat.pass_keeps_graph()
+            and not _compat.node_finishes_in_this_pass()
         ):
             with self._lock:
                 self._keep(holder, value, current)

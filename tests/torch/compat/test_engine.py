@@ -139,3 +139,25 @@ def test_module_attributes_match_getattr():
     for module in (*_model().modules(), Custom()):
         got = _compat.module_attributes(module, names)
         assert [id(x) for x in got] == [id(getattr(module, n, None)) for n in names]
+
+
+def test_pass_keeps_graph_follows_retain_graph():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(_compat.pass_keeps_graph())
+            return g
+
+    x = torch.randn(3, requires_grad=True)
+    y = Probe.apply(x).sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    torch.autograd.grad(Probe.apply(x).sum(), [x])
+    assert seen == [True, False, False]
+    assert _compat.pass_keeps_graph() is True  # outside backward

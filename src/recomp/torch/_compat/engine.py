@@ -120,6 +120,24 @@ def at_pass_end(callback: Callable[[], None]) -> bool:
     return True
 
 
+_KEEP_GRAPH: Callable[[], bool] | None = getattr(
+    torch._C._autograd, "_get_current_graph_task_keep_graph", None
+)
+
+
+def pass_keeps_graph() -> bool:
+    """Whether the backward pass running on this thread keeps the graph for another pass
+    (``retain_graph=True``); True outside backward and where this cannot be read.
+
+    Why: a node that runs in a pass that frees the graph can never run again, so what it
+    reads from a replay need not be kept for a later pass (no per-node check needed).
+    How: ``torch._C._autograd._get_current_graph_task_keep_graph`` (2.9 to 2.14).
+    If it changes: True, and each read asks :func:`node_finishes_in_this_pass` as before.
+    Retired by: a public "does this backward retain the graph" query.
+    """
+    return True if _KEEP_GRAPH is None else bool(_KEEP_GRAPH())
+
+
 def node_finishes_in_this_pass() -> bool:
     """Whether the autograd node running now computes, in this backward pass, every
     gradient it can give (False: a later pass over the retained graph may run it again
