@@ -136,7 +136,19 @@ from .hf import (
     set_hf_checkpoint_function,
 )
 from .kernels import flash_attention_forward, grouped_mm, set_hf_attention
-from .pipelining import pipeline_actions, schedule_names
+from .pipelining import (
+    pipeline_actions,
+    pipeline_slots,
+    schedule_names,
+    schedule_slots,
+    schedule_stages,
+    stage_held_tensors,
+    stage_index,
+    stage_submodule,
+    stage_trains,
+    wrap_method,
+    wrap_stage_steps,
+)
 from .pytree import pytree_generation, pytree_node
 from .saved_tensors import (
     checkpoint_frame,
@@ -215,6 +227,7 @@ __all__ = [
     "packed_value",
     "partitioning_backend",
     "pipeline_actions",
+    "pipeline_slots",
     "pytree_generation",
     "pytree_node",
     "register_selective_mode_type",
@@ -226,11 +239,17 @@ __all__ = [
     "saved_handles",
     "saved_values_readable",
     "schedule_names",
+    "schedule_slots",
+    "schedule_stages",
     "selective_checkpoint_storage",
     "separate_backend",
     "set_hf_attention",
     "set_hf_checkpoint_function",
     "simulation_unsupported",
+    "stage_held_tensors",
+    "stage_index",
+    "stage_submodule",
+    "stage_trains",
     "storage_key",
     "swap_module_tensor",
     "target_attention_kernels",
@@ -238,4 +257,6 @@ __all__ = [
     "version",
     "version_sharing_detach",
     "view_base",
+    "wrap_method",
+    "wrap_stage_steps",
 ]
