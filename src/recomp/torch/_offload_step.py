@@ -452,6 +452,9 @@ class HookPlacer:
 class _RegionPlacement:
     __slots__ = ("name", "placer")
 
+    # The checkpoint's saved inputs go through the same pack (one record per storage).
+    holds_checkpoint_inputs = True
+
     def __init__(self, placer: HookPlacer, name: str) -> None:
         self.placer = placer
         self.name = name

@@ -7,8 +7,8 @@ backward where the schedule leaves room (NOTE [ Pipeline swap ] in
 three things on it, all undone by the handle's ``remove()``:
 
 - on ``schedule.step``: one run per step (the slots' progress, the groups, the
-  counters); an exception in the step waits for every copy and drops the step's host
-  copies before it propagates;
+  counters); an exception in the step waits for every copy, drops the step's host
+  copies and the losses the schedule kept of it before it propagates;
 - on each stage's compute steps (``_compat.wrap_stage_steps``): the swap steps of the
   slot a step belongs to, before and after it, and, around the forward of a group that
   swaps, the group's saved-tensors hooks, which every tensor the forward saves for
@@ -242,6 +242,7 @@ class PipelineSwap:
                 out = method(*args, **kwargs)
             except BaseException:
                 run.abort()
+                _compat.forget_failed_step(self.schedule)
                 raise
             finally:
                 self._run = None

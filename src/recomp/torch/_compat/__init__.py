@@ -137,6 +137,7 @@ from .hf import (
 )
 from .kernels import flash_attention_forward, grouped_mm, set_hf_attention
 from .pipelining import (
+    forget_failed_step,
     pipeline_actions,
     pipeline_slots,
     schedule_names,
@@ -191,6 +192,7 @@ __all__ = [
     "fake_tensor_type",
     "finish_failed_checkpoint",
     "flash_attention_forward",
+    "forget_failed_step",
     "graph_task_id",
     "group_size",
     "grouped_mm",

@@ -211,7 +211,7 @@ def schedule_stages(schedule: Any) -> list[Any]:
     """
     import torch
 
-    found = vars(schedule)
+    found = getattr(schedule, "__dict__", {})
     stages = found.get("_stages")
     if stages is None and found.get("_stage") is not None:
         stages = [found["_stage"]]
@@ -300,6 +300,24 @@ def stage_held_tensors(stage: Any, microbatch: int) -> list[Any]:
         elif item is not None and hasattr(item, "untyped_storage"):
             found.append(item)
     return found
+
+
+def forget_failed_step(schedule: Any) -> None:
+    """Drop the losses a schedule kept from a ``step`` that raised.
+
+    Why: a schedule appends each micro-batch's loss to ``_internal_losses`` (private)
+    as its forward ends and clears the list only at the end of a step, so the step after
+    one that raised backpropagates the failed step's losses first (through its graph).
+    Pipeline swap drops what a failed step saved, so that graph can no longer be read:
+    the list is cleared instead, and the next step starts from its own losses.
+    If it changes: no such list, nothing is cleared (the next step may then read the
+    failed step's graph and raise recomp's error saying it was dropped).
+    Retired by: a schedule that resets its per-step state when a step raises.
+    Checked on torch 2.9.1 and 2.14.1.
+    """
+    losses = getattr(schedule, "_internal_losses", None)
+    if isinstance(losses, list):
+        losses.clear()
 
 
 # The stage methods a schedule calls for its compute steps.
