@@ -153,12 +153,30 @@ class RankSwapPlan:
         starts = [*self.first_steps(), sum(len(s) for s in self.slots)]
         return range(starts[slots.start], starts[slots.stop])
 
+    def resident_peak(self, swap: bool = True) -> tuple[int, int]:
+        """The most (stage, micro-batch) groups on the device at once and the first slot
+        where that many are: a group from its forward to the last slot of its backward,
+        and, with ``swap``, away during its :attr:`~ChunkSwap.off_device_slots` (copies in
+        flight and brought back count as on the device). A count of groups, not bytes:
+        the whole-job memory model weighs each by what its stage keeps."""
+        best = (0, 0)
+        for index in range(len(self.slots)):
+            count = 0
+            for c in self.chunks.values():
+                end = c.last_slot if c.last_slot is not None else len(self.slots)
+                if c.forward_slot <= index <= end and not (swap and index in c.off_device_slots):
+                    count += 1
+            if count > best[0]:
+                best = (count, index)
+        return best
+
     def __str__(self) -> str:
         swapped = self.swapped
         lines = [
             f"pipeline swap, rank {self.rank}: {len(swapped)} of {len(self.chunks)} "
             f"(stage, micro-batch) groups swap (gap >= {self.min_gap} compute slots; "
-            f"{len(self.slots)} slots)"
+            f"{len(self.slots)} slots); groups on the device at the rank's peak: "
+            f"{self.resident_peak(False)[0]} without swap, {self.resident_peak(True)[0]} with"
         ]
         for c in sorted(self.chunks.values(), key=lambda c: (c.stage, c.microbatch)):
             if c.swapped:

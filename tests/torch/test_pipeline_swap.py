@@ -61,6 +61,14 @@ def test_gpipe_swaps_every_micro_batch_with_its_steps_in_the_right_slots():
     assert plan.steps_off_device((0, 0)) == range(2, 3)
     assert plan.loads_before[3] == ((0, 0),) and plan.waits_after[1] == ((0, 0),)
     assert "4 of 4 (stage, micro-batch) groups swap" in str(plan)
+    # At the end of the forwards all 4 are live; with swap micro-batch 0 is back (its
+    # backward is next), 2 is still being copied out, 3 just ran: 1 is away.
+    assert plan.resident_peak(swap=False) == (4, 3)
+    assert plan.resident_peak(swap=True) == (3, 3)
+    assert "at the rank's peak: 4 without swap, 3 with" in str(plan)
+    # With 8 micro-batches the same three are on the device; the other five are away.
+    plan = plan_rank_swap(pipeline_slots("GPipe", 2, 8)[1], rank=1)
+    assert plan.resident_peak(False) == (8, 7) and plan.resident_peak(True) == (3, 7)
 
 
 def test_1f1b_on_two_ranks_leaves_little_room():
@@ -69,7 +77,9 @@ def test_1f1b_on_two_ranks_leaves_little_room():
     assert _gaps(slots[0]) == {(0, 0): 2, (0, 1): 3, (0, 2): 3, (0, 3): 2}
     assert _gaps(slots[1]) == {(1, m): 1 for m in range(4)}
     for rank in (0, 1):
-        assert plan_rank_swap(slots[rank], 4, rank).swapped == []
+        plan = plan_rank_swap(slots[rank], 4, rank)
+        assert plan.swapped == []
+        assert plan.resident_peak(True) == plan.resident_peak(False)
     plan = plan_rank_swap(slots[0], 3, 0)
     assert {(c.stage, c.microbatch) for c in plan.swapped} == {(0, 1), (0, 2)}
     assert plan.chunks[(0, 0)].why == "gap 2 < 3: too few slots to hide the copies"
@@ -122,6 +132,28 @@ def test_an_overlapped_slot_counts_once():
         steps = plan.steps_off_device((c.stage, c.microbatch))
         if slots_off:
             assert steps.start == starts[slots_off.start]
+
+
+def test_the_guide_s_table_is_what_the_plans_say():
+    import paths
+
+    text = (paths.DOCS / "guides" / "pipelines.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and " of " in cells[1]:
+            rows[cells[0]] = cells[1:]
+    assert set(rows) == {"GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
+                         "ZBVZeroBubble", "DualPipeV"}
+    for name, cells in rows.items():
+        found = []
+        for rank, slots in pipeline_slots(name, 4, 8).items():
+            plan = plan_rank_swap(slots, 4, rank)
+            found.append(
+                f"{len(plan.swapped)} of {len(plan.chunks)}; "
+                f"{plan.resident_peak(False)[0]} \u2192 {plan.resident_peak(True)[0]}"
+            )
+        assert found == cells, name
 
 
 @pytest.mark.parametrize("bad", [2, 0, True, 4.0, "4", None])
