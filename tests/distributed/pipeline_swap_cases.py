@@ -42,6 +42,7 @@ from pipeline_cases import (
 from recomp import _report
 from recomp.torch import _compat
 from recomp.torch._offload import OffloadGroup
+from recomp.torch.collectives import count_collectives
 from recomp.torch.report import saved_tensors_report
 
 # name -> (stage layout, schedule class, min_gap)
@@ -208,7 +209,8 @@ def _run_schedule(
         spy.groups.clear()
         spy.taken = spy.taken_inputs = spy.taken_outputs = 0
         hook_handles = _stage_tensors(pipe, spy.inputs, spy.outputs)
-        pipe.step(x, target)
+        with count_collectives() as counts:
+            pipe.step(x, target)
         for h in hook_handles:
             h.remove()
         stats = swap.last_step
@@ -252,6 +254,9 @@ def _run_schedule(
         "chunks": chunks,
         "expected": expected,
         "unplanned_steps": stats.unplanned_steps,
+        # Both all-reduces of each block ran in the forward only: excluded, and kept.
+        "forward_collectives": counts.as_dict()["forward"],
+        "replay_collectives": counts.total("replay"),
         "taken": spy.taken,
         "taken_inputs": spy.taken_inputs,
         "taken_outputs": spy.taken_outputs,

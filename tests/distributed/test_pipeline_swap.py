@@ -61,6 +61,10 @@ def test_gradients_bit_equal_to_the_schedule_without_swap(two_ranks, schedule):
         result = rank["schedules"][schedule]
         assert result["bitwise"], schedule
         assert result["unplanned_steps"] == 0
+        # Each rank runs 4 of the 8 blocks; each block's two all-reduces (the excluded
+        # and the kept one) ran once per micro-batch in its forward, none in a replay.
+        assert result["forward_collectives"]["all_reduce"] == 2 * 4 * MICRO
+        assert result["replay_collectives"] == 0
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
