@@ -171,7 +171,11 @@ class Held(Protocol):
 
 
 class Placement(Protocol):
-    """Where one region call keeps its tensors; see the module docstring."""
+    """Where one region call keeps its tensors; see the module docstring. A placement
+    whose placer also holds the checkpoint's saved inputs, one record per storage (an
+    offload session, pipeline swap), says so with a true ``holds_checkpoint_inputs``
+    attribute: the region then gives it what it keeps of those inputs too, instead of
+    an alias that would hold them on the device."""
 
     def put(self, tensor: Any) -> Held | None:
         """Take ``tensor`` (a saved tensor or cached output); None leaves it a device alias."""

@@ -916,8 +916,14 @@ class _SaveHook:
             return _KeptParameter(region, snapshot, self.call_ref, self.module_ref())
         else:
             self.kept[key] = backend.storage_nbytes(t)
-            # The checkpoint keeps its own inputs on the device anyway.
-            placement = self.placement if key not in self.checkpoint_inputs else None
+            # The checkpoint keeps its own inputs on the device anyway, unless the same
+            # placer holds them (one record per storage): then the region's alias would
+            # keep on the device what the placer moved.
+            placement = self.placement
+            if key in self.checkpoint_inputs and not getattr(
+                placement, "holds_checkpoint_inputs", False
+            ):
+                placement = None
             held = placement.put(t) if placement is not None else None
             snapshot = Snapshot(t, alias, held=held)
             for observer in self.observers:

@@ -185,6 +185,7 @@ CORE_ORDER = [
     "recomp._saved_hooks",
     "recomp._offload_plan",
     "recomp._offload_session",
+    "recomp._pipeline_swap",
     "recomp._rng_trackers",
     "recomp._record",
     "recomp._op_policy",

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from test_pipeline import _stage_setup_sends_int64
+from pipelines import stage_setup_sends_int64
 
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.system,
     pytest.mark.timeout(300),
     pytest.mark.skipif(
-        _stage_setup_sends_int64(),
+        stage_setup_sends_int64(),
         reason="this PyTorch's pipeline stages cannot start on gloo (int64 sent to a float32 "
         "receive when stages connect)",
     ),

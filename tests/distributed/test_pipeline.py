@@ -11,29 +11,17 @@ or from an unpipelined step, or if live tensors, handles or objects grow over st
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 from pipeline_cases import CONTROLS, MICRO, SCHEDULES, SPLIT_BACKWARD
-
-
-def _stage_setup_sends_int64() -> bool:
-    """PyTorch 2.9's pipeline stages open their connections by sending an int64 tensor to
-    a float32 receive (``_get_init_p2p_neighbors_ops``); gloo refuses the size mismatch
-    ("8 vs 4"), so no schedule starts there, with or without recomp."""
-    from torch.distributed.pipelining import stage
-
-    source = inspect.getsource(stage)
-    return "send_tensor = torch.tensor(self.stage_index, device=self.device)" in source
-
+from pipelines import stage_setup_sends_int64
 
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.system,
     pytest.mark.timeout(400),
     pytest.mark.skipif(
-        _stage_setup_sends_int64(),
+        stage_setup_sends_int64(),
         reason="this PyTorch's pipeline stages cannot start on gloo (int64 sent to a float32 "
         "receive when stages connect); fixed in the PyTorch of the dev set",
     ),

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 
@@ -195,6 +197,29 @@ def test_checkpoints_and_excluded_regions_keep_their_tensors_through_the_session
     plain_session = rt.offload_session(0, min_bytes=0)
     grads(plain, x, plain_session)
     assert step.saved_bytes < plain_session.last_step.saved_bytes
+
+
+def test_what_a_region_keeps_of_its_checkpoint_s_input_moves_with_it(host):
+    """An excluded region whose first op saves the checkpoint's own input keeps it in the
+    session's record of that input: once the session moves it, its storage is freed (a
+    weak reference to the storage object, which lives as long as the memory, dies); a
+    device alias kept by the region would hold it."""
+    region = rt.checkpoint_exclude_wrapper(nn.Sequential(nn.Linear(32, 64), nn.Tanh()))
+    block = rt.checkpoint_wrapper(nn.Sequential(region, nn.Linear(64, 32)))
+    x = torch.randn(16, 32, requires_grad=True)
+    session = rt.offload_session(0, min_bytes=0)
+    for _ in range(2):
+        with session:
+            h = x * 2  # an activation: the checkpoint's input, saved by the region's linear
+            ref = weakref.ref(h.untyped_storage())
+            out = block(h).sum()
+            del h
+            gc.collect()
+            freed = ref() is None
+            out.backward()
+        assert freed
+    labels = [s.label for s in session.trace.storages]
+    assert sum("a checkpoint's inputs" in label for label in labels) == 1
 
 
 def test_hyperparallel_checkpoints_under_the_session(host):

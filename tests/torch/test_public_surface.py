@@ -37,7 +37,7 @@ def test_recomp_torch_keeps_recomp_s_own_api():
                  "apply_activation_checkpointing", "hf_activation_checkpointing", "unwrap",
                  "CheckpointWrapper", "ExcludeWrapper", "CheckpointPolicy", "swap", "swap_wrapper",
                  "Offloader", "recompute_handle_collector_ctx", "RecomputeHandle",
-                 "offload_session"):
+                 "offload_session", "pipeline_swap"):
         assert name in rt.__all__, name
     # No error class in a framework package's __all__: they are recomp.errors'.
     assert not [n for n in rt.__all__ if n.endswith(("Error", "Warning"))]
@@ -79,7 +79,7 @@ def test_every_name_of_before_is_still_reachable():
         "swap", "swap_tensor_wrapper", "swap_wrapper", "unwrap",
     }
     assert len(before) == 38
-    added = {"offload_session"}  # names new in this release
+    added = {"offload_session", "pipeline_swap"}  # names new in this release
     assert before | added == set(rt.__all__) | set(moves_of("recomp.torch"))
 
 

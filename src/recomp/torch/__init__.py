@@ -41,6 +41,7 @@ from ._kept import (
 )
 from ._offload import Offloader, OffloadStats, default_offloader
 from ._offload_session import offload_session
+from ._pipeline_swap import pipeline_swap
 from ._swap import CheckpointPolicy, swap, swap_wrapper
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "default_offloader",
     "hf_activation_checkpointing",
     "offload_session",
+    "pipeline_swap",
     "recompute_handle",
     "recompute_handle_collector_ctx",
     "recompute_session_ctx",

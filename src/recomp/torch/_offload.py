@@ -97,6 +97,7 @@ class _Stored:
         "group",
         "host",
         "in_place",
+        "keep_back",
         "label",
         "nbytes",
         "offloader",
@@ -127,6 +128,9 @@ class _Stored:
         self.alloc_stream: Any = None
         self.views = 0  # handles made for it
         self.reads = 0  # reads in the current pass
+        # Once brought back, the device buffer stays until ``OffloadGroup.drop_restored``
+        # (a pipeline micro-batch's input- and weight-gradient steps both read it).
+        self.keep_back = False
         # In place (``swap_tensor_wrapper``): the storage itself, emptied once copied and
         # refilled for backward, so that every tensor on it sees its bytes again; ``back``
         # once refilled (or never emptied, the backward having come first).
@@ -283,6 +287,17 @@ class OffloadGroup:
         with _quiet():
             return self.offloader._fetch(stored)
 
+    def drop_restored(self, stored: _Stored) -> None:
+        """Let go of ``stored``'s device buffer (brought back with ``keep_back``); a later
+        read copies it back again."""
+        stored.resident, stored.ready, stored.reads = None, None, 0
+
+    def finish_copies(self) -> None:
+        """This group's copies to the host: the current stream waits for them and their
+        device storages go back to the allocator now, in that stream's order (no kernel
+        queued after the wait can reuse a block a copy still reads)."""
+        self.offloader.finish_copies(self)
+
     def prefetch(self) -> None:
         """Start bringing this region's tensors back to the device."""
         off = self.offloader
@@ -397,6 +412,24 @@ class Offloader:
                 return
             self._in_flight = [c for c in self._in_flight if c not in done]
         for copy in done:
+            self._finish(copy)
+
+    def finish_copies(self, group: OffloadGroup) -> None:
+        """``OffloadGroup.finish_copies``: no wait on the host."""
+        with self._lock:
+            mine: list[_Copy] = []
+            rest: list[_Copy] = []
+            for copy in self._in_flight:
+                stored = copy.stored()
+                owner = None if stored is None else stored.group()
+                (mine if owner is group else rest).append(copy)
+            self._in_flight = rest
+        for copy in mine:
+            stored = copy.stored()
+            if copy.started is not None:
+                copy.done.synchronize()  # timed: its elapsed time is read now
+            elif copy.done is not None and stored is not None:
+                torch.cuda.current_stream(stored.device).wait_event(copy.done)
             self._finish(copy)
 
     def synchronize(self) -> None:
@@ -567,7 +600,8 @@ class Offloader:
                 buffer.record_stream(current)
         self._prefetch_previous(stored)
         stored.reads += 1
-        if stored.reads >= stored.views:  # every view read in this pass: let autograd own it
+        if stored.reads >= stored.views and not stored.keep_back:
+            # every view read in this pass: let autograd own it
             stored.resident, stored.ready, stored.reads = None, None, 0
         return buffer
 

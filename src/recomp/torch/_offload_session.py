@@ -50,7 +50,7 @@ from .._offload_session import ACTIVE, MIB, OPAQUE, OffloadConfig, OffloadStepSt
 from .._offload_session import skip_offload as skip_offload
 from ..errors import format_bytes
 from ._offload import Offloader, _quiet
-from ._offload_step import _Handle, _Step
+from ._offload_step import SCOPED_PLACER, HookPlacer, _Step, unpack_saved
 from ._swap.pool import PinnedMemoryPool
 
 
@@ -92,7 +92,7 @@ class OffloadSession:
         self.trace: OffloadTrace | None = None
         self.last_step: OffloadStepStats | None = None
         self.steps = 0
-        self.placer = _SessionPlacer(self)
+        self.placer = HookPlacer(_session_pack(self))
         self._step: _Step | None = None
         self._pending: _Step | None = None  # a traced step whose backward is not done yet
         self.retrace = False  # a replay left the plan: the next entry traces again
@@ -123,7 +123,7 @@ class OffloadSession:
                 step.timing = []
         step.group = group
         self._step = step
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_saved)
         hooks.__enter__()
         self._hooks = hooks
         self._token = ACTIVE.set(self)
@@ -198,71 +198,38 @@ class OffloadSession:
         self._step.region(name)
         token = OPAQUE.set(True)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(_detached, _unpack):
+            with torch.autograd.graph.saved_tensors_hooks(_detached, unpack_saved):
                 return fn(*args, **kwargs)
         finally:
             OPAQUE.reset(token)
-
-
-def _unpack(held: Any) -> Any:
-    return held.get() if isinstance(held, _Handle) else held
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-class _SessionPlacer:
-    """Where a recomp checkpoint keeps what it keeps while a session runs: its saved
-    inputs and its excluded regions' kept tensors go through the session's pack."""
+def _session_pack(session: OffloadSession) -> Callable[[torch.Tensor, str], Any]:
+    """The session's pack for what a checkpoint keeps, holding the session weakly."""
+    ref = weakref.ref(session)
 
-    def __init__(self, session: OffloadSession) -> None:
-        self.session = weakref.ref(session)
+    def pack(t: torch.Tensor, where: str) -> Any:
+        held = ref()
+        return t.detach() if held is None else held._pack(t, where)
 
-    def open_group(self, name: str) -> _RegionPlacement | None:
-        return _RegionPlacement(self, name)
-
-    def input_hooks(self) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-        def pack_input(t: torch.Tensor) -> Any:
-            session = self.session()
-            if session is None or t.numel() == 0:
-                return t
-            return session._pack(t, "a checkpoint's inputs")
-
-        return pack_input, _unpack
-
-    def pack(self, t: torch.Tensor, where: str) -> Any:
-        session = self.session()
-        return t.detach() if session is None else session._pack(t, where)
+    return pack
 
 
-class _RegionPlacement:
-    __slots__ = ("name", "placer")
-
-    def __init__(self, placer: _SessionPlacer, name: str) -> None:
-        self.placer = placer
-        self.name = name
-
-    def put(self, t: torch.Tensor) -> Any:
-        held = self.placer.pack(t, self.name)
-        return held if isinstance(held, _Handle) else None
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-    def prefetch(self) -> None:
-        pass
-
-
-def active_placer() -> _SessionPlacer | None:
-    """The running session's place for what a recomp checkpoint keeps, or None."""
-    session = ACTIVE.get()
-    if session is None or OPAQUE.get():
+def active_placer() -> HookPlacer | None:
+    """Where a recomp checkpoint called now keeps what it keeps, or None: the innermost
+    of a pipeline micro-batch's swap group (``recomp.torch._pipeline_swap``, while a
+    stage's forward runs) and the running session."""
+    if OPAQUE.get():
         return None
-    return session.placer  # type: ignore[no-any-return]
+    scoped = SCOPED_PLACER.get()
+    if scoped is not None:
+        return scoped
+    session = ACTIVE.get()
+    return None if session is None else session.placer  # type: ignore[no-any-return]
 
 
 def _seconds(events: list[Any]) -> list[float]:

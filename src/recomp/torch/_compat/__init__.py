@@ -146,7 +146,20 @@ from .kernels import (
     loss_parallel,
     set_hf_attention,
 )
-from .pipelining import pipeline_actions, schedule_names
+from .pipelining import (
+    forget_failed_step,
+    pipeline_actions,
+    pipeline_slots,
+    schedule_names,
+    schedule_slots,
+    schedule_stages,
+    stage_held_tensors,
+    stage_index,
+    stage_submodule,
+    stage_trains,
+    wrap_method,
+    wrap_stage_steps,
+)
 from .pytree import pytree_generation, pytree_node
 from .saved_tensors import (
     checkpoint_frame,
@@ -193,6 +206,7 @@ __all__ = [
     "flash_attention_backward",
     "flash_attention_forward",
     "flash_attention_with_lse",
+    "forget_failed_step",
     "graph_task_id",
     "group_size",
     "grouped_mm",
@@ -231,6 +245,7 @@ __all__ = [
     "partitioning_backend",
     "pass_keeps_graph",
     "pipeline_actions",
+    "pipeline_slots",
     "pytree_generation",
     "pytree_node",
     "register_selective_mode_type",
@@ -242,11 +257,17 @@ __all__ = [
     "saved_handles",
     "saved_values_readable",
     "schedule_names",
+    "schedule_slots",
+    "schedule_stages",
     "selective_checkpoint_storage",
     "separate_backend",
     "set_hf_attention",
     "set_hf_checkpoint_function",
     "simulation_unsupported",
+    "stage_held_tensors",
+    "stage_index",
+    "stage_submodule",
+    "stage_trains",
     "storage_key",
     "swap_module_tensor",
     "target_attention_kernels",
@@ -254,4 +275,6 @@ __all__ = [
     "version",
     "version_sharing_detach",
     "view_base",
+    "wrap_method",
+    "wrap_stage_steps",
 ]
