@@ -27,7 +27,7 @@ from public_surface import (  # noqa: E402
 TORCH_SHAPED = {  # recomp.torch's own names that MindSpore has no counterpart for
     "hf_activation_checkpointing", "Offloader", "OffloadStats", "default_offloader",
     "RecomputeHandle", "recompute_handle", "recompute_handle_collector_ctx",
-    "recompute_session_ctx", "clear_recompute_session", "offload_session",
+    "recompute_session_ctx", "clear_recompute_session", "offload_session", "pipeline_swap",
 }
 
 
