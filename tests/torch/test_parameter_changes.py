@@ -245,3 +245,63 @@ def test_fast_weights_from_functional_call_stay_exact() -> None:
         got = meta_grad(wrapped)
     for a, b in zip(meta_grad(plain), got):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+# --------------------------------------------------------------------------- the tree between calls
+# Each change below comes after a first step: a checkpoint call must see the module tree
+# as it is now, not as an earlier call found it.
+
+
+def _clip_then_backward(d: nn.Module, clipped: nn.Module) -> None:
+    out = d(torch.randn(4, 8, requires_grad=True)).sum()
+    with torch.no_grad():
+        clipped.weight.clamp_(-0.01, 0.01)
+    out.backward()
+
+
+def test_a_layer_put_in_place_after_a_step_is_watched() -> None:
+    d = rt.checkpoint_wrapper(discriminator())
+    d(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    d[2] = nn.Linear(16, 1)  # a new module where the old one was (an adapter, a swap)
+    with pytest.raises(ParameterChangedError, match=r"'2\.weight'"):
+        _clip_then_backward(d, d[2])
+
+
+def test_a_region_unwrapped_after_a_step_is_watched_again() -> None:
+    d = checkpointed(discriminator(), exclude_first=True)
+    d(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    rt.unwrap(d[0])  # in place: the same object, its class back to Linear
+    assert type(d[0]) is nn.Linear
+    with pytest.raises(ParameterChangedError, match=r"^Parameter '0\.weight' of the checkpointed"):
+        _clip_then_backward(d, d[0])
+
+
+def test_a_parameter_registered_after_a_step_is_watched() -> None:
+    d = rt.checkpoint_wrapper(discriminator())
+    d(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    d[1].register_parameter("weight", nn.Parameter(torch.ones(16)))
+    d[1].forward = lambda x: torch.tanh(x) * d[1].weight  # type: ignore[method-assign]
+    out = d(torch.randn(4, 8, requires_grad=True)).sum()
+    with torch.no_grad():
+        d[1].weight.mul_(2)
+    with pytest.raises(ParameterChangedError, match=r"'1\.weight'"):
+        out.backward()
+
+
+def test_running_statistics_turned_on_after_a_step_are_restored() -> None:
+    """A BatchNorm that tracked no statistics at the first call and does at the next: its
+    statistics are updated once per step, not once more by the replay."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, track_running_stats=False))
+    wrapped = rt.checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(4, 8, requires_grad=True)
+    for model in (plain, wrapped):
+        model(x).sum().backward()
+        bn = model[1]
+        bn.track_running_stats = True
+        bn.register_buffer("running_mean", torch.zeros(8))
+        bn.register_buffer("running_var", torch.ones(8))
+        bn.register_buffer("num_batches_tracked", torch.tensor(0))
+        model(x).sum().backward()
+    assert torch.equal(plain[1].running_mean, wrapped[1].running_mean)
+    assert int(wrapped[1].num_batches_tracked) == 1
