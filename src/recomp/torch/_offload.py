@@ -29,7 +29,9 @@ An offloading region keeps, instead of a device alias of each tensor it saves
     4. the first ``get`` of a region in a backward pass (the replay taking its
        cached output, or its backward reading a saved tensor) starts restoring
        the region recorded before it (the next one in backward order), so that
-       copy runs while the rest of this layer's backward computes;
+       copy runs while the rest of this layer's backward computes; a storage whose
+       every view this pass has read already (a cached output the replay took) is
+       not brought back again by a later prefetch of its region in the same pass;
     5. the host copy lives as long as a handle to it (the autograd graph): a
        second backward (``retain_graph``) restores it again. The restored device
        buffer is dropped once every saved view of it has been read in the pass.
@@ -59,11 +61,13 @@ from typing import Any
 
 import torch
 
+from .._offload_session import MIN_OFFLOAD_BYTES
 from ..errors import internal_error
 from . import _compat
 
 ENV_HOST_COPY = "RECOMP_OFFLOAD_HOST_COPY"
-DEFAULT_MIN_BYTES = 1 << 20  # smaller storages stay on the device: a copy costs more than it frees
+# Smaller storages stay on the device: a copy costs more than it frees.
+DEFAULT_MIN_BYTES = MIN_OFFLOAD_BYTES
 
 
 @dataclass
@@ -100,6 +104,7 @@ class _Stored:
         "label",
         "nbytes",
         "offloader",
+        "read_pass",
         "reads",
         "ready",
         "release",
@@ -127,6 +132,9 @@ class _Stored:
         self.alloc_stream: Any = None
         self.views = 0  # handles made for it
         self.reads = 0  # reads in the current pass
+        # The backward pass (graph task) that has read every view: a prefetch of its
+        # group later in that pass leaves it on the host (nothing reads it again there).
+        self.read_pass: int | None = None
         # In place (``swap_tensor_wrapper``): the storage itself, emptied once copied and
         # refilled for backward, so that every tensor on it sees its bytes again; ``back``
         # once refilled (or never emptied, the backward having come first).
@@ -287,10 +295,16 @@ class OffloadGroup:
         """Start bringing this region's tensors back to the device."""
         off = self.offloader
         off.poll()
+        current_pass = _compat.graph_task_id()
         with _quiet():
             for ref in self.records:
                 stored = ref()
-                if stored is not None and stored.resident is None and stored.source is None:
+                if (
+                    stored is not None
+                    and stored.resident is None
+                    and stored.source is None
+                    and (current_pass == -1 or stored.read_pass != current_pass)
+                ):
                     off._restore(stored, ahead=True)
 
 
@@ -569,6 +583,7 @@ class Offloader:
         stored.reads += 1
         if stored.reads >= stored.views:  # every view read in this pass: let autograd own it
             stored.resident, stored.ready, stored.reads = None, None, 0
+            stored.read_pass = _compat.graph_task_id()
         return buffer
 
     def _prefetch_previous(self, stored: _Stored) -> None:
