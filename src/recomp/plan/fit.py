@@ -33,7 +33,7 @@ from ..errors import BudgetTooSmallError
 from .budget import Budget, format_bytes, parse_budget
 from .job import JobMemory, OutsideLayers, Parallel, job_memory, replay_bytes, split_layers
 from .planfile import NO_CHECKPOINT, PER_LAYER, Plan, checkpointed, moves_to_host
-from .planner import Profile, make_plan
+from .planner import TIE_TOLERANCE, Profile, make_plan
 from .solver import minimum_bytes
 
 __all__ = [
@@ -128,7 +128,9 @@ def plan_per_rank(
     loss's backward on the rank of the last stage, a checkpointed layer's replay),
     divided by the micro-batches its schedule holds at once; of the bytes kept outside
     the layers, the first stage's and the last stage's count where they are held
-    (:class:`recomp.plan.job.OutsideLayers`). The plan is then counted by
+    (:class:`recomp.plan.job.OutsideLayers`). Plans of a rank within ``1 / ranks`` of
+    ``make_plan``'s tie tolerance of the step are ties, so that the whole plan is within
+    that tolerance of the fastest. The plan is then counted by
     :func:`recomp.plan.job.job_memory`, and a rank it finds over the budget is planned
     again with that much less. Returns the plan, or None and why (:class:`NoPlan`)."""
     parsed = parse_budget(budget)
@@ -182,7 +184,11 @@ def plan_per_rank(
         for rank_index, rp in parts.items():
             room = rooms[rank_index]
             try:
-                stage_plan = make_plan(rp.profile, Budget(text=format_bytes(room), nbytes=room))
+                stage_plan = make_plan(
+                    rp.profile,
+                    Budget(text=format_bytes(room), nbytes=room),
+                    tie_tolerance=TIE_TOLERANCE / len(parts),
+                )
             except BudgetTooSmallError as exc:
                 least = exc.minimum_bytes * rp.held + rp.transient
                 return None, rp.no_plan(rank_index, budget_bytes, least, pipeline)
