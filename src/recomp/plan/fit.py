@@ -128,9 +128,11 @@ def plan_per_rank(
     loss's backward on the rank of the last stage, a checkpointed layer's replay),
     divided by the micro-batches its schedule holds at once; of the bytes kept outside
     the layers, the first stage's and the last stage's count where they are held
-    (:class:`recomp.plan.job.OutsideLayers`). Plans of a rank within ``1 / ranks`` of
-    ``make_plan``'s tie tolerance of the step are ties, so that the whole plan is within
-    that tolerance of the fastest. The plan is then counted by
+    (:class:`recomp.plan.job.OutsideLayers`). A simulated profile's times are the cost
+    model's, without noise: each rank's plan is the fastest that fits (no tie
+    tolerance); a measured one's plans within ``1 / ranks`` of ``make_plan``'s tie
+    tolerance of the step are ties, so that the whole plan is within that tolerance of
+    the fastest. The plan is then counted by
     :func:`recomp.plan.job.job_memory`, and a rank it finds over the budget is planned
     again with that much less. Returns the plan, or None and why (:class:`NoPlan`)."""
     parsed = parse_budget(budget)
@@ -187,7 +189,7 @@ def plan_per_rank(
                 stage_plan = make_plan(
                     rp.profile,
                     Budget(text=format_bytes(room), nbytes=room),
-                    tie_tolerance=TIE_TOLERANCE / len(parts),
+                    tie_tolerance=0.0 if profile.timing else TIE_TOLERANCE / len(parts),
                 )
             except BudgetTooSmallError as exc:
                 least = exc.minimum_bytes * rp.held + rp.transient
