@@ -28,7 +28,14 @@ replay runs, following the rules recomp and ``torch.utils.checkpoint`` apply:
   the full checkpoint keeps less its positional tensor inputs, ``swap`` what the layer
   saves less what moves; what moves is every saved plain-tensor storage that is
   neither a parameter's nor the layer output's (``_analysis.analyse_swap_options``),
-  and its copies cost what the next layer's compute does not hide;
+  and its copies cost what the next layer's compute does not hide; the offload
+  options, by the offloader's rule (storages of at least 1 MiB): ``offload`` as
+  ``swap``, ``exclude-offload:...`` an exclusion whose regions keep what they keep on
+  the host (``_analysis.analyse_region_offload``);
+* under tensor parallelism (``simulate(..., partition_inputs=tp)``),
+  ``full+partition-inputs``: the full checkpoint keeping this rank's slice of each
+  floating-point positional input, its replay paying one all-gather per input
+  (``_analysis.analyse_partition``);
 * the replay runs the layer's ops that come before the checkpoint's last saved tensor
   (early stop), except those inside excluded regions; its time is the ops' share of the
   layer's measured forward time.
@@ -131,10 +138,10 @@ def profile(
     the collectives run again: the plan chooses per layer.
     Collectives run only under a process group: in a distributed job call ``profile`` on
     every rank, where the model runs parallelised; each rank profiles its own share.
-    ``swap``: offer the swap options (``full+swap-inputs``, ``swap``) where the device
-    has a host link: on CUDA, whose host bandwidth one timed pinned copy each way
-    measures; on the CPU there is no host to swap to and the profile notes it. False:
-    never.
+    ``swap``: offer the options that hold activations on the host (``offload``,
+    ``exclude-offload:...``, ``full+swap-inputs``, ``swap``) where the device has a host
+    link: on CUDA, whose host bandwidth one timed pinned copy each way measures; on the
+    CPU there is no host to swap to and the profile notes it. False: never.
 
     The model is not changed: the profile runs on a deep copy, and the random number
     generators are restored afterwards.
