@@ -16,6 +16,10 @@ from ._offload_plan import Planner
 from .errors import RecompError
 
 MIB = 1 << 20
+# Storages smaller than this stay on the device (a copy costs more than it frees): the
+# default of the offloader (``offload=True``), of offload sessions, and the size the
+# planner's offload options move from (``recomp.plan.planfile``).
+MIN_OFFLOAD_BYTES = MIB
 
 
 def _number(value: Any) -> bool:
@@ -44,7 +48,7 @@ class OffloadConfig:
     max_resident_activation_mb: float = 1024
     max_offload_activation_mb: float = 65536
     planner: Planner | None = None
-    min_offload_bytes: int = MIB
+    min_offload_bytes: int = MIN_OFFLOAD_BYTES
     host_bandwidth: float | None = None
 
     def __post_init__(self) -> None:

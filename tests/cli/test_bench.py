@@ -183,6 +183,22 @@ def test_selective_and_swap_strategies_are_the_plan_options_for_every_layer():
     assert [layer.option for layer in plan.layers] == ["exclude:attn+mlp"] * 2
 
 
+def test_offload_strategy_is_the_plan_option_and_partition_a_plan_option_only():
+    from recomp.cli.strategies import parse, refused
+    from recomp.cli.torch.models import llama
+    from recomp.cli.torch.strategies import prepare
+    from recomp.torch import _swap
+
+    model = llama(layers=2, hidden=32, heads=2)
+    prepared = prepare("offload", model)
+    assert prepared.offloader is not None
+    assert all(_swap.unwrap_swaps(layer) for layer in model.layers)  # each one wrapped
+    assert refused(parse("offload"), "eager") is None
+    assert "apply_plan(..., partition_inputs=group)" in refused(
+        parse("full+partition-inputs"), "eager"
+    )
+
+
 def test_torch_budget_strategy_is_compiled_only_and_checked():
     from recomp.cli.torch.models import llama
     from recomp.cli.torch.strategies import prepare

@@ -228,3 +228,59 @@ def test_large_models_end_to_end(argv, tmp_path, capsys) -> None:
         assert by["full"]["states"] == by["none"]["states"] > 0
     assert {r["rank"] for r in rows} == set(range(pp))
     assert all(r["fits"] for r in rows if r["strategy"].startswith("plan@"))
+
+
+def test_offload_options_show_their_host_memory(tmp_path, capsys) -> None:
+    """Where the accelerator has a host link the offload options are rows of their own,
+    with the host memory they take beside the device's; --host-bandwidth 0 takes the link
+    away, a slower one makes their copies show in the overhead."""
+    out = tmp_path / "sim.json"
+    argv = ["llama-3.1-8b", "--layers", "2", "--seq", "4096", "--pp", "2", "--microbatches", "4"]
+    assert simulate.main([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if line.startswith("strategy"))
+    assert header.split() == ["strategy", "pp", "act", "states", "total", "host", "TFLOP",
+                              "overhead", "fits"]  # fmt: skip
+    assert max(map(len, printed.splitlines())) <= simulate.WIDTH
+    rows = {(r["strategy"], r["rank"]): r for r in json.loads(out.read_text())["rows"]}
+    for option in ("offload", "exclude-offload:self_attn", "swap", "full+swap-inputs"):
+        # 1F1B on 2 ranks: the first holds 2 micro-batches at once, the last 1.
+        assert rows[(option, 0)]["host"] == 2 * rows[(option, 1)]["host"] > 0
+    assert rows[("full", 0)]["host"] == 0 and rows[("none", 0)]["host"] == 0
+    assert "host: the host memory" in " ".join(printed.split())
+
+    assert simulate.main([*argv, "--host-bandwidth", "0", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "host" not in next(ln for ln in printed.splitlines() if ln.startswith("strategy"))
+    assert {r["strategy"] for r in json.loads(out.read_text())["rows"]}.isdisjoint(
+        {"offload", "exclude-offload:self_attn", "swap"}
+    )
+    assert simulate.main([*argv, "--host-bandwidth", "8", "--json", str(out)]) == 0
+    capsys.readouterr()
+    slow = {(r["strategy"], r["rank"]): r for r in json.loads(out.read_text())["rows"]}
+    assert slow[("offload", 0)]["overhead"] > rows[("offload", 0)]["overhead"]
+    assert slow[("offload", 0)]["host"] == rows[("offload", 0)]["host"]
+
+
+def test_a_job_that_fits_only_with_offload_names_it(capsys) -> None:
+    """Llama-3.1-8B at 32k tokens, FSDP over 8: with no host link no plan fits 78 GiB
+    (83.07 GiB at least); the note names offloading among the levers, since with a PCIe 5
+    host link a plan fits, which the command with that link then prints."""
+    argv = ["llama-3.1-8b", "--layers", "2", "--seq", "32768", "--dp", "8", "--zero", "3",
+            "--device-memory", "78GiB"]  # fmt: skip
+    assert simulate.main([*argv, "--host-bandwidth", "0"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "no plan: each rank needs at least 83.07 GiB of the 78.00 GiB" in printed
+    assert "offloading activations to the host: with a host link of 64 GB/s each way" in printed
+    assert simulate.main(argv) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "no plan" not in printed and "plan@78GiB" in printed
+    assert "offload" in printed.split("note: plan@78GiB: layers")[1].split("note:")[0]
+
+
+@pytest.mark.parametrize("value", ["-1", "fast", "inf"])
+def test_host_bandwidth_is_a_number(value, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        simulate.main(["llama-3.1-8b", "--host-bandwidth", value])
+    assert exit_info.value.code == 2
+    assert "--host-bandwidth is GB/s each way" in capsys.readouterr().err

@@ -234,8 +234,8 @@ def test_plan_file_rejects_unknown_version_and_options(tmp_path):
         load_plan({**data, "version": 4})
     with pytest.raises(PlanFormatError, match="plan version None"):
         load_plan({k: v for k, v in data.items() if k != "version"})
-    data["layers"][0]["option"] = "offload"
-    with pytest.raises(PlanFormatError, match="unknown layer option 'offload'"):
+    data["layers"][0]["option"] = "compress"
+    with pytest.raises(PlanFormatError, match="unknown layer option 'compress'"):
         load_plan(data)
     path = tmp_path / "bad.json"
     path.write_text("{not json")

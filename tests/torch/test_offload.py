@@ -144,6 +144,27 @@ def test_restores_run_in_backward_order_one_region_ahead():
     ], events
 
 
+def test_a_read_output_is_not_brought_back_again_in_the_same_pass():
+    """Both regions of a layer excluded: the replay takes attention's cached output
+    (read: every view of it done in this pass), then the MLP's first read brings back the
+    region before it, attention, whose output must not be copied back a second time."""
+    off = host_offloader()
+    model = make(3)
+    for i, layer in enumerate(model):
+        layer.attn = rt.checkpoint_exclude_wrapper(layer.attn, offload=off, name=f"attn{i}")
+        layer.mlp = rt.checkpoint_exclude_wrapper(layer.mlp, offload=off, name=f"mlp{i}")
+        model[i] = rt.checkpoint_wrapper(layer)
+    groups: list = []  # type: ignore[type-arg]
+    off.group_opened = groups.append
+    model(torch.randn(*X_SHAPE, requires_grad=True)).pow(2).sum().backward()
+    attn = [g for g in groups if g.name.startswith("attn")]
+    assert len(attn) == 3
+    assert all(g.restored_bytes == g.offloaded_bytes for g in attn), [
+        (g.name, g.offloaded_bytes, g.restored_bytes) for g in attn
+    ]
+    assert off.pending_copies == 0
+
+
 def test_checkpoint_inputs_stay():
     """A region applied to the checkpoint's own input: the checkpoint holds that input
     anyway, so the region keeps it as it is."""

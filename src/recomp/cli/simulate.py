@@ -93,6 +93,14 @@ def build_parser() -> CommandParser:
         "default H100 SXM",
     )
     p.add_argument(
+        "--host-bandwidth",
+        type=host_bandwidth,
+        metavar="GB/s",
+        help="the host link, GB/s each way, in place of the accelerator's (PCIe 5 x16: 64; "
+        "a link shared by two devices: half); 0: no host link, no option holds activations "
+        "on the host",
+    )
+    p.add_argument(
         "--device-memory",
         type=device_memory,
         metavar="BYTES",
@@ -148,6 +156,19 @@ def device_memory(text: str) -> Budget:
             f"--device-memory is bytes per device with a unit (80GiB, 75GB), got {text!r}"
         )
     return parsed
+
+
+def host_bandwidth(text: str) -> float:
+    """``--host-bandwidth``: GB/s each way, a number >= 0."""
+    try:
+        value = float(text.removesuffix("GB/s"))
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"--host-bandwidth is GB/s each way, a number >= 0 (64 for PCIe 5 x16), got {text!r}"
+        )
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,6 +273,14 @@ def run(args: argparse.Namespace) -> Any:
     stage_layers = (
         None if args.stage_layers is None else [int(n) for n in args.stage_layers.split(",")]
     )
+    hardware: Any = args.accelerator
+    if args.host_bandwidth is not None:
+        from dataclasses import replace
+
+        from ..plan.cost import resolve_hardware
+
+        link = args.host_bandwidth * 1e9 if args.host_bandwidth > 0 else None
+        hardware = replace(resolve_hardware(args.accelerator), host_bandwidth=link)
     return will_it_fit(
         model.name,
         parallel,
@@ -261,7 +290,7 @@ def run(args: argparse.Namespace) -> Any:
         schedule=args.schedule,
         microbatches=args.microbatches,
         stage_layers=stage_layers,
-        hardware=args.accelerator,
+        hardware=hardware,
         device_memory=args.device_memory,
         precision=args.precision,
         layers=args.layers or None,
@@ -284,8 +313,9 @@ def table(report: Any, *, all_ranks: bool = False) -> str:
     """The report as text, at most ``WIDTH`` characters wide: a line per strategy and
     pipeline rank shown, then the notes."""
     pipeline = len({r.rank for r in report.rows}) > 1
-    header = ["strategy", *(["pp"] if pipeline else []), "act", "states", "total", "TFLOP",
-              "overhead", "fits"]  # fmt: skip
+    host = any(r.host for r in report.rows)
+    header = ["strategy", *(["pp"] if pipeline else []), "act", "states", "total",
+              *(["host"] if host else []), "TFLOP", "overhead", "fits"]  # fmt: skip
     cells: list[list[str]] = []
     hidden = False
     strategies = list(dict.fromkeys(r.strategy for r in report.rows))
@@ -304,15 +334,18 @@ def table(report: Any, *, all_ranks: bool = False) -> str:
                     f"{r.activations / GiB:.2f}",
                     f"{r.states / GiB:.2f}",
                     f"{r.total / GiB:.2f}",
+                    *([f"{r.host / GiB:.2f}"] if host else []),
                     f"{r.replay_flops / 1e12:.1f}",
                     "-" if r.overhead is None else f"+{r.overhead * 100:.1f}%",
                     "" if r.fits is None else ("yes" if r.fits else "NO"),
                 ]
             )
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+    # Two spaces between columns, one where that would pass the width.
+    gap = "  " if sum(widths) + 2 * (len(widths) - 1) <= WIDTH else " "
 
     def line(row: list[str]) -> str:
-        return "  ".join(
+        return gap.join(
             c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
         ).rstrip()
 
@@ -327,6 +360,11 @@ def table(report: Any, *, all_ranks: bool = False) -> str:
         "under ZeRO-3); TFLOP: what the replay repeats; overhead: its predicted time over "
         "the modelled step without checkpointing."
     )
+    if host:
+        explained += (
+            " host: the host memory the activations swapped or offloaded there take at once "
+            "(beside the device's total)."
+        )
     if hidden:
         explained += " Per strategy the first two pipeline ranks, the largest and the last: "
         explained += "--all-ranks or --json for every one."

@@ -5,7 +5,9 @@ versions, and the check of a command line's strategies before anything runs.
 A strategy is what every layer gets. Where a plan file has a layer option for it, the
 strategy is named by that option (``recomp.plan.planfile``): ``none``, ``full``,
 ``exclude:R[+R...]``, ``selective``, ``selective+exclude:R[+R...]``,
-``full+swap-inputs``, ``swap``. The benchmark's other points of comparison are written
+``full+swap-inputs``, ``swap``, ``offload``, ``exclude-offload:R[+R...]``,
+``full+partition-inputs``, ``full+replay-collectives``. The benchmark's other points of
+comparison are written
 the same way, ``KIND:R[+R...]`` where they name regions and ``KIND@VALUE`` where they
 take a number (``KINDS`` below says what each is). A region ``R`` is a child of every
 layer, by name; ``attn`` also finds ``self_attn`` and ``attention``, ``mlp`` also
@@ -97,6 +99,19 @@ KINDS: dict[str, Kind] = {
             "recomp's full checkpoint, its saved inputs on the host until the replay",
         ),
         Kind("swap", "plain", "no checkpoint, what each layer saves on the host until backward"),
+        Kind(
+            "offload",
+            "plain",
+            "no checkpoint, what each layer saves of at least 1 MiB per storage on the host "
+            "until backward (the size offload sessions move from)",
+        ),
+        Kind(
+            "full+partition-inputs",
+            "plain",
+            "a plan option: recomp's full checkpoint, its saved inputs split over the "
+            "tensor-parallel group until the replay gathers them (recomp simulate, apply_plan)",
+            frozenset(),
+        ),
         Kind(
             "full+swap-matmuls",
             "plain",
@@ -311,7 +326,7 @@ def _suggest(given: str, kind_name: str, name: str) -> str:
             found.append(respelled)
     if found:
         return f" (did you mean {' or '.join(found[:3])}?)"
-    listed = [k.spelling for k in KINDS.values() if k.runs != {"tp"}]
+    listed = [k.spelling for k in KINDS.values() if k.runs - {"tp"}]
     return f"; the strategies: {', '.join(listed)} (recomp bench --help says what each is)"
 
 
@@ -351,6 +366,12 @@ def refused(strategy: Strategy, run: Run) -> str | None:
     kind = KINDS[strategy.kind]
     if run in kind.runs:
         return None
+    if not kind.runs:
+        return (
+            f"{strategy} is a layer option of plans (it needs the tensor-parallel process "
+            "group: recomp.plan.apply_plan(..., partition_inputs=group)); recomp bench does "
+            "not run it"
+        )
     if kind.runs == {"compiled"}:
         return f"{strategy} is PyTorch's compiled memory budget: add --compile"
     if kind.runs == {"tp"}:

@@ -6,12 +6,34 @@ between layers, adjacent pairs of layers and what is shared."""
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from ._recording import LayerRecord, RecordedOp, RegionSpan
-from .planfile import FULL_SWAP_INPUTS, NO_CHECKPOINT, SWAP, exclude_option
+from .planfile import (
+    FULL_SWAP_INPUTS,
+    NO_CHECKPOINT,
+    OFFLOAD,
+    PARTITION_INPUTS,
+    SWAP,
+    exclude_offload_option,
+    exclude_option,
+    parse_option,
+)
+
+
+@dataclass
+class RegionHeld:
+    """What one call of an excluded region holds until backward: its saved tensors
+    (``saved``) and its outputs not among them (``outputs``), whether a replay can reach
+    past it (``reachable``: else its outputs are dropped when the forward ends), and the
+    storages held only as tensor subclasses (DTensor: the offloader leaves them)."""
+
+    saved: dict[Hashable, int]
+    outputs: dict[Hashable, int]
+    reachable: bool
+    wrapped: set[Hashable]
 
 
 @dataclass
@@ -26,7 +48,13 @@ class OptionAnalysis:
     hooked_saves: int = 0  # saved tensors that go through a Python hook (checkpointed)
     policy_ops: int = 0  # ops that pass a selective policy's dispatch modes (forward, replay)
     collective_bytes: int = 0  # part of kept: results of collectives the replay reads
-    swap_bytes: int = 0  # moved to the host after the forward and back for backward
+    swap_bytes: int = 0  # copied to the host in the forward
+    host_bytes: int = 0  # of those, held on the host until backward and copied back
+    # Per input the checkpoint keeps split over the tensor-parallel group, the bytes of
+    # this rank's slice: one all-gather of each in the replay.
+    gathered: list[int] = field(default_factory=list)
+    # Per excluded region call, what it holds (the exclusion options).
+    regions: list[RegionHeld] = field(default_factory=list)
 
 
 def analyse_swap_options(
@@ -34,19 +62,22 @@ def analyse_swap_options(
     full: OptionAnalysis,
     preexisting: set[Hashable],
     parameters: set[Hashable],
+    min_bytes: int,
 ) -> list[OptionAnalysis]:
-    """The layer's two swap options, by the rules of ``recomp.torch``'s swap (NOTE [ Swap
-    scopes ]): when the layer returns, each saved storage that is not a parameter's and
-    does not share storage with the layer's output is copied to the host (once per
-    storage) and brought back for backward; what is moved stays on the device only where
-    something else holds it (the user's inputs, another layer's saved tensors: counted
-    there).
+    """The layer's swap options and its ``offload`` option, by the rules of
+    ``recomp.torch``'s swap (NOTE [ Swap scopes ]): when the layer returns, each saved
+    storage that is not a parameter's and does not share storage with the layer's output
+    is copied to the host (once per storage) and brought back for backward; what is
+    moved stays on the device only where something else holds it (the user's inputs,
+    another layer's saved tensors: counted there).
 
     ``full+swap-inputs`` (``full``: the layer's full checkpoint): the checkpoint's saved
     inputs are moved (the tensors among its positional arguments: PyTorch's checkpoint
     holds keyword arguments and tensors nested in containers itself); it keeps the rest of what the full checkpoint keeps (the kept
     results of collectives) and replays the same ops. ``swap``: no checkpoint; every
     storage the layer's forward saves is moved, except parameters and the output's.
+    ``offload``: the same, of the storages of at least ``min_bytes`` only (the offload
+    session's rule: smaller ones stay on the device); offered where it moves something.
     Tensor subclasses that wrap a local tensor (DTensor) are not moved: recomp's
     offloader copies plain tensors only."""
     stays = parameters | set(record.output_keys)
@@ -73,19 +104,108 @@ def analyse_swap_options(
         0,
         full.collective_bytes,
         sum(inputs_moved.values()),
+        sum(inputs_moved.values()),
     )
     saved = moved(
         {s.key: s.nbytes for s in record.saves if not s.is_parameter and not s.wrapped}
     )
-    kept = {
-        s.key: s.nbytes
-        for s in record.saves
-        if not s.is_parameter and s.key not in saved and s.key not in preexisting
-    }
-    swap = OptionAnalysis(
-        SWAP, kept, [], {}, 0, len(record.saves), 0, 0, sum(saved.values())
+
+    def unchecked(name: str, chosen: dict[Hashable, int]) -> OptionAnalysis:
+        kept = {
+            s.key: s.nbytes
+            for s in record.saves
+            if not s.is_parameter and s.key not in chosen and s.key not in preexisting
+        }
+        total = sum(chosen.values())
+        return OptionAnalysis(name, kept, [], {}, 0, len(record.saves), 0, 0, total, total)
+
+    options = [swap_inputs, unchecked(SWAP, saved)]
+    large = {k: n for k, n in saved.items() if n >= min_bytes}
+    if large:
+        options.append(unchecked(OFFLOAD, large))
+    return options
+
+
+def analyse_region_offload(
+    record: LayerRecord, exclusion: OptionAnalysis, min_bytes: int
+) -> OptionAnalysis | None:
+    """``exclude-offload:A+B``: the exclusion ``exclusion`` whose regions keep what they
+    keep on the host, by the rules of the offloader (``recomp.torch._offload``): per
+    region call, each storage it saves or returns (its cached output) is copied to the
+    host once, if it is a plain tensor of at least ``min_bytes``, but the checkpoint's own
+    inputs (which the checkpoint keeps on the device anyway) and parameters. What comes
+    back for backward: its saved tensors, and its outputs where a replay reaches past the
+    call (the others are copied out, then dropped with the cached output). The device
+    keeps the exclusion's bytes less what is held on the host; replay as the exclusion.
+    None where nothing would move."""
+    out = back = 0
+    on_host: set[Hashable] = set()
+    for call in exclusion.regions:
+        group: dict[Hashable, int] = {}
+        for key, nbytes in [*call.saved.items(), *call.outputs.items()]:
+            if (
+                key not in group
+                and key not in record.input_keys
+                and key not in call.wrapped
+                and nbytes >= min_bytes
+            ):
+                group[key] = nbytes
+        out += sum(group.values())
+        returned = {k: n for k, n in group.items() if k in call.saved or call.reachable}
+        back += sum(returned.values())
+        on_host.update(returned)
+    if not out:
+        return None
+    kind, regions = parse_option(exclusion.name)
+    assert kind == "exclude", exclusion.name
+    return OptionAnalysis(
+        exclude_offload_option(regions),
+        {k: n for k, n in exclusion.kept.items() if k not in on_host},
+        exclusion.replay_ops,
+        exclusion.region_saved_bytes,
+        exclusion.excluded_calls,
+        exclusion.hooked_saves,
+        exclusion.policy_ops,
+        exclusion.collective_bytes,
+        out,
+        back,
     )
-    return [swap_inputs, swap]
+
+
+def analyse_partition(record: LayerRecord, full: OptionAnalysis, size: int) -> OptionAnalysis | None:
+    """``full+partition-inputs`` over a group of ``size`` ranks, by the rules of
+    ``partition_inputs`` (NOTE [ Partitioned checkpoint inputs ]): each floating-point
+    tensor among the checkpoint's positional inputs (which it saves; the keyword ones it
+    holds itself) with at least ``size`` elements is kept as this rank's slice of
+    ``ceil(elements / size)`` elements, and gathered whole in the replay by one
+    all-gather; its storage is released unless a keyword input holds it too (or it
+    existed before the forward: not an activation). Tensor subclasses (DTensor) are not
+    split. The rest as the full checkpoint. None where nothing would be split."""
+    slices: dict[Hashable, int] = {}
+    split: dict[Hashable, int] = {}  # storage -> positional tensors of it split
+    whole: set[Hashable] = set()
+    for index, (key, numel, itemsize) in enumerate(record.float_positional):
+        if numel < size:
+            whole.add(key)
+            continue
+        slices[("partition", key, index)] = -(-numel // size) * itemsize
+        split[key] = split.get(key, 0) + 1
+    if not slices:
+        return None
+    released = {k for k in split if k not in whole and k not in record.held_keys}
+    kept = {k: n for k, n in full.kept.items() if k not in released}
+    kept.update(slices)
+    return OptionAnalysis(
+        PARTITION_INPUTS,
+        kept,
+        full.replay_ops,
+        {},
+        0,
+        full.hooked_saves,
+        0,
+        full.collective_bytes,
+        gathered=list(slices.values()),
+    )
 
 
 def analyse_option(
@@ -120,7 +240,7 @@ def analyse_option(
     ]
     excluded_outputs: set[Hashable] = set()
     # Per excluded call: saved tensors kept, cached outputs, checkpoint saves before its end.
-    entries: list[tuple[RegionSpan, dict[Hashable, int], dict[Hashable, int], int]] = []
+    entries: list[tuple[int, RegionSpan, dict[Hashable, int], dict[Hashable, int], int]] = []
     spans = [(i, span) for i, span in enumerate(record.spans) if span.candidate in chosen]
     for index, span in spans:
         deferrable = {
@@ -145,16 +265,20 @@ def analyse_option(
         if deferred and any(grad for _, _, grad in span.outputs):
             checkpoint_saves.append(span.end)  # the boundary saves the deferred inputs
         saves_after = sum(1 for seq in checkpoint_saves if seq <= span.end)
-        entries.append((span, region_kept, outputs, saves_after))
+        entries.append((index, span, region_kept, outputs, saves_after))
     total_saves = len(checkpoint_saves)
     saved_bytes: dict[str, int] = {}
-    for span, region_kept, outputs, saves_after in entries:
+    regions: list[RegionHeld] = []
+    for index, span, region_kept, outputs, saves_after in entries:
         path = candidates[span.candidate][0]
         # A replay that stops before reaching past the call does not need its outputs.
         reachable = saves_after < total_saves
         held = {**region_kept, **(outputs if reachable else {})}
         kept.update(held)
         saved_bytes[path] = saved_bytes.get(path, 0) + sum(held.values())
+        plain = {s.key for s in record.saves if s.span == index and not s.wrapped}
+        wrapped = {k for k in region_kept if k not in plain} | span.wrapped_outputs
+        regions.append(RegionHeld(region_kept, outputs, reachable, wrapped))
     last = max(checkpoint_saves, default=None)
     excluded_spans = {i for i, _ in spans}
     seen = [op for op in record.ops if op.span not in excluded_spans]
@@ -182,6 +306,7 @@ def analyse_option(
         len(record.saves),
         len(seen) + len(reached) if selective else 0,
         collective_bytes,
+        regions=regions,
     )
 
 

@@ -71,6 +71,7 @@ class RegionSpan:
     inputs: list[tuple[Hashable, bool]] = field(default_factory=list)  # (storage, parameter)
     outputs: list[tuple[Hashable, int, bool]] = field(default_factory=list)  # (.., bytes, grad)
     parameter_keys: set[Hashable] = field(default_factory=set)
+    wrapped_outputs: set[Hashable] = field(default_factory=set)  # outputs that are DTensors
 
 
 @dataclass
@@ -88,6 +89,9 @@ class LayerRecord:
     # which a checkpoint saves as autograd saved tensors (the others it holds itself).
     positional_keys: set[Hashable] = field(default_factory=set)
     held_keys: set[Hashable] = field(default_factory=set)  # storages of the other inputs
+    # The plain floating-point tensors among its positional arguments, in order: (storage,
+    # elements, bytes per element); what ``partition_inputs`` splits.
+    float_positional: list[tuple[Hashable, int, int]] = field(default_factory=list)
     saves: list[SavedTensor] = field(default_factory=list)
     ops: list[RecordedOp] = field(default_factory=list)
     spans: list[RegionSpan] = field(default_factory=list)
@@ -254,6 +258,8 @@ class Recorder(TorchDispatchMode):
                 found = storage_of(t) if isinstance(t, torch.Tensor) else None
                 if found is not None:
                     record.positional_keys.add(found[0])
+                    if t.is_floating_point() and not is_wrapper_subclass(type(t)):
+                        record.float_positional.append((found[0], t.numel(), t.element_size()))
             nested = [a for a in args if not isinstance(a, torch.Tensor)]
             for t in tensors_of((nested, kwargs)):
                 found = storage_of(t)
@@ -313,6 +319,8 @@ class Recorder(TorchDispatchMode):
                 found = storage_of(t)
                 if found is not None:
                     span.outputs.append((found[0], found[1], t.requires_grad))
+                    if is_wrapper_subclass(type(t)):
+                        span.wrapped_outputs.add(found[0])
                     self.pinned.append(t)
             self.span = None
 

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from .planfile import Plan, load_plan
-from .policy import partitioner_context_fn, selective_context_fn
+from .policy import offload_policy, partitioner_context_fn, selective_context_fn
 
 
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -75,7 +75,12 @@ def _check_layer_counts(model: nn.Module, plan: Plan) -> None:
             )
 
 
-def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike[str]) -> nn.Module:
+def apply_plan(
+    model: nn.Module,
+    plan: Plan | dict[str, Any] | str | os.PathLike[str],
+    *,
+    partition_inputs: Any = None,
+) -> nn.Module:
     """Apply ``plan`` (a :class:`Plan`, its dict, or a JSON file path) to ``model`` in place.
 
     Layers with option ``full`` get ``recomp.torch.checkpoint_wrapper``; with
@@ -88,7 +93,13 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
     PyTorch's partitioner: compiled, the regions are never recomputed (compile the model
     with the plan's budget: :func:`recomp.plan.compile_with_plan`). ``full+swap-inputs``
     gives the ``checkpoint_wrapper`` ``swap_inputs=True``; ``swap`` gives the layer
-    ``recomp.torch.swap_wrapper`` (no checkpoint). Every checkpoint gets
+    ``recomp.torch.swap_wrapper`` (no checkpoint), and ``offload`` the same with
+    ``recomp.plan.policy.offload_policy`` (the storages of at least 1 MiB move);
+    ``exclude-offload:A+B`` is ``exclude:A+B`` with ``offload=True`` on the regions
+    (what they keep waits on the host); ``full+partition-inputs`` gives the
+    ``checkpoint_wrapper`` ``partition_inputs=`` the process group given here as
+    ``partition_inputs`` (the tensor-parallel group the plan was made for: required
+    when the plan has such a layer). Every checkpoint gets
     the plan's ``exclude_collectives`` (the profile's: True unless it was made with
     False), so it keeps the results of collectives as predicted, but those of
     ``full+replay-collectives`` (and ``...+exclude:A+B``), which get
@@ -109,6 +120,13 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
     )
 
     plan = load_plan(plan)
+    partitioned = [lp.path for lp in plan.layers if lp.partition_inputs]
+    if partitioned and partition_inputs is None:
+        raise ValueError(
+            f"the plan keeps the inputs of {_listed(partitioned)} split over the "
+            "tensor-parallel ranks (full+partition-inputs): give apply_plan(..., "
+            "partition_inputs=group), the tensor-parallel process group; nothing was wrapped"
+        )
     given = model
     # A torch.compile wrapper calls its original module: the plan's paths are the original's.
     model = _compat.compiled_original(model) or model
@@ -134,15 +152,19 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
         ]
         work.append((layer_plan.path, layer, regions))
     for (path, layer, regions), layer_plan in zip(work, plan.layers):
-        if layer_plan.swapped:
+        if layer_plan.swapped or layer_plan.offloaded:
             parent, name = _parent(model, path)
-            setattr(parent, name, swap_wrapper(layer))
+            policy = offload_policy if layer_plan.offloaded else None
+            setattr(parent, name, swap_wrapper(layer, policy_fn=policy))
             continue
         if not layer_plan.checkpointed:
             continue
         for region_path, region in regions:
             parent, name = _parent(layer, region_path)
-            setattr(parent, name, checkpoint_exclude_wrapper(region, name=f"{path}.{region_path}"))
+            wrapped = checkpoint_exclude_wrapper(
+                region, name=f"{path}.{region_path}", offload=layer_plan.offloads_regions
+            )
+            setattr(parent, name, wrapped)
         parent, name = _parent(model, path)
         keep = plan.exclude_collectives and not layer_plan.replays_collectives
         options: dict[str, Any] = {"exclude_collectives": keep}
@@ -152,6 +174,8 @@ def apply_plan(model: nn.Module, plan: Plan | dict[str, Any] | str | os.PathLike
             options["context_fn"] = partitioner_context_fn()
         elif layer_plan.swap_inputs:
             options["swap_inputs"] = True
+        elif layer_plan.partition_inputs:
+            options["partition_inputs"] = partition_inputs
         setattr(parent, name, checkpoint_wrapper(layer, **options))
     return given
 

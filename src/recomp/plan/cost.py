@@ -341,15 +341,23 @@ class OpCostModel:
         size = _group_size(func, args, kwargs)
         inputs = sum(_nbytes(t) for t in _tensors((args, kwargs)))
         outputs = sum(_nbytes(t) for t in _tensors(out))
-        share = (size - 1) / size if size > 1 else 0.0
-        sent = {
-            "gather": share * max(outputs, inputs * size),
-            "scatter": share * inputs,
-            "reduce": 2 * share * inputs,
-            "exchange": share * inputs,
-            "whole": float(inputs),
-        }[kind]
-        return sent / self.hardware.link_bandwidth
+        return sent_bytes(kind, size, inputs, outputs) / self.hardware.link_bandwidth
+
+
+def sent_bytes(kind: str, size: int, inputs: int, outputs: int) -> float:
+    """The bytes one rank of a group of ``size`` sends in a collective of ``kind``
+    (``"gather"``, ``"scatter"``, ``"reduce"``, ``"exchange"``, ``"whole"``; see the
+    module docstring) of ``inputs`` bytes in and ``outputs`` out: what the cost model
+    prices at the link's bandwidth, for the collectives a forward runs and for the
+    all-gathers of a partitioned checkpoint's inputs (``recomp.plan.profiler``)."""
+    share = (size - 1) / size if size > 1 else 0.0
+    return {
+        "gather": share * max(outputs, inputs * size),
+        "scatter": share * inputs,
+        "reduce": 2 * share * inputs,
+        "exchange": share * inputs,
+        "whole": float(inputs),
+    }[kind]
 
 
 def _tensors(tree: Any) -> list[Any]:

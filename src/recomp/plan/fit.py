@@ -32,18 +32,26 @@ from typing import Any
 from ..errors import BudgetTooSmallError
 from .budget import Budget, format_bytes, parse_budget
 from .job import JobMemory, OutsideLayers, Parallel, job_memory, replay_bytes, split_layers
-from .planfile import NO_CHECKPOINT, PER_LAYER, SWAP, Plan
-from .planner import Profile, make_plan
+from .planfile import NO_CHECKPOINT, PER_LAYER, Plan, checkpointed, moves_to_host
+from .planner import TIE_TOLERANCE, Profile, make_plan
 from .solver import minimum_bytes
 
-__all__ = ["UNIFORM", "FitReport", "NoPlan", "StrategyRow", "plan_per_rank", "will_it_fit"]
+__all__ = [
+    "UNIFORM",
+    "FitReport",
+    "NoPlan",
+    "StrategyRow",
+    "plan_per_rank",
+    "plan_summary",
+    "will_it_fit",
+]
 
 GiB = float(1 << 30)
 
 #: The uniform strategies shown beside the plan, where the profile has them.
 UNIFORM = (
     "none", "full", "full+replay-collectives", "selective", "exclude:self_attn", "exclude:mlp",
-    "full+swap-inputs", "swap",
+    "full+partition-inputs", "offload", "exclude-offload:self_attn", "full+swap-inputs", "swap",
 )  # fmt: skip
 
 # A plan made per rank is checked by the whole-job walk; a rank found over is planned
@@ -65,6 +73,7 @@ class StrategyRow:
     replay_s: float
     overhead: float | None  # replay time over the step without checkpointing
     fits: bool | None
+    host: int = 0  # host memory its swapped and offloaded activations take (not in total)
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,11 @@ def plan_per_rank(
     loss's backward on the rank of the last stage, a checkpointed layer's replay),
     divided by the micro-batches its schedule holds at once; of the bytes kept outside
     the layers, the first stage's and the last stage's count where they are held
-    (:class:`recomp.plan.job.OutsideLayers`). The plan is then counted by
+    (:class:`recomp.plan.job.OutsideLayers`). A simulated profile's times are the cost
+    model's, without noise: each rank's plan is the fastest that fits (no tie
+    tolerance); a measured one's plans within ``1 / ranks`` of ``make_plan``'s tie
+    tolerance of the step are ties, so that the whole plan is within that tolerance of
+    the fastest. The plan is then counted by
     :func:`recomp.plan.job.job_memory`, and a rank it finds over the budget is planned
     again with that much less. Returns the plan, or None and why (:class:`NoPlan`)."""
     parsed = parse_budget(budget)
@@ -173,7 +186,11 @@ def plan_per_rank(
         for rank_index, rp in parts.items():
             room = rooms[rank_index]
             try:
-                stage_plan = make_plan(rp.profile, Budget(text=format_bytes(room), nbytes=room))
+                stage_plan = make_plan(
+                    rp.profile,
+                    Budget(text=format_bytes(room), nbytes=room),
+                    tie_tolerance=0.0 if profile.timing else TIE_TOLERANCE / len(parts),
+                )
             except BudgetTooSmallError as exc:
                 least = exc.minimum_bytes * rp.held + rp.transient
                 return None, rp.no_plan(rank_index, budget_bytes, least, pipeline)
@@ -217,7 +234,7 @@ class _RankPart:
 def _least_checkpointed(profile: Profile, index: int) -> int:
     """The least a checkpointed option of layer ``index`` keeps (its largest replay)."""
     layer = profile.layers[index]
-    kept = [o.kept_bytes for o in layer.options if o.name not in (NO_CHECKPOINT, SWAP)]
+    kept = [o.kept_bytes for o in layer.options if checkpointed(o.name)]
     return min(kept, default=layer.no_checkpoint_bytes)
 
 
@@ -358,10 +375,16 @@ def will_it_fit(
             jobs[strategy] = job
             options = [lp.option for lp in plan.layers]
             rows.extend(_rows(strategy, profile.predict(options), profile, job))
+            notes.append(f"{strategy}: {plan_summary(plan)}")
             notes.extend(n for n in job.notes if n not in notes)
         else:
             assert no_plan is not None
-            notes.append(no_plan.describe() + "; " + _levers(no_plan, profile, parallel, batch, seq))
+            offload = None
+            if profile.host_bandwidth is None and no_plan.least_bytes is not None:
+                offload = _offload_lever(simulated, spec, params, parallel, budget, common,
+                                         exclude_collectives)  # fmt: skip
+            levers = _levers(no_plan, profile, parallel, batch, seq, offload)
+            notes.append(no_plan.describe() + "; " + levers)
     notes.append(
         f"step without checkpointing (modelled): {profile.baseline_step_s * 1e3:.1f} ms; "
         + profile.timing
@@ -382,6 +405,24 @@ def will_it_fit(
         no_plan,
         notes,
     )
+
+
+def plan_summary(plan: Plan, runs: int = 6) -> str:
+    """What a plan gives the layers, by layer index: ``layers 0-39 full, 40-79
+    offload``, or where the options change more than ``runs`` times, how many layers
+    take each (``full x 40, offload x 40``)."""
+    options = [lp.option for lp in plan.layers]
+    spans: list[tuple[int, int, str]] = []
+    for index, option in enumerate(options):
+        if spans and spans[-1][2] == option:
+            spans[-1] = (spans[-1][0], index, option)
+        else:
+            spans.append((index, index, option))
+    if len(spans) <= runs:
+        parts = [f"{a}-{b} {o}" if a != b else f"{a} {o}" for a, b, o in spans]
+        return "layers " + ", ".join(parts)
+    counts = {o: options.count(o) for o in dict.fromkeys(options)}
+    return ", ".join(f"{o} x {n}" for o, n in counts.items()) + " (layers apart)"
 
 
 def _torch_dtype(dtype: Any) -> Any:
@@ -407,8 +448,43 @@ def _device_budget(given: str | int | Budget | None, accelerator: int | None) ->
     return parsed
 
 
-def _levers(no_plan: NoPlan, profile: Profile, parallel: Parallel, batch: int, seq: int) -> str:
-    """What would make room, of what the layout and the profile leave untried."""
+def _offload_lever(
+    simulated: Any,
+    spec: Any,
+    params: Any,
+    parallel: Parallel,
+    budget: Budget,
+    common: dict[str, Any],
+    exclude_collectives: bool | str,
+) -> str | None:
+    """Where the accelerator has no host link (so no option held activations on the
+    host): whether, with one (PCIe 5 x16), the plan made per rank fits; the lever then,
+    else None."""
+    from .cost import GEN5_X16
+
+    linked = replace(spec, host_bandwidth=GEN5_X16)
+    profile = simulated.simulate(hardware=linked, exclude_collectives=exclude_collectives)
+    plan, _ = plan_per_rank(profile, params, parallel, budget, **common)
+    if plan is None:
+        return None
+    moved = sum(1 for lp in plan.layers if moves_to_host(lp.option))
+    return (
+        f"offloading activations to the host: with a host link of {GEN5_X16 / 1e9:g} GB/s "
+        f"each way (PCIe 5 x16; the accelerator's host_bandwidth) a plan fits, {moved} of "
+        f"its {len(plan.layers)} layers holding activations on the host"
+    )
+
+
+def _levers(
+    no_plan: NoPlan,
+    profile: Profile,
+    parallel: Parallel,
+    batch: int,
+    seq: int,
+    offload: str | None = None,
+) -> str:
+    """What would make room, of what the layout and the profile leave untried
+    (``offload``: the offload lever, where a host link would make a rank fit)."""
     levers = []
     if no_plan.least_bytes is not None:
         kept = max(
@@ -440,12 +516,8 @@ def _levers(no_plan: NoPlan, profile: Profile, parallel: Parallel, batch: int, s
                 f"context parallelism (cp={2 * parallel.cp}: {seq // (2 * parallel.cp)} tokens "
                 f"of each sequence per rank) or shorter sequences than {seq}"
             )
-        swap_offered = any(o.name == SWAP for o in profile.layers[0].options)
-        if not swap_offered:
-            levers.append(
-                "offloading activations to the host (the swap options, offered for an "
-                "accelerator with a host_bandwidth)"
-            )
+    if offload is not None:
+        levers.append(offload)
     if not levers:
         return "nothing in this layout is left to trade"
     return "what would make room: " + "; ".join(levers)
@@ -466,6 +538,7 @@ def _rows(strategy: str, predicted: dict[str, Any], profile: Profile, job: JobMe
             float(predicted["replay_s"]),
             overhead,
             None if job.budget_bytes is None else r.total <= job.budget_bytes,
+            int(r.host),
         )
         for r in job.ranks
     ]

@@ -549,6 +549,9 @@ class LayerActivation:
     # What its replay re-creates for a while during its own backward, beyond what it
     # keeps (a checkpointed layer's saved tensors, recomputed: 0 without checkpoint).
     replay_bytes: int = 0
+    # What it holds in the host's memory from its forward to its backward (the swap and
+    # offload options), beside ``kept_bytes`` on the device.
+    host_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -664,7 +667,8 @@ def layer_activations(
             weight = max(kept, layer.no_checkpoint_bytes)
             bounded.append(layer.path)
         replay = 0 if name == NO_CHECKPOINT else replay_bytes(layer, kept)
-        out.append(LayerActivation(layer.path, name, kept, weight, replay))
+        host = int(getattr(layer.options[index], "host_bytes", 0) or 0)
+        out.append(LayerActivation(layer.path, name, kept, weight, replay, host))
     if bounded:
         notes.append(
             f"{len(bounded)} checkpointed layer(s) without a weight-input figure: between "
@@ -776,6 +780,9 @@ class RankMemory:
     activations: int
     peak: StagePeak | None
     param_elements: int
+    # Host memory the swapped and offloaded activations take at the step's highest point
+    # for them (the micro-batches in flight then): beside ``total``, not in it.
+    host: int = 0
 
     @property
     def total(self) -> int:
@@ -834,6 +841,7 @@ class JobMemory:
                     "saved": r.saved,
                     "transient": r.transient,
                     "total": r.total,
+                    "host": r.host,
                     "param_elements": r.param_elements,
                     "peak_step": None if r.peak is None else r.peak.action,
                     "peak_microbatches": None if r.peak is None else r.peak.microbatches,
@@ -848,8 +856,9 @@ class JobMemory:
         """Per pipeline rank: GiB (MiB below 1 GiB) of parameters, gradients, optimizer states, gathered
         parameters (ZeRO-3), activations at the peak, the total, and whether it fits."""
         unit, scale = ("GiB", GiB) if self.peak_bytes >= GiB else ("MiB", float(1 << 20))
+        host = any(r.host for r in self.ranks)
         header = ["pp rank", "stages", "params", "grads", "optimizer", "gathered",
-                  "activations", f"total {unit}", "peak at", "fits"]
+                  "activations", f"total {unit}", *(["host"] if host else []), "peak at", "fits"]
         rows = []
         for r in self.ranks:
             fits = "" if self.budget_bytes is None else ("yes" if r.total <= self.budget_bytes else "NO")
@@ -857,14 +866,15 @@ class JobMemory:
             rows.append(
                 [str(r.rank), ",".join(map(str, r.stages))]
                 + [f"{v / scale:.2f}" for v in (r.params, r.grads, r.optimizer, r.gathered,
-                                                r.activations, r.total)]
+                                                r.activations, r.total, *([r.host] if host else []))]
                 + [at, fits]
             )
         widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+        numbers = 8 if host else 7
 
         def line(cells: list[str]) -> str:
             return "  ".join(
-                c.rjust(w) if 2 <= i <= 7 else c.ljust(w)
+                c.rjust(w) if 2 <= i <= numbers else c.ljust(w)
                 for i, (c, w) in enumerate(zip(cells, widths))
             ).rstrip()
 
@@ -878,6 +888,11 @@ class JobMemory:
             f"{self.parallel.describe()}; {self.precision.describe()}; schedule "
             f"{self.schedule}, {self.microbatches} micro-batches{budget}"
         )
+        if host:
+            lines.append(
+                "host: the host memory the swapped and offloaded activations take at that "
+                "rank's highest point for them, beside the device's total"
+            )
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -984,11 +999,15 @@ def job_memory(
             )
     stage_bytes: dict[int, tuple[int, int]] = {s: (0, 0) for s in range(num_stages)}
     transient: dict[int, tuple[int, int]] = {s: (0, 0) for s in range(num_stages)}
+    # On the host, per stage and micro-batch: from the forward to the backward (the copies
+    # are back on the device by a split backward's input-gradient pass).
+    stage_host: dict[int, tuple[int, int]] = {s: (0, 0) for s in range(num_stages)}
     if per_layer is not None:
         last = num_stages - 1
         for act, stage in zip(per_layer, layer_stage):
             kept, weight = stage_bytes[stage]
             stage_bytes[stage] = (kept + act.kept_bytes, weight + act.weight_bytes)
+            stage_host[stage] = (stage_host[stage][0] + act.host_bytes, 0)
             replay = max(transient[stage][1], act.replay_bytes)
             transient[stage] = (replay, replay)
         for stage in range(num_stages):
@@ -1001,6 +1020,9 @@ def job_memory(
         transient[last] = (max(replay, outside.loss_backward), replay)
         notes.extend(outside.notes())
     peaks = walk_schedule(actions, stage_bytes, transient) if per_layer is not None else {}
+    host_peaks = {}
+    if per_layer is not None and any(act.host_bytes for act in per_layer):
+        host_peaks = walk_schedule(actions, stage_host)
 
     # Parameters per pipeline rank.
     per = prec.per_element()
@@ -1032,10 +1054,12 @@ def job_memory(
             biggest = sorted(layer_gathered.values(), reverse=True)[:gathered_layers]
             gathered = sum(biggest) * per["gathered"]
         peak = peaks.get(rank)
+        host_peak = host_peaks.get(rank)
         ranks.append(
             RankMemory(
                 rank, stages, params_b, grads_b, opt_b, gathered,
                 0 if peak is None else peak.peak_bytes, peak, elements,
+                0 if host_peak is None else host_peak.peak_bytes,
             )
         )
     notes[:0] = _basis(parallel, prec, padding, any(t.kind == "expert" for t in model.tensors))

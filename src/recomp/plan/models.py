@@ -423,7 +423,9 @@ class SimulatedModel:
         """The profile of one micro-batch on one rank of the full model:
         ``recomp.plan.simulate`` of this model over its ranks, with each layer's attention
         and MLP (or mixture-of-experts block) as the candidate regions
-        (:func:`candidate_regions`), scaled to the full depth (:meth:`scale_profile`).
+        (:func:`candidate_regions`), scaled to the full depth (:meth:`scale_profile`);
+        ``full+partition-inputs`` offered over the tensor-parallel group where the
+        layout allows it (:attr:`partition_group`).
         ``hardware``, ``exclude_collectives`` and ``swap`` as for ``simulate``."""
         from .simulation import simulate
 
@@ -436,8 +438,17 @@ class SimulatedModel:
             exclude_collectives=exclude_collectives,
             hardware=hardware,
             swap=swap,
+            partition_inputs=self.partition_group,
         )
         return self.scale_profile(profile)
+
+    @property
+    def partition_group(self) -> int | None:
+        """The tensor-parallel ranks a checkpoint's inputs may be split over
+        (``full+partition-inputs``): ``tp`` where every tensor-parallel rank holds the
+        same layer inputs (no sequence parallelism, which splits them already); else
+        None."""
+        return self.tp if self.tp > 1 and not self.sp else None
 
     def meta_model(self) -> nn.Module:
         """The whole model (every layer, unparallelised) on the meta device: shapes only,
@@ -574,13 +585,17 @@ class SimulatedModel:
             + ", ".join(f"{p.path} x{c}" for p, c in zip(profile.layers, counts))
             + "; the step without checkpointing grows by 3x the added layers' forward"
         )
-        return replace(
+        scaled = replace(
             profile,
             layers=layers,
             baseline_step_s=profile.baseline_step_s + added_s,
             notes=[*profile.notes, note],
             layout=self.layout,
         )
+        # The copies of a repeated layer overlap the layer after it: only the model's
+        # last layer has none (the simulated last layer was priced as that one).
+        scaled.retime_host_copies()
+        return scaled
 
 
 def candidate_regions(module: nn.Module) -> bool:

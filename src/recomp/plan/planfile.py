@@ -14,10 +14,15 @@
 layer excluded from the replay), ``selective`` (checkpointed, the outputs of its
 expensive ops kept: ``recomp.plan.policy``), ``selective+exclude:A+B`` (both),
 ``full+swap-inputs`` (checkpointed, its saved inputs on the host until the replay),
-``swap`` (not checkpointed, what it saves on the host until backward), or
+``swap`` (not checkpointed, what it saves on the host until backward), ``offload`` (not
+checkpointed, what it saves of at least 1 MiB per storage on the host until backward),
+``exclude-offload:A+B`` (``exclude:A+B`` with what ``A`` and ``B`` keep on the host),
+``full+partition-inputs`` (checkpointed, its saved inputs kept split over the
+tensor-parallel group until the replay gathers them), or
 ``full+replay-collectives`` and ``full+replay-collectives+exclude:A+B`` (``full`` and
 ``exclude:A+B`` whose replay runs the collectives again instead of keeping their
-results: ``exclude_collectives=False`` for that layer).
+results: ``exclude_collectives=False`` for that layer). The names are those of
+``recomp bench``'s strategies (``recomp.cli.strategies``).
 ``predicted_ms`` is the replay time of the layer. ``near_ties``: per layer, the options
 it could have taken in a plan that fits and is predicted as fast within the tolerance
 (the choice a tie-break made). ``exclude_collectives``: the option every checkpoint
@@ -39,6 +44,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .._offload_session import MIN_OFFLOAD_BYTES
 from ..errors import PlanFormatError
 
 PLAN_VERSION = 2
@@ -57,6 +63,20 @@ SELECTIVE_PREFIX = "selective+"
 # (``swap_wrapper``).
 FULL_SWAP_INPUTS = "full+swap-inputs"
 SWAP = "swap"
+# Offload options (offered where the device has a host link), which move what the
+# offloader and offload sessions move: storages of at least ``OFFLOAD_MIN_BYTES``
+# (``recomp.torch``'s ``Offloader(min_bytes=...)`` and ``offload_session(min_bytes=...)``
+# default). ``offload``: no checkpoint, what autograd saves in the layer of that size on
+# the host until backward (``swap_wrapper`` with that size as its policy);
+# ``exclude-offload:A+B``: ``exclude:A+B`` whose regions keep what they keep on the host
+# (``checkpoint_exclude_wrapper(..., offload=True)``).
+OFFLOAD = "offload"
+EXCLUDE_OFFLOAD_PREFIX = "exclude-offload:"
+OFFLOAD_MIN_BYTES = MIN_OFFLOAD_BYTES
+# A full checkpoint whose saved inputs are kept as this rank's slice over the
+# tensor-parallel group and gathered in the replay (``checkpoint_wrapper(...,
+# partition_inputs=group)``; offered where the layout has tensor parallelism).
+PARTITION_INPUTS = "full+partition-inputs"
 # A checkpoint whose replay runs its collectives again instead of keeping their results
 # (``exclude_collectives=False`` for that layer alone): ``full+replay-collectives`` and
 # ``full+replay-collectives+exclude:A+B``.
@@ -93,7 +113,7 @@ class LayerPlan:
         """Whether the layer gets a checkpoint wrapper (a compiled plan's layer only when
         it keeps regions whole: the wrapper carries their mark)."""
         kind, regions = parse_option(self.option)
-        return kind not in (NO_CHECKPOINT, SWAP) and (kind != PARTITIONER or bool(regions))
+        return checkpointed(self.option) and (kind != PARTITIONER or bool(regions))
 
     @property
     def partitioner(self) -> bool:
@@ -109,6 +129,23 @@ class LayerPlan:
     def swapped(self) -> bool:
         """Whether the layer is not checkpointed and swaps what it saves (``swap``)."""
         return self.option == SWAP
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the layer is not checkpointed and offloads what it saves (``offload``)."""
+        return self.option == OFFLOAD
+
+    @property
+    def offloads_regions(self) -> bool:
+        """Whether the excluded regions keep what they keep on the host
+        (``exclude-offload:A+B``)."""
+        return self.option.startswith(EXCLUDE_OFFLOAD_PREFIX)
+
+    @property
+    def partition_inputs(self) -> bool:
+        """Whether the checkpoint keeps its saved inputs split over the tensor-parallel
+        group (``full+partition-inputs``)."""
+        return self.option == PARTITION_INPUTS
 
     @property
     def selective(self) -> bool:
@@ -239,8 +276,14 @@ def parse_option(option: str) -> tuple[str, tuple[str, ...]]:
     ``("exclude", ("attn",))``: the checkpoint and its exclusions (``is_selective`` tells
     whether expensive ops' outputs are kept too)."""
     rest = option
-    if option in (SELECTIVE, FULL_SWAP_INPUTS, REPLAY_COLLECTIVES):
+    if option in (SELECTIVE, FULL_SWAP_INPUTS, REPLAY_COLLECTIVES, PARTITION_INPUTS):
         return FULL_CHECKPOINT, ()
+    if option == OFFLOAD:
+        return OFFLOAD, ()
+    if option.startswith(EXCLUDE_OFFLOAD_PREFIX):
+        offloaded = parse_option(EXCLUDE_PREFIX + option[len(EXCLUDE_OFFLOAD_PREFIX) :])
+        if offloaded[0] == "exclude":
+            return offloaded
     if option.startswith(REPLAY_COLLECTIVES + "+"):
         replayed = parse_option(option[len(REPLAY_COLLECTIVES) + 1 :])
         if replayed[0] == "exclude" and not is_selective(option[len(REPLAY_COLLECTIVES) + 1 :]):
@@ -264,10 +307,33 @@ def parse_option(option: str) -> tuple[str, tuple[str, ...]]:
     raise PlanFormatError(
         f"unknown layer option {option!r}: use none, full, exclude:PATH[+PATH...] "
         "(sub-module paths inside the layer), selective or selective+exclude:PATH[+PATH...], "
-        f"{FULL_SWAP_INPUTS}, {SWAP}, {REPLAY_COLLECTIVES} or "
+        f"{FULL_SWAP_INPUTS}, {SWAP}, {OFFLOAD}, exclude-offload:PATH[+PATH...], "
+        f"{PARTITION_INPUTS}, {REPLAY_COLLECTIVES} or "
         f"{REPLAY_COLLECTIVES}+exclude:PATH[+PATH...]; "
         "in a plan for a compiled model partitioner or partitioner+exclude:PATH[+PATH...]"
     )
+
+
+def checkpointed(option: str) -> bool:
+    """Whether ``option`` puts a checkpoint around the layer (all but ``none``, ``swap``
+    and ``offload``; a compiled plan's ``partitioner`` too, which leaves the choice to
+    PyTorch's partitioner)."""
+    return parse_option(option)[0] not in (NO_CHECKPOINT, SWAP, OFFLOAD)
+
+
+def moves_to_host(option: str) -> bool:
+    """Whether ``option`` holds some of what the layer keeps on the host between its
+    forward and its backward (the swap and offload options)."""
+    return option in (SWAP, FULL_SWAP_INPUTS, OFFLOAD) or option.startswith(
+        EXCLUDE_OFFLOAD_PREFIX
+    )
+
+
+def exclude_offload_option(regions: tuple[str, ...] | list[str]) -> str:
+    """The option that excludes ``regions`` with what they keep on the host."""
+    if not regions:
+        raise ValueError("exclude-offload names at least one region")
+    return EXCLUDE_OFFLOAD_PREFIX + "+".join(regions)
 
 
 def is_selective(option: str) -> bool:

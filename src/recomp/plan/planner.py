@@ -26,10 +26,13 @@ from .planfile import (
     FULL_CHECKPOINT,
     FULL_SWAP_INPUTS,
     NO_CHECKPOINT,
+    OFFLOAD,
+    PARTITION_INPUTS,
     SWAP,
     LayerPlan,
     Plan,
     is_selective,
+    moves_to_host,
     parse_option,
     replays_collectives,
 )
@@ -37,14 +40,37 @@ from .solver import Choice, LayerOptions, Option, evaluate, minimum_bytes, solve
 
 MiB = float(1 << 20)
 
+# The host options' time model (the swap and offload options): the copy of a layer's
+# tensors to the host runs beside the next layer's forward, the copy back beside the next
+# layer's backward (its gradient reads bring the layer before back ahead: the swap
+# manager's default pairing, and the offloader's for excluded regions), taken as this
+# many of its forwards. Only what a copy takes beyond that compute shows in the step.
+BACKWARD_PER_FORWARD = 2.0
+
+
+def host_copy_seconds(
+    out_bytes: int, back_bytes: int, host_bandwidth: float, next_forward_s: float
+) -> float:
+    """Seconds of the step a layer's copies of ``out_bytes`` to the host and
+    ``back_bytes`` back add, the next layer's forward taking ``next_forward_s`` (0 for
+    the last layer): ``max(0, out / bandwidth - next forward) + max(0, back / bandwidth
+    - BACKWARD_PER_FORWARD x next forward)``."""
+    return max(0.0, out_bytes / host_bandwidth - next_forward_s) + max(
+        0.0, back_bytes / host_bandwidth - BACKWARD_PER_FORWARD * next_forward_s
+    )
+
 
 class OptionSlot(IntEnum):
     """Where the options sit in every ``LayerProfile.options`` list, and so in the
     solver's choices and in ``pair_bytes``: no checkpoint first, then full checkpoint,
     then the exclusions (from ``EXCLUSIONS`` on), then the selective options (the
     checkpoint keeps its expensive ops' outputs: ``selective``, then
-    ``selective+exclude:...`` in the order of the exclusions), and last, where the
-    device has a host link, the swap options (``full+swap-inputs``, then ``swap``)."""
+    ``selective+exclude:...`` in the order of the exclusions); then, where the layout
+    has tensor parallelism, ``full+partition-inputs``; where the device has a host link,
+    ``offload`` and ``exclude-offload:...`` (in the order of the exclusions; each where
+    it moves something), then the swap options (``full+swap-inputs``, then ``swap``);
+    last, where the layers issue collectives and the plan chooses per layer, the
+    checkpoints that run them again (``full+replay-collectives``, ...)."""
 
     NONE = 0
     FULL = 1
@@ -72,8 +98,11 @@ class OptionProfile:
     ``region_saved_bytes``: per excluded region, what recomp's counter will report.
     ``collective_bytes``: the part of ``kept_bytes`` that holds results of collectives,
     which the checkpoint keeps so that its replay does not communicate. ``swap_bytes``:
-    what a swap option moves to the host each way (``replay_s`` includes ``swap_s``, the
-    part of those copies the compute around them does not hide)."""
+    what a swap or offload option copies to the host, ``host_bytes`` what it holds there
+    until backward and copies back (``replay_s`` includes ``swap_s``, the part of those
+    copies the compute around them does not hide). ``gather_bytes``: this rank's slices
+    of the inputs a partitioned checkpoint gathers in its replay (``replay_s`` includes
+    ``gather_s``, their all-gathers over the link)."""
 
     name: str
     kept_bytes: int
@@ -81,10 +110,17 @@ class OptionProfile:
     replay_flops: int
     region_saved_bytes: dict[str, int] = field(default_factory=dict)
     collective_bytes: int = 0
-    # The swap options: bytes moved to the host after the forward and back for backward,
-    # and the seconds of ``replay_s`` the copies add (what compute does not hide).
+    # The swap and offload options: bytes copied to the host in the forward
+    # (``swap_bytes``), of which ``host_bytes`` are held there until backward and copied
+    # back (an excluded region's output that no replay reads is dropped instead), and the
+    # seconds of ``replay_s`` the copies add (what compute does not hide).
     swap_bytes: int = 0
     swap_s: float = 0.0
+    host_bytes: int = 0
+    # ``full+partition-inputs``: the bytes of this rank's slices of the inputs its replay
+    # all-gathers, and the seconds of ``replay_s`` the gathers take.
+    gather_bytes: int = 0
+    gather_s: float = 0.0
 
 
 @dataclass
@@ -150,6 +186,26 @@ class Profile:
     # The parallel layout the profile was made under, where known (a simulated published
     # model's: tp, sp, cp, loss_parallel); ``recomp.plan.job`` checks it against the job's.
     layout: dict[str, Any] = field(default_factory=dict)
+    # The host link the swap and offload options' copies were priced at (bytes/s each
+    # way), None where they are not offered.
+    host_bandwidth: float | None = None
+
+    def retime_host_copies(self) -> None:
+        """Price every swap and offload option's copies (``swap_s``, part of
+        ``replay_s``) at ``host_bandwidth`` against the next layer's forward
+        (:func:`host_copy_seconds`): after the layers are known, and again when they
+        change (a simulated profile scaled to the model's depth)."""
+        if self.host_bandwidth is None:
+            return
+        for index, layer in enumerate(self.layers):
+            after = self.layers[index + 1].forward_s if index + 1 < len(self.layers) else 0.0
+            for option in layer.options:
+                if option.swap_bytes:
+                    seconds = host_copy_seconds(
+                        option.swap_bytes, option.host_bytes, self.host_bandwidth, after
+                    )
+                    option.replay_s += seconds - option.swap_s
+                    option.swap_s = seconds
 
     # -- the solver's view ----------------------------------------------------
 
@@ -199,7 +255,11 @@ class Profile:
         for layer in data["layers"]:
             layer = dict(layer)
             layer["regions"] = [RegionProfile(**r) for r in layer["regions"]]
-            layer["options"] = [OptionProfile(**o) for o in layer["options"]]
+            # Profiles written before host_bytes: a swap option held what it moved.
+            layer["options"] = [
+                OptionProfile(**{"host_bytes": o.get("swap_bytes", 0), **o})
+                for o in layer["options"]
+            ]
             layers.append(LayerProfile(**layer))
         return cls(**{**data, "layers": layers})
 
@@ -327,12 +387,29 @@ def explain(layer: LayerProfile, option: OptionProfile) -> str:
     more = format_bytes(option.kept_bytes - full.kept_bytes)
     saved_ms = (full.replay_s - option.replay_s) * 1e3
     kind, regions = parse_option(option.name)
-    if option.name in (SWAP, FULL_SWAP_INPUTS):
-        what = "swap, no checkpoint" if option.name == SWAP else "checkpoint, inputs on the host"
+    if moves_to_host(option.name):
+        what = {
+            SWAP: "swap, no checkpoint",
+            FULL_SWAP_INPUTS: "checkpoint, inputs on the host",
+            OFFLOAD: "offload, no checkpoint",
+        }.get(option.name, f"exclude {'+'.join(regions)}, what it keeps on the host")
+        moved = f"moves {format_bytes(option.swap_bytes)} to the host"
+        moved += (
+            " and back"
+            if option.host_bytes == option.swap_bytes
+            else f", {format_bytes(option.host_bytes)} back"
+        )
         return (
-            f"{what}: moves {format_bytes(option.swap_bytes)} to the host and back "
-            f"({option.swap_s * 1e3:.1f} ms of it not hidden by compute), keeps "
-            f"{format_bytes(option.kept_bytes)}, replays {(option.replay_s - option.swap_s) * 1e3:.1f} ms"
+            f"{what}: {moved} ({option.swap_s * 1e3:.1f} ms of it not hidden by compute), "
+            f"keeps {format_bytes(option.kept_bytes)}, replays "
+            f"{(option.replay_s - option.swap_s) * 1e3:.1f} ms"
+        )
+    if option.name == PARTITION_INPUTS:
+        return (
+            f"checkpoint, inputs split over the tensor-parallel ranks: keeps "
+            f"{format_bytes(option.kept_bytes)} ({format_bytes(full.kept_bytes - option.kept_bytes)}"
+            f" less than full), gathers {format_bytes(option.gather_bytes)} of slices in the "
+            f"replay ({option.gather_s * 1e3:.1f} ms), replays {option.replay_s * 1e3:.1f} ms"
         )
     if replays_collectives(option.name):
         what = "checkpoint" + (f", exclude {'+'.join(regions)}" if regions else "")

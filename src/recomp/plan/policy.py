@@ -8,6 +8,8 @@ list of ops to save), handed to ``recomp.torch.checkpoint_wrapper`` as ``context
 recomp composes it with its own contexts, and its excluded regions stay invisible to it,
 so ``selective+exclude:attn`` keeps attention whole and the expensive outputs of the rest.
 Under ``torch.compile`` the same list marks the saved nodes for the partitioner.
+
+Also here: the policy of the ``offload`` option (which saved tensors go to the host).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch.utils.checkpoint as tuc
 
 from ..torch import _compat
+from .planfile import OFFLOAD_MIN_BYTES
 
 EXPENSIVE_OPS = (
     "aten::mm",
@@ -65,3 +68,14 @@ def partitioner_context_fn() -> Callable[[], tuple[Any, Any]]:
     regions' ops ``MUST_SAVE``. The checkpoint is there only to carry that mark; run
     eagerly, such a layer saves what it would save without a checkpoint."""
     return functools.partial(tuc.create_selective_checkpoint_contexts, _partitioner_decides)
+
+
+def offload_policy(tensor: Any) -> Any:
+    """``swap_wrapper``'s ``policy_fn`` for the planner's ``offload`` option: a saved
+    tensor goes to the host when its storage holds at least ``OFFLOAD_MIN_BYTES`` (the
+    offloader's and offload sessions' threshold), else it stays on the device."""
+    from recomp.torch import CheckpointPolicy
+
+    if tensor.untyped_storage().nbytes() >= OFFLOAD_MIN_BYTES:
+        return CheckpointPolicy.MUST_SWAP
+    return CheckpointPolicy.MUST_SAVE

@@ -28,7 +28,14 @@ replay runs, following the rules recomp and ``torch.utils.checkpoint`` apply:
   the full checkpoint keeps less its positional tensor inputs, ``swap`` what the layer
   saves less what moves; what moves is every saved plain-tensor storage that is
   neither a parameter's nor the layer output's (``_analysis.analyse_swap_options``),
-  and its copies cost what the next layer's compute does not hide;
+  and its copies cost what the next layer's compute does not hide; the offload
+  options, by the offloader's rule (storages of at least 1 MiB): ``offload`` as
+  ``swap``, ``exclude-offload:...`` an exclusion whose regions keep what they keep on
+  the host (``_analysis.analyse_region_offload``);
+* under tensor parallelism (``simulate(..., partition_inputs=tp)``),
+  ``full+partition-inputs``: the full checkpoint keeping this rank's slice of each
+  floating-point positional input, its replay paying one all-gather per input
+  (``_analysis.analyse_partition``);
 * the replay runs the layer's ops that come before the checkpoint's last saved tensor
   (early stop), except those inside excluded regions; its time is the ops' share of the
   layer's measured forward time.
@@ -63,13 +70,28 @@ from torch import nn
 from .._rng_trackers import capture_tracker_states
 from ..torch import _compat
 from ..torch._backend import BACKEND
-from ._analysis import OptionAnalysis, analyse_option, analyse_swap_options, split_storages
+from ._analysis import (
+    OptionAnalysis,
+    analyse_option,
+    analyse_partition,
+    analyse_region_offload,
+    analyse_swap_options,
+    split_storages,
+)
 from ._layers import LayerSpec, find_layers
 from ._options import find_candidates, layer_option_sets
 from ._recording import LayerRecord, OpCost, Recorder, storage_of
 from ._timing import ModuleTimer, average_alike_layers, checkpoint_overheads, retime_ops, sync
+from .cost import sent_bytes
 from .modelcall import call_model, default_loss, fresh_inputs, tensors_of
-from .planfile import PER_LAYER, SWAP, exclude_option, replay_collectives_option
+from .planfile import (
+    EXCLUDE_PREFIX,
+    OFFLOAD_MIN_BYTES,
+    PER_LAYER,
+    checkpointed,
+    exclude_option,
+    replay_collectives_option,
+)
 from .planner import LayerProfile, OptionProfile, OptionSlot, Profile, RegionProfile
 
 __all__ = ["find_candidates", "find_layers", "profile"]
@@ -116,10 +138,10 @@ def profile(
     the collectives run again: the plan chooses per layer.
     Collectives run only under a process group: in a distributed job call ``profile`` on
     every rank, where the model runs parallelised; each rank profiles its own share.
-    ``swap``: offer the swap options (``full+swap-inputs``, ``swap``) where the device
-    has a host link: on CUDA, whose host bandwidth one timed pinned copy each way
-    measures; on the CPU there is no host to swap to and the profile notes it. False:
-    never.
+    ``swap``: offer the options that hold activations on the host (``offload``,
+    ``exclude-offload:...``, ``full+swap-inputs``, ``swap``) where the device has a host
+    link: on CUDA, whose host bandwidth one timed pinned copy each way measures; on the
+    CPU there is no host to swap to and the profile notes it. False: never.
 
     The model is not changed: the profile runs on a deep copy, and the random number
     generators are restored afterwards.
@@ -324,11 +346,15 @@ def build_profile(
     notes: list[str] | None = None,
     timing: str = "",
     host_bandwidth: float | None = None,
+    partition: tuple[int, float] | None = None,
 ) -> Profile:
     """The profile from one recorded forward: what every option of every layer keeps
-    and replays, each storage counted once, with the times in ``times``. With
-    ``host_bandwidth`` (bytes/s each way between the device and the host) every layer
-    also gets the swap options (``full+swap-inputs``, ``swap``) after the others."""
+    and replays, each storage counted once, with the times in ``times``. After those
+    options, where they apply: with ``partition`` (the tensor-parallel group's size and
+    the link's bytes/s each way) ``full+partition-inputs``; with ``host_bandwidth``
+    (bytes/s each way between the device and the host) ``offload``, the
+    ``exclude-offload:...`` options and the swap options (``full+swap-inputs``,
+    ``swap``)."""
     recorder = recording.recorder
     keep = exclude_collectives is not False
     analysed = [
@@ -340,13 +366,23 @@ def build_profile(
         ]
         for index, record in enumerate(recorder.layers)
     ]
-    if host_bandwidth is not None:
-        for options, record in zip(analysed, recorder.layers):
-            options.extend(
-                analyse_swap_options(
-                    record, options[OptionSlot.FULL], recording.preexisting, recording.parameters
-                )
+    for options, record in zip(analysed, recorder.layers):
+        full = options[OptionSlot.FULL]
+        more: list[OptionAnalysis | None] = []
+        if partition is not None:
+            more.append(analyse_partition(record, full, partition[0]))
+        if host_bandwidth is not None:
+            full_swap_inputs, swap, *offload = analyse_swap_options(
+                record, full, recording.preexisting, recording.parameters, OFFLOAD_MIN_BYTES
             )
+            more.extend(offload)
+            more.extend(
+                analyse_region_offload(record, o, OFFLOAD_MIN_BYTES)
+                for o in options
+                if o.name.startswith(EXCLUDE_PREFIX)
+            )
+            more.extend([full_swap_inputs, swap])
+        options.extend(o for o in more if o is not None)
     if exclude_collectives == PER_LAYER and _collectives(recorder.layers):
         # The same checkpoints with their collectives run again in the replay.
         for index, (options, record) in enumerate(zip(analysed, recorder.layers)):
@@ -375,7 +411,7 @@ def build_profile(
                 private[index],
                 _replay_scale(record, times.forward_s[path]),
                 overheads,
-                _swap_transfer(host_bandwidth, layers, index, times),
+                _gathers(partition),
             ),
             pair_bytes=[[a, b, n] for (a, b), n in sorted(pairs[index].items()) if n],
         )
@@ -383,7 +419,7 @@ def build_profile(
     ]
     all_notes = _notes(recorder.layers, spread, exclude_collectives) + list(notes or [])
     before, after = _outside_before_and_after(recording)
-    return Profile(
+    prof = Profile(
         device=str(device),
         baseline_step_s=times.step_s,
         shared_bytes=shared,
@@ -398,7 +434,10 @@ def build_profile(
         before_layers_bytes=before,
         after_layers_bytes=after,
         loss_backward_bytes=_loss_backward_bytes(recording),
+        host_bandwidth=host_bandwidth,
     )
+    prof.retime_host_copies()
+    return prof
 
 
 def _outside_before_and_after(recording: Recording) -> tuple[int, int]:
@@ -606,34 +645,19 @@ def _region_profiles(
     return profiles
 
 
-# The swap options' time model: the copy of a layer's tensors to the host runs beside
-# the next layer's forward, the copy back beside the next layer's backward (its gradient
-# reads bring the layer before back ahead: ``SwapManager``'s default pairing), taken as
-# this many of its forwards. Only what a copy takes beyond that compute shows in the step.
-BACKWARD_PER_FORWARD = 2.0
-
-
-def _swap_transfer(
-    host_bandwidth: float | None,
-    layers: list[tuple[str, nn.Module]],
-    index: int,
-    times: StepTimes,
-) -> Callable[[int], float] | None:
-    """Seconds of the step a layer's swap of ``n`` bytes each way adds: per direction
-    ``max(0, n / host_bandwidth - the overlapping compute)`` (see ``BACKWARD_PER_FORWARD``);
-    the last layer has no next layer to overlap with."""
-    if host_bandwidth is None:
+def _gathers(partition: tuple[int, float] | None) -> Callable[[list[int]], float] | None:
+    """Seconds the replay of a partitioned checkpoint waits for its all-gathers: per
+    input, what one rank sends to gather ``size`` slices of that many bytes
+    (``recomp.plan.cost.sent_bytes``) over the link; not overlapped (the replay reads
+    the input first)."""
+    if partition is None:
         return None
-    after = layers[index + 1][0] if index + 1 < len(layers) else None
-    forward_after = times.forward_s.get(after, 0.0) if after is not None else 0.0
+    size, link_bandwidth = partition
 
-    def exposed(nbytes: int) -> float:
-        copy = nbytes / host_bandwidth
-        return max(0.0, copy - forward_after) + max(
-            0.0, copy - BACKWARD_PER_FORWARD * forward_after
-        )
+    def seconds(slices: list[int]) -> float:
+        return sum(sent_bytes("gather", size, n, n * size) for n in slices) / link_bandwidth
 
-    return exposed
+    return seconds
 
 
 def _option_profiles(
@@ -641,15 +665,17 @@ def _option_profiles(
     private: list[int],
     scale: float,
     overheads: Overheads,
-    transfer: Callable[[int], float] | None = None,
+    gather: Callable[[list[int]], float] | None = None,
 ) -> list[OptionProfile]:
     """The layer's options with their bytes (``private``: the layer's own share of what
     each keeps) and replay costs (``scale``: seconds of forward per recorded op second;
-    ``transfer``: the exposed seconds of a swap of so many bytes each way)."""
+    ``gather``: the seconds of the all-gathers of a partitioned checkpoint's inputs).
+    The host copies' seconds are added once the layers are known
+    (``Profile.retime_host_copies``)."""
     profiles = []
     for o, result in enumerate(options):
-        checkpoints = 0 if o == OptionSlot.NONE or result.name == SWAP else 1
-        swap_s = transfer(result.swap_bytes) if transfer is not None and result.swap_bytes else 0.0
+        checkpoints = 1 if checkpointed(result.name) else 0
+        gather_s = gather(result.gathered) if gather is not None and result.gathered else 0.0
         profiles.append(
             OptionProfile(
                 name=result.name,
@@ -658,12 +684,14 @@ def _option_profiles(
                 replay_s=scale * sum(op.seconds for op in result.replay_ops)
                 + overheads.per_save_s * result.hooked_saves
                 + overheads.per_policy_op_s * result.policy_ops
-                + swap_s,
+                + gather_s,
                 replay_flops=sum(op.flops for op in result.replay_ops),
                 region_saved_bytes=result.region_saved_bytes,
                 collective_bytes=result.collective_bytes,
                 swap_bytes=result.swap_bytes,
-                swap_s=swap_s,
+                host_bytes=result.host_bytes,
+                gather_bytes=sum(result.gathered),
+                gather_s=gather_s,
             )
         )
     return profiles

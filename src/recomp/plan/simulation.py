@@ -83,6 +83,7 @@ def simulate(
     exclude_collectives: bool | str = PER_LAYER,
     hardware: str | dict[str, Any] | Hardware | None = None,
     swap: bool = True,
+    partition_inputs: int | None = None,
 ) -> Profile:
     """The profile ``profile()`` would measure on one rank of the target, simulated on
     fake tensors (see the module docstring); give it to ``make_plan``.
@@ -97,9 +98,14 @@ def simulate(
     ``profile()``. ``hardware``: the accelerator the times are modelled for, a name
     (``recomp.plan.cost.ACCELERATORS``: "H100 SXM", "H200", "B200", "A100 80GB",
     "MI300X", "Ascend 910B"), a table (a dict, a ``Hardware``, or the path of a JSON
-    file with the same keys), or None: times zero. ``swap``: offer the swap options
-    (``full+swap-inputs``, ``swap``) where the hardware has a ``host_bandwidth``; False:
-    never.
+    file with the same keys), or None: times zero. ``swap``: offer the options that hold
+    activations on the host (``offload``, ``exclude-offload:...``, ``full+swap-inputs``,
+    ``swap``) where the hardware has a ``host_bandwidth``; False: never.
+    ``partition_inputs``: the size of the tensor-parallel group, over whose ranks each
+    layer's inputs are the same tensor (no sequence parallelism), to offer
+    ``full+partition-inputs`` (a checkpoint keeping its inputs split over that group,
+    ``checkpoint(..., partition_inputs=group)``), priced with the hardware's
+    ``link_bandwidth``; None (the default) or 1: not offered.
 
     No process group, mode or default is left behind, errors included. Refused: a
     process group already initialised in this process when ``world_size`` is above 1.
@@ -111,6 +117,15 @@ def simulate(
     check_exclude_collectives(exclude_collectives)
     if not isinstance(swap, bool):
         raise ValueError(f"swap must be True or False, got {swap!r}")
+    if partition_inputs is not None and (
+        isinstance(partition_inputs, bool)
+        or not isinstance(partition_inputs, int)
+        or not 1 <= partition_inputs <= world_size
+    ):
+        raise ValueError(
+            f"partition_inputs is the tensor-parallel group's size, an integer from 1 to "
+            f"world_size={world_size}, or None, got {partition_inputs!r}"
+        )
     spec = None if hardware is None else resolve_hardware(hardware)
     if world_size > 1:
         import torch.distributed as dist
@@ -154,6 +169,7 @@ def simulate(
                 spec,
                 world_size,
                 swap,
+                partition_inputs or 1,
             )
     finally:
         torch.set_rng_state(rng)
@@ -223,6 +239,7 @@ def _simulate(
     spec: Hardware | None,
     world_size: int,
     swap: bool = True,
+    partition_size: int = 1,
 ) -> Profile:
     layers = find_layers(model, layer_spec)
     candidates = [find_candidates(layer, exclude) for _, layer in layers]
@@ -270,8 +287,18 @@ def _simulate(
         notes.append(
             "no swap options: "
             + ("no hardware given" if spec is None else f"{spec.name} has no host_bandwidth")
-            + " (the host link's bytes/s per direction, which the swap options' copies use)"
+            + " (the host link's bytes/s per direction, which the swap and offload "
+            "options' copies use)"
         )
+    partition = None
+    if partition_size > 1:
+        if spec is None:
+            notes.append(
+                "no full+partition-inputs: no hardware given (its all-gathers are priced at "
+                "the link's bandwidth)"
+            )
+        else:
+            partition = (partition_size, spec.link_bandwidth)
     prof = build_profile(
         layers,
         candidates,
@@ -283,6 +310,7 @@ def _simulate(
         notes,
         timing=NO_HARDWARE if spec is None else spec.describe() + backward_note,
         host_bandwidth=host_bandwidth,
+        partition=partition,
     )
     del recording
     return prof

@@ -29,7 +29,9 @@ An offloading region keeps, instead of a device alias of each tensor it saves
     4. the first ``get`` of a region in a backward pass (the replay taking its
        cached output, or its backward reading a saved tensor) starts restoring
        the region recorded before it (the next one in backward order), so that
-       copy runs while the rest of this layer's backward computes;
+       copy runs while the rest of this layer's backward computes; a storage whose
+       every view this pass has read already (a cached output the replay took) is
+       not brought back again by a later prefetch of its region in the same pass;
     5. the host copy lives as long as a handle to it (the autograd graph): a
        second backward (``retain_graph``) restores it again. The restored device
        buffer is dropped once every saved view of it has been read in the pass.
@@ -59,11 +61,13 @@ from typing import Any
 
 import torch
 
+from .._offload_session import MIN_OFFLOAD_BYTES
 from ..errors import internal_error
 from . import _compat
 
 ENV_HOST_COPY = "RECOMP_OFFLOAD_HOST_COPY"
-DEFAULT_MIN_BYTES = 1 << 20  # smaller storages stay on the device: a copy costs more than it frees
+# Smaller storages stay on the device: a copy costs more than it frees.
+DEFAULT_MIN_BYTES = MIN_OFFLOAD_BYTES
 
 
 @dataclass
@@ -101,6 +105,7 @@ class _Stored:
         "label",
         "nbytes",
         "offloader",
+        "read_pass",
         "reads",
         "ready",
         "release",
@@ -131,6 +136,9 @@ class _Stored:
         # Once brought back, the device buffer stays until ``OffloadGroup.drop_restored``
         # (a pipeline micro-batch's input- and weight-gradient steps both read it).
         self.keep_back = False
+        # The backward pass (graph task) that has read every view: a prefetch of its
+        # group later in that pass leaves it on the host (nothing reads it again there).
+        self.read_pass: int | None = None
         # In place (``swap_tensor_wrapper``): the storage itself, emptied once copied and
         # refilled for backward, so that every tensor on it sees its bytes again; ``back``
         # once refilled (or never emptied, the backward having come first).
@@ -302,10 +310,16 @@ class OffloadGroup:
         """Start bringing this region's tensors back to the device."""
         off = self.offloader
         off.poll()
+        current_pass = _compat.graph_task_id()
         with _quiet():
             for ref in self.records:
                 stored = ref()
-                if stored is not None and stored.resident is None and stored.source is None:
+                if (
+                    stored is not None
+                    and stored.resident is None
+                    and stored.source is None
+                    and (current_pass == -1 or stored.read_pass != current_pass)
+                ):
                     off._restore(stored, ahead=True)
 
 
@@ -603,6 +617,7 @@ class Offloader:
         if stored.reads >= stored.views and not stored.keep_back:
             # every view read in this pass: let autograd own it
             stored.resident, stored.ready, stored.reads = None, None, 0
+            stored.read_pass = _compat.graph_task_id()
         return buffer
 
     def _prefetch_previous(self, stored: _Stored) -> None:

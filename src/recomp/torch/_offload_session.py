@@ -46,7 +46,15 @@ from typing import Any
 import torch
 
 from .._offload_plan import BudgetPlanner, OffloadPlan, OffloadTrace
-from .._offload_session import ACTIVE, MIB, OPAQUE, OffloadConfig, OffloadStepStats, refuse_nesting
+from .._offload_session import (
+    ACTIVE,
+    MIB,
+    MIN_OFFLOAD_BYTES,
+    OPAQUE,
+    OffloadConfig,
+    OffloadStepStats,
+    refuse_nesting,
+)
 from .._offload_session import skip_offload as skip_offload
 from ..errors import format_bytes
 from ._offload import Offloader, _quiet
@@ -269,7 +277,7 @@ def offload_session(
     budget: int,
     *,
     host_limit: int = 64 << 30,
-    min_bytes: int = MIB,
+    min_bytes: int = MIN_OFFLOAD_BYTES,
     host_bandwidth: float | None = None,
     planner: Any = None,
 ) -> OffloadSession:

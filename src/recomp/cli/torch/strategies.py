@@ -8,8 +8,9 @@ is: ``recomp.cli.strategies``; how each is made here:
                                 layer
 ``exclude:R``                   recomp: ``apply_activation_checkpointing`` with every
                                 layer checkpointed and its children ``R`` excluded
-``selective``, ``swap``,        the plan option of that name for every layer, applied
-``selective+exclude:R``         with ``recomp.plan.apply_plan``
+``selective``,                  the plan option of that name for every layer, applied
+``selective+exclude:R``,        with ``recomp.plan.apply_plan``
+``swap``, ``offload``
 ``full+swap-inputs``            recomp's checkpoint with ``swap_inputs=True``
 ``full+swap-matmuls``           recomp's checkpoint, the outputs of its matmuls
                                 ``MUST_SWAP`` (kept on the host instead of recomputed)
@@ -60,7 +61,7 @@ from ..strategies import REGION_ALIASES, Strategy, StrategyError, parse
 from .measure import RegionTracker
 
 #: The plan options that are strategies made with ``recomp.plan.apply_plan`` here.
-PLANNED_KINDS = ("selective", "selective+exclude", "swap")
+PLANNED_KINDS = ("selective", "selective+exclude", "swap", "offload")
 
 
 @dataclass
@@ -142,7 +143,7 @@ def prepare(
         return prepared
     if kind in PLANNED_KINDS:
         _apply_plan(model, uniform_plan(parsed, layers), prepared)
-        if kind == "swap":
+        if kind in ("swap", "offload"):
             from recomp.torch import default_offloader
 
             prepared.offloader = default_offloader()
