@@ -80,6 +80,20 @@ def build_parser() -> CommandParser:
     p.add_argument("--schedule", default="1F1B", help="pipeline schedule (default 1F1B)")
     p.add_argument("--microbatches", type=int, help="micro-batches per step (default: --pp)")
     p.add_argument(
+        "--pipeline-swap",
+        action="store_true",
+        help="count recomp.torch.pipeline_swap on the schedule (with --pp): what a "
+        "micro-batch's forward keeps on a stage waits on the host where the schedule leaves "
+        "at least --swap-min-gap compute slots before its backward",
+    )
+    p.add_argument(
+        "--swap-min-gap",
+        type=int,
+        metavar="N",
+        help="with --pipeline-swap: the fewest compute slots from a forward to its backward "
+        "for its micro-batch to swap, at least 3 (default 4, as the runtime's)",
+    )
+    p.add_argument(
         "--stage-layers",
         metavar="N,N,...",
         help="layers per pipeline stage, first to last (default: as even as possible, the "
@@ -234,6 +248,16 @@ def check_args(args: argparse.Namespace) -> list[str]:
             "--replay-collectives and --keep-collectives each force one way on every layer: "
             "give one (neither: the plan chooses per layer)"
         )
+    if args.pipeline_swap and args.pp == 1:
+        errors.append("--pipeline-swap swaps inside a pipeline schedule: add --pp N (N > 1)")
+    if args.swap_min_gap is not None:
+        if not args.pipeline_swap:
+            errors.append("--swap-min-gap is the gap of --pipeline-swap: add --pipeline-swap")
+        elif args.swap_min_gap < 3:
+            errors.append(
+                "--swap-min-gap is at least 3 (one compute slot hides the copy to the host, "
+                "another the copy back)"
+            )
     if args.zero and args.dp == 1:
         errors.append(f"--zero {args.zero} shards over the data-parallel ranks: add --dp N")
     layers = MODELS[args.model.lower()].values["num_hidden_layers"]
@@ -262,7 +286,7 @@ def run(args: argparse.Namespace) -> Any:
     """The report of ``recomp.plan.fit.will_it_fit`` for the command line ``args``."""
     from ..plan._specs import spec
     from ..plan.fit import will_it_fit
-    from ..plan.job import Parallel
+    from ..plan.job import Parallel, PipelineSwap
 
     model = spec(args.model)
     ep = (args.ep or args.tp) if model.moe else 1
@@ -296,6 +320,13 @@ def run(args: argparse.Namespace) -> Any:
         layers=args.layers or None,
         exclude_collectives=(
             False if args.replay_collectives else True if args.keep_collectives else "per-layer"
+        ),
+        pipeline_swap=(
+            None
+            if not args.pipeline_swap
+            else PipelineSwap()
+            if args.swap_min_gap is None
+            else PipelineSwap(min_gap=args.swap_min_gap)
         ),
     )
 
@@ -364,6 +395,11 @@ def table(report: Any, *, all_ranks: bool = False) -> str:
         explained += (
             " host: the host memory the activations swapped or offloaded there take at once "
             "(beside the device's total)."
+        )
+    if any(job.pipeline_swap is not None for job in report.jobs.values()):
+        explained += (
+            " Under pipeline swap act counts the micro-batches the schedule leaves room for "
+            "on the host while they are there, host their copies."
         )
     if hidden:
         explained += " Per strategy the first two pipeline ranks, the largest and the last: "

@@ -21,6 +21,7 @@ from .planfile import (
     exclude_option,
     parse_option,
 )
+from .planner import ON_INPUT, ON_OUTPUT
 
 
 @dataclass
@@ -55,6 +56,10 @@ class OptionAnalysis:
     gathered: list[int] = field(default_factory=list)
     # Per excluded region call, what it holds (the exclusion options).
     regions: list[RegionHeld] = field(default_factory=list)
+    # Of ``kept``, the storages held outside saved-tensor hooks: the results of
+    # collectives a checkpoint keeps for its replay, the outputs a selective policy
+    # caches, the slices of partitioned inputs (no saved-tensors hook can move them).
+    unhooked: set[Hashable] = field(default_factory=set)
 
 
 def analyse_swap_options(
@@ -105,6 +110,7 @@ def analyse_swap_options(
         full.collective_bytes,
         sum(inputs_moved.values()),
         sum(inputs_moved.values()),
+        unhooked=set(full.unhooked),
     )
     saved = moved(
         {s.key: s.nbytes for s in record.saves if not s.is_parameter and not s.wrapped}
@@ -169,6 +175,7 @@ def analyse_region_offload(
         exclusion.collective_bytes,
         out,
         back,
+        unhooked=set(exclusion.unhooked),
     )
 
 
@@ -205,6 +212,7 @@ def analyse_partition(record: LayerRecord, full: OptionAnalysis, size: int) -> O
         0,
         full.collective_bytes,
         gathered=list(slices.values()),
+        unhooked=set(full.unhooked) | set(slices),
     )
 
 
@@ -285,16 +293,21 @@ def analyse_option(
     reached = [] if last is None else [op for op in seen if op.seq < last]
     replay = reached
     collective_bytes = 0
+    unhooked: set[Hashable] = set()
     if keep_collectives:
         for op in reached:
             for key, nbytes in op.collective or ():
                 if key not in kept and key not in preexisting:
                     kept[key] = nbytes
                     collective_bytes += nbytes
+                    unhooked.add(key)
         replay = [op for op in replay if op.collective is None]
     if selective:
         for op in seen:
-            kept.update(op.outputs)
+            for key, nbytes in op.outputs:
+                if key not in kept:  # cached by the policy, not saved through hooks
+                    kept[key] = nbytes
+                    unhooked.add(key)
         replay = [op for op in replay if not op.expensive]
     name = exclude_option([candidates[i][0] for i in excluded], selective)
     return OptionAnalysis(
@@ -307,6 +320,7 @@ def analyse_option(
         len(seen) + len(reached) if selective else 0,
         collective_bytes,
         regions=regions,
+        unhooked=unhooked,
     )
 
 
@@ -319,13 +333,7 @@ def split_storages(
     their options (``pairs[layer][(option of the layer before, option)]``); one kept
     outside the layers (``outside``) or by layers further apart is ``shared`` whatever the
     plan (``spread``: the bytes of the latter). Returns (private, pairs, shared, spread)."""
-    keepers: dict[Hashable, set[int]] = {}
-    size: dict[Hashable, int] = {}
-    for i, options in enumerate(per_layer):
-        for kept in options:
-            for key, nbytes in kept.items():
-                keepers.setdefault(key, set()).add(i)
-                size[key] = nbytes
+    keepers, size = _keepers(per_layer)
     private = [[0] * len(options) for options in per_layer]
     pairs: list[dict[tuple[int, int], int]] = [{} for _ in per_layer]
     shared = sum(outside.values())
@@ -348,3 +356,59 @@ def split_storages(
             shared += size[key]
             spread += size[key]
     return private, pairs, shared, spread
+
+
+def _keepers(
+    per_layer: list[list[dict[Hashable, int]]],
+) -> tuple[dict[Hashable, set[int]], dict[Hashable, int]]:
+    """Per storage kept by some option of some layer: the layers that keep it, its bytes."""
+    keepers: dict[Hashable, set[int]] = {}
+    size: dict[Hashable, int] = {}
+    for i, options in enumerate(per_layer):
+        for kept in options:
+            for key, nbytes in kept.items():
+                keepers.setdefault(key, set()).add(i)
+                size[key] = nbytes
+    return keepers, size
+
+
+def private_keys(
+    per_layer: list[list[dict[Hashable, int]]], outside: dict[Hashable, int]
+) -> list[set[Hashable]]:
+    """Per layer, the storages counted in its options' own bytes (``split_storages``'s
+    ``private``): kept by that layer only, not outside the layers."""
+    keepers, _ = _keepers(per_layer)
+    private: list[set[Hashable]] = [set() for _ in per_layer]
+    for key, layers in keepers.items():
+        if len(layers) == 1 and key not in outside:
+            private[next(iter(layers))].add(key)
+    return private
+
+
+def swappable_storages(
+    record: LayerRecord, option: OptionAnalysis, private: set[Hashable]
+) -> list[list[int]]:
+    """Of what ``option`` keeps of the layer's own (``private``: its share of the kept
+    bytes), the storages a saved-tensors hook around the layer's forward would be handed
+    as plain tensors, which pipeline swap (``recomp.torch.pipeline_swap``) may move:
+    ``[bytes, place]`` each, largest first, ``place`` the bits :data:`ON_INPUT` and
+    :data:`ON_OUTPUT` (the pipeline keeps a stage's inputs and outputs on the device).
+    Left out: what a checkpoint holds outside the hooks (its keyword and nested inputs,
+    the kept results of collectives, a selective policy's cached outputs, partitioned
+    slices) and tensor subclasses (DTensor: the offloader copies plain tensors only)."""
+    wrapped = {s.key for s in record.saves if s.wrapped} | set(record.wrapped_inputs)
+    for span in record.spans:
+        wrapped |= span.wrapped_outputs
+    # Inputs a checkpoint holds itself (keyword, nested), unless also saved positionally.
+    held = set(record.held_keys) - set(record.positional_keys)
+    out = []
+    for key, nbytes in option.kept.items():
+        if key not in private or key in option.unhooked or key in wrapped:
+            continue
+        if key in held and option.name != NO_CHECKPOINT:
+            continue
+        place = (ON_INPUT if key in record.input_keys else 0) | (
+            ON_OUTPUT if key in record.output_keys else 0
+        )
+        out.append([nbytes, place])
+    return sorted(out, reverse=True)

@@ -31,7 +31,16 @@ from typing import Any
 
 from ..errors import BudgetTooSmallError
 from .budget import Budget, format_bytes, parse_budget
-from .job import JobMemory, OutsideLayers, Parallel, job_memory, replay_bytes, split_layers
+from .job import (
+    JobMemory,
+    OutsideLayers,
+    Parallel,
+    PipelineSwap,
+    job_memory,
+    replay_bytes,
+    schedule_slots,
+    split_layers,
+)
 from .planfile import NO_CHECKPOINT, PER_LAYER, Plan, checkpointed, moves_to_host
 from .planner import TIE_TOLERANCE, Profile, make_plan
 from .solver import minimum_bytes
@@ -119,6 +128,7 @@ def plan_per_rank(
     schedule: str = "1F1B",
     microbatches: int | None = None,
     stage_layers: list[int] | None = None,
+    pipeline_swap: PipelineSwap | None = None,
 ) -> tuple[Plan | None, NoPlan | None]:
     """One plan for the whole model, made pipeline rank by pipeline rank, that fits
     ``budget`` (bytes per device) on every rank of the job.
@@ -134,7 +144,10 @@ def plan_per_rank(
     tolerance of the step are ties, so that the whole plan is within that tolerance of
     the fastest. The plan is then counted by
     :func:`recomp.plan.job.job_memory`, and a rank it finds over the budget is planned
-    again with that much less. Returns the plan, or None and why (:class:`NoPlan`)."""
+    again with that much less. With ``pipeline_swap`` a rank's micro-batches held at
+    once are the (stage, micro-batch) groups on its device at its peak under swap
+    (``RankSwapPlan.resident_peak``), and the whole-job count that checks the plan counts
+    the swap. Returns the plan, or None and why (:class:`NoPlan`)."""
     parsed = parse_budget(budget)
     if parsed.nbytes is None:
         raise ValueError(f"the budget is bytes per device with a unit (80GiB), got {budget!r}")
@@ -144,8 +157,10 @@ def plan_per_rank(
         "schedule": schedule,
         "microbatches": microbatches or parallel.pp,
         "stage_layers": stage_layers,
+        "pipeline_swap": pipeline_swap,
     }
     unchecked = job_memory(params, parallel, activations=profile, option=NO_CHECKPOINT, **common)
+    resident = _resident_groups(parallel, schedule, common["microbatches"], pipeline_swap)
     num_stages = sum(len(r.stages) for r in unchecked.ranks)
     stage_of = split_layers(len(profile.layers), num_stages, stage_layers)
     outside = OutsideLayers.of(profile)
@@ -156,6 +171,8 @@ def plan_per_rank(
         index = [i for i, s in enumerate(stage_of) if s in rank.stages]
         peak = rank.peak
         held = max([peak.in_flight.get(s, 0) for s in rank.stages] if peak else [1]) or 1
+        if rank.rank in resident:
+            held = max(1, min(held, resident[rank.rank]))
         states = rank.total - rank.activations
         # What a backward step holds for a while, at most: the loss's backward where the
         # rank computes the loss, the replay of a layer keeping the least it can.
@@ -210,6 +227,22 @@ def plan_per_rank(
     rank_index = min(over)
     least = counted.ranks[rank_index].activations
     return None, parts[rank_index].no_plan(rank_index, budget_bytes, least, pipeline)
+
+
+def _resident_groups(
+    parallel: Parallel, schedule: str, microbatches: int, swap: PipelineSwap | None
+) -> dict[int, int]:
+    """Per pipeline rank, the (stage, micro-batch) groups on its device at its peak under
+    ``swap`` (none without it)."""
+    if swap is None:
+        return {}
+    from .._pipeline_swap import plan_rank_swap
+
+    slots = schedule_slots(schedule, parallel.pp, microbatches, parallel.stages_per_rank)
+    return {
+        rank: plan_rank_swap(one, swap.min_gap, rank).resident_peak()[0]
+        for rank, one in slots.items()
+    }
 
 
 @dataclass(frozen=True)
@@ -303,6 +336,7 @@ def will_it_fit(
     precision: Any = "bf16-adam",
     layers: int | None = 3,
     exclude_collectives: bool | str = PER_LAYER,
+    pipeline_swap: PipelineSwap | None = None,
 ) -> FitReport:
     """Simulate one rank of a training job of the published ``model``
     (``recomp.plan.models.MODELS``) and count, per strategy and pipeline rank, its
@@ -323,7 +357,10 @@ def will_it_fit(
     ``exclude_collectives``: what the checkpoints do with the results of collectives:
     ``"per-layer"`` (the default) lets the plan choose, layer by layer, between keeping
     them and running the collectives again in the replay; True keeps them, False runs
-    them again everywhere (as for ``recomp.plan.simulate``).
+    them again everywhere (as for ``recomp.plan.simulate``);
+    ``pipeline_swap``: a :class:`recomp.plan.job.PipelineSwap`, to count
+    ``recomp.torch.pipeline_swap`` on the schedule in every strategy and the plan.
+    Without it, where no plan fits a pipeline, the notes say whether one would with it.
 
     Raises ``ValueError`` (or ``KeyError`` for an unknown model) naming what to change
     where the layout and the model do not go together."""
@@ -355,6 +392,7 @@ def will_it_fit(
         "schedule": schedule,
         "microbatches": microbatches,
         "stage_layers": stage_layers,
+        "pipeline_swap": pipeline_swap,
     }
     names = [o.name for o in profile.layers[0].options]
     rows: list[StrategyRow] = []
@@ -383,7 +421,10 @@ def will_it_fit(
             if profile.host_bandwidth is None and no_plan.least_bytes is not None:
                 offload = _offload_lever(simulated, spec, params, parallel, budget, common,
                                          exclude_collectives)  # fmt: skip
-            levers = _levers(no_plan, profile, parallel, batch, seq, offload)
+            swap = None
+            if pipeline_swap is None and parallel.pp > 1 and no_plan.least_bytes is not None:
+                swap = _pipeline_swap_lever(profile, params, parallel, budget, common)
+            levers = _levers(no_plan, profile, parallel, batch, seq, offload, swap)
             notes.append(no_plan.describe() + "; " + levers)
     notes.append(
         f"step without checkpointing (modelled): {profile.baseline_step_s * 1e3:.1f} ms; "
@@ -392,6 +433,7 @@ def will_it_fit(
     layout = (
         f"{parallel.describe()}, seq {seq}, micro-batch {batch}, {microbatches} micro-batch(es), "
         f"schedule {schedule}"
+        + ("" if pipeline_swap is None else f", {pipeline_swap.describe()}")
     )
     return FitReport(
         simulated.spec.name,
@@ -475,6 +517,30 @@ def _offload_lever(
     )
 
 
+def _pipeline_swap_lever(
+    profile: Profile,
+    params: Any,
+    parallel: Parallel,
+    budget: Budget,
+    common: dict[str, Any],
+) -> str | None:
+    """Where no plan fits a pipeline: whether one fits with pipeline swap (its default
+    gap), the lever then (with the most host memory a rank takes), else None."""
+    swap = PipelineSwap()
+    given = {**common, "pipeline_swap": swap}
+    plan, _ = plan_per_rank(profile, params, parallel, budget, **given)
+    if plan is None:
+        return None
+    job = job_memory(params, parallel, activations=profile, plan=plan, **given)
+    host = max(r.host for r in job.ranks)
+    return (
+        f"pipeline swap (recomp.torch.pipeline_swap; --pipeline-swap): with the "
+        f"micro-batches the schedule leaves at least {swap.min_gap} compute slots moved to "
+        f"the host between forward and backward a plan fits, {format_bytes(host)} of host "
+        "memory per device at most"
+    )
+
+
 def _levers(
     no_plan: NoPlan,
     profile: Profile,
@@ -482,9 +548,11 @@ def _levers(
     batch: int,
     seq: int,
     offload: str | None = None,
+    swap: str | None = None,
 ) -> str:
     """What would make room, of what the layout and the profile leave untried
-    (``offload``: the offload lever, where a host link would make a rank fit)."""
+    (``offload``: the offload lever, where a host link would make a rank fit; ``swap``:
+    the pipeline swap lever, where swap would)."""
     levers = []
     if no_plan.least_bytes is not None:
         kept = max(
@@ -518,6 +586,8 @@ def _levers(
             )
     if offload is not None:
         levers.append(offload)
+    if swap is not None:
+        levers.append(swap)
     if not levers:
         return "nothing in this layout is left to trade"
     return "what would make room: " + "; ".join(levers)

@@ -46,7 +46,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._pipeline_swap import MIN_SWAP_GAP, check_min_gap, plan_rank_swap
 from .budget import Budget, format_bytes, parse_budget
+from .planfile import OFFLOAD_MIN_BYTES
+from .planner import ON_INPUT, ON_OUTPUT
 
 GiB = float(1 << 30)
 
@@ -259,6 +262,28 @@ def resolve_precision(precision: str | Precision) -> Precision:
     return PRECISIONS[precision]
 
 
+@dataclass(frozen=True)
+class PipelineSwap:
+    """Pipeline swap (``recomp.torch.pipeline_swap``) in the count, with the runtime's
+    own arguments: a (stage, micro-batch) whose backward starts at least ``min_gap``
+    compute slots after its forward moves what its stage keeps for it to the host
+    (storages of at least ``min_bytes``; not the stage's input and output, which the
+    pipeline holds), by the rule NOTE [ Pipeline swap ] in ``recomp._pipeline_swap``
+    gives (:func:`recomp._pipeline_swap.plan_rank_swap`)."""
+
+    min_gap: int = MIN_SWAP_GAP
+    min_bytes: int = OFFLOAD_MIN_BYTES
+
+    def __post_init__(self) -> None:
+        check_min_gap(self.min_gap)
+        value = self.min_bytes
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"PipelineSwap(min_bytes={value!r}): bytes, an int >= 0")
+
+    def describe(self) -> str:
+        return f"pipeline swap (min_gap={self.min_gap}, min_bytes={format_bytes(self.min_bytes)})"
+
+
 # --------------------------------------------------------------------------- parameters
 
 FIRST, LAST = "first", "last"
@@ -436,10 +461,14 @@ class StagePeak:
         return len(self.held)
 
 
+Chunk = tuple[int, int]  # (stage, micro-batch)
+
+
 def walk_schedule(
     actions: Mapping[int, Sequence[Step]],
     stage_bytes: Mapping[int, tuple[int, int]] | None = None,
     transient: Mapping[int, tuple[int, int]] | None = None,
+    off_device: Mapping[int, Mapping[Chunk, tuple[range, int]]] | None = None,
 ) -> dict[int, StagePeak]:
     """Walk each rank's compute steps and find its activation peak.
 
@@ -452,31 +481,45 @@ def walk_schedule(
     with ``transient[stage] = (backward, weight)``, during each backward step of that
     stage: the bytes held before it frees anything plus what the step itself holds for
     a while (``backward`` in ``B`` and ``I``, ``weight`` in ``W``; on stage 0 under a
-    split backward, the larger of the two in ``W``)."""
+    split backward, the larger of the two in ``W``).
+
+    ``off_device[rank][(stage, micro-batch)] = (steps, n)``: pipeline swap's groups
+    (:class:`PipelineSwap`): during those step indices ``n`` of the bytes kept from the
+    forward are on the host (``RankSwapPlan.steps_off_device``), in the peak after each
+    step and during each backward step alike."""
     out: dict[int, StagePeak] = {}
     for rank, steps in actions.items():
         live: dict[tuple[int, int], str] = {}
         in_flight: dict[int, int] = {}
         best: tuple[int, int, str, tuple[tuple[int, int, str], ...], int] = (-1, -1, "", (), 0)
+        away = off_device.get(rank, {}) if off_device is not None else {}
 
-        def nbytes(held: Mapping[tuple[int, int], str]) -> int:
+        def nbytes(
+            held: Mapping[tuple[int, int], str],
+            index: int,
+            away: Mapping[Chunk, tuple[range, int]] = away,
+        ) -> int:
             total = 0
-            for (stage, _), since in held.items():
-                kept, weight = stage_bytes[stage] if stage_bytes is not None else (1, 1)
+            for key, since in held.items():
+                kept, weight = stage_bytes[key[0]] if stage_bytes is not None else (1, 1)
                 total += kept if since == "F" else weight
+                if since == "F" and key in away and index in away[key][0]:
+                    total -= away[key][1]
             return total
 
         for index, (kind, stage, mb) in enumerate(steps):
             key = (stage, mb)
-            if transient is not None and kind in ("B", "I", "W") and key in live:
-                backward, weight = transient.get(stage, (0, 0))
+            if kind in ("B", "I", "W") and key in live:
+                backward, weight = transient.get(stage, (0, 0)) if transient else (0, 0)
                 during = {"B": backward, "I": backward, "W": weight}[kind]
                 if kind == "W" and stage == 0:
                     during = max(backward, weight)
                 if kind == "I" and stage == 0:
                     during = 0  # its backward runs in the W step
-                total = nbytes(live) + during
-                if during and total > best[0]:
+                total = nbytes(live, index) + during
+                # Before the step frees anything: higher than after the step before only
+                # by its transient, or where a group came back for this slot.
+                if total > best[0]:
                     held = tuple(sorted((s, m, since) for (s, m), since in live.items()))
                     best = (total, index, f"{stage}{kind}{mb}", held, during)
             if kind == "F":
@@ -496,7 +539,7 @@ def walk_schedule(
                 raise ValueError(f"rank {rank}: unknown step kind {kind!r}")
             count = sum(1 for s, _ in live if s == stage)
             in_flight[stage] = max(in_flight.get(stage, 0), count)
-            total = nbytes(live)
+            total = nbytes(live, index)
             if total > best[0]:
                 held = tuple(sorted((s, m, since) for (s, m), since in live.items()))
                 best = (total, index, f"{stage}{kind}{mb}", held, 0)
@@ -523,14 +566,58 @@ def schedule_actions(
     """Per pipeline rank, the compute steps of a ``torch.distributed.pipelining``
     schedule (by name: ``"1F1B"``, ``"Interleaved1F1B"``, ``"ZBVZeroBubble"``, ...),
     read from the schedule built on stand-in stages; or your own action lists as given."""
+    slots = schedule_slots(schedule, pp, microbatches, stages_per_rank)
+    return {rank: [step for slot in rank_slots for step in slot] for rank, rank_slots in slots.items()}
+
+
+def schedule_slots(
+    schedule: str | Mapping[int, Sequence[Step]],
+    pp: int,
+    microbatches: int,
+    stages_per_rank: int | None = None,
+) -> dict[int, list[tuple[Step, ...]]]:
+    """Per pipeline rank, the compute slots of a schedule (:func:`schedule_actions`'s
+    steps, grouped as the rank runs them: one step each, but the two of an overlapped
+    forward-backward step of DualPipeV); your own action lists one step per slot."""
     if not isinstance(schedule, str):
-        return {int(r): [(str(k), int(s), int(m)) for k, s, m in a] for r, a in schedule.items()}
+        return {
+            int(r): [((str(k), int(s), int(m)),) for k, s, m in a] for r, a in schedule.items()
+        }
     if pp == 1 and schedule in ("1F1B", "GPipe", "none"):
         # No pipeline: every micro-batch's forward and backward in turn.
-        return {0: [step for m in range(microbatches) for step in (("F", 0, m), ("B", 0, m))]}
-    from ..torch._compat import pipeline_actions
+        return {0: [((kind, 0, m),) for m in range(microbatches) for kind in ("F", "B")]}
+    from ..torch._compat import pipeline_slots
 
-    return pipeline_actions(schedule, pp, microbatches, stages_per_rank)
+    return pipeline_slots(schedule, pp, microbatches, stages_per_rank)
+
+
+def host_peaks(
+    actions: Mapping[int, Sequence[Step]],
+    stage_host: Mapping[int, int],
+    swapped: Mapping[int, Mapping[Chunk, tuple[int, int, int]]] | None = None,
+) -> dict[int, int]:
+    """Per rank, the most host memory its activations take after any step:
+    ``stage_host[stage]`` per micro-batch from its forward to its backward (the layers'
+    own swap and offload options; on stage 0 of a split backward to its ``W`` step, on
+    the others to its ``I`` step), and pipeline swap's copies,
+    ``swapped[rank][(stage, micro-batch)] = (forward step, last backward step, bytes)``:
+    held from the forward (the copy starts as it returns) until the last backward step
+    frees the graph (the pinned blocks go back to the pool then)."""
+    out: dict[int, int] = {}
+    for rank, steps in actions.items():
+        live: dict[Chunk, int] = {}
+        moved = swapped.get(rank, {}) if swapped is not None else {}
+        best = 0
+        for index, (kind, stage, mb) in enumerate(steps):
+            key = (stage, mb)
+            if kind == "F":
+                live[key] = stage_host.get(stage, 0)
+            elif kind in ("B", "W") or (kind == "I" and stage != 0):
+                live.pop(key, None)
+            pipeline = sum(n for first, last, n in moved.values() if first <= index < last)
+            best = max(best, sum(live.values()) + pipeline)
+        out[rank] = best
+    return out
 
 
 # -------------------------------------------------------------------------- activations
@@ -552,6 +639,11 @@ class LayerActivation:
     # What it holds in the host's memory from its forward to its backward (the swap and
     # offload options), beside ``kept_bytes`` on the device.
     host_bytes: int = 0
+    # Of ``kept_bytes``, the storages pipeline swap may move: ``(bytes, place)`` each,
+    # ``place`` the bits ``ON_INPUT`` / ``ON_OUTPUT`` of ``recomp.plan.planner`` (one of
+    # the layer's inputs / outputs: on the device where the layer starts / ends a
+    # stage); None: not known (:class:`PipelineSwap` then refuses the count).
+    swappable: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -668,7 +760,9 @@ def layer_activations(
             bounded.append(layer.path)
         replay = 0 if name == NO_CHECKPOINT else replay_bytes(layer, kept)
         host = int(getattr(layer.options[index], "host_bytes", 0) or 0)
-        out.append(LayerActivation(layer.path, name, kept, weight, replay, host))
+        found = getattr(layer.options[index], "swappable", None)
+        swappable = None if found is None else tuple((int(n), int(p)) for n, p in found)
+        out.append(LayerActivation(layer.path, name, kept, weight, replay, host, swappable))
     if bounded:
         notes.append(
             f"{len(bounded)} checkpointed layer(s) without a weight-input figure: between "
@@ -783,6 +877,10 @@ class RankMemory:
     # Host memory the swapped and offloaded activations take at the step's highest point
     # for them (the micro-batches in flight then): beside ``total``, not in it.
     host: int = 0
+    # Pipeline swap (:class:`PipelineSwap`): the bytes it copies to the host per step,
+    # and back; the (stage, micro-batch) groups that swap, of those the rank runs.
+    swapped_bytes: int = 0
+    swap_groups: tuple[int, int] | None = None
 
     @property
     def total(self) -> int:
@@ -810,6 +908,7 @@ class JobMemory:
     microbatches: int
     budget_bytes: int | None
     notes: list[str]
+    pipeline_swap: PipelineSwap | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -827,6 +926,7 @@ class JobMemory:
             "precision": self.precision.describe(),
             "schedule": self.schedule,
             "microbatches": self.microbatches,
+            "pipeline_swap": None if self.pipeline_swap is None else self.pipeline_swap.describe(),
             "budget_bytes": self.budget_bytes,
             "fits": self.fits,
             "ranks": [
@@ -842,6 +942,8 @@ class JobMemory:
                     "transient": r.transient,
                     "total": r.total,
                     "host": r.host,
+                    "swapped_bytes": r.swapped_bytes,
+                    "swap_groups": None if r.swap_groups is None else list(r.swap_groups),
                     "param_elements": r.param_elements,
                     "peak_step": None if r.peak is None else r.peak.action,
                     "peak_microbatches": None if r.peak is None else r.peak.microbatches,
@@ -857,20 +959,23 @@ class JobMemory:
         parameters (ZeRO-3), activations at the peak, the total, and whether it fits."""
         unit, scale = ("GiB", GiB) if self.peak_bytes >= GiB else ("MiB", float(1 << 20))
         host = any(r.host for r in self.ranks)
+        swap = self.pipeline_swap is not None
+        extra = (["host"] if host else []) + (["swapped"] if swap else [])
         header = ["pp rank", "stages", "params", "grads", "optimizer", "gathered",
-                  "activations", f"total {unit}", *(["host"] if host else []), "peak at", "fits"]
+                  "activations", f"total {unit}", *extra, "peak at", "fits"]
         rows = []
         for r in self.ranks:
             fits = "" if self.budget_bytes is None else ("yes" if r.total <= self.budget_bytes else "NO")
             at = "" if r.peak is None else f"{r.peak.action} ({r.peak.microbatches} held)"
+            more = ([r.host] if host else []) + ([r.swapped_bytes] if swap else [])
             rows.append(
                 [str(r.rank), ",".join(map(str, r.stages))]
                 + [f"{v / scale:.2f}" for v in (r.params, r.grads, r.optimizer, r.gathered,
-                                                r.activations, r.total, *([r.host] if host else []))]
+                                                r.activations, r.total, *more)]
                 + [at, fits]
             )
         widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-        numbers = 8 if host else 7
+        numbers = 7 + len(extra)
 
         def line(cells: list[str]) -> str:
             return "  ".join(
@@ -892,6 +997,12 @@ class JobMemory:
             lines.append(
                 "host: the host memory the swapped and offloaded activations take at that "
                 "rank's highest point for them, beside the device's total"
+            )
+        if swap:
+            lines.append(
+                "swapped: what pipeline swap copies to the host per step on that rank (and "
+                "back); activations: the peak with those bytes away while the schedule "
+                "leaves them there"
             )
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -937,6 +1048,7 @@ def job_memory(
     gathered_layers: int = 2,
     budget: str | int | Budget | None = None,
     layers: Any = None,
+    pipeline_swap: PipelineSwap | None = None,
 ) -> JobMemory:
     """Memory per pipeline rank of a training job.
 
@@ -951,8 +1063,20 @@ def job_memory(
     dimension 0 (``"dim0"``, FSDP2) or of one flat buffer (``"flat"``).
     ``gathered_layers``: under ZeRO-3, the layers whose parameters are all-gathered at
     once (the running one and the one prefetched). ``budget``: bytes per device
-    (``"80GiB"``)."""
+    (``"80GiB"``). ``pipeline_swap``: count ``recomp.torch.pipeline_swap`` on the
+    schedule (a :class:`PipelineSwap` with its ``min_gap`` and ``min_bytes``): what it
+    moves is on the host while the schedule leaves it there, in each rank's ``host``."""
     parallel = parallel or Parallel()
+    if pipeline_swap is not None and not isinstance(pipeline_swap, PipelineSwap):
+        raise ValueError(
+            f"pipeline_swap is a PipelineSwap(min_gap=..., min_bytes=...) or None, got "
+            f"{pipeline_swap!r}"
+        )
+    if pipeline_swap is not None and activations is None:
+        raise ValueError(
+            "pipeline_swap moves activations: give activations= (a recomp.plan profile, or "
+            "LayerActivation rows with their swappable storages)"
+        )
     prec = resolve_precision(precision)
     if padding not in ("dim0", "flat"):
         raise ValueError(f"padding is 'dim0' (FSDP2) or 'flat' (ZeRO), got {padding!r}")
@@ -965,7 +1089,8 @@ def job_memory(
         raise ValueError(f"microbatches is positive, got {microbatches}")
     model = params if isinstance(params, ModelParams) else model_params(params, layers=layers)
     notes = list(model.notes)
-    actions = schedule_actions(schedule, parallel.pp, microbatches, parallel.stages_per_rank)
+    slots = schedule_slots(schedule, parallel.pp, microbatches, parallel.stages_per_rank)
+    actions = {rank: [step for slot in one for step in slot] for rank, one in slots.items()}
     stage_rank: dict[int, int] = {}
     for rank, steps in actions.items():
         for _, stage, _ in steps:
@@ -1019,10 +1144,25 @@ def job_memory(
         replay = transient[last][1]
         transient[last] = (max(replay, outside.loss_backward), replay)
         notes.extend(outside.notes())
-    peaks = walk_schedule(actions, stage_bytes, transient) if per_layer is not None else {}
-    host_peaks = {}
-    if per_layer is not None and any(act.host_bytes for act in per_layer):
-        host_peaks = walk_schedule(actions, stage_host)
+    swap: _SwapCount | None = None
+    if pipeline_swap is not None and per_layer is not None:
+        movable = _swappable_per_stage(
+            per_layer, layer_stage, num_stages, model, pipeline_swap.min_bytes
+        )
+        swap = _SwapCount.of(slots, movable, pipeline_swap.min_gap)
+        notes.append(_swap_note(pipeline_swap))
+    peaks = (
+        walk_schedule(actions, stage_bytes, transient, None if swap is None else swap.off_device)
+        if per_layer is not None
+        else {}
+    )
+    host_figures: dict[int, int] = {}
+    if per_layer is not None and (swap is not None or any(a.host_bytes for a in per_layer)):
+        host_figures = host_peaks(
+            actions,
+            {stage: nbytes for stage, (nbytes, _) in stage_host.items()},
+            None if swap is None else swap.host,
+        )
 
     # Parameters per pipeline rank.
     per = prec.per_element()
@@ -1054,12 +1194,13 @@ def job_memory(
             biggest = sorted(layer_gathered.values(), reverse=True)[:gathered_layers]
             gathered = sum(biggest) * per["gathered"]
         peak = peaks.get(rank)
-        host_peak = host_peaks.get(rank)
         ranks.append(
             RankMemory(
                 rank, stages, params_b, grads_b, opt_b, gathered,
                 0 if peak is None else peak.peak_bytes, peak, elements,
-                0 if host_peak is None else host_peak.peak_bytes,
+                host_figures.get(rank, 0),
+                0 if swap is None else swap.moved.get(rank, 0),
+                None if swap is None else swap.groups.get(rank),
             )
         )
     notes[:0] = _basis(parallel, prec, padding, any(t.kind == "expert" for t in model.tensors))
@@ -1092,4 +1233,97 @@ def job_memory(
         microbatches,
         budget_bytes,
         notes,
+        pipeline_swap,
+    )
+
+
+def _swappable_per_stage(
+    per_layer: Sequence[LayerActivation],
+    layer_stage: Sequence[int],
+    num_stages: int,
+    model: ModelParams,
+    min_bytes: int,
+) -> dict[int, int]:
+    """Per stage, the bytes pipeline swap moves of one micro-batch: of what the stage's
+    layers keep, their swappable storages of at least ``min_bytes``, but the stage's
+    input (what its first layer keeps of its own inputs, unless the model computes that
+    input on the stage: embeddings before the layers on the first) and its output (what
+    its last layer keeps of its outputs, unless a head after the layers on the last
+    stage takes it). Pair terms and the bytes outside the layers stay (the profile does
+    not place them storage by storage)."""
+    unknown = [act.path for act in per_layer if act.swappable is None]
+    if unknown:
+        raise ValueError(
+            f"the activations do not say what pipeline swap may move of layer {unknown[0]!r} "
+            f"({len(unknown)} layer(s)): give a profile made by recomp.plan.profile or "
+            "simulate (a compiled profile, or one written before they were recorded, has no "
+            "such figures), or LayerActivation(..., swappable=((bytes, place), ...))"
+        )
+    before = any(t.where == FIRST for t in model.tensors)
+    after = any(t.where == LAST for t in model.tensors)
+    moved = dict.fromkeys(range(num_stages), 0)
+    for stage in range(num_stages):
+        own = [i for i, s in enumerate(layer_stage) if s == stage]
+        held_input = stage > 0 or not before
+        held_output = stage < num_stages - 1 or not after
+        for i in own:
+            for nbytes, place in per_layer[i].swappable or ():
+                if nbytes < min_bytes:
+                    continue
+                if place & ON_INPUT and i == own[0] and held_input:
+                    continue
+                if place & ON_OUTPUT and i == own[-1] and held_output:
+                    continue
+                moved[stage] += nbytes
+    return moved
+
+
+@dataclass
+class _SwapCount:
+    """Pipeline swap on every rank: per rank and swapped (stage, micro-batch), the steps
+    its bytes are off the device and their number (``off_device``, for
+    :func:`walk_schedule`), its host interval (``host``: forward step, last backward
+    step, bytes, for :func:`host_peaks`), and per rank the bytes moved each way per step
+    and the groups that swap (of those that run)."""
+
+    off_device: dict[int, dict[Chunk, tuple[range, int]]]
+    host: dict[int, dict[Chunk, tuple[int, int, int]]]
+    moved: dict[int, int]
+    groups: dict[int, tuple[int, int]]
+
+    @classmethod
+    def of(
+        cls, slots: Mapping[int, Sequence[tuple[Step, ...]]], movable: Mapping[int, int], min_gap: int
+    ) -> _SwapCount:
+        count = cls({}, {}, {}, {})
+        for rank, rank_slots in slots.items():
+            plan = plan_rank_swap(rank_slots, min_gap, rank)
+            flat = {step: i for i, step in enumerate(s for slot in rank_slots for s in slot)}
+            off: dict[Chunk, tuple[range, int]] = {}
+            host: dict[Chunk, tuple[int, int, int]] = {}
+            for chunk in plan.swapped:
+                key = (chunk.stage, chunk.microbatch)
+                nbytes = movable.get(chunk.stage, 0)
+                if not nbytes:
+                    continue
+                off[key] = (plan.steps_off_device(key), nbytes)
+                stage, mb = key
+                last = max(flat[(k, stage, mb)] for k in ("B", "I", "W") if (k, stage, mb) in flat)
+                host[key] = (flat[("F", stage, mb)], last, nbytes)
+            count.off_device[rank] = off
+            count.host[rank] = host
+            count.moved[rank] = sum(n for _, _, n in host.values())
+            count.groups[rank] = (len(plan.swapped), len(plan.chunks))
+        return count
+
+
+def _swap_note(swap: PipelineSwap) -> str:
+    return (
+        f"{swap.describe()}: a (stage, micro-batch) whose backward starts at least "
+        f"{swap.min_gap} compute slots after its forward moves what its stage keeps to the "
+        "host (storages of at least min_bytes), but the stage's input and output (the "
+        "pipeline holds them), what a checkpoint holds outside saved-tensor hooks, tensor "
+        "subclasses and what layers keep on the host themselves; off the device from the "
+        "second slot after its forward to the second before its backward, its host copy "
+        "held from its forward to the end of its backward"
     )

@@ -91,6 +91,11 @@ class RegionProfile:
     exclusion_bytes: int
 
 
+# Where a storage in ``OptionProfile.swappable`` lies, as bits: one of the layer's own
+# inputs, one of its outputs.
+ON_INPUT, ON_OUTPUT = 1, 2
+
+
 @dataclass
 class OptionProfile:
     """One option of one layer. ``kept_bytes``: what the layer keeps under it, without
@@ -121,6 +126,13 @@ class OptionProfile:
     # all-gathers, and the seconds of ``replay_s`` the gathers take.
     gather_bytes: int = 0
     gather_s: float = 0.0
+    # Of ``kept_bytes``, the storages pipeline swap (``recomp.torch.pipeline_swap``) may
+    # move to the host: ``[bytes, place]`` each, ``place`` the bits ``ON_INPUT`` (one of
+    # the layer's own inputs) and ``ON_OUTPUT`` (one of its outputs) (a pipeline keeps
+    # a stage's inputs and outputs on the device). The rest is held outside saved-tensor
+    # hooks, in tensor subclasses, or by the option's own copies. None: not recorded (a
+    # compiled profile, a profile written before it was).
+    swappable: list[list[int]] | None = None
 
 
 @dataclass

@@ -76,7 +76,9 @@ from ._analysis import (
     analyse_partition,
     analyse_region_offload,
     analyse_swap_options,
+    private_keys,
     split_storages,
+    swappable_storages,
 )
 from ._layers import LayerSpec, find_layers
 from ._options import find_candidates, layer_option_sets
@@ -87,9 +89,11 @@ from .modelcall import call_model, default_loss, fresh_inputs, tensors_of
 from .planfile import (
     EXCLUDE_PREFIX,
     OFFLOAD_MIN_BYTES,
+    PARTITION_INPUTS,
     PER_LAYER,
     checkpointed,
     exclude_option,
+    moves_to_host,
     replay_collectives_option,
 )
 from .planner import LayerProfile, OptionProfile, OptionSlot, Profile, RegionProfile
@@ -394,9 +398,9 @@ def build_profile(
                 )
                 replayed.name = replay_collectives_option(replayed.name)
                 options.append(replayed)
-    private, pairs, shared, spread = split_storages(
-        [[o.kept for o in options] for options in analysed], recording.outside
-    )
+    kept_sets = [[o.kept for o in options] for options in analysed]
+    private, pairs, shared, spread = split_storages(kept_sets, recording.outside)
+    own = private_keys(kept_sets, recording.outside)
     layer_profiles = [
         LayerProfile(
             path=path,
@@ -412,6 +416,7 @@ def build_profile(
                 _replay_scale(record, times.forward_s[path]),
                 overheads,
                 _gathers(partition),
+                [_swappable(record, o, own[index]) for o in analysed[index]],
             ),
             pair_bytes=[[a, b, n] for (a, b), n in sorted(pairs[index].items()) if n],
         )
@@ -666,10 +671,12 @@ def _option_profiles(
     scale: float,
     overheads: Overheads,
     gather: Callable[[list[int]], float] | None = None,
+    swappable: list[list[list[int]]] | None = None,
 ) -> list[OptionProfile]:
     """The layer's options with their bytes (``private``: the layer's own share of what
     each keeps) and replay costs (``scale``: seconds of forward per recorded op second;
-    ``gather``: the seconds of the all-gathers of a partitioned checkpoint's inputs).
+    ``gather``: the seconds of the all-gathers of a partitioned checkpoint's inputs;
+    ``swappable``: per option, what pipeline swap may move of its own bytes).
     The host copies' seconds are added once the layers are known
     (``Profile.retime_host_copies``)."""
     profiles = []
@@ -692,9 +699,20 @@ def _option_profiles(
                 host_bytes=result.host_bytes,
                 gather_bytes=sum(result.gathered),
                 gather_s=gather_s,
+                swappable=None if swappable is None else swappable[o],
             )
         )
     return profiles
+
+
+def _swappable(record: LayerRecord, option: OptionAnalysis, own: set[Hashable]) -> list[list[int]]:
+    """What pipeline swap may move of ``option``'s own bytes
+    (``_analysis.swappable_storages``): nothing of an option that keeps activations its
+    own way (on the host: the swap and offload options; split over the tensor-parallel
+    ranks: ``full+partition-inputs``), whose hooks or placement come first."""
+    if moves_to_host(option.name) or option.name == PARTITION_INPUTS:
+        return []
+    return swappable_storages(record, option, own)
 
 
 def check_exclude_collectives(value: Any) -> None:
