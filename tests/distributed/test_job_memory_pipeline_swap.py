@@ -32,10 +32,9 @@ def two_ranks(launcher):
 
 @pytest.fixture(scope="module")
 def profiled():
-    from job_memory_swap_cases import PER_MB, TOKENS, DIM, loss_of, make_net
-
     import torch
 
+    from job_memory_swap_cases import DIM, PER_MB, TOKENS, loss_of, make_net
     from recomp.plan import model_params, profile
 
     net = make_net()
@@ -56,7 +55,6 @@ def profiled():
 )
 def test_moved_bytes_and_peaks_equal_the_job_model(two_ranks, profiled, schedule):
     from job_memory_swap_cases import MICRO, SCHEDULES
-
     from recomp.plan.job import Parallel, PipelineSwap, job_memory
 
     if schedule not in two_ranks[0]:
