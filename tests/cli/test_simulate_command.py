@@ -284,3 +284,86 @@ def test_host_bandwidth_is_a_number(value, capsys) -> None:
         simulate.main(["llama-3.1-8b", "--host-bandwidth", value])
     assert exit_info.value.code == 2
     assert "--host-bandwidth is GB/s each way" in capsys.readouterr().err
+
+
+# Meta's layout of Llama-3.1-405B (TP 8 + SP, 16 stages, 1F1B over 32 micro-batches)
+# at 64k tokens with loss parallelism: no plan fits 80 GB H100s without pipeline swap.
+SWAP_ARGS = [
+    "llama-3.1-405b", "--tp", "8", "--sp", "--loss-parallel", "--seq", "65536", "--pp", "16",
+    "--microbatches", "32", "--stage-layers", "7,8,8,8,8,8,8,8,8,8,8,8,8,8,8,7",
+]  # fmt: skip
+
+
+def test_pipeline_swap_prints_the_job_model_s_figures_and_is_a_lever(tmp_path, capsys) -> None:
+    """Without --pipeline-swap no plan fits the first rank (88.7 GiB at least) and the
+    note names pipeline swap among the levers; with it a plan fits, and every row's
+    device activations, total and host memory, printed and in the JSON, are
+    ``job_memory``'s with ``PipelineSwap()`` for the same profile."""
+    assert simulate.main(SWAP_ARGS) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "no plan: pipeline rank 0 needs at least 88.7" in printed
+    assert "pipeline swap (recomp.torch.pipeline_swap; --pipeline-swap): with the" in printed
+    assert "a plan fits, 28.00 GiB of host memory per device at most" in printed
+
+    out = tmp_path / "swap.json"
+    assert simulate.main([*SWAP_ARGS, "--pipeline-swap", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "schedule 1F1B, pipeline swap" in " ".join(printed.split())
+    assert "no plan" not in printed
+    data = json.loads(out.read_text())
+
+    from recomp.plan import load_plan
+    from recomp.plan.job import Parallel, PipelineSwap, job_memory, model_params
+    from recomp.plan.models import SimulatedModel
+
+    model = SimulatedModel("llama-3.1-405b", seq=65536, tp=8, sp=True, loss_parallel=True)
+    profile = model.simulate(hardware="H100 SXM")
+    params = model_params(model.meta_model())
+    common = {
+        "activations": profile,
+        "schedule": "1F1B",
+        "microbatches": 32,
+        "stage_layers": [7, *[8] * 14, 7],
+        "pipeline_swap": PipelineSwap(),
+        "budget": Budget("74.51GiB", nbytes=data["budget_bytes"]),
+    }
+    layout = Parallel(tp=8, sp=True, pp=16, loss_parallel=True)
+    rows: dict[str, list] = {}
+    for row in data["rows"]:
+        rows.setdefault(row["strategy"], []).append(row)
+    plan_name = next(s for s in rows if s.startswith("plan@"))
+    jobs = {s: job_memory(params, layout, option=s, **common) for s in ("none", "full+replay-collectives")}
+    jobs[plan_name] = job_memory(params, layout, plan=load_plan(data["plan"]), **common)
+    lines = {tuple(line.split()[:2]): line.split() for line in printed.splitlines()}
+    for strategy, job in jobs.items():
+        for row, rank in zip(rows[strategy], job.ranks, strict=True):
+            assert (row["activations"], row["total"], row["host"]) == (
+                rank.activations, rank.total, rank.host,
+            ), (strategy, rank.rank)  # fmt: skip
+            shown = lines.get((strategy, str(rank.rank)))
+            if shown is not None:  # act, states, total, host as printed, GiB
+                assert shown[2:6] == [
+                    f"{v / GiB:.2f}"
+                    for v in (rank.activations, rank.total - rank.activations, rank.total, rank.host)
+                ]
+    plan_rows = rows[plan_name]
+    assert all(r["fits"] for r in plan_rows)
+    assert max(r["host"] for r in plan_rows) > 0
+    # The first rank: 1F1B holds 16 micro-batches there; with swap 3 of them whole.
+    assert jobs[plan_name].ranks[0].swap_groups == (32, 32)
+    without = job_memory(
+        params, layout, option="full+replay-collectives", **{**common, "pipeline_swap": None}
+    )
+    assert jobs["full+replay-collectives"].ranks[0].activations < without.ranks[0].activations
+
+
+def test_pipeline_swap_options_are_checked(capsys) -> None:
+    for argv, fix in (
+        (["llama-3.1-8b", "--pipeline-swap"], "--pipeline-swap swaps inside a pipeline schedule"),
+        (["llama-3.1-8b", "--pp", "2", "--swap-min-gap", "5"], "add --pipeline-swap"),
+        (["llama-3.1-8b", "--pp", "2", "--pipeline-swap", "--swap-min-gap", "2"], "at least 3"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            simulate.main(argv)
+        assert exit_info.value.code == 2
+        assert fix in capsys.readouterr().err

@@ -33,13 +33,17 @@ from ..errors import BudgetTooSmallError
 from .budget import Budget, format_bytes, parse_budget
 from .job import (
     JobMemory,
+    ModelParams,
     OutsideLayers,
     Parallel,
     PipelineSwap,
     job_memory,
+    layer_swapped,
+    model_params,
     replay_bytes,
     schedule_slots,
     split_layers,
+    stage_ends,
 )
 from .planfile import NO_CHECKPOINT, PER_LAYER, Plan, checkpointed, moves_to_host
 from .planner import TIE_TOLERANCE, Profile, make_plan
@@ -144,10 +148,11 @@ def plan_per_rank(
     tolerance of the step are ties, so that the whole plan is within that tolerance of
     the fastest. The plan is then counted by
     :func:`recomp.plan.job.job_memory`, and a rank it finds over the budget is planned
-    again with that much less. With ``pipeline_swap`` a rank's micro-batches held at
-    once are the (stage, micro-batch) groups on its device at its peak under swap
-    (``RankSwapPlan.resident_peak``), and the whole-job count that checks the plan counts
-    the swap. Returns the plan, or None and why (:class:`NoPlan`)."""
+    again with that much less. With ``pipeline_swap``, of what a layer's option keeps,
+    the part swap moves counts for the groups on the device at the rank's peak
+    (``RankSwapPlan.resident_peak``) only, the rest for every group held; the whole-job
+    count that checks the plan counts the swap itself. Returns the plan, or None and why
+    (:class:`NoPlan`)."""
     parsed = parse_budget(budget)
     if parsed.nbytes is None:
         raise ValueError(f"the budget is bytes per device with a unit (80GiB), got {budget!r}")
@@ -159,7 +164,8 @@ def plan_per_rank(
         "stage_layers": stage_layers,
         "pipeline_swap": pipeline_swap,
     }
-    unchecked = job_memory(params, parallel, activations=profile, option=NO_CHECKPOINT, **common)
+    model = params if isinstance(params, ModelParams) else model_params(params)
+    unchecked = job_memory(model, parallel, activations=profile, option=NO_CHECKPOINT, **common)
     resident = _resident_groups(parallel, schedule, common["microbatches"], pipeline_swap)
     num_stages = sum(len(r.stages) for r in unchecked.ranks)
     stage_of = split_layers(len(profile.layers), num_stages, stage_layers)
@@ -171,8 +177,6 @@ def plan_per_rank(
         index = [i for i, s in enumerate(stage_of) if s in rank.stages]
         peak = rank.peak
         held = max([peak.in_flight.get(s, 0) for s in rank.stages] if peak else [1]) or 1
-        if rank.rank in resident:
-            held = max(1, min(held, resident[rank.rank]))
         states = rank.total - rank.activations
         # What a backward step holds for a while, at most: the loss's backward where the
         # rank computes the loss, the replay of a layer keeping the least it can.
@@ -180,9 +184,21 @@ def plan_per_rank(
             [outside.loss_backward if num_stages - 1 in rank.stages else 0]
             + [replay_bytes(profile.layers[i], _least_checkpointed(profile, i)) for i in index]
         )
+        layers = [profile.layers[i] for i in index]
+        if pipeline_swap is not None and resident.get(rank.rank, held) < held:
+            layers = [
+                _weighted_for_swap(
+                    profile.layers[i],
+                    stage_ends(model, stage_of, i),
+                    pipeline_swap.min_bytes,
+                    held,
+                    resident[rank.rank],
+                )
+                for i in index
+            ]
         part = replace(
             profile,
-            layers=[profile.layers[i] for i in index],
+            layers=layers,
             shared_bytes=max(outside.on_stage(s, num_stages - 1) for s in rank.stages),
         )
         room = (budget_bytes - states - transient) // held
@@ -214,7 +230,7 @@ def plan_per_rank(
             for i, layer_plan in zip(rp.layers, stage_plan.layers):
                 chosen[i] = layer_plan
         plan = _whole_plan(profile, [chosen[i] for i in range(len(profile.layers))], budget_bytes)
-        counted = job_memory(params, parallel, activations=profile, plan=plan, **common)
+        counted = job_memory(model, parallel, activations=profile, plan=plan, **common)
         over = {r.rank: r.total - budget_bytes for r in counted.ranks if r.total > budget_bytes}
         if not over:
             return plan, None
@@ -227,6 +243,20 @@ def plan_per_rank(
     rank_index = min(over)
     least = counted.ranks[rank_index].activations
     return None, parts[rank_index].no_plan(rank_index, budget_bytes, least, pipeline)
+
+
+def _weighted_for_swap(
+    layer: Any, ends: tuple[bool, bool], min_bytes: int, held: int, resident: int
+) -> Any:
+    """``layer`` with each option's kept bytes per micro-batch as pipeline swap leaves
+    them on the device at the rank's peak, averaged over the ``held`` groups: what swap
+    moves counts for the ``resident`` ones only."""
+    options = []
+    for option in layer.options:
+        moved = layer_swapped(option.swappable or (), ends, min_bytes)
+        away = moved * (held - resident) // held
+        options.append(replace(option, kept_bytes=option.kept_bytes - away))
+    return replace(layer, options=options)
 
 
 def _resident_groups(

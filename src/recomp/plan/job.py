@@ -1259,22 +1259,45 @@ def _swappable_per_stage(
             "simulate (a compiled profile, or one written before they were recorded, has no "
             "such figures), or LayerActivation(..., swappable=((bytes, place), ...))"
         )
-    before = any(t.where == FIRST for t in model.tensors)
-    after = any(t.where == LAST for t in model.tensors)
     moved = dict.fromkeys(range(num_stages), 0)
-    for stage in range(num_stages):
-        own = [i for i, s in enumerate(layer_stage) if s == stage]
-        held_input = stage > 0 or not before
-        held_output = stage < num_stages - 1 or not after
-        for i in own:
-            for nbytes, place in per_layer[i].swappable or ():
-                if nbytes < min_bytes:
-                    continue
-                if place & ON_INPUT and i == own[0] and held_input:
-                    continue
-                if place & ON_OUTPUT and i == own[-1] and held_output:
-                    continue
-                moved[stage] += nbytes
+    for i, stage in enumerate(layer_stage):
+        moved[stage] += layer_swapped(
+            per_layer[i].swappable or (), stage_ends(model, layer_stage, i), min_bytes
+        )
+    return moved
+
+
+def stage_ends(model: ModelParams, layer_stage: Sequence[int], index: int) -> tuple[bool, bool]:
+    """Whether layer ``index``'s input is its stage's input and its output the stage's
+    output, as the pipeline holds them: the first / last layer of its stage, but on the
+    first stage of a model with parameters before its layers (embeddings: the layer's
+    input is made on the stage) and on the last of one with parameters after them (a
+    head takes the layer's output)."""
+    stage = layer_stage[index]
+    last_stage = max(layer_stage)
+    starts = index == 0 or layer_stage[index - 1] != stage
+    ends = index == len(layer_stage) - 1 or layer_stage[index + 1] != stage
+    if starts and stage == 0 and any(t.where == FIRST for t in model.tensors):
+        starts = False
+    if ends and stage == last_stage and any(t.where == LAST for t in model.tensors):
+        ends = False
+    return starts, ends
+
+
+def layer_swapped(
+    storages: Sequence[Sequence[int]], ends: tuple[bool, bool], min_bytes: int
+) -> int:
+    """The bytes pipeline swap moves of one layer's swappable ``storages`` (``(bytes,
+    place)`` each): those of at least ``min_bytes``, but its input where it is its
+    stage's and its output where it is its stage's (``ends``: :func:`stage_ends`)."""
+    starts, finishes = ends
+    moved = 0
+    for nbytes, place in storages:
+        if nbytes < min_bytes:
+            continue
+        if (place & ON_INPUT and starts) or (place & ON_OUTPUT and finishes):
+            continue
+        moved += nbytes
     return moved
 
 
