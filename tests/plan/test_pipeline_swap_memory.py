@@ -147,6 +147,30 @@ def test_the_guide_s_figures_for_gpipe_and_1f1b():
     assert [r.host // MiB for r in job.ranks] == [20, 15, 0, 0]
 
 
+def test_the_guide_s_table_in_bytes_is_what_the_job_model_says():
+    import paths
+
+    text = (paths.DOCS / "guides" / "pipelines.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and "\u2192" in cells[1] and ";" in cells[1] and " of " not in cells[1]:
+            rows[cells[0]] = cells[1:]
+    assert set(rows) == {*SCHEDULES, "ZBVZeroBubble", "DualPipeV"}
+    layers = _layers(16, ((16 * MiB, 0), (8 * MiB, ON_INPUT)), 24 * MiB)
+    params = ModelParams.from_counts({"sharded": 1000}, 16)
+    for name, cells in rows.items():
+        _needs(name)
+        common = {"activations": layers, "schedule": name, "microbatches": M}
+        without = job_memory(params, Parallel(pp=P), **common)
+        job = job_memory(params, Parallel(pp=P), pipeline_swap=PipelineSwap(), **common)
+        found = [
+            f"{a.activations // MiB} \u2192 {b.activations // MiB}; {b.host // MiB}"
+            for a, b in zip(without.ranks, job.ranks, strict=True)
+        ]
+        assert found == cells, name
+
+
 def test_groups_under_the_gap_and_a_gap_longer_than_the_schedule_change_nothing():
     without = _job("1F1B", None)
     job = _job("1F1B", PipelineSwap(min_bytes=0))
