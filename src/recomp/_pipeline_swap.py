@@ -37,10 +37,11 @@ from its forward to the first slot of its backward (``B``, or ``I``).
    so a schedule that runs its steps in another order than its action list says costs
    time (a copy back on read), never a wrong value.
 
-The whole-job memory model can read the same plan: :meth:`RankSwapPlan.steps_off_device`
-gives, per group, the compute steps (indices into the rank's flat step list, as
+The whole-job memory model reads the same plan (``recomp.plan.job.job_memory(...,
+pipeline_swap=PipelineSwap(...))``): :meth:`RankSwapPlan.steps_off_device` gives, per
+group, the compute steps (indices into the rank's flat step list, as
 ``recomp.plan.job.walk_schedule`` walks it) during which its swapped bytes are on the
-host.
+host only.
 """
 
 from __future__ import annotations

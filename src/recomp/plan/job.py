@@ -36,6 +36,11 @@ What each row rests on:
   weight-gradient pass; per pipeline rank, the schedule's own action list walked step
   by step (:func:`walk_schedule`), the peak of the live bytes and the step where it
   occurs.
+* **pipeline swap** (``pipeline_swap=PipelineSwap(...)``): per rank, the runtime's own
+  plan (``recomp._pipeline_swap.plan_rank_swap``) says which (stage, micro-batch)
+  groups go to the host and at which steps they are away; what goes is what the
+  profile says a saved-tensors hook may move of each layer's kept bytes
+  (``OptionProfile.swappable``), less the stage's input and output.
 """
 
 from __future__ import annotations
@@ -1149,6 +1154,8 @@ def job_memory(
         movable = _swappable_per_stage(
             per_layer, layer_stage, num_stages, model, pipeline_swap.min_bytes
         )
+        # A plan's own kept bytes may be less than the profile's: never more away than kept.
+        movable = {stage: min(n, stage_bytes[stage][0]) for stage, n in movable.items()}
         swap = _SwapCount.of(slots, movable, pipeline_swap.min_gap)
         notes.append(_swap_note(pipeline_swap))
     peaks = (
