@@ -603,7 +603,7 @@ def test_summarize_times():
 BENCHMARKS = os.path.join(os.path.dirname(SRC), "benchmarks")
 
 
-@pytest.mark.parametrize("name", ["bench.json", "bench_compile.json", "plan.json"])
+@pytest.mark.parametrize("name", ["bench_v1.json", "bench_compile.json", "plan.json"])
 def test_committed_version_1_files_are_read(name):
     """The files written before results were typed (no version, targets without ids,
     rows with only the keys their measurement filled in) read into the typed report, and

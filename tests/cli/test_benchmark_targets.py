@@ -161,7 +161,7 @@ def test_plan_targets(plan_rows):
     assert again["6a plan@50%"].verdict == "MISSED"
 
 
-@pytest.mark.parametrize("name", ["bench.json", "bench_compile.json", "plan.json"])
+@pytest.mark.parametrize("name", ["bench_v1.json", "bench_compile.json", "plan.json"])
 def test_verdicts_of_committed_files_are_found_again_from_their_rows(name):
     """The files written while ``recomp bench`` still judged its runs recorded verdicts;
     the script finds the same ones from the rows alone."""

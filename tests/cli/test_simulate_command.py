@@ -63,9 +63,7 @@ def test_table_equals_the_library(tmp_path, capsys) -> None:
     assert plan_row["fits"] is True
     assert plan_row["activations_per_microbatch"] == data["plan"]["predicted"]["activation_bytes"]
     # Every printed line fits a narrow terminal (and the docs page, without scrolling).
-    # The table and notes fit the width; "wrote PATH" lines are as long as the path given.
-    lines = [line for line in printed.splitlines() if not line.startswith("wrote ")]
-    assert max(map(len, lines)) <= simulate.WIDTH
+    assert max(map(len, _table_lines(printed))) <= simulate.WIDTH
 
 
 def test_pipeline_plan_is_made_per_rank(tmp_path, capsys) -> None:
@@ -241,7 +239,7 @@ def test_offload_options_show_their_host_memory(tmp_path, capsys) -> None:
     header = next(line for line in printed.splitlines() if line.startswith("strategy"))
     assert header.split() == ["strategy", "pp", "act", "states", "total", "host", "TFLOP",
                               "overhead", "fits"]  # fmt: skip
-    assert max(map(len, printed.splitlines())) <= simulate.WIDTH
+    assert max(map(len, _table_lines(printed))) <= simulate.WIDTH
     rows = {(r["strategy"], r["rank"]): r for r in json.loads(out.read_text())["rows"]}
     for option in ("offload", "exclude-offload:self_attn", "swap", "full+swap-inputs"):
         # 1F1B on 2 ranks: the first holds 2 micro-batches at once, the last 1.
@@ -367,3 +365,7 @@ def test_pipeline_swap_options_are_checked(capsys) -> None:
             simulate.main(argv)
         assert exit_info.value.code == 2
         assert fix in capsys.readouterr().err
+def _table_lines(printed: str) -> list[str]:
+    """What the command printed but its "wrote PATH" lines, which are as long as the path
+    given (longer in pytest-xdist's temporary directories)."""
+    return [line for line in printed.splitlines() if not line.startswith("wrote ")]
