@@ -365,6 +365,8 @@ def test_pipeline_swap_options_are_checked(capsys) -> None:
             simulate.main(argv)
         assert exit_info.value.code == 2
         assert fix in capsys.readouterr().err
+
+
 def _table_lines(printed: str) -> list[str]:
     """What the command printed but its "wrote PATH" lines, which are as long as the path
     given (longer in pytest-xdist's temporary directories)."""
