@@ -344,6 +344,10 @@ def test_pipeline_swap_prints_the_job_model_s_figures_and_is_a_lever(tmp_path, c
                     f"{v / GiB:.2f}"
                     for v in (rank.activations, rank.total - rank.activations, rank.total, rank.host)
                 ]
+    # The plan records what each option keeps (the swap is the count's to take off).
+    plan = load_plan(data["plan"])
+    for layer_plan, layer in zip(plan.layers, profile.layers, strict=True):
+        assert layer_plan.kept_bytes >= layer.option(layer_plan.option).kept_bytes
     plan_rows = rows[plan_name]
     assert all(r["fits"] for r in plan_rows)
     assert max(r["host"] for r in plan_rows) > 0

@@ -227,8 +227,18 @@ def plan_per_rank(
             except BudgetTooSmallError as exc:
                 least = exc.minimum_bytes * rp.held + rp.transient
                 return None, rp.no_plan(rank_index, budget_bytes, least, pipeline)
-            for i, layer_plan in zip(rp.layers, stage_plan.layers):
-                chosen[i] = layer_plan
+            for i, part_layer, layer_plan in zip(rp.layers, rp.profile.layers, stage_plan.layers):
+                # Under pipeline swap the part's bytes were weighted for planning: the
+                # plan records what the option keeps (the count takes the swap off).
+                away = (
+                    profile.layers[i].option(layer_plan.option).kept_bytes
+                    - part_layer.option(layer_plan.option).kept_bytes
+                )
+                chosen[i] = (
+                    replace(layer_plan, kept_bytes=layer_plan.kept_bytes + away)
+                    if away
+                    else layer_plan
+                )
         plan = _whole_plan(profile, [chosen[i] for i in range(len(profile.layers))], budget_bytes)
         counted = job_memory(model, parallel, activations=profile, plan=plan, **common)
         over = {r.rank: r.total - budget_bytes for r in counted.ranks if r.total > budget_bytes}
