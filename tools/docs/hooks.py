@@ -12,7 +12,7 @@ import os
 import re
 from typing import Any
 
-COMMANDS = ("bench", "plan", "report")
+COMMANDS = ("bench", "plan", "simulate", "report")
 MARKER = re.compile(r"<!-- cli-help: (\w+) -->")
 
 
