@@ -99,6 +99,10 @@ class Backend:
         Where ``versions_need_sync`` is set, only valid after :meth:`sync`."""
         return None
 
+    def versions(self, tensors: list[Any]) -> list[int | None]:
+        """:meth:`version` of each of ``tensors``."""
+        return [self.version(t) for t in tensors]
+
     def sync(self) -> None:
         """Wait until version counters reflect every queued in-place operation."""
 
@@ -302,6 +306,27 @@ class Modules:
     def same_values(self, a: Any, b: Any) -> bool:
         """Whether two tensors of one shape and type hold equal values."""
         raise NotImplementedError
+
+    def tree_layout(self, walked: list[tuple[Any, bool]], marker: str) -> Any:
+        """A layout of the modules ``walked`` (each with whether a walk skipped it, as it
+        skips modules holding a ``marker`` attribute) from which :meth:`layout_tensors`
+        reads their tensors without a walk; None where the framework has no such read
+        or a module holds state a forward may update (``recomp._module_state`` then
+        walks at every call). This default: None."""
+        return None
+
+    def layout_tensors(self, layout: Any) -> list[Any] | None:
+        """The tensors the modules of ``layout`` (from :meth:`tree_layout`) hold now, in
+        the order of the walk and of :meth:`module_state`; None once the layout no
+        longer holds (a module, parameter or buffer added, removed or replaced, a
+        parameter's ``requires_grad`` or the marker changed)."""
+        return None
+
+    def layout_live(self, layout: Any) -> list[Any] | None:
+        """Within one checkpoint call, the tensors the modules of ``layout`` hold now
+        under the names it lists, or None where those names changed (the tree's
+        structure is not checked: the call's modules are the ones it started with)."""
+        return None
 
     def module_tensor(self, module: Any, name: str) -> Any:
         """The tensor ``module`` holds under ``name`` now (None if none)."""

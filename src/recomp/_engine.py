@@ -35,7 +35,7 @@ import functools
 import operator
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any
 
 from ._backend import Backend
 from ._hooks import OBSERVERS, CallPart, CheckpointCallView, Placer, Stage
@@ -102,13 +102,10 @@ class ComposedContext:
                 self._entered[-1] = entered
         except BaseException:
             # Leave the contexts entered so far, innermost first, with the error.
-            self._exit(*sys.exc_info())
+            self.__exit__(*sys.exc_info())
             raise
 
     def __exit__(self, *exc_info: Any) -> bool:
-        return self._exit(*exc_info)
-
-    def _exit(self, *exc_info: Any) -> bool:
         """Exit this entry's contexts, innermost first, as nested ``with`` blocks would:
         one that suppresses the error hides it from those outside; an error one raises
         is what those outside see. True if the error given was suppressed."""
@@ -259,7 +256,7 @@ class _RecomputeStatePart(CallPart):
     stage = Stage.RECOMPUTE_STATE
 
     def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
-        listener = cast(CheckpointCall, call)  # the engine's own part: always given one
+        listener: CheckpointCall = call  # type: ignore[assignment]  # the engine's own part: given one
         invocation = call.invocation
         identity = invocation.call
         forward = RecomputeState(invocation, identity, is_recomputing=call.rerun)
@@ -332,6 +329,7 @@ def begin(
     the enclosing call's).
     """
     parent = get_recompute_state()
+    root = backend.modules.module_of(function)
     if parent is not None and parent.is_recomputing:
         invocation = invocation_of(parent).next_child()
         rerun = True
@@ -342,11 +340,16 @@ def begin(
             align_rng=align_rng and SWITCHES.rng_alignment,
             rewind=SWITCHES.replay_rewind,
         )
-        invocation.root = weak_or_nothing(backend.modules.module_of(function))
+        invocation.root = weak_or_nothing(root)
         if placer is None and parent is not None:
             placer = invocation_of(parent).placer
         invocation.placer = placer
-        for leaf in _input_tensors(backend, args, kwargs):
+        # One tensor alone (the common call) needs no walk.
+        if not kwargs and len(args) == 1 and isinstance(args[0], backend.tensor_class):
+            leaves: Any = args
+        else:
+            leaves = _input_tensors(backend, args, kwargs)
+        for leaf in leaves:
             key = backend.storage_key(leaf)
             if key is not None:
                 invocation.add_checkpoint_input(key, leaf)
@@ -358,7 +361,7 @@ def begin(
     all_parts = list(parts)
     if user_context_fn is not None:
         all_parts.append(UserContext(user_context_fn))
-    module_state = ModuleState.of(backend, function)
+    module_state = None if root is None else ModuleState.of(backend, root)
     if module_state is not None:
         all_parts.append(module_state)
     if restore_rng:
@@ -371,9 +374,7 @@ def begin(
 
 
 def _input_tensors(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The tensors among a checkpoint call's arguments; one tensor alone needs no walk."""
-    if not kwargs and len(args) == 1 and isinstance(args[0], backend.tensor_class):
-        return args
+    """The tensors among a checkpoint call's arguments."""
     leaves, _ = backend.flatten((args, kwargs))
     return [leaf for leaf in leaves if backend.is_tensor(leaf)]
 

@@ -91,6 +91,8 @@ between them.
 
 from __future__ import annotations
 
+import contextlib
+import operator
 import warnings
 import weakref
 from typing import Any
@@ -100,17 +102,26 @@ from ._hooks import CallPart, CheckpointCallView, Stage
 from ._region import ExcludedRegion
 from .errors import ReplayStateWarning, RunningStatisticsWarning, changed_before_backward
 
+#: The attribute an excluded region's module holds its region under.
+_REGION = "_recomp_region"
 
-def _replayed_modules(backend: Backend, root: Any, path: str) -> list[tuple[str, Any]]:
+
+def _replayed_modules(
+    backend: Backend, root: Any, path: str, skipped: list[Any] | None = None
+) -> list[tuple[str, Any]]:
     """``root`` and the modules below it that a replay of ``root`` runs (each once), in
-    depth-first order. Walked at every checkpoint call of a module: a list filled in one
-    loop (no generator to resume per module)."""
+    depth-first order; into ``skipped``, the excluded regions' modules the walk reached
+    and left out. A list filled in one loop (no generator to resume per module)."""
     seen: set[int] = set()
     found: list[tuple[str, Any]] = []
     stack = [(path, root)]
     while stack:
         where, module = stack.pop()
-        if id(module) in seen or isinstance(vars(module).get("_recomp_region"), ExcludedRegion):
+        if id(module) in seen:
+            continue
+        if isinstance(vars(module).get(_REGION), ExcludedRegion):
+            if skipped is not None:
+                skipped.append(module)
             continue
         seen.add(id(module))
         found.append((where, module))
@@ -152,7 +163,6 @@ class _Slot:
         # tensor itself (no copy): NOTE [ State changed before backward ].
         self.settled: int | None = None
 
-
     @property
     def kind_name(self) -> str:
         return "buffer" if self.kind in ("buffer", "statistics") else "parameter"
@@ -163,7 +173,52 @@ def _rebound(backend: Backend, live: Any, slot: _Slot) -> bool:
     recomp must swap back for the replay. One parameter object in place of another is a
     framework's own swap (FSDP's sharded and unsharded parameters), which it undoes
     itself before the module runs again: left to it."""
-    return live is not slot.tensor and not (backend.is_parameter(live) and backend.is_parameter(slot.tensor))
+    return live is not slot.tensor and not (
+        backend.is_parameter(live) and backend.is_parameter(slot.tensor)
+    )
+
+
+class _Layout:
+    """What a walk of one root module found, where all of it trains (no buffer, no
+    parameter without gradients: nothing a forward may update) and the backend can read
+    it again without a walk (``Modules.tree_layout``): later calls of the root read their
+    tensors from ``layout`` and build no slot unless something differs."""
+
+    __slots__ = ("layout", "meta")
+
+    def __init__(self, layout: Any, meta: list[tuple[str, Any, str]]) -> None:
+        self.layout = layout  # the backend's
+        self.meta = meta  # path, module and name of each tensor ``layout`` reads
+
+
+class _Layouts:
+    """Per root module (held weakly), its :class:`_Layout`, or None where it has none
+    (state a forward may update, or no read without a walk): looked up at every call."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref[Any], _Layout | None]] = {}
+
+    def get(self, root: Any) -> tuple[bool, _Layout | None]:
+        """Whether ``root`` was seen, and its layout."""
+        entry = self._by_id.get(id(root))
+        if entry is None or entry[0]() is not root:
+            return False, None
+        return True, entry[1]
+
+    def put(self, root: Any, layout: _Layout | None) -> None:
+        key = id(root)
+        by_id = self._by_id
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            entry = by_id.get(key)
+            if entry is not None and entry[0] is ref:
+                del by_id[key]
+
+        with contextlib.suppress(TypeError):  # no weak reference: walked at every call
+            by_id[key] = (weakref.ref(root, forget), layout)
+
+
+_LAYOUTS = _Layouts()
 
 
 #: Per root module and mode (training or not), the paths of the watched tensors some
@@ -179,28 +234,91 @@ class ModuleState(CallPart):
 
     stage = Stage.RESTORED_STATE
 
-    def __init__(self, backend: Backend, root: Any, slots: list[_Slot]) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        root: Any,
+        slots: list[_Slot] | None,
+        layout: _Layout | None = None,
+        tensors: list[Any] | None = None,
+    ) -> None:
         self.backend = backend
         self.root = root
-        self.slots = slots
+        # The slots, or (the common case: nothing a forward may update, and a layout
+        # the backend reads without a walk) none until something differs: the tensors
+        # the modules held when the call started, read from ``_layout``, and their
+        # versions when the forward ended.
+        self._slots = slots
+        self._layout = layout
+        self._tensors = tensors
+        self._settled: list[int | None] | None = None
+        # What a forward may update (buffers, parameters without gradients): most
+        # layers hold none, and their calls start with nothing to copy.
+        self.watched = [slot for slot in slots if slot.watched] if slots is not None else []
         self._learning = False
         self._replays: list[Any] = []
 
+    @property
+    def slots(self) -> list[_Slot]:
+        """One slot per tensor of the replayed modules (built on first use where the call
+        started from a layout; from then on the call no longer uses it)."""
+        if self._slots is None:
+            layout, tensors, settled = self._layout, self._tensors, self._settled
+            assert layout is not None and tensors is not None
+            slots = [
+                _Slot(path, module, name, tensor, "parameter")
+                for (path, module, name), tensor in zip(layout.meta, tensors)
+            ]
+            if settled is not None:
+                for slot, version in zip(slots, settled):
+                    slot.settled = version
+            self._slots, self._layout, self._tensors = slots, None, None
+        return self._slots
+
+
     @classmethod
-    def of(cls, backend: Backend, function: Any) -> ModuleState | None:
-        """The part for a checkpoint call of ``function``, if it is a module (or a bound
-        method of one) that holds any tensor; None otherwise."""
-        root = backend.modules.module_of(function)
-        if root is None:
-            return None
+    def of(cls, backend: Backend, root: Any) -> ModuleState | None:
+        """The part for a checkpoint call of the module ``root`` (the module a checkpointed
+        function runs, ``Modules.module_of``), if it holds any tensor; None otherwise."""
+        modules = backend.modules
+        seen, layout = _LAYOUTS.get(root)
+        if layout is not None:
+            tensors = modules.layout_tensors(layout.layout)
+            if tensors is not None:
+                return cls(backend, root, None, layout, tensors) if tensors else None
+        skipped: list[Any] = []
+        walked = _replayed_modules(backend, root, "", skipped)
         slots = []
-        for path, module in _replayed_modules(backend, root, ""):
-            statistics = backend.modules.running_statistics(module)
-            updating = {id(t) for t in statistics} if isinstance(statistics, list) else ()
-            for name, tensor, kind in backend.modules.module_state(module):
-                if id(tensor) in updating:
+        for path, module in walked:
+            rows = modules.module_state(module)
+            if not rows:
+                continue
+            updating: Any = ()
+            # Running statistics are buffers (PyTorch) or parameters without gradients
+            # (MindSpore): a module whose state trains, all of it, has none to ask for.
+            if any(kind != "parameter" for _, _, kind in rows):
+                statistics = modules.running_statistics(module)
+                if isinstance(statistics, list):
+                    updating = {id(t) for t in statistics}
+            prefix = f"{path}." if path else ""
+            for name, tensor, kind in rows:
+                if updating and id(tensor) in updating:
                     kind = "statistics"
-                slots.append(_Slot(f"{path}.{name}" if path else name, module, name, tensor, kind))
+                slots.append(_Slot(prefix + name, module, name, tensor, kind))
+        if layout is not None or not seen:
+            # First call, or the modules changed: a layout for the next calls, if all of
+            # it trains and the backend has one.
+            found = None
+            if all(slot.kind == "parameter" for slot in slots):
+                found = modules.tree_layout(
+                    [(m, False) for _, m in walked] + [(m, True) for m in skipped], _REGION
+                )
+            _LAYOUTS.put(
+                root,
+                None
+                if found is None
+                else _Layout(found, [(s.path, s.module, s.name) for s in slots]),
+            )
         return cls(backend, root, slots) if slots else None
 
     def _updated(self) -> set[str] | None:
@@ -210,8 +328,10 @@ class ModuleState(CallPart):
         return None if modes is None else modes.get(self.backend.modules.is_training(self.root))
 
     def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
+        watched = self.watched
+        if not watched:
+            return None, self
         backend = self.backend
-        watched = [slot for slot in self.slots if slot.watched]
         copies: dict[int, Any] = {}  # one copy per tensor, also where modules share it
 
         def keep(slot: _Slot) -> None:
@@ -245,6 +365,16 @@ class ModuleState(CallPart):
     def forward_ended(self, ok: bool) -> None:
         if not ok:
             return
+        if self._slots is None:
+            # Nothing a forward may update: each tensor's version, for the replays to
+            # compare (NOTE [ State changed before backward ]). A tensor the forward put
+            # in a module's place is found by the replay, which puts back the one the
+            # call started with, as a slot that saw it rebound here would.
+            backend = self.backend
+            if backend.versions_need_sync:
+                backend.sync()
+            self._settled = backend.versions(self._tensors)  # type: ignore[arg-type]
+            return
         if self.backend.modules.state_versions_track_writes:
             self._find_writes()
         elif self._learning:
@@ -254,27 +384,37 @@ class ModuleState(CallPart):
         backend = self.backend
         if backend.versions_need_sync:
             backend.sync()
-        modes = _UPDATED.setdefault(self.root, {})
-        updated = modes.setdefault(backend.modules.is_training(self.root), set())
+        module_tensor = backend.modules.module_tensor
+        version = backend.version
+        updated: set[str] | None = None
         uncopied: list[str] = []
         for slot in self.slots:
             if slot.kind == "statistics":
                 continue  # copied and counted as updated at the start
-            live = backend.modules.module_tensor(slot.module, slot.name)
-            rebound = live is not slot.tensor and _rebound(backend, live, slot)
-            written = slot.watched and backend.version(slot.tensor) != slot.version
-            if written:
+            tensor = slot.tensor
+            live = module_tensor(slot.module, slot.name)
+            rebound = live is not tensor and _rebound(backend, live, slot)
+            if slot.watched and version(tensor) != slot.version:
+                if updated is None:
+                    modes = _UPDATED.setdefault(self.root, {})
+                    updated = modes.setdefault(backend.modules.is_training(self.root), set())
                 updated.add(slot.path)
                 if slot.before is None:
                     # Too late for the value the forward read; a copy of the updated
                     # one still keeps the replay's update away from the module.
                     uncopied.append(slot.path)
-                    slot.before = backend.copy(slot.tensor)
+                    slot.before = backend.copy(tensor)
+                slot.changed = True
             else:
                 slot.before = None  # the value the forward read is the tensor itself
-            slot.changed = rebound or written
+                slot.changed = rebound
             if slot.before is None:
-                slot.settled = backend.version(slot.tensor)
+                slot.settled = version(tensor)
+        if self.watched and updated is None:
+            # Forwards of this root in this mode have been seen, updating none of it.
+            _UPDATED.setdefault(self.root, {}).setdefault(
+                backend.modules.is_training(self.root), set()
+            )
         if uncopied and self.root not in _REPORTED:
             _REPORTED.add(self.root)
             warnings.warn(
@@ -308,22 +448,37 @@ class ModuleState(CallPart):
 
     def __enter__(self) -> None:
         backend = self.backend
+        if self._slots is None and self._settled is not None:
+            # From a layout: the modules hold the tensors the call started with, which
+            # no write has changed since the forward ended: nothing to put in place.
+            live = backend.modules.layout_live(self._layout.layout)  # type: ignore[union-attr]
+            tensors: list[Any] = self._tensors  # type: ignore[assignment]
+            if (
+                live is not None
+                and all(map(operator.is_, live, tensors))
+                and backend.versions(tensors) == self._settled
+            ):
+                self._replays.append(None)
+                return
+        module_tensor = backend.modules.module_tensor
+        version = backend.version
         changes: list[StateChange] = []
         stale: list[_Slot] = []
         for slot in self.slots:
-            live = backend.modules.module_tensor(slot.module, slot.name)
+            live = module_tensor(slot.module, slot.name)
             if slot.before is not None:
                 changes.append(StateChange(slot.module, slot.name, live, slot.before, True))
                 continue
-            rebound = live is not slot.tensor and _rebound(backend, live, slot)
+            tensor = slot.tensor
+            rebound = live is not tensor and _rebound(backend, live, slot)
             if (
                 slot.settled is not None
-                and (rebound or live is slot.tensor)
-                and backend.version(slot.tensor) != slot.settled
+                and (rebound or live is tensor)
+                and version(tensor) != slot.settled
             ):
                 stale.append(slot)
             elif slot.changed or rebound:
-                changes.append(StateChange(slot.module, slot.name, live, slot.tensor, False))
+                changes.append(StateChange(slot.module, slot.name, live, tensor, False))
         if stale:
             raise changed_before_backward(
                 [(slot.kind_name, slot.path) for slot in stale],

@@ -298,7 +298,7 @@ class Invocation:
 
     def add_checkpoint_input(self, key: Hashable, tensor: Any) -> None:
         """A tensor the checkpoint takes as input (held by the checkpoint anyway)."""
-        self.checkpoint_inputs.add(key, tensor)
+        self.checkpoint_inputs.setdefault(key, tensor)
 
     def add_child(self, child: Invocation) -> None:
         """A recomp checkpoint called inside this one's forward. The parent's replay
@@ -414,7 +414,7 @@ class Invocation:
         try:
             if not ok:
                 return
-            if counter is not None:
+            if counter is not None and any([log.entries for log in self._logs]):
                 # A replay that stops at the last saved tensor never reaches the calls
                 # recorded after it: what they hold would only take memory (rule 8);
                 # but a re-run by an enclosing replay reads some logs to their end.

@@ -275,5 +275,12 @@ class ReplayTrackers(CallPart):
 def replay_trackers_part() -> ReplayTrackers | None:
     """The part of a checkpoint call that restores the trackers' states for its replays,
     the states captured now (when the call starts); None when no tracker is known."""
+    if not _REGISTERED:  # asked at every checkpoint call: no tracker in the common case
+        modules = sys.modules
+        for module_name, _ in AUTOMATIC_TRACKERS:
+            if module_name in modules:
+                break
+        else:
+            return None
     states = capture_tracker_states()
     return None if states is None else ReplayTrackers(states)

@@ -305,3 +305,83 @@ def test_running_statistics_turned_on_after_a_step_are_restored() -> None:
         model(x).sum().backward()
     assert torch.equal(plain[1].running_mean, wrapped[1].running_mean)
     assert int(wrapped[1].num_batches_tracked) == 1
+
+
+def test_a_parameter_frozen_after_a_step_is_watched() -> None:
+    d = rt.checkpoint_wrapper(discriminator())
+    d(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    d[2].weight.requires_grad_(False)  # frozen: state a forward may update
+    with pytest.raises(ParameterChangedError, match=r"'2\.weight'"):
+        _clip_then_backward(d, d[2])
+
+
+def test_a_parameter_object_replaced_after_a_step_is_watched() -> None:
+    d = rt.checkpoint_wrapper(discriminator())
+    d(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    d[2].weight = nn.Parameter(torch.randn(1, 16))  # the same name, another tensor
+    with pytest.raises(ParameterChangedError, match=r"'2\.weight'"):
+        _clip_then_backward(d, d[2])
+
+
+def test_a_buffer_registered_after_a_step_is_restored_for_the_replay() -> None:
+    """A module that starts keeping a running count in a buffer after the first step: the
+    replay reads the count the forward read, and the count goes up once per step."""
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            count = vars(self)["_buffers"].get("count")
+            if count is None:
+                return self.fc(x)
+            out = self.fc(x) * (1 + count)
+            count.add_(1)
+            return out
+
+    torch.manual_seed(0)
+    plain = Counting()
+    wrapped = rt.checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(4, 8, requires_grad=True)
+    for model in (plain, wrapped):
+        model(x).sum().backward()
+        model.register_buffer("count", torch.zeros(()))
+        model.zero_grad()
+        model(x).sum().backward()
+    assert float(wrapped.count) == float(plain.count) == 1.0
+    torch.testing.assert_close(wrapped.fc.weight.grad, plain.fc.weight.grad, rtol=0, atol=0)
+
+
+def test_a_region_excluded_after_a_step_is_not_replayed() -> None:
+    d = rt.checkpoint_wrapper(discriminator())
+    d(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    d[0] = rt.checkpoint_exclude_wrapper(d[0], name="D.0")
+    d(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    region = d[0]._recomp_region
+    assert (region.runs, region.skips) == (1, 1)
+
+
+def test_calls_after_the_first_read_the_modules_without_walking_them() -> None:
+    """The modules a checkpoint's replay runs are walked at a module's first call; later
+    calls read their tensors from what that walk found, and build nothing per tensor
+    while nothing differs (the host cost of a plain checkpoint)."""
+    from call_counts import calls_of
+
+    d = rt.checkpoint_wrapper(discriminator())
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step() -> None:
+        d(x).sum().backward()
+
+    first = calls_of(step)
+    later = calls_of(step)
+
+    def count(calls: object, name: str) -> int:
+        return sum(n for (path, qual), n in calls.items() if qual == name)  # type: ignore[attr-defined]
+
+    assert count(first, "_replayed_modules") == 1 and count(first, "_Slot.__init__") == 4
+    assert count(later, "_replayed_modules") == 0 and count(later, "_Slot.__init__") == 0
+    # A change of the tree is seen again by a walk.
+    d[2] = nn.Linear(16, 1)
+    assert count(calls_of(step), "_replayed_modules") == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -116,8 +117,10 @@ def checkpoint(
     ``recomp.torch._swap.scope``). ``context_fn=noop_context_fn()`` (HyperParallel's) is no
     ``context_fn``.
     """
-    _engine.check_use_reentrant(use_reentrant, BACKEND.package)
-    _engine.check_flag("exclude_collectives", exclude_collectives)
+    if use_reentrant is not None:
+        _engine.check_use_reentrant(use_reentrant, BACKEND.package)
+    if exclude_collectives is not True:
+        _engine.check_flag("exclude_collectives", exclude_collectives)
     if context_fn is not None:  # HyperParallel's no-op: none (torch.compile wants that)
         context_fn = without_noop(context_fn)
     if _compile.is_compiling():
@@ -135,7 +138,8 @@ def checkpoint(
         # eager call checked the function already; Dynamo 2.9 cannot trace that check.)
         value_check_option(kwargs, debug=False, compiled=True)
         return _compile.checkpoint(function, args, kwargs, context_fn)
-    check_callable(function, "checkpoint", "module")
+    if isinstance(function, type) or not callable(function):
+        check_callable(function, "checkpoint", "module")
     user: Any = None if saved_tensors_hooks is None else UserHooks(saved_tensors_hooks, "checkpoint")
     if user is not None and (partition_inputs is not None or swap_inputs):
         raise ValueError(
@@ -175,12 +179,14 @@ def checkpoint(
     )
     swap = None if plain else _swap.CheckpointSwap(policy_fn, swap_inputs, group_swap, cpu_pool)
     partitioned = None if partition_inputs is None else _partition.for_call(partition_inputs)
-    adapt_hf_layer_call(function, kwargs)
+    if _hf.LAYERS_MODULE in sys.modules:  # HF's layers exist: this may be one
+        adapt_hf_layer_call(function, kwargs)
     refuse_enclosing_checkpoint(function)
     parts, kwargs, torch_debug_off = debug_options(kwargs)
-    value_check = value_check_option(kwargs, debug=bool(parts), function=function)
-    if value_check is not None:
-        parts.append(value_check)
+    if parts or kwargs.get("determinism_check") == "values":
+        value_check = value_check_option(kwargs, debug=bool(parts), function=function)
+        if value_check is not None:
+            parts.append(value_check)
     if _engine.SWITCHES.kept_replays:
         parts.append(_kept.KEPT_REPLAYS)
     if exclude_collectives and collectives_may_run():
@@ -199,7 +205,11 @@ def checkpoint(
         placer=user,
     )
     if swap is None and torch_debug_off is None:
-        return _run_checkpoint(function, args, kwargs, call, None)
+        try:
+            return _torch_checkpoint(function, args, kwargs, call.context_fn)
+        except BaseException as exc:
+            _compat.finish_failed_checkpoint(exc)  # PyTorch 2.9 leaves it open
+            raise
     if partitioned is not None:
         saved_inputs = partitioned.hooks()
     elif user is not None:

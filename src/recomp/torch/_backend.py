@@ -86,6 +86,9 @@ class TorchModules(Modules):
     # Called per module and per tensor at every checkpoint call: no wrapper of our own.
     module_state = staticmethod(_compat.module_tensors)
     module_tensor = staticmethod(_compat.module_tensor)
+    tree_layout = staticmethod(_compat.tree_layout)
+    layout_tensors = staticmethod(_compat.layout_tensors)
+    layout_live = staticmethod(_compat.layout_live)
 
     def same_values(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.equal(a, b)
@@ -140,6 +143,7 @@ class TorchBackend(Backend):
 
     # Read per parameter and buffer at every checkpoint call and replay: no wrapper.
     version = staticmethod(_compat.version)
+    versions = staticmethod(_compat.versions)
 
 
 
@@ -207,8 +211,8 @@ class TorchBackend(Backend):
     def boundary(self, saved: list[Any], outputs: list[Any]) -> list[Any]:
         return list(_Boundary.apply(len(saved), *saved, *outputs))
 
-    def save_counter(self) -> Callable[[], int] | None:
-        return _compat.checkpoint_save_counter()
+    # Asked when every checkpoint's forward starts: no wrapper of our own.
+    save_counter = staticmethod(_compat.checkpoint_save_counter)
 
     def get_rng_state(self) -> Any:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None

@@ -49,7 +49,6 @@ import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .._hooks import CallPart, CheckpointCallView, Stage
 from .._record import EntryLog, Invocation
@@ -74,7 +73,7 @@ _warned: set[str] = set()
 def collectives_may_run() -> bool:
     """Whether a collective can run in this process (a default process group exists) and
     its results can be kept."""
-    return _DETACH is not None and dist.is_available() and dist.is_initialized()
+    return _DETACH is not None and _compat.default_group_exists()
 
 
 def keep_collective_results(function: Any) -> CollectiveRecord:

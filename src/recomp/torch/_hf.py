@@ -59,6 +59,11 @@ __all__ = [
 ]
 
 
+#: The module of HF's ``GradientCheckpointingLayer``: until it is imported, no function is
+#: an HF layer call (checked first at every checkpoint call).
+LAYERS_MODULE = "transformers.modeling_layers"
+
+
 def adapt_hf_layer_call(function: Any, kwargs: dict[str, Any]) -> None:
     """Check and adjust, in place, the keyword arguments of a checkpointed HF layer call."""
     layer = _hf_layer(function)
@@ -116,7 +121,7 @@ def _is_recomp_function(function: Any) -> bool:
 
 def _hf_layer(function: Any) -> nn.Module | None:
     """The HF ``GradientCheckpointingLayer`` that ``function`` is (or is a method of), if any."""
-    modeling_layers = sys.modules.get("transformers.modeling_layers")
+    modeling_layers = sys.modules.get(LAYERS_MODULE)
     layer_type = getattr(modeling_layers, "GradientCheckpointingLayer", None)
     if layer_type is None:
         return None
@@ -224,7 +229,7 @@ HF_CHECKPOINTING = "_recomp_hf_checkpointing"
 
 def hf_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The transformers ``GradientCheckpointingLayer`` modules in ``model``, with their paths."""
-    modeling_layers = sys.modules.get("transformers.modeling_layers")
+    modeling_layers = sys.modules.get(LAYERS_MODULE)
     layer_type = getattr(modeling_layers, "GradientCheckpointingLayer", None)
     if layer_type is None:
         return []

@@ -79,9 +79,12 @@ class RecomputeHandle:
 
     __slots__ = (
         "__weakref__",
+        "_checkpoint_pack",
         "_checkpoint_unpack",
         "_collectable",
+        "_collector",
         "_consumed",
+        "_installed",
         "_kept",
         "_lock",
         "_running",
@@ -92,7 +95,12 @@ class RecomputeHandle:
     def __init__(self, collectable: bool = True) -> None:
         self._collectable = collectable
         self._store: _compat.ReplayStore | None = None
+        # PyTorch's checkpoint hooks; the store is read from the pack hook's frame where
+        # needed (PyTorch's unpack hook holds that frame too).
+        self._checkpoint_pack: Callable[[Any], Any] | None = None
         self._checkpoint_unpack: Callable[[Any], Any] | None = None
+        self._installed = False  # the forward runs with :meth:`unpack` in place
+        self._collector: list[RecomputeHandle] | None = None
         # Holder -> the backward pass (graph task) whose replay kept it -> the tensor, with
         # its version when kept: a parameter the replay saved that changes before a later
         # pass reads it is refused (NOTE [ State changed before backward ] in
@@ -115,15 +123,44 @@ class RecomputeHandle:
 
     # ----------------------------------------------------------------- contexts
 
-    def forward_context(self) -> contextlib.AbstractContextManager[None]:
-        """Entered directly inside PyTorch's checkpoint hook, around the forward."""
-        return _UnpackThroughHandle(self)
+    # The handle is the forward context: entered directly inside PyTorch's checkpoint
+    # hook, around the forward, it makes the checkpoint's saved tensors unpack through
+    # :meth:`unpack` (PyTorch's pack hook stays on top of the stack).
+
+    def __enter__(self) -> None:
+        hooks = _compat.top_checkpoint_hooks()
+        if hooks is None or not _compat.replay_store_readable(hooks[0]):
+            return  # not directly under PyTorch's checkpoint hook: PyTorch's unpack stays
+        pack, unpack = hooks
+        self._installed = True
+        self._checkpoint_pack = pack
+        self._checkpoint_unpack = unpack
+        if self._collectable:
+            self._collector = _COLLECTOR.get()
+            if self._collector is not None:
+                self._collector.append(self)
+        _compat.set_top_hooks(pack, self.unpack)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._installed:
+            self._installed = False
+            _compat.set_top_hooks(self._checkpoint_pack, self._checkpoint_unpack)  # type: ignore[arg-type]
+        collector, self._collector = self._collector, None
+        if exc_info[0] is not None and collector is not None and self in collector:
+            collector.remove(self)  # a forward that failed has nothing to replay
 
     # ----------------------------------------------------------------- unpack
 
     def unpack(self, holder: Any) -> Any:
         current = _compat.graph_task_id()
-        if current != -1 and current not in self._running:
+        session = self.session
+        # A pass that frees the graph keeps nothing, and no pass reads after it what its
+        # replay left unread: it needs no end-of-pass record (a plain backward).
+        if (
+            current != -1
+            and current not in self._running
+            and (session is not None or _compat.pass_keeps_graph())
+        ):
             self._pass_started(current)
         if self._kept is not _EMPTY:  # a later pass, or a session: the rare path
             with self._lock:
@@ -147,12 +184,9 @@ class RecomputeHandle:
             if mismatch is None:
                 raise
             raise mismatch from exc
-        session = self.session
         if (session is not None and session.retain_on_unpack) or (
             # A pass that frees the graph never runs this node again.
-            current != -1
-            and _compat.pass_keeps_graph()
-            and not _compat.node_finishes_in_this_pass()
+            current in self._running and not _compat.node_finishes_in_this_pass()
         ):
             with self._lock:
                 self._keep(holder, value, current)
@@ -218,7 +252,7 @@ class RecomputeHandle:
     def _pass_ended(self, task: int) -> None:
         """What the pass's replay recomputed and no node read is kept for a later pass
         (taken from PyTorch's checkpoint, which would hold it until the graph goes)."""
-        store = self._store
+        store = self._replay_store()
         leftovers = store.take_leftovers(task) if store is not None else []
         with self._lock:
             self._running.discard(task)
@@ -226,9 +260,15 @@ class RecomputeHandle:
                 if self._consumed.get(holder) != task:
                     self._keep(holder, value, task)
 
+    def _replay_store(self) -> _compat.ReplayStore | None:
+        """PyTorch's record of this call's replays (made on first use)."""
+        if self._store is None and self._checkpoint_pack is not None:
+            self._store = _compat.replay_store(self._checkpoint_pack)
+        return self._store
+
     def replay_now(self) -> None:
         """Run the replay outside backward; its tensors are kept until read."""
-        store = self._store
+        store = self._replay_store()
         unpack = self._checkpoint_unpack
         holders = store.holders() if store is not None else []
         first = next((h for h in holders if h is not None), None)
@@ -276,42 +316,6 @@ class RecomputeHandle:
             return sum(len(by_pass) for by_pass in self._kept.values())
 
 
-class _UnpackThroughHandle:
-    """Forward context: the checkpoint's saved tensors unpack through the handle."""
-
-    __slots__ = ("_collector", "_replaced", "handle")
-
-    def __init__(self, handle: RecomputeHandle) -> None:
-        self.handle = handle
-        self._replaced: Any = None
-        self._collector: list[RecomputeHandle] | None = None
-
-    def __enter__(self) -> None:
-        hooks = _compat.top_checkpoint_hooks()
-        store = _compat.replay_store(hooks[0]) if hooks is not None else None
-        if hooks is None or store is None:
-            return  # not directly under PyTorch's checkpoint hook: PyTorch's unpack stays
-        pack, unpack = hooks
-        handle = self.handle
-        handle._store = store
-        handle._checkpoint_unpack = unpack
-        if handle._collectable:
-            self._collector = _COLLECTOR.get()
-            if self._collector is not None:
-                self._collector.append(handle)
-        replaced = _compat.replace_top_hooks(pack, handle.unpack, hooks)
-        replaced.__enter__()
-        self._replaced = replaced
-
-    def __exit__(self, *exc_info: Any) -> None:
-        replaced, self._replaced = self._replaced, None
-        if replaced is not None:
-            replaced.__exit__(None, None, None)
-        collector, self._collector = self._collector, None
-        if exc_info[0] is not None and collector is not None and self.handle in collector:
-            collector.remove(self.handle)  # a forward that failed has nothing to replay
-
-
 class KeptReplays(CallPart):
     """The part of a checkpoint call that gives it a :class:`RecomputeHandle`, whose
     forward context sits directly inside PyTorch's checkpoint hook (the replay is
@@ -321,7 +325,7 @@ class KeptReplays(CallPart):
     stage = Stage.KEPT_REPLAYS
 
     def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
-        return _UnpackThroughHandle(RecomputeHandle(collectable=not call.nested)), None
+        return RecomputeHandle(collectable=not call.nested), None
 
 
 #: Holds nothing of a call: one serves every checkpoint call.

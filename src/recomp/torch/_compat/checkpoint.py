@@ -102,9 +102,13 @@ def top_checkpoint_hooks() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] 
     ``_checkpoint_internal`` is how PyTorch's checkpoint tags its own hooks.
     """
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is None or not _is_checkpoint_pack_hook(hooks[0]):
+    if hooks is None:
         return None
-    return hooks[0], hooks[1]
+    pack = hooks[0]
+    # 2.14's mark, read here first (asked at every checkpoint call), then the older test.
+    if not getattr(pack, "_checkpoint_internal", False) and not _is_checkpoint_pack_hook(pack):
+        return None
+    return pack, hooks[1]
 
 
 # Per version: PyTorch 2.14 marks the checkpoint's hooks (``pack_hook._checkpoint_internal
@@ -143,12 +147,17 @@ class replace_top_hooks:
         self.original = original
 
     def __enter__(self) -> None:
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+        set_top_hooks(self.pack, self.unpack)
 
     def __exit__(self, *exc_info: Any) -> None:
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-        torch._C._autograd._push_saved_tensors_default_hooks(*self.original)
+        set_top_hooks(*self.original)
+
+
+def set_top_hooks(pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> None:
+    """Put (pack, unpack) in place of the top saved-tensors hook pair (as
+    :class:`replace_top_hooks` does, for a caller that keeps the original pair itself)."""
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 # --------------------------------------------------------------------------- kept replays
@@ -227,6 +236,25 @@ def replay_store(pack: Any) -> ReplayStore | None:
     if frame is None or not isinstance(getattr(frame, "recomputed", None), dict):
         return None
     return ReplayStore(frame)
+
+
+# Per code object of a checkpoint pack hook (one per PyTorch version): whether the frames
+# its hooks close over are what a ReplayStore reads.
+_STORE_READABLE: dict[Any, bool] = {}
+
+
+def replay_store_readable(pack: Any) -> bool:
+    """Whether :func:`replay_store` gives a store for the checkpoint whose pack hook is
+    ``pack``, decided once per definition of PyTorch's hook (the frame's class and
+    fields do not change between calls): asked at every checkpoint call, where the store
+    itself is needed only by a backward that keeps the graph."""
+    code = getattr(pack, "__code__", None)
+    readable = _STORE_READABLE.get(code)
+    if readable is None:
+        readable = replay_store(pack) is not None
+        if code is not None:
+            _STORE_READABLE[code] = readable
+    return readable
 
 
 def mark_as_checkpoint_hook(hook: Callable[[Any], Any], like: Callable[[Any], Any]) -> None:

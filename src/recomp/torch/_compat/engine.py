@@ -10,7 +10,9 @@ Tested by ``tests/torch/compat/test_engine.py``.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -66,6 +68,38 @@ def version(t: torch.Tensor) -> int | None:
         return None
 
 
+# --------------------------------------------------------------------------- process groups
+
+
+def _world() -> Any:
+    try:
+        from torch.distributed import distributed_c10d
+    except ImportError:  # a build without torch.distributed
+        return None
+    world = getattr(distributed_c10d, "_world", None)
+    return world if hasattr(world, "_default_pg") else None
+
+
+_WORLD = _world()
+
+
+def default_group_exists() -> bool:
+    """``torch.distributed.is_available() and torch.distributed.is_initialized()``.
+
+    Why: asked at every checkpoint call (whether collectives can run in the replayed
+    code); the public pair is four Python calls, this one attribute read.
+    How: ``distributed_c10d._world._default_pg``, which ``is_initialized`` reads through
+    ``GroupMember.WORLD`` and the ``default_pg`` property.
+    If it changes: the public pair.
+    Retired by: nothing needed; the public pair is the fallback.
+    """
+    if _WORLD is None:
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_initialized())
+    return _WORLD._default_pg is not None
+
+
 # --------------------------------------------------------------------------- autograd engine
 
 
@@ -83,17 +117,18 @@ def in_backward() -> bool:
     return bool(query() != -1)
 
 
-def graph_task_id() -> int:
-    """An id of the backward pass running on this thread (-1 outside one).
-
-    Why: the offloader starts the next region's copy back once per backward pass.
-    If it changes: -1 always, and prefetching chains once per process instead.
-    Retired by: a public "current graph task" query.
-    """
-    return _CURRENT_GRAPH_TASK_ID() if _CURRENT_GRAPH_TASK_ID is not None else -1
+def _no_graph_task() -> int:
+    return -1
 
 
-_CURRENT_GRAPH_TASK_ID: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+#: ``graph_task_id()``: an id of the backward pass running on this thread (-1 outside one).
+#:
+#: Why: the offloader starts the next region's copy back once per backward pass, and a
+#: checkpoint's kept replay tells passes apart (asked at every unpack: PyTorch's own
+#: function, with no Python frame of recomp's around it).
+#: If it changes: -1 always, and prefetching chains once per process instead.
+#: Retired by: a public "current graph task" query.
+graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", _no_graph_task)
 
 
 def at_pass_end(callback: Callable[[], None]) -> bool:
@@ -120,22 +155,22 @@ def at_pass_end(callback: Callable[[], None]) -> bool:
     return True
 
 
-_KEEP_GRAPH: Callable[[], bool] | None = getattr(
-    torch._C._autograd, "_get_current_graph_task_keep_graph", None
+def _keeps_graph_unknown() -> bool:
+    return True
+
+
+#: ``pass_keeps_graph()``: whether the backward pass running on this thread keeps the
+#: graph for another pass (``retain_graph=True``); True outside backward.
+#:
+#: Why: a node that runs in a pass that frees the graph can never run again, so what it
+#: reads from a replay need not be kept for a later pass (no per-node check needed).
+#: How: ``torch._C._autograd._get_current_graph_task_keep_graph`` (2.9 to 2.14), called
+#: as it is at every unpack of a checkpoint's saved tensors.
+#: If it changes: True, and each read asks :func:`node_finishes_in_this_pass` as before.
+#: Retired by: a public "does this backward retain the graph" query.
+pass_keeps_graph: Callable[[], bool] = getattr(
+    torch._C._autograd, "_get_current_graph_task_keep_graph", _keeps_graph_unknown
 )
-
-
-def pass_keeps_graph() -> bool:
-    """Whether the backward pass running on this thread keeps the graph for another pass
-    (``retain_graph=True``); True outside backward and where this cannot be read.
-
-    Why: a node that runs in a pass that frees the graph can never run again, so what it
-    reads from a replay need not be kept for a later pass (no per-node check needed).
-    How: ``torch._C._autograd._get_current_graph_task_keep_graph`` (2.9 to 2.14).
-    If it changes: True, and each read asks :func:`node_finishes_in_this_pass` as before.
-    Retired by: a public "does this backward retain the graph" query.
-    """
-    return True if _KEEP_GRAPH is None else bool(_KEEP_GRAPH())
 
 
 def node_finishes_in_this_pass() -> bool:
@@ -198,6 +233,119 @@ def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, str
     if buffers:
         found += [(n, b, "buffer") for n, b in buffers.items() if b is not None]
     return found
+
+
+# Per module: its ``__dict__``, its marker attribute's value, the ids of its sub-modules
+# (None for a module the walk skipped) and the names of its parameters.
+_LayoutEntry = tuple[dict[str, Any], object, "tuple[int, ...] | None", "tuple[str, ...]"]
+
+
+class TreeLayout:
+    """The modules a replay of one module runs, as :func:`tree_layout` found them: per
+    module its own dictionary, the ids of its sub-modules and the names of its
+    parameters, which all train (no buffers); per module it skips (an excluded region),
+    only its dictionary."""
+
+    __slots__ = ("entries", "marker", "owned")
+
+    def __init__(self, marker: str, entries: list[_LayoutEntry]) -> None:
+        self.marker = marker
+        self.entries = entries
+        # The modules whose parameters the layout reads: dictionary and names.
+        self.owned = [
+            (state, names) for state, _, children, names in entries if children is not None
+        ]
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_VERSION = operator.attrgetter("_version")
+
+
+def tree_layout(walked: list[tuple[torch.nn.Module, bool]], marker: str) -> TreeLayout | None:
+    """The layout of ``walked`` (each module with whether the walk skipped it), or None
+    where a module holds a buffer or a parameter without gradients (state a forward may
+    update: the engine reads those one by one).
+
+    Why: a checkpoint of a module notes every tensor of the modules its replay runs, at
+    every call, and a replay checks that none was changed since; the modules rarely
+    change between calls. :func:`layout_tensors` reads all the tensors in a few C loops
+    per module and says when the layout no longer holds (a module, parameter or buffer
+    added, removed or replaced, a parameter's ``requires_grad`` or the ``marker``
+    attribute changed), where a walk calls Python per module and per tensor.
+    If it changes: None (a module without the three dictionaries), and the engine walks.
+    Retired by: a cheap public view of a module's own parameters, buffers and children.
+    """
+    entries: list[_LayoutEntry] = []
+    for module, skipped in walked:
+        state = vars(module)
+        if skipped:
+            entries.append((state, state.get(marker), None, ()))
+            continue
+        params = state.get("_parameters")
+        buffers = state.get("_buffers")
+        children = state.get("_modules")
+        if not isinstance(params, dict) or not isinstance(children, dict) or buffers != {}:
+            return None
+        if any(p is None or not p.requires_grad for p in params.values()):
+            return None
+        entries.append((state, state.get(marker), tuple(map(id, children.values())), tuple(params)))
+    return TreeLayout(marker, entries)
+
+
+def layout_tensors(layout: TreeLayout) -> list[torch.Tensor] | None:
+    """The parameters the modules of ``layout`` hold now, in the walk's order (each
+    module's own, in registration order), or None if the layout no longer holds.
+
+    Why and if it changes: as :func:`tree_layout`.
+    """
+    marker = layout.marker
+    found: list[torch.Tensor] = []
+    for state, mark, children, names in layout.entries:
+        if state.get(marker) is not mark:
+            return None
+        if children is None:
+            continue
+        params = state["_parameters"]
+        if (
+            tuple(params) != names
+            or state["_buffers"]
+            or tuple(map(id, state["_modules"].values())) != children
+        ):
+            return None
+        values = params.values()
+        try:
+            if not all(map(_REQUIRES_GRAD, values)):
+                return None
+        except AttributeError:  # None put in a parameter's place
+            return None
+        found.extend(values)
+    return found
+
+
+def layout_live(layout: TreeLayout) -> list[torch.Tensor] | None:
+    """The parameters the modules of ``layout`` hold now under the names it lists, in its
+    order, or None where a module's parameters are no longer those names (a slot read
+    one by one finds the same tensors). Lighter than :func:`layout_tensors`: within one
+    checkpoint call the modules are the call's, whatever the tree holds now.
+
+    Why and if it changes: as :func:`tree_layout`.
+    """
+    found: list[torch.Tensor] = []
+    for state, names in layout.owned:
+        params = state["_parameters"]
+        if tuple(params) != names:
+            return None
+        found.extend(params.values())
+    return found
+
+
+def versions(tensors: list[torch.Tensor]) -> list[int | None]:
+    """:func:`version` of each of ``tensors``, read in one C loop where every one has a
+    version counter. Why and if it changes: as :func:`version`."""
+    try:
+        return list(map(_VERSION, tensors))
+    except (RuntimeError, AttributeError):
+        return [version(t) for t in tensors]
 
 
 def module_tensor(module: torch.nn.Module, name: str) -> torch.Tensor | None:
