@@ -224,9 +224,10 @@ class Backend:
         unpacks ``saved`` (packed by the enclosing checkpoint's hook)."""
         raise NotImplementedError
 
-    def save_counter(self) -> Callable[[], int] | None:
-        """If the innermost checkpoint's replay stops after its last saved tensor: a
-        function returning how many tensors it has saved so far. Otherwise None."""
+    def save_counter(self) -> Callable[[], int | None] | None:
+        """Inside a checkpoint: a function returning how many tensors it has saved so
+        far if its replay stops after its last saved tensor, else None. Outside one (or
+        where the framework cannot tell): None."""
         return None
 
     # -- random state ---------------------------------------------------------------
@@ -322,11 +323,12 @@ class Modules:
         parameter's ``requires_grad`` or the marker changed)."""
         return None
 
-    def layout_live(self, layout: Any) -> list[Any] | None:
-        """Within one checkpoint call, the tensors the modules of ``layout`` hold now
-        under the names it lists, or None where those names changed (the tree's
-        structure is not checked: the call's modules are the ones it started with)."""
-        return None
+    def layout_unchanged(self, layout: Any, tensors: list[Any], seen: list[int | None]) -> bool:
+        """Whether the modules of ``layout`` hold ``tensors`` (what :meth:`layout_tensors`
+        read when the call started) now, each at the version in ``seen``. Within one
+        checkpoint call the modules are the call's: the tree's structure is not checked.
+        This default (no layouts): False."""
+        return False
 
     def module_tensor(self, module: Any, name: str) -> Any:
         """The tensor ``module`` holds under ``name`` now (None if none)."""

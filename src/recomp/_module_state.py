@@ -92,7 +92,6 @@ between them.
 from __future__ import annotations
 
 import contextlib
-import operator
 import warnings
 import weakref
 from typing import Any
@@ -448,18 +447,19 @@ class ModuleState(CallPart):
 
     def __enter__(self) -> None:
         backend = self.backend
-        if self._slots is None and self._settled is not None:
-            # From a layout: the modules hold the tensors the call started with, which
-            # no write has changed since the forward ended: nothing to put in place.
-            live = backend.modules.layout_live(self._layout.layout)  # type: ignore[union-attr]
-            tensors: list[Any] = self._tensors  # type: ignore[assignment]
-            if (
-                live is not None
-                and all(map(operator.is_, live, tensors))
-                and backend.versions(tensors) == self._settled
-            ):
-                self._replays.append(None)
-                return
+        # From a layout: the modules hold the tensors the call started with, which no
+        # write has changed since the forward ended: nothing to put in place.
+        if (
+            self._slots is None
+            and self._settled is not None
+            and backend.modules.layout_unchanged(
+                self._layout.layout,  # type: ignore[union-attr]
+                self._tensors,  # type: ignore[arg-type]
+                self._settled,
+            )
+        ):
+            self._replays.append(None)
+            return
         module_tensor = backend.modules.module_tensor
         version = backend.version
         changes: list[StateChange] = []

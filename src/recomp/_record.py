@@ -290,7 +290,7 @@ class Invocation:
         # replay stops after the last of them (early stop); None if unknown or not
         # applicable. Asked once, when the forward starts (``on_forward_start``),
         # directly under the checkpoint's own saved-tensor hook.
-        self._save_counter: Callable[[], int] | None = None
+        self._save_counter: Callable[[], int | None] | None = None
         # An enclosing recomp checkpoint's replay re-runs this call whole (``add_child``).
         self._rerun_whole = False
 
@@ -414,12 +414,17 @@ class Invocation:
         try:
             if not ok:
                 return
-            if counter is not None and any([log.entries for log in self._logs]):
+            recorded = False  # any call recorded (no comprehension: read at every call)
+            for log in self._logs:
+                if log.entries:
+                    recorded = True
+                    break
+            if counter is not None and recorded:
                 # A replay that stops at the last saved tensor never reaches the calls
                 # recorded after it: what they hold would only take memory (rule 8);
                 # but a re-run by an enclosing replay reads some logs to their end.
                 total = counter()
-                for log in self._logs:
+                for log in self._logs if total is not None else ():
                     if self._rerun_whole and log.rerun_reads:
                         continue
                     for entry in log.entries:

@@ -182,7 +182,10 @@ def checkpoint(
     if _hf.LAYERS_MODULE in sys.modules:  # HF's layers exist: this may be one
         adapt_hf_layer_call(function, kwargs)
     refuse_enclosing_checkpoint(function)
-    parts, kwargs, torch_debug_off = debug_options(kwargs)
+    if "debug" in kwargs or _compat.checkpoint_debug_switch() is not None:
+        parts, kwargs, torch_debug_off = debug_options(kwargs)
+    else:
+        parts, torch_debug_off = [], None
     if parts or kwargs.get("determinism_check") == "values":
         value_check = value_check_option(kwargs, debug=bool(parts), function=function)
         if value_check is not None:

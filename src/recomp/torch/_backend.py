@@ -88,7 +88,7 @@ class TorchModules(Modules):
     module_tensor = staticmethod(_compat.module_tensor)
     tree_layout = staticmethod(_compat.tree_layout)
     layout_tensors = staticmethod(_compat.layout_tensors)
-    layout_live = staticmethod(_compat.layout_live)
+    layout_unchanged = staticmethod(_compat.layout_unchanged)
 
     def same_values(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.equal(a, b)

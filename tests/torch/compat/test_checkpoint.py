@@ -19,7 +19,7 @@ def test_save_counter_follows_the_checkpoint_frame():
 
     def body(x):
         counter = _compat.checkpoint_save_counter()
-        if counter is None:  # the replay: no checkpoint hook on top then
+        if counter is None or counter() is None:  # the replay: its own hooks on top then
             counts.append(None)
             return torch.sin(x)
         before = counter()

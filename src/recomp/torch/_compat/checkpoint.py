@@ -58,15 +58,19 @@ def _checkpoint_frame(pack: Any) -> Any:
     return frame
 
 
-def checkpoint_save_counter() -> Callable[[], int] | None:
+def checkpoint_save_counter() -> Callable[[], int | None] | None:
     """How many tensors the enclosing non-reentrant checkpoint has saved so far, when
-    its replay stops early after the last of them; None otherwise.
+    its replay stops early after the last of them: a counter, which gives None where the
+    hooks on top of the saved-tensors stack are not such a checkpoint's (a checkpoint
+    without early stop, a replay's hooks) or once the checkpoint is gone; None where no
+    hooks are on the stack.
 
     Why: with early stop a replay never reaches regions called after the last saved
     tensor, so their cached outputs can be dropped at the end of the forward.
     How: the pack hook on top of the saved-tensors hook stack is the checkpoint's;
     its closure holds the ``_CheckpointFrame``, whose ``weak_holders`` grow by one per
-    saved tensor.
+    saved tensor. Asked when every checkpoint's forward starts, read only where a region
+    ran: the frame is found on the first read.
     If it changes: None, and every cached output is kept (more memory, same results).
     Retired by: a public early-stop position on the checkpoint.
     """
@@ -74,14 +78,19 @@ def checkpoint_save_counter() -> Callable[[], int] | None:
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     except (AttributeError, RuntimeError):
         return None
-    frame = _checkpoint_frame(hooks[0]) if hooks is not None else None
-    if frame is None or not getattr(frame, "early_stop", False):
+    if hooks is None:
         return None
-    frame_ref = weakref.ref(frame)
+    pack = hooks[0]
+    found: list[Any] = []  # the frame (weakly) or None, once looked for
 
-    def saved_so_far() -> int:
-        live = frame_ref()
-        return -1 if live is None else len(live.weak_holders)
+    def saved_so_far() -> int | None:
+        if not found:
+            frame = _checkpoint_frame(pack)
+            early = frame is not None and getattr(frame, "early_stop", False)
+            found.append(weakref.ref(frame) if early else None)
+        ref = found[0]
+        live = None if ref is None else ref()
+        return None if live is None else len(live.weak_holders)
 
     return saved_so_far
 

@@ -251,10 +251,8 @@ class TreeLayout:
     def __init__(self, marker: str, entries: list[_LayoutEntry]) -> None:
         self.marker = marker
         self.entries = entries
-        # The modules whose parameters the layout reads: dictionary and names.
-        self.owned = [
-            (state, names) for state, _, children, names in entries if children is not None
-        ]
+        # The dictionaries of the modules that hold parameters, in the walk's order.
+        self.owned = [state for state, _, _, names in entries if names]
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -322,21 +320,24 @@ def layout_tensors(layout: TreeLayout) -> list[torch.Tensor] | None:
     return found
 
 
-def layout_live(layout: TreeLayout) -> list[torch.Tensor] | None:
-    """The parameters the modules of ``layout`` hold now under the names it lists, in its
-    order, or None where a module's parameters are no longer those names (a slot read
-    one by one finds the same tensors). Lighter than :func:`layout_tensors`: within one
-    checkpoint call the modules are the call's, whatever the tree holds now.
+def layout_unchanged(
+    layout: TreeLayout, tensors: list[torch.Tensor], seen: list[int | None]
+) -> bool:
+    """Whether the modules of ``layout`` that held parameters hold ``tensors`` now, each
+    at the version in ``seen``. Within one checkpoint call the modules are the call's,
+    whatever the tree holds now: the tree's structure is not checked.
 
-    Why and if it changes: as :func:`tree_layout`.
+    Why and if it changes: as :func:`tree_layout` (asked when every replay starts).
     """
-    found: list[torch.Tensor] = []
-    for state, names in layout.owned:
-        params = state["_parameters"]
-        if tuple(params) != names:
-            return None
-        found.extend(params.values())
-    return found
+    live: list[torch.Tensor] = []
+    for state in layout.owned:
+        live.extend(state["_parameters"].values())
+    if len(live) != len(tensors) or not all(map(operator.is_, live, tensors)):
+        return False
+    try:
+        return list(map(_VERSION, tensors)) == seen
+    except (RuntimeError, AttributeError):  # a tensor without a version counter
+        return versions(tensors) == seen
 
 
 def versions(tensors: list[torch.Tensor]) -> list[int | None]:
