@@ -227,6 +227,13 @@ class TrackerStates:
 
 def capture_tracker_states() -> TrackerStates | None:
     """The states of every known tracker now; None when there is none (the common case)."""
+    if not _REGISTERED:  # asked at every checkpoint and region call: no tracker, usually
+        modules = sys.modules
+        for module_name, _ in AUTOMATIC_TRACKERS:
+            if module_name in modules:
+                break
+        else:
+            return None
     trackers = known_trackers()
     if not trackers:
         return None
@@ -275,12 +282,5 @@ class ReplayTrackers(CallPart):
 def replay_trackers_part() -> ReplayTrackers | None:
     """The part of a checkpoint call that restores the trackers' states for its replays,
     the states captured now (when the call starts); None when no tracker is known."""
-    if not _REGISTERED:  # asked at every checkpoint call: no tracker in the common case
-        modules = sys.modules
-        for module_name, _ in AUTOMATIC_TRACKERS:
-            if module_name in modules:
-                break
-        else:
-            return None
     states = capture_tracker_states()
     return None if states is None else ReplayTrackers(states)

@@ -16,6 +16,7 @@ from torch import nn
 from .. import _engine, _wrapping
 from .._hyperparallel import without_noop
 from .._module_state import warn_unhandled
+from .._region import active_region
 from .._saved_hooks import UserHooks, exclude_placer
 from .._selection import Selection
 from .._state import get_recompute_state
@@ -389,9 +390,16 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
         return region.call(super().__call__, args, kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # The check warns only with gradients on (see ExcludedRegion.check_method_call).
-        if torch.is_grad_enabled() and not _compile.is_compiling():
-            self._recomp_region.check_method_call("forward")
+        # The check warns only with gradients on (see ExcludedRegion.check_method_call);
+        # called through the wrapper (the region is active: every call of the region),
+        # there is nothing to check.
+        region = self._recomp_region
+        if (
+            torch.is_grad_enabled()
+            and active_region() is not region
+            and not _compile.is_compiling()
+        ):
+            region.check_method_call("forward")
         return super().forward(*args, **kwargs)
 
     def extra_repr(self) -> str:

@@ -126,11 +126,9 @@ class TorchBackend(Backend):
     def is_parameter(self, x: Any) -> bool:
         return isinstance(x, torch.nn.Parameter)
 
-    def grad_enabled(self) -> bool:
-        return torch.is_grad_enabled()
-
-    def in_backward(self) -> bool:
-        return _compat.in_backward()
+    # Asked at every region call: no wrapper of our own.
+    grad_enabled = staticmethod(torch.is_grad_enabled)
+    in_backward = staticmethod(_compat.in_backward)
 
     # Read per tensor input and per saved tensor of every region call: no wrapper.
     storage_key = staticmethod(_compat.storage_key)
