@@ -55,6 +55,20 @@ How a replay is made to see the forward's state is the framework's answer
 buffer slots, as ``functional_call`` does (a tensor the replay saves for backward is
 then never written again by recomp); the default copies values in and back out.
 
+NOTE [ Calls after the first: layouts ]
+Walking the modules and making a slot per tensor at every call is most of what this part
+costs a layer whose kernels take microseconds. Where all of a root's state trains (no
+buffer, no parameter without gradients: nothing a forward may update, so nothing to copy)
+and the backend can read the tensors again without a walk (``Modules.tree_layout``,
+PyTorch), the first call keeps the walk's result as a layout; later calls read the
+tensors from it (``Modules.layout_tensors``, which answers None once a module, parameter
+or buffer was added, removed or replaced, a parameter frozen, or a region excluded or
+unwrapped: the call walks again) and build no slot. The forward's end notes their
+versions; a replay that finds the modules holding the same tensors at the same versions
+(``Modules.layout_unchanged``) has nothing to put in place. Anything else (a tensor
+swapped in by ``functional_call``, a parameter changed before backward) builds the slots
+from the layout and takes the path below, so every guarantee is the walk's.
+
 NOTE [ State changed before backward ]
 A parameter or buffer changed in place after a forward that read it and before that
 forward's backward (an optimizer step or weight clipping between
