@@ -60,7 +60,9 @@ Walking the modules and making a slot per tensor at every call is most of what t
 costs a layer whose kernels take microseconds. Where all of a root's state trains (no
 buffer, no parameter without gradients: nothing a forward may update, so nothing to copy)
 and the backend can read the tensors again without a walk (``Modules.tree_layout``,
-PyTorch), the first call keeps the walk's result as a layout; later calls read the
+PyTorch), the first call keeps the walk's result as a layout (holding the modules
+weakly: it lives as long as its root, and a module that refers back to the root does not
+keep it alive; a module that died is a change); later calls read the
 tensors from it (``Modules.layout_tensors``, which answers None once a module, parameter
 or buffer was added, removed or replaced, a parameter frozen, or a region excluded or
 unwrapped: the call walks again) and build no slot. The forward's end notes their
@@ -199,9 +201,11 @@ class _Layout:
 
     __slots__ = ("layout", "meta")
 
-    def __init__(self, layout: Any, meta: list[tuple[str, Any, str]]) -> None:
+    def __init__(self, layout: Any, meta: list[tuple[str, weakref.ref[Any], str]]) -> None:
         self.layout = layout  # the backend's
-        self.meta = meta  # path, module and name of each tensor ``layout`` reads
+        # Path, module (weakly: the layout lives as long as its root) and name of each
+        # tensor ``layout`` reads.
+        self.meta = meta
 
 
 class _Layouts:
@@ -278,13 +282,15 @@ class ModuleState(CallPart):
         if self._slots is None:
             layout, tensors, settled = self._layout, self._tensors, self._settled
             assert layout is not None and tensors is not None
-            slots = [
-                _Slot(path, module, name, tensor, "parameter")
-                for (path, module, name), tensor in zip(layout.meta, tensors)
-            ]
-            if settled is not None:
-                for slot, version in zip(slots, settled):
-                    slot.settled = version
+            slots = []
+            for index, ((path, ref, name), tensor) in enumerate(zip(layout.meta, tensors)):
+                module = ref()
+                if module is None:
+                    continue  # gone from the tree: the replay cannot run it
+                slot = _Slot(path, module, name, tensor, "parameter")
+                if settled is not None:
+                    slot.settled = settled[index]
+                slots.append(slot)
             self._slots, self._layout, self._tensors = slots, None, None
         return self._slots
 
@@ -330,7 +336,7 @@ class ModuleState(CallPart):
                 root,
                 None
                 if found is None
-                else _Layout(found, [(s.path, s.module, s.name) for s in slots]),
+                else _Layout(found, [(s.path, weakref.ref(s.module), s.name) for s in slots]),
             )
         return cls(backend, root, slots) if slots else None
 

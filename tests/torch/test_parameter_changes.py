@@ -385,3 +385,22 @@ def test_calls_after_the_first_read_the_modules_without_walking_them() -> None:
     # A change of the tree is seen again by a walk.
     d[2] = nn.Linear(16, 1)
     assert count(calls_of(step), "_replayed_modules") == 1
+
+
+def test_a_module_that_refers_back_to_its_checkpointed_parent_is_freed() -> None:
+    """What a call keeps of its modules between calls holds none of them: a child that
+    refers back to the checkpointed module (a hook's closure here) does not keep the
+    model alive once the user drops it."""
+    import gc
+    import weakref
+
+    layer = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    layer[2].register_forward_hook(lambda m, i, o, owner=layer: None)  # child -> parent
+    wrapped = rt.checkpoint_wrapper(layer)
+    x = torch.randn(2, 4, requires_grad=True)
+    for _ in range(2):
+        wrapped(x).sum().backward()
+    gone = weakref.ref(wrapped)
+    del wrapped, layer
+    gc.collect()
+    assert gone() is None

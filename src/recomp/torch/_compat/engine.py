@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -235,24 +236,26 @@ def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, str
     return found
 
 
-# Per module: its ``__dict__``, its marker attribute's value, the ids of its sub-modules
-# (None for a module the walk skipped) and the names of its parameters.
-_LayoutEntry = tuple[dict[str, Any], object, "tuple[int, ...] | None", "tuple[str, ...]"]
+# Per module: a weak reference to it, whether the walk skipped it (an excluded region),
+# the ids of its sub-modules (None where skipped) and the names of its parameters. Held
+# weakly: the layout is kept between calls for as long as its root lives, and holds no
+# module (a module that refers back to the root would otherwise keep it alive); a module
+# that died is seen as a change (and its id, once reused, is not mistaken for it).
+_LayoutEntry = tuple["weakref.ref[torch.nn.Module]", bool, "tuple[int, ...] | None", "tuple[str, ...]"]
 
 
 class TreeLayout:
     """The modules a replay of one module runs, as :func:`tree_layout` found them: per
-    module its own dictionary, the ids of its sub-modules and the names of its
-    parameters, which all train (no buffers); per module it skips (an excluded region),
-    only its dictionary."""
+    module the ids of its sub-modules and the names of its parameters, which all train
+    (no buffers); per module it skips (an excluded region), only that it is one."""
 
     __slots__ = ("entries", "marker", "owned")
 
     def __init__(self, marker: str, entries: list[_LayoutEntry]) -> None:
         self.marker = marker
         self.entries = entries
-        # The dictionaries of the modules that hold parameters, in the walk's order.
-        self.owned = [state for state, _, _, names in entries if names]
+        # The modules that hold parameters, in the walk's order.
+        self.owned = [ref for ref, _, _, names in entries if names]
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -260,9 +263,9 @@ _VERSION = operator.attrgetter("_version")
 
 
 def tree_layout(walked: list[tuple[torch.nn.Module, bool]], marker: str) -> TreeLayout | None:
-    """The layout of ``walked`` (each module with whether the walk skipped it), or None
-    where a module holds a buffer or a parameter without gradients (state a forward may
-    update: the engine reads those one by one).
+    """The layout of ``walked`` (each module with whether the walk skipped it: those that
+    hold the ``marker`` attribute), or None where a module holds a buffer or a parameter
+    without gradients (state a forward may update: the engine reads those one by one).
 
     Why: a checkpoint of a module notes every tensor of the modules its replay runs, at
     every call, and a replay checks that none was changed since; the modules rarely
@@ -276,8 +279,14 @@ def tree_layout(walked: list[tuple[torch.nn.Module, bool]], marker: str) -> Tree
     entries: list[_LayoutEntry] = []
     for module, skipped in walked:
         state = vars(module)
+        if (state.get(marker) is not None) is not skipped:
+            return None  # a marker that is not a region's: left to the walk
+        try:
+            ref = weakref.ref(module)
+        except TypeError:
+            return None
         if skipped:
-            entries.append((state, state.get(marker), None, ()))
+            entries.append((ref, True, None, ()))
             continue
         params = state.get("_parameters")
         buffers = state.get("_buffers")
@@ -286,7 +295,7 @@ def tree_layout(walked: list[tuple[torch.nn.Module, bool]], marker: str) -> Tree
             return None
         if any(p is None or not p.requires_grad for p in params.values()):
             return None
-        entries.append((state, state.get(marker), tuple(map(id, children.values())), tuple(params)))
+        entries.append((ref, False, tuple(map(id, children.values())), tuple(params)))
     return TreeLayout(marker, entries)
 
 
@@ -298,10 +307,14 @@ def layout_tensors(layout: TreeLayout) -> list[torch.Tensor] | None:
     """
     marker = layout.marker
     found: list[torch.Tensor] = []
-    for state, mark, children, names in layout.entries:
-        if state.get(marker) is not mark:
+    for ref, skipped, children, names in layout.entries:
+        module = ref()
+        if module is None:
             return None
-        if children is None:
+        state = module.__dict__
+        if (state.get(marker) is not None) is not skipped:
+            return None
+        if skipped:
             continue
         params = state["_parameters"]
         if (
@@ -330,8 +343,11 @@ def layout_unchanged(
     Why and if it changes: as :func:`tree_layout` (asked when every replay starts).
     """
     live: list[torch.Tensor] = []
-    for state in layout.owned:
-        live.extend(state["_parameters"].values())
+    for ref in layout.owned:
+        module = ref()
+        if module is None:
+            return False
+        live.extend(module.__dict__["_parameters"].values())
     if len(live) != len(tensors) or not all(map(operator.is_, live, tensors)):
         return False
     try:
