@@ -69,7 +69,8 @@ unwrapped: the call walks again) and build no slot. The forward's end notes thei
 versions; a replay that finds the modules holding the same tensors at the same versions
 (``Modules.layout_unchanged``) has nothing to put in place. Anything else (a tensor
 swapped in by ``functional_call``, a parameter changed before backward) builds the slots
-from the layout and takes the path below, so every guarantee is the walk's.
+from the layout and takes the path below, so every guarantee is the walk's. A root found
+with state a forward may update is walked at every call from then on.
 
 NOTE [ State changed before backward ]
 A parameter or buffer changed in place after a forward that read it and before that
@@ -293,7 +294,6 @@ class ModuleState(CallPart):
                 slots.append(slot)
             self._slots, self._layout, self._tensors = slots, None, None
         return self._slots
-
 
     @classmethod
     def of(cls, backend: Backend, root: Any) -> ModuleState | None:
