@@ -392,12 +392,13 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # The check warns only with gradients on (see ExcludedRegion.check_method_call);
         # called through the wrapper (the region is active: every call of the region),
-        # there is nothing to check.
+        # there is nothing to check. Compiled, nothing is checked (Dynamo 2.9 cannot
+        # trace the context variable).
         region = self._recomp_region
         if (
             torch.is_grad_enabled()
-            and active_region() is not region
             and not _compile.is_compiling()
+            and active_region() is not region
         ):
             region.check_method_call("forward")
         return super().forward(*args, **kwargs)
