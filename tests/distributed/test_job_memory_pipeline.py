@@ -7,18 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines import stage_setup_sends_int64
+from pipelines import pipeline_run_marks
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.system,
-    pytest.mark.timeout(300),
-    pytest.mark.skipif(
-        stage_setup_sends_int64(),
-        reason="this PyTorch's pipeline stages cannot start on gloo (int64 sent to a float32 "
-        "receive when stages connect)",
-    ),
-]
+pytestmark = pipeline_run_marks(timeout=300)
 
 
 @pytest.fixture(scope="module")

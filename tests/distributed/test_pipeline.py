@@ -14,18 +14,9 @@ from __future__ import annotations
 import pytest
 
 from pipeline_cases import CONTROLS, MICRO, SCHEDULES, SPLIT_BACKWARD
-from pipelines import stage_setup_sends_int64
+from pipelines import pipeline_run_marks
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.system,
-    pytest.mark.timeout(400),
-    pytest.mark.skipif(
-        stage_setup_sends_int64(),
-        reason="this PyTorch's pipeline stages cannot start on gloo (int64 sent to a float32 "
-        "receive when stages connect); fixed in the PyTorch of the dev set",
-    ),
-]
+pytestmark = pipeline_run_marks(timeout=400)
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,8 @@ from recomp.plan.planfile import (
 from recomp.plan.planner import host_copy_seconds
 from recomp.torch import CheckpointPolicy, _compat
 from recomp.torch import _swap as swap_module
-from recomp.torch._offload import DEFAULT_MIN_BYTES, ENV_HOST_COPY, default_offloader
+from recomp.torch._offload import DEFAULT_MIN_BYTES
+from swap_watch import watch_swap_scopes
 
 MiB = 1 << 20
 WIDTH, TOKENS = 256, 1024  # a float32 activation of TOKENS x WIDTH: 1 MiB
@@ -111,25 +112,7 @@ def groups(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     """Host-copy mode on; every offload group opened (one per swap or offload scope, one
     per offloading region call), in order; and per swap scope that finished, the
     storages its chosen tensors left on the device."""
-    monkeypatch.setenv(ENV_HOST_COPY, "1")
-    seen: dict[str, list] = {"opened": [], "stayed": []}  # type: ignore[type-arg]
-    off = default_offloader()
-    monkeypatch.setattr(off, "group_opened", seen["opened"].append)
-    finish = swap_module.SwapScope.finish
-
-    def watched(self: swap_module.SwapScope, outputs: object) -> None:
-        pending = list(self.pending)
-        finish(self, outputs)
-        stayed: dict[Hashable, int] = {}
-        for kept in pending:
-            if kept.tensor is not None:
-                stayed[_compat.storage_key(kept.tensor)] = kept.tensor.untyped_storage().nbytes()
-        seen["stayed"].append(stayed)
-
-    monkeypatch.setattr(swap_module.SwapScope, "finish", watched)
-    yield seen
-    off.synchronize()
-    assert off.pending_copies == 0
+    yield from watch_swap_scopes(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +226,7 @@ def test_bytes_moved_are_what_the_offloader_moves_and_gradients_exact(
     paths = [layer.path for layer in prof.layers]
     predicted = [(layer.option(option).swap_bytes, layer.option(option).host_bytes)
                  for layer in prof.layers]  # fmt: skip
-    assert moved_per_layer(groups["opened"], paths) == predicted
+    assert moved_per_layer(groups["groups"], paths) == predicted
     if option == OFFLOAD:
         # What stays on the device is the predicted activation memory, less what is
         # kept outside the layers: the norm's statistics.
@@ -272,12 +255,12 @@ def test_a_plan_mixes_recompute_exclusion_swap_and_offload_per_layer(
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert model.layers[1].attn.region_runs == 1  # once: the replay skips it
     paths = [layer.path for layer in prof.layers]
-    moved = moved_per_layer(groups["opened"], paths[:3])
+    moved = moved_per_layer(groups["groups"], paths[:3])
     predicted = [(layer.option(o).swap_bytes, layer.option(o).host_bytes)
                  for layer, o in zip(prof.layers, options[:3])]  # fmt: skip
     assert moved == predicted
     assert moved[:2] == [(9 * MiB, 9 * MiB), (5 * MiB, 5 * MiB)]
-    assert len(groups["opened"]) == 3  # nothing from the full checkpoint
+    assert len(groups["groups"]) == 3  # nothing from the full checkpoint
     # The plan's prediction adds up the options' own figures.
     predicted_plan = prof.predict(options)
     assert predicted_plan["replay_flops"] == sum(

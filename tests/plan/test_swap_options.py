@@ -6,7 +6,6 @@ offloader's host-copy test mode), applied by ``apply_plan`` with exact gradients
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable
 
 import pytest
 import torch
@@ -17,9 +16,8 @@ from recomp.plan import Profile, apply_plan, load_plan, make_plan, plan_table, s
 from recomp.plan import profiler as profiler_module
 from recomp.plan.cost import ACCELERATORS, Hardware
 from recomp.plan.planfile import FULL_SWAP_INPUTS, SWAP
-from recomp.torch import _compat
 from recomp.torch import _swap as swap_module
-from recomp.torch._offload import ENV_HOST_COPY, default_offloader
+from swap_watch import watch_swap_scopes
 
 WIDTH, BATCH = 16, 4
 HOST = {
@@ -76,25 +74,7 @@ def prof() -> Profile:
 def swaps(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:  # type: ignore[type-arg]
     """Host-copy mode on; per swap scope that finished, its offload group and the
     storages its chosen tensors left on the device (recomp's own bookkeeping)."""
-    monkeypatch.setenv(ENV_HOST_COPY, "1")
-    seen: dict[str, list] = {"groups": [], "stayed": []}  # type: ignore[type-arg]
-    off = default_offloader()
-    monkeypatch.setattr(off, "group_opened", seen["groups"].append)
-    finish = swap_module.SwapScope.finish
-
-    def watched(self: swap_module.SwapScope, outputs: object) -> None:
-        pending = list(self.pending)
-        finish(self, outputs)
-        stayed: dict[Hashable, int] = {}
-        for kept in pending:
-            if kept.tensor is not None:
-                stayed[_compat.storage_key(kept.tensor)] = kept.tensor.untyped_storage().nbytes()
-        seen["stayed"].append(stayed)
-
-    monkeypatch.setattr(swap_module.SwapScope, "finish", watched)
-    yield seen
-    off.synchronize()
-    assert off.pending_copies == 0
+    yield from watch_swap_scopes(monkeypatch)
 
 
 def grads(model: nn.Module) -> list[torch.Tensor]:
