@@ -361,10 +361,7 @@ def begin(
             leaves: Any = args
         else:
             leaves = _input_tensors(backend, args, kwargs)
-        for leaf in leaves:
-            key = backend.storage_key(leaf)
-            if key is not None:
-                invocation.add_checkpoint_input(key, leaf)
+        invocation.set_checkpoint_inputs(leaves)
         for observer in OBSERVERS.get():
             observer.checkpoint_started(invocation, function)
         if parent is not None:

@@ -84,6 +84,9 @@ class CallPart:
     call replays it (``retain_graph``).
     """
 
+    # Subclasses that declare their own slots hold no dictionary (a part is made per call).
+    __slots__ = ()
+
     #: Where the part's contexts are entered (see :class:`Stage`).
     stage: ClassVar[Stage]
 

@@ -252,6 +252,18 @@ class ModuleState(CallPart):
 
     stage = Stage.RESTORED_STATE
 
+    __slots__ = (
+        "_layout",
+        "_learning",
+        "_replays",
+        "_settled",
+        "_slots",
+        "_tensors",
+        "backend",
+        "root",
+        "watched",
+    )
+
     def __init__(
         self,
         backend: Backend,

@@ -17,7 +17,7 @@ Also here: the pieces a region call is made of (:class:`Snapshot`,
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ._state import RecomputeState
@@ -232,6 +232,8 @@ class Invocation:
     __slots__ = (
         "__weakref__",
         "_consumed",
+        "_input_keys",
+        "_inputs",
         "_logs",
         "_rerun_whole",
         "_save_counter",
@@ -239,7 +241,6 @@ class Invocation:
         "align_rng",
         "backend",
         "call",
-        "checkpoint_inputs",
         "child_cursor",
         "children",
         "excluded_outputs",
@@ -273,10 +274,13 @@ class Invocation:
         # The module the checkpoint runs (weakly; None for a plain function), for messages
         # that name modules by their paths in it.
         self.root: Callable[[], Any] = _nothing
-        # Storages of the checkpoint's own inputs and of the outputs of excluded
+        # The checkpoint's own tensor inputs and the storages of the outputs of excluded
         # regions (forward only): region inputs that alias these are already held
-        # elsewhere, so a region saves them as they are instead of deferring.
-        self.checkpoint_inputs = StorageRegistry()
+        # elsewhere, so a region saves them as they are instead of deferring. The
+        # inputs' storages are looked up when a region first asks
+        # (``checkpoint_inputs``): most calls run no region.
+        self._inputs: Sequence[Any] = ()
+        self._input_keys: StorageRegistry | None = None
         self.excluded_outputs = StorageRegistry()
         # save_output=False outputs (storage -> region name) and the storages that
         # later excluded regions took as inputs: each of the former must be among the latter.
@@ -296,9 +300,24 @@ class Invocation:
 
     # -- what the forward records --------------------------------------------------
 
-    def add_checkpoint_input(self, key: Hashable, tensor: Any) -> None:
-        """A tensor the checkpoint takes as input (held by the checkpoint anyway)."""
-        self.checkpoint_inputs.setdefault(key, tensor)
+    def set_checkpoint_inputs(self, tensors: Sequence[Any]) -> None:
+        """The tensors the checkpoint takes as input (held by the checkpoint anyway)."""
+        self._inputs = tensors
+        self._input_keys = None
+
+    @property
+    def checkpoint_inputs(self) -> StorageRegistry:
+        """The storages of the checkpoint's tensor inputs (``Backend.storage_key``), each
+        with a tensor on it, until the forward ends."""
+        keys = self._input_keys
+        if keys is None:
+            keys = self._input_keys = StorageRegistry()
+            storage_key = self.backend.storage_key
+            for tensor in self._inputs:
+                key = storage_key(tensor)
+                if key is not None:
+                    keys.setdefault(key, tensor)
+        return keys
 
     def add_child(self, child: Invocation) -> None:
         """A recomp checkpoint called inside this one's forward. The parent's replay
@@ -406,11 +425,20 @@ class Invocation:
 
     def on_forward_end(self, ok: bool) -> None:
         """End of the checkpoint's forward: prune, check and release every log."""
+        counter, self._save_counter = self._save_counter, None
+        self._inputs = ()
+        if self._input_keys is not None:
+            self._input_keys.clear()  # region calls hold the registry itself
+        if (
+            len(self._logs) == 1
+            and not self.regions.entries
+            and not self.excluded_outputs
+            and not self._unsaved_outputs
+        ):
+            return  # no region ran, nothing else was recorded: nothing to check or release
         unsaved, consumed = self._unsaved_outputs, self._consumed
         self._unsaved_outputs, self._consumed = {}, set()
-        self.checkpoint_inputs.clear()
         self.excluded_outputs.clear()
-        counter, self._save_counter = self._save_counter, None
         try:
             if not ok:
                 return

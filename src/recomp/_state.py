@@ -122,6 +122,8 @@ class PhaseContext:
     backward (``retain_graph``); each entry tells the listener a replay starts.
     """
 
+    __slots__ = ("_tokens", "listener", "state")
+
     def __init__(self, state: RecomputeState, listener: PhaseListener) -> None:
         self.state = state
         self.listener = listener

@@ -152,10 +152,15 @@ class RecomputeHandle:
     # ----------------------------------------------------------------- unpack
 
     def unpack(self, holder: Any) -> Any:
-        current = _compat.graph_task_id()
         session = self.session
+        if session is None and self._kept is _EMPTY and not _compat.pass_keeps_graph():
+            # A plain backward: a pass that frees the graph, with nothing kept and no
+            # session, keeps nothing and leaves nothing for a later pass (no pass reads
+            # after it): PyTorch's own read.
+            return self._replayed(holder)
+        current = _compat.graph_task_id()
         # A pass that frees the graph keeps nothing, and no pass reads after it what its
-        # replay left unread: it needs no end-of-pass record (a plain backward).
+        # replay left unread: it needs no end-of-pass record.
         if (
             current != -1
             and current not in self._running
@@ -174,16 +179,7 @@ class RecomputeHandle:
                     "already unpacked once in this backward pass. If you are calling "
                     "ctx.saved_tensors in backward, make sure to do so only once."
                 )
-        unpack = self._checkpoint_unpack
-        if unpack is None:  # not reached: the hook is installed only with it
-            raise RecompError("recomp: a kept-replay unpack ran without its checkpoint")
-        try:
-            value = unpack(holder)  # PyTorch's: replays once in this pass, then reads
-        except CheckpointError as exc:
-            mismatch = as_replay_mismatch(exc)
-            if mismatch is None:
-                raise
-            raise mismatch from exc
+        value = self._replayed(holder)
         if (session is not None and session.retain_on_unpack) or (
             # A pass that frees the graph never runs this node again.
             current in self._running and not _compat.node_finishes_in_this_pass()
@@ -191,6 +187,19 @@ class RecomputeHandle:
             with self._lock:
                 self._keep(holder, value, current)
         return value
+
+    def _replayed(self, holder: Any) -> Any:
+        """PyTorch's unpack of ``holder``: replays once in this pass, then reads."""
+        unpack = self._checkpoint_unpack
+        if unpack is None:  # not reached: the hook is installed only with it
+            raise RecompError("recomp: a kept-replay unpack ran without its checkpoint")
+        try:
+            return unpack(holder)
+        except CheckpointError as exc:
+            mismatch = as_replay_mismatch(exc)
+            if mismatch is None:
+                raise
+            raise mismatch from exc
 
     def _read_kept(
         self, holder: Any, current: int, keeper: int, kept: tuple[torch.Tensor, int | None]

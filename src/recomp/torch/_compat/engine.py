@@ -236,26 +236,32 @@ def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, str
     return found
 
 
-# Per module: a weak reference to it, whether the walk skipped it (an excluded region),
-# the ids of its sub-modules (None where skipped) and the names of its parameters. Held
-# weakly: the layout is kept between calls for as long as its root lives, and holds no
-# module (a module that refers back to the root would otherwise keep it alive); a module
-# that died is seen as a change (and its id, once reused, is not mistaken for it).
-_LayoutEntry = tuple["weakref.ref[torch.nn.Module]", bool, "tuple[int, ...] | None", "tuple[str, ...]"]
+# Per module the replay runs: a weak reference to it, the names of its parameters and
+# the ids of its sub-modules. Held weakly: the layout is kept between calls for as long as
+# its root lives, and holds no module (a module that refers back to the root would
+# otherwise keep it alive); a module that died is seen as a change (and its id, once
+# reused, is not mistaken for it).
+_LayoutEntry = tuple["weakref.ref[torch.nn.Module]", "tuple[str, ...]", "tuple[int, ...]"]
 
 
 class TreeLayout:
     """The modules a replay of one module runs, as :func:`tree_layout` found them: per
-    module the ids of its sub-modules and the names of its parameters, which all train
-    (no buffers); per module it skips (an excluded region), only that it is one."""
+    module the names of its parameters, which all train (no buffers), and the ids of its
+    sub-modules; the modules it skips (excluded regions), only that they are."""
 
-    __slots__ = ("entries", "marker", "owned")
+    __slots__ = ("entries", "marker", "owned", "skipped")
 
-    def __init__(self, marker: str, entries: list[_LayoutEntry]) -> None:
+    def __init__(
+        self,
+        marker: str,
+        entries: list[_LayoutEntry],
+        skipped: list[weakref.ref[torch.nn.Module]],
+    ) -> None:
         self.marker = marker
         self.entries = entries
+        self.skipped = skipped
         # The modules that hold parameters, in the walk's order.
-        self.owned = [ref for ref, _, _, names in entries if names]
+        self.owned = [ref for ref, names, _ in entries if names]
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -277,6 +283,7 @@ def tree_layout(walked: list[tuple[torch.nn.Module, bool]], marker: str) -> Tree
     Retired by: a cheap public view of a module's own parameters, buffers and children.
     """
     entries: list[_LayoutEntry] = []
+    skipped_refs: list[weakref.ref[torch.nn.Module]] = []
     for module, skipped in walked:
         state = vars(module)
         if (state.get(marker) is not None) is not skipped:
@@ -286,7 +293,7 @@ def tree_layout(walked: list[tuple[torch.nn.Module, bool]], marker: str) -> Tree
         except TypeError:
             return None
         if skipped:
-            entries.append((ref, True, None, ()))
+            skipped_refs.append(ref)
             continue
         params = state.get("_parameters")
         buffers = state.get("_buffers")
@@ -295,41 +302,39 @@ def tree_layout(walked: list[tuple[torch.nn.Module, bool]], marker: str) -> Tree
             return None
         if any(p is None or not p.requires_grad for p in params.values()):
             return None
-        entries.append((ref, False, tuple(map(id, children.values())), tuple(params)))
-    return TreeLayout(marker, entries)
+        entries.append((ref, tuple(params), tuple(map(id, children.values()))))
+    return TreeLayout(marker, entries, skipped_refs)
 
 
 def layout_tensors(layout: TreeLayout) -> list[torch.Tensor] | None:
     """The parameters the modules of ``layout`` hold now, in the walk's order (each
     module's own, in registration order), or None if the layout no longer holds.
 
-    Why and if it changes: as :func:`tree_layout`.
+    Why and if it changes: as :func:`tree_layout`. (Read at every call of a checkpointed
+    module: one pass over the modules, what is empty checked by its truth alone.)
     """
     marker = layout.marker
     found: list[torch.Tensor] = []
-    for ref, skipped, children, names in layout.entries:
-        module = ref()
-        if module is None:
-            return None
-        state = module.__dict__
-        if (state.get(marker) is not None) is not skipped:
-            return None
-        if skipped:
-            continue
-        params = state["_parameters"]
-        if (
-            tuple(params) != names
-            or state["_buffers"]
-            or tuple(map(id, state["_modules"].values())) != children
-        ):
-            return None
-        values = params.values()
-        try:
-            if not all(map(_REQUIRES_GRAD, values)):
+    try:
+        for ref, names, children in layout.entries:
+            state = ref().__dict__  # type: ignore[union-attr]  # None: gone (AttributeError)
+            params = state["_parameters"]
+            kids = state["_modules"]
+            if (
+                state.get(marker) is not None
+                or state["_buffers"]
+                or (tuple(params) != names if names else params)
+                or (tuple(map(id, kids.values())) != children if children else kids)
+            ):
                 return None
-        except AttributeError:  # None put in a parameter's place
+            found += params.values()
+        for ref in layout.skipped:
+            if ref().__dict__.get(marker) is None:  # type: ignore[union-attr]
+                return None
+        if not all(map(_REQUIRES_GRAD, found)):
             return None
-        found.extend(values)
+    except (AttributeError, KeyError):  # a module gone, None put in a parameter's place
+        return None
     return found
 
 
