@@ -94,27 +94,29 @@ class ComposedContext:
 
     def __enter__(self) -> None:
         entered = 0
-        self._entered.append(0)
         try:
             for context in self.contexts:
                 context.__enter__()
                 entered += 1
-                self._entered[-1] = entered
         except BaseException:
             # Leave the contexts entered so far, innermost first, with the error.
+            self._entered.append(entered)
             self.__exit__(*sys.exc_info())
             raise
+        self._entered.append(entered)
 
     def __exit__(self, *exc_info: Any) -> bool:
         """Exit this entry's contexts, innermost first, as nested ``with`` blocks would:
         one that suppresses the error hides it from those outside; an error one raises
         is what those outside see. True if the error given was suppressed."""
-        entered = self._entered.pop()
+        index = self._entered.pop()
+        contexts = self.contexts
         received = exc_info[0] is not None
         pending: BaseException | None = None
-        for context in reversed(self.contexts[:entered]):
+        while index:
+            index -= 1
             try:
-                if context.__exit__(*exc_info):
+                if contexts[index].__exit__(*exc_info):
                     exc_info = (None, None, None)
                     pending = None
             except BaseException as exc:

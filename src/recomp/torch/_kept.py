@@ -156,8 +156,12 @@ class RecomputeHandle:
         if session is None and self._kept is _EMPTY and not _compat.pass_keeps_graph():
             # A plain backward: a pass that frees the graph, with nothing kept and no
             # session, keeps nothing and leaves nothing for a later pass (no pass reads
-            # after it): PyTorch's own read.
-            return self._replayed(holder)
+            # after it): PyTorch's own read, with no frame of recomp's around it.
+            try:
+                return self._checkpoint_unpack(holder)  # type: ignore[misc]
+            except CheckpointError as exc:
+                _raise_mismatch(exc)
+                raise
         current = _compat.graph_task_id()
         # A pass that frees the graph keeps nothing, and no pass reads after it what its
         # replay left unread: it needs no end-of-pass record.
@@ -196,10 +200,8 @@ class RecomputeHandle:
         try:
             return unpack(holder)
         except CheckpointError as exc:
-            mismatch = as_replay_mismatch(exc)
-            if mismatch is None:
-                raise
-            raise mismatch from exc
+            _raise_mismatch(exc)
+            raise
 
     def _read_kept(
         self, holder: Any, current: int, keeper: int, kept: tuple[torch.Tensor, int | None]
@@ -323,6 +325,13 @@ class RecomputeHandle:
         """How many recomputed tensors the handle keeps now (for tests and reports)."""
         with self._lock:
             return sum(len(by_pass) for by_pass in self._kept.values())
+
+
+def _raise_mismatch(exc: CheckpointError) -> None:
+    """Raise recomp's replay mismatch error for PyTorch's ``exc`` where it is one."""
+    mismatch = as_replay_mismatch(exc)
+    if mismatch is not None:
+        raise mismatch from exc
 
 
 class KeptReplays(CallPart):
