@@ -125,9 +125,6 @@ class StorageRegistry(dict):  # type: ignore[type-arg]
 
     __slots__ = ()
 
-    def add(self, key: Hashable, tensor: Any) -> None:
-        self.setdefault(key, tensor)
-
 
 def callee_identity(fn: Any) -> Any:
     """What identifies the code a region runs, across wrapper objects: the module or
