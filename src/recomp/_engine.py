@@ -31,7 +31,6 @@ Where things live, bottom up (each module imports only those above it in this li
 
 from __future__ import annotations
 
-import functools
 import operator
 import sys
 from collections.abc import Callable, Iterable
@@ -205,14 +204,13 @@ class CheckpointCall:
         parts.sort(key=_STAGE)  # stable: parts of one stage keep their order
         self.parts = parts
         # The parts that hear each phase event: those whose class overrides the method
-        # (decided once per class); the others' would do nothing.
+        # (``CallPart.hears_replay``, ``hears_end``); the others' would do nothing.
         self.replaying: list[CallPart] = []
         self.ending: list[CallPart] = []
         for part in parts:
-            hears_replay, hears_end = _listens(type(part))  # type: ignore[arg-type]  # classes hash by identity
-            if hears_replay:
+            if part.hears_replay:
                 self.replaying.append(part)
-            if hears_end:
+            if part.hears_end:
                 self.ending.append(part)
         # PhaseListener: where no part hears an event, the invocation's own method (one
         # Python frame fewer per phase of every call).
@@ -251,16 +249,6 @@ class CheckpointCall:
 
 
 _STAGE = operator.attrgetter("stage")
-
-
-@functools.cache
-def _listens(kind: type[CallPart]) -> tuple[bool, bool]:
-    """Whether parts of class ``kind`` hear ``replay_started`` and ``forward_ended``
-    (override ``CallPart``'s, which do nothing)."""
-    return (
-        getattr(kind, "replay_started", None) is not CallPart.replay_started,
-        getattr(kind, "forward_ended", None) is not CallPart.forward_ended,
-    )
 
 
 class _RecomputeStatePart(CallPart):

@@ -89,6 +89,15 @@ class CallPart:
 
     #: Where the part's contexts are entered (see :class:`Stage`).
     stage: ClassVar[Stage]
+    #: Whether the class overrides :meth:`replay_started` / :meth:`forward_ended` (set
+    #: for each subclass when it is defined): the engine tells only the parts that hear.
+    hears_replay: ClassVar[bool] = False
+    hears_end: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.hears_replay = cls.replay_started is not CallPart.replay_started
+        cls.hears_end = cls.forward_ended is not CallPart.forward_ended
 
     def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         """The forward context and the replay context of ``call`` (either may be None)."""

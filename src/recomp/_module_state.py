@@ -209,34 +209,22 @@ class _Layout:
         self.meta = meta
 
 
-class _Layouts:
-    """Per root module (held weakly), its :class:`_Layout`, or None where it has none
-    (state a forward may update, or no read without a walk): looked up at every call."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, tuple[weakref.ref[Any], _Layout | None]] = {}
-
-    def get(self, root: Any) -> tuple[bool, _Layout | None]:
-        """Whether ``root`` was seen, and its layout."""
-        entry = self._by_id.get(id(root))
-        if entry is None or entry[0]() is not root:
-            return False, None
-        return True, entry[1]
-
-    def put(self, root: Any, layout: _Layout | None) -> None:
-        key = id(root)
-        by_id = self._by_id
-
-        def forget(ref: weakref.ref[Any]) -> None:
-            entry = by_id.get(key)
-            if entry is not None and entry[0] is ref:
-                del by_id[key]
-
-        with contextlib.suppress(TypeError):  # no weak reference: walked at every call
-            by_id[key] = (weakref.ref(root, forget), layout)
+#: Per root module, by its id: the root (weakly) and its :class:`_Layout`, or None where
+#: it has none (state a forward may update, or no read without a walk). Looked up at every
+#: call (a dictionary read in place, no method); an entry leaves with its root.
+_LAYOUTS: dict[int, tuple[weakref.ref[Any], _Layout | None]] = {}
 
 
-_LAYOUTS = _Layouts()
+def _put_layout(root: Any, layout: _Layout | None) -> None:
+    key = id(root)
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        entry = _LAYOUTS.get(key)
+        if entry is not None and entry[0] is ref:
+            del _LAYOUTS[key]
+
+    with contextlib.suppress(TypeError):  # no weak reference: walked at every call
+        _LAYOUTS[key] = (weakref.ref(root, forget), layout)
 
 
 #: Per root module and mode (training or not), the paths of the watched tensors some
@@ -312,7 +300,9 @@ class ModuleState(CallPart):
         """The part for a checkpoint call of the module ``root`` (the module a checkpointed
         function runs, ``Modules.module_of``), if it holds any tensor; None otherwise."""
         modules = backend.modules
-        seen, layout = _LAYOUTS.get(root)
+        entry = _LAYOUTS.get(id(root))
+        seen = entry is not None and entry[0]() is root
+        layout = entry[1] if seen else None  # type: ignore[index]  # seen: an entry
         if layout is not None:
             tensors = modules.layout_tensors(layout.layout)
             if tensors is not None:
@@ -344,7 +334,7 @@ class ModuleState(CallPart):
                 found = modules.tree_layout(
                     [(m, False) for _, m in walked] + [(m, True) for m in skipped], _REGION
                 )
-            _LAYOUTS.put(
+            _put_layout(
                 root,
                 None
                 if found is None

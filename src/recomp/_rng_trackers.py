@@ -63,6 +63,8 @@ AUTOMATIC_TRACKERS: tuple[tuple[str, str], ...] = (
     ("deepspeed.runtime.activation_checkpointing.checkpointing", "_CUDA_RNG_STATE_TRACKER"),
 )
 
+_AUTOMATIC_MODULES = tuple(module_name for module_name, _ in AUTOMATIC_TRACKERS)
+
 
 class _FunctionTracker:
     """A tracker given as a pair of functions."""
@@ -227,13 +229,9 @@ class TrackerStates:
 
 def capture_tracker_states() -> TrackerStates | None:
     """The states of every known tracker now; None when there is none (the common case)."""
-    if not _REGISTERED:  # asked at every checkpoint and region call: no tracker, usually
-        modules = sys.modules
-        for module_name, _ in AUTOMATIC_TRACKERS:
-            if module_name in modules:
-                break
-        else:
-            return None
+    # Asked at every checkpoint and region call: no tracker, usually (one C loop).
+    if not _REGISTERED and not any(map(sys.modules.__contains__, _AUTOMATIC_MODULES)):
+        return None
     trackers = known_trackers()
     if not trackers:
         return None

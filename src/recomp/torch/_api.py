@@ -270,6 +270,9 @@ def _torch_checkpoint(
     context_fn: Callable[[], tuple[Any, Any]],
 ) -> Any:
     """PyTorch's checkpoint (as bound when recomp was imported) on ``function``."""
+    checkpoint = _compile.torch_checkpoint
+    if checkpoint is _compile.PYTORCH_CHECKPOINT:  # PyTorch's own: nothing to guard
+        return checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     def started() -> tuple[Any, Any]:
         _TORCH_CALL.pending = False
@@ -277,9 +280,7 @@ def _torch_checkpoint(
 
     _TORCH_CALL.pending = True
     try:
-        return _compile.torch_checkpoint(
-            function, *args, use_reentrant=False, context_fn=started, **kwargs
-        )
+        return checkpoint(function, *args, use_reentrant=False, context_fn=started, **kwargs)
     finally:
         _TORCH_CALL.pending = False
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -70,6 +71,24 @@ _checkpoint_depth = 0
 #: ``torch.utils.checkpoint.checkpoint`` by recomp's checkpoint (or by a function that
 #: routes to it), which would then call itself without end.
 torch_checkpoint: Callable[..., Any] = torch.utils.checkpoint.checkpoint
+
+
+def _defined_in_pytorch(function: Any) -> bool:
+    """Whether ``function``'s code lives in PyTorch's package (its checkpoint, as
+    ``torch._disable_dynamo`` wraps it or bare), not in a project that replaced it."""
+    code = getattr(function, "__code__", None)
+    return code is not None and code.co_filename.startswith(_TORCH_DIRECTORY)
+
+
+_TORCH_DIRECTORY = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "")
+
+#: ``torch_checkpoint`` where it is PyTorch's own function, None where recomp was
+#: imported after a project had replaced it. PyTorch's own enters the call's contexts
+#: before it runs anything that could call recomp's checkpoint again, so only a
+#: replacement needs the guard against calling it back (``recomp.torch._api``).
+PYTORCH_CHECKPOINT: Callable[..., Any] | None = (
+    torch_checkpoint if _defined_in_pytorch(torch_checkpoint) else None
+)
 
 
 #: True while Dynamo traces the code (recomp then takes the compiled path). PyTorch's own

@@ -84,7 +84,6 @@ class RecomputeHandle:
         "_collectable",
         "_collector",
         "_consumed",
-        "_installed",
         "_kept",
         "_lock",
         "_running",
@@ -99,7 +98,6 @@ class RecomputeHandle:
         # needed (PyTorch's unpack hook holds that frame too).
         self._checkpoint_pack: Callable[[Any], Any] | None = None
         self._checkpoint_unpack: Callable[[Any], Any] | None = None
-        self._installed = False  # the forward runs with :meth:`unpack` in place
         self._collector: list[RecomputeHandle] | None = None
         # Holder -> the backward pass (graph task) whose replay kept it -> the tensor, with
         # its version when kept: a parameter the replay saved that changes before a later
@@ -125,29 +123,30 @@ class RecomputeHandle:
 
     # The handle is the forward context: entered directly inside PyTorch's checkpoint
     # hook, around the forward, it makes the checkpoint's saved tensors unpack through
-    # :meth:`unpack` (PyTorch's pack hook stays on top of the stack).
+    # :meth:`unpack` (PyTorch's pack hook stays on top of the stack). Nothing puts
+    # PyTorch's pair back on exit: the checkpoint's hook is left right after the forward
+    # context (``with _checkpoint_hook(frame), forward_context:``), and leaving it pops
+    # whatever pair is on top, recomp's with it.
 
     def __enter__(self) -> None:
         hooks = _compat.top_checkpoint_hooks()
         if hooks is None or not _compat.replay_store_readable(hooks[0]):
             return  # not directly under PyTorch's checkpoint hook: PyTorch's unpack stays
         pack, unpack = hooks
-        self._installed = True
         self._checkpoint_pack = pack
         self._checkpoint_unpack = unpack
         if self._collectable:
-            self._collector = _COLLECTOR.get()
-            if self._collector is not None:
-                self._collector.append(self)
+            collector = self._collector = _COLLECTOR.get()
+            if collector is not None:
+                collector.append(self)
         _compat.set_top_hooks(pack, self.unpack)
 
     def __exit__(self, *exc_info: Any) -> None:
-        if self._installed:
-            self._installed = False
-            _compat.set_top_hooks(self._checkpoint_pack, self._checkpoint_unpack)  # type: ignore[arg-type]
-        collector, self._collector = self._collector, None
-        if exc_info[0] is not None and collector is not None and self in collector:
-            collector.remove(self)  # a forward that failed has nothing to replay
+        collector = self._collector
+        if collector is not None:
+            self._collector = None  # the collector's list holds the handle: no cycle
+            if exc_info[0] is not None and self in collector:
+                collector.remove(self)  # a forward that failed has nothing to replay
 
     # ----------------------------------------------------------------- unpack
 
