@@ -225,3 +225,38 @@ def test_the_suite_tool_routes_a_test_files_checkpoint_calls(tmp_path, plain):
             "1 of all these through PyTorch's checkpoint_wrapper"
         ) in run.stdout
         assert "rebound: bound_early.checkpoint" in run.stdout
+
+
+def test_pytorch_s_own_checkpoint_is_told_from_a_replacement_that_copies_its_names():
+    """recomp calls PyTorch's own checkpoint without the guard against being called back;
+    a replacement bound before recomp was imported keeps the guard, even one that copies
+    PyTorch's names (``functools.wraps``). Run in a fresh interpreter, where the
+    replacement really comes first."""
+    import subprocess
+    import sys
+
+    from recomp.torch import _compile
+
+    assert _compile.PYTORCH_CHECKPOINT is TORCH_CHECKPOINT
+    code = """
+import functools, torch, torch.utils.checkpoint as tuc
+original = tuc.checkpoint
+
+@functools.wraps(original)
+def route(function, *args, use_reentrant=None, **kwargs):
+    import recomp.torch as rt
+    return rt.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+tuc.checkpoint = route
+import recomp, recomp.torch as rt
+from recomp.torch import _compile
+assert _compile.torch_checkpoint is route and _compile.PYTORCH_CHECKPOINT is None
+layer = torch.nn.Linear(4, 4)
+try:
+    rt.checkpoint(layer, torch.randn(2, 4, requires_grad=True))
+except recomp.RecompError as exc:
+    print("refused:", "Import recomp.torch before replacing" in str(exc))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "refused: True"
