@@ -168,42 +168,30 @@ def step(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> No
     forward(x).sum().backward()
 
 
-def python_calls(run: Callable[[], None]) -> int:
+def count_events(run: Callable[[], Any], event: str) -> int:
+    """How many ``event`` events one ``run()`` raises: ``"call"``, Python function calls
+    (``sys.setprofile``), or ``"opcode"``, Python bytecodes executed (``sys.settrace``
+    with opcode events turned on in every frame). Threads started meanwhile count too."""
     count = 0
+    opcodes = event == "opcode"
 
-    def profile(frame: Any, event: str, arg: Any) -> None:
+    def tracer(frame: Any, kind: str, arg: Any) -> Any:
         nonlocal count
-        if event == "call":
+        if kind == event:
             count += 1
-
-    sys.setprofile(profile)
-    threading.setprofile(profile)
-    try:
-        run()
-    finally:
-        sys.setprofile(None)
-        threading.setprofile(None)
-    return count
-
-
-def python_bytecodes(run: Callable[[], None]) -> int:
-    count = 0
-
-    def trace(frame: Any, event: str, arg: Any) -> Any:
-        nonlocal count
-        if event == "opcode":
-            count += 1
-        elif event == "call":
+        if opcodes and kind == "call":
             frame.f_trace_opcodes = True
-        return trace
+        return tracer
 
-    sys.settrace(trace)
-    threading.settrace(trace)
+    # This thread's tracer last in and first out: only ``run()`` is counted.
+    install = (threading.settrace, sys.settrace) if opcodes else (threading.setprofile, sys.setprofile)
+    for set_tracer in install:
+        set_tracer(tracer)
     try:
         run()
     finally:
-        sys.settrace(None)
-        threading.settrace(None)
+        for set_tracer in reversed(install):
+            set_tracer(None)
     return count
 
 
@@ -220,8 +208,8 @@ def measure(strategies: list[str], steps: int) -> dict[str, dict[str, float]]:
             start = time.process_time()
             step(forward, x)
             times[s].append(time.process_time() - start)
-    calls = {s: python_calls(lambda f=f: step(f, x)) for s, f in forwards.items()}
-    codes = {s: python_bytecodes(lambda f=f: step(f, x)) for s, f in forwards.items()}
+    calls = {s: count_events(lambda f=f: step(f, x), "call") for s, f in forwards.items()}
+    codes = {s: count_events(lambda f=f: step(f, x), "opcode") for s, f in forwards.items()}
     base_time = statistics.median(times["none"])
     base_calls = calls["none"]
     result = {}

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from host_cost import count_events  # run as a script: benchmarks/ is on the path
 from torch import nn
 
 from recomp.torch import apply_activation_checkpointing
@@ -92,23 +93,6 @@ MODES: dict[str, Callable[..., Any]] = {
 }
 
 
-def python_calls(step: Callable[[], Any]) -> int:
-    """Python function calls one ``step()`` makes (``sys.setprofile`` "call" events)."""
-    count = 0
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        nonlocal count
-        if event == "call":
-            count += 1
-
-    sys.setprofile(profile)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return count
-
-
 def measure(mode: str, rounds: int) -> dict[str, float]:
     plain, wrapped = models()
     x = torch.randn(BATCH, TOKENS, WIDTH)
@@ -127,7 +111,7 @@ def measure(mode: str, rounds: int) -> dict[str, float]:
                 times[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
         calls = {
-            name: python_calls(lambda m=m: m(x))
+            name: count_events(lambda m=m: m(x), "call")
             for name, m in (("plain", plain), ("wrapped", wrapped))
         }
     plain_s, wrapped_s = statistics.median(times["plain"]), statistics.median(times["wrapped"])
