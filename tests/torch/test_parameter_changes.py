@@ -387,6 +387,62 @@ def test_calls_after_the_first_read_the_modules_without_walking_them() -> None:
     assert count(calls_of(step), "_replayed_modules") == 1
 
 
+def _walks(step: object) -> int:
+    from call_counts import calls_of
+
+    calls = calls_of(step)
+    return sum(n for (path, qual), n in calls.items() if qual == "_replayed_modules")
+
+
+def test_layers_without_bias_are_read_without_a_walk() -> None:
+    """A parameter registered as None (``Linear(bias=False)``, every projection of HF's
+    Llama-like layers) holds no state: later calls read such modules from the layout
+    too, and a clipped weight is still refused."""
+    torch.manual_seed(0)
+    d = rt.checkpoint_wrapper(
+        nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 1, bias=False))
+    )
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step() -> None:
+        d(x).sum().backward()
+
+    assert _walks(step) == 1
+    assert _walks(step) == 0
+    with pytest.raises(ParameterChangedError, match=r"^Parameter '2\.weight' of the checkpointed"):
+        _clip_then_backward(d, d[2])
+
+
+def test_a_bias_put_in_place_or_removed_after_a_step_is_seen() -> None:
+    """A parameter that was None and holds a tensor now (or the reverse) is a change of
+    the tree: the call walks again, watches the new tensor and stays exact."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1, bias=False))
+    d = rt.checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step() -> None:
+        d(x).sum().backward()
+
+    step()
+    d[2].bias = nn.Parameter(torch.ones(1))
+    assert _walks(step) == 1
+    with pytest.raises(ParameterChangedError, match=r"'2\.bias'"):
+        out = d(x).sum()
+        with torch.no_grad():
+            d[2].bias.mul_(2)
+        out.backward()
+    plain[2].bias = nn.Parameter(d[2].bias.detach().clone())
+    d[0].bias = None
+    plain[0].bias = None
+    assert _walks(step) == 1
+    for model in (plain, d):
+        model.zero_grad()
+        model(x).sum().backward()
+    for mine, theirs in zip(d.parameters(), plain.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=0)
+
+
 def test_a_module_that_refers_back_to_its_checkpointed_parent_is_freed() -> None:
     """What a call keeps of its modules between calls holds none of them: a child that
     refers back to the checkpointed module (a hook's closure here) does not keep the

@@ -236,12 +236,15 @@ def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, str
     return found
 
 
-# Per module the replay runs: a weak reference to it, the names of its parameters and
-# the ids of its sub-modules. Held weakly: the layout is kept between calls for as long as
-# its root lives, and holds no module (a module that refers back to the root would
-# otherwise keep it alive); a module that died is seen as a change (and its id, once
-# reused, is not mistaken for it).
-_LayoutEntry = tuple["weakref.ref[torch.nn.Module]", "tuple[str, ...]", "tuple[int, ...]"]
+# Per module the replay runs: a weak reference to it, the names of its parameters, the ids
+# of its sub-modules, and which of its parameters hold a tensor (None where all do; a
+# parameter registered as None, a Linear without bias, holds none). Held weakly: the
+# layout is kept between calls for as long as its root lives, and holds no module (a
+# module that refers back to the root would otherwise keep it alive); a module that died
+# is seen as a change (and its id, once reused, is not mistaken for it).
+_LayoutEntry = tuple[
+    "weakref.ref[torch.nn.Module]", "tuple[str, ...]", "tuple[int, ...]", "tuple[bool, ...] | None"
+]
 
 
 class TreeLayout:
@@ -261,11 +264,12 @@ class TreeLayout:
         self.entries = entries
         self.skipped = skipped
         # The modules that hold parameters, in the walk's order.
-        self.owned = [ref for ref, names, _ in entries if names]
+        self.owned = [ref for ref, names, _, _ in entries if names]
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _VERSION = operator.attrgetter("_version")
+_HELD = functools.partial(operator.is_not, None)
 
 
 def tree_layout(walked: list[tuple[torch.nn.Module, bool]], marker: str) -> TreeLayout | None:
@@ -300,9 +304,12 @@ def tree_layout(walked: list[tuple[torch.nn.Module, bool]], marker: str) -> Tree
         children = state.get("_modules")
         if not isinstance(params, dict) or not isinstance(children, dict) or buffers != {}:
             return None
-        if any(p is None or not p.requires_grad for p in params.values()):
+        if any(p is not None and not p.requires_grad for p in params.values()):
             return None
-        entries.append((ref, tuple(params), tuple(map(id, children.values()))))
+        held = tuple(map(_HELD, params.values()))
+        entries.append(
+            (ref, tuple(params), tuple(map(id, children.values())), None if all(held) else held)
+        )
     return TreeLayout(marker, entries, skipped_refs)
 
 
@@ -316,7 +323,7 @@ def layout_tensors(layout: TreeLayout) -> list[torch.Tensor] | None:
     marker = layout.marker
     found: list[torch.Tensor] = []
     try:
-        for ref, names, children in layout.entries:
+        for ref, names, children, held in layout.entries:
             state = ref().__dict__  # type: ignore[union-attr]  # None: gone (AttributeError)
             params = state["_parameters"]
             kids = state["_modules"]
@@ -327,7 +334,12 @@ def layout_tensors(layout: TreeLayout) -> list[torch.Tensor] | None:
                 or (tuple(map(id, kids.values())) != children if children else kids)
             ):
                 return None
-            found += params.values()
+            if held is None:
+                found += params.values()  # a None put in a parameter's place: AttributeError
+            elif tuple(map(_HELD, params.values())) == held:
+                found += filter(_HELD, params.values())
+            else:
+                return None
         for ref in layout.skipped:
             if ref().__dict__.get(marker) is None:  # type: ignore[union-attr]
                 return None
@@ -352,7 +364,7 @@ def layout_unchanged(
         module = ref()
         if module is None:
             return False
-        live.extend(module.__dict__["_parameters"].values())
+        live.extend(filter(_HELD, module.__dict__["_parameters"].values()))
     if len(live) != len(tensors) or not all(map(operator.is_, live, tensors)):
         return False
     try:
