@@ -23,10 +23,17 @@ judged on: ``recomp / torch``, ``recomp-R / remat-R`` and the cost of one more r
 with each time is the interquartile range of the per-step CPU times, divided like the
 median (per layer); the figures of ``none`` are subtracted from the medians only.
 Target 3b of ``benchmarks/targets.py`` (``recomp bench``'s wrapper overhead on a tiny op,
-per region call) measures another loop and is not judged here::
+per region call) measures another loop and is not judged here.
+
+``--layer`` puts other layers under ``none``, ``torch`` and ``recomp``: ``lora`` (the
+tiny layer with its linears frozen and a trainable low-rank adapter beside each, as
+PEFT's LoRA leaves a model: state that does not train) and ``llama`` (HF Llama's decoder
+layer at hidden size 64: projections without bias, RMSNorm, rotary embeddings passed as
+a keyword, on 2 sequences of 8 tokens)::
 
     python benchmarks/host_cost.py                       # R in 1, 4, 16; 200 steps
     python benchmarks/host_cost.py --regions 1,4 --steps 300 --json out/host_cost.json
+    python benchmarks/host_cost.py --layer llama --steps 100
 
 Run it with recomp importable (``PYTHONPATH=src``, or the development environment).
 """
@@ -82,15 +89,76 @@ class Layer(nn.Module):
         return x + self.fc2(h)
 
 
+class Adapted(nn.Module):
+    """The tiny layer as parameter-efficient fine-tuning leaves it: fc1 and fc2 frozen,
+    a trainable rank-4 adapter beside each (PEFT's LoRA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, WIDTH).requires_grad_(False)
+        self.fc2 = nn.Linear(WIDTH, WIDTH).requires_grad_(False)
+        self.down1 = nn.Linear(WIDTH, 4, bias=False)
+        self.up1 = nn.Linear(4, WIDTH, bias=False)
+        self.down2 = nn.Linear(WIDTH, 4, bias=False)
+        self.up2 = nn.Linear(4, WIDTH, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x) + self.up1(self.down1(x)))
+        return x + self.fc2(h) + self.up2(self.down2(h))
+
+
+#: Layers other than the tiny one (``--layer``): no excluded regions, no torch-remat.
+LAYER_KINDS = ("tiny", "lora", "llama")
+
+
+def _layers(kind: str, count: int) -> tuple[list[nn.Module], Callable[..., Any], torch.Tensor]:
+    """``count`` layers of ``kind``, how one is called on the hidden state, and an input."""
+    torch.manual_seed(0)
+    if kind == "lora":
+        return [Adapted() for _ in range(count)], _call, torch.randn(BATCH, WIDTH)
+    if kind != "llama":
+        return [Layer() for _ in range(count)], _call, torch.randn(BATCH, WIDTH)
+    # HF Llama's decoder layer at hidden size WIDTH (no bias, RMSNorm, rotary
+    # embeddings given by the caller), on a batch of 2 sequences of 8 tokens.
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as llama
+
+    config = LlamaConfig(
+        hidden_size=WIDTH,
+        intermediate_size=2 * WIDTH,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=count,
+        attn_implementation="sdpa",
+    )
+    x = torch.randn(2, 8, WIDTH)
+    rotary = llama.LlamaRotaryEmbedding(config)
+    embeddings = rotary(x, torch.arange(8)[None])
+
+    def call(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        out = layer(h, position_embeddings=embeddings)
+        return out[0] if isinstance(out, tuple) else out
+
+    return [llama.LlamaDecoderLayer(config, i) for i in range(count)], call, x
+
+
+def _call(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return layer(h)
+
+
 def _regions(layer: Layer, count: int) -> list[nn.Module]:
     """The ``count`` modules of ``layer`` that are excluded (fc1, fc2, then the smalls)."""
     return [layer.fc1, layer.fc2, *layer.extra][:count]
 
 
-def build(strategy: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A forward of ``LAYERS`` layers under ``strategy``."""
+def build(strategy: str, layer: str = "tiny") -> Callable[[torch.Tensor], torch.Tensor]:
+    """A forward of ``LAYERS`` layers of kind ``layer`` under ``strategy``."""
     name, _, count = strategy.partition("-")
     regions = int(count) if count else 0
+    if layer != "tiny":
+        if regions or name not in ("none", "torch", "recomp"):
+            raise SystemExit(f"--layer {layer} runs none, torch and recomp only, not {strategy!r}")
+        return _build_other(name, layer)
     torch.manual_seed(0)
     layers = [Layer(extra=max(regions - 2, 0)) for _ in range(LAYERS)]
     if name == "none":
@@ -130,6 +198,24 @@ def build(strategy: str) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         for call in calls:
             x = call(x)
+        return x
+
+    return forward
+
+
+def _build_other(name: str, kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    layers, call, _ = _layers(kind, LAYERS)
+    if name == "torch":
+        def run(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+            return torch_checkpoint(call, layer, h, use_reentrant=False)  # type: ignore[no-any-return]
+    else:
+        if name == "recomp":
+            layers = [rt.checkpoint_wrapper(m) for m in layers]
+        run = call
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = run(layer, x)
         return x
 
     return forward
@@ -195,10 +281,10 @@ def count_events(run: Callable[[], Any], event: str) -> int:
     return count
 
 
-def measure(strategies: list[str], steps: int) -> dict[str, dict[str, float]]:
+def measure(strategies: list[str], steps: int, layer: str = "tiny") -> dict[str, dict[str, float]]:
     torch.set_num_threads(1)
-    x = torch.randn(BATCH, WIDTH, requires_grad=True)
-    forwards = {s: build(s) for s in strategies}
+    x = _layers(layer, 0)[2].requires_grad_()
+    forwards = {s: build(s, layer) for s in strategies}
     for _ in range(5):  # warm-up: caches, lazy initialisation
         for forward in forwards.values():
             step(forward, x)
@@ -235,16 +321,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--regions", default="1,4,16", help="regions per layer, comma-separated")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument(
+        "--layer",
+        choices=LAYER_KINDS,
+        default="tiny",
+        help="tiny: Linear, GELU, Linear (every strategy); lora: the same with frozen linears "
+        "and trainable rank-4 adapters; llama: HF Llama's decoder layer at hidden size 64 "
+        "(needs transformers). The last two: none, torch and recomp only",
+    )
     args = parser.parse_args(argv)
-    counts = [int(c) for c in args.regions.split(",")]
-    remat = importlib.util.find_spec("torch_remat") is not None
-    strategies = ["none", "torch", "recomp", "sac"]
+    tiny = args.layer == "tiny"
+    counts = [int(c) for c in args.regions.split(",")] if tiny else []
+    remat = tiny and importlib.util.find_spec("torch_remat") is not None
+    strategies = ["none", "torch", "recomp"] + (["sac"] if tiny else [])
     for c in counts:
         strategies.append(f"recomp-{c}")
         if remat:
             strategies.append(f"remat-{c}")
-    result = measure(strategies, args.steps)
-    print(f"per layer per step above no checkpointing ({LAYERS} layers, torch {torch.__version__})")
+    result = measure(strategies, args.steps, args.layer)
+    print(
+        f"per layer per step above no checkpointing ({LAYERS} {args.layer} layers, "
+        f"torch {torch.__version__})"
+    )
     print(f"{'strategy':<12} {'CPU us':>9} {'spread':>8} {'py calls':>9} {'bytecodes':>10}")
     for s, r in result.items():
         if s != "none":
@@ -276,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             figures = {"per_layer": result, "ratios": ratios, "per_region": per_region}
-            json.dump({**figures, "torch": torch.__version__}, f, indent=1)
+            json.dump({**figures, "layer": args.layer, "torch": torch.__version__}, f, indent=1)
     return 0
 
 

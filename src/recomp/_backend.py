@@ -312,15 +312,15 @@ class Modules:
         """A layout of the modules ``walked`` (each with whether a walk skipped it, as it
         skips modules holding a ``marker`` attribute) from which :meth:`layout_tensors`
         reads their tensors without a walk; None where the framework has no such read
-        or a module holds state a forward may update (``recomp._module_state`` then
-        walks at every call). This default: None."""
+        (``recomp._module_state`` then walks at every call). This default: None."""
         return None
 
     def layout_tensors(self, layout: Any) -> list[Any] | None:
         """The tensors the modules of ``layout`` (from :meth:`tree_layout`) hold now, in
         the order of the walk and of :meth:`module_state`; None once the layout no
         longer holds (a module, parameter or buffer added, removed or replaced, a
-        parameter's ``requires_grad`` or the marker changed)."""
+        tensor's ``requires_grad``, the marker or, where some state does not train, a
+        module's training flag changed)."""
         return None
 
     def layout_unchanged(self, layout: Any, tensors: list[Any], seen: list[int | None]) -> bool:

@@ -57,20 +57,27 @@ then never written again by recomp); the default copies values in and back out.
 
 NOTE [ Calls after the first: layouts ]
 Walking the modules and making a slot per tensor at every call is most of what this part
-costs a layer whose kernels take microseconds. Where all of a root's state trains (no
-buffer, no parameter without gradients: nothing a forward may update, so nothing to copy)
-and the backend can read the tensors again without a walk (``Modules.tree_layout``,
-PyTorch), the first call keeps the walk's result as a layout (holding the modules
-weakly: it lives as long as its root, and a module that refers back to the root does not
-keep it alive; a module that died is a change); later calls read the
-tensors from it (``Modules.layout_tensors``, which answers None once a module, parameter
-or buffer was added, removed or replaced, a parameter frozen, or a region excluded or
-unwrapped: the call walks again) and build no slot. The forward's end notes their
-versions; a replay that finds the modules holding the same tensors at the same versions
-(``Modules.layout_unchanged``) has nothing to put in place. Anything else (a tensor
-swapped in by ``functional_call``, a parameter changed before backward) builds the slots
-from the layout and takes the path below, so every guarantee is the walk's. A root found
-with state a forward may update is walked at every call from then on.
+costs a layer whose kernels take microseconds. Where a call copies nothing and the
+backend can read the tensors again without a walk (``Modules.tree_layout``, PyTorch), a
+walk's result is kept as a layout (holding the modules weakly: it lives as long as its
+root, and a module that refers back to the root does not keep it alive; a module that
+died is a change). A call copies nothing where all of the root's state trains, or where
+its state a forward may update (frozen parameters, as PEFT's adapters leave the base
+weights; buffers, of a BatchNorm in eval mode too) has been seen updated by no forward
+of the root in its mode and holds no running statistics: the first call walks and
+learns, the second builds the layout. Later calls read the tensors from it
+(``Modules.layout_tensors``, which answers None once a module, parameter or buffer was
+added, removed or replaced, a tensor's ``requires_grad`` or, where some state does not
+train, a module's training flag changed, or a region was excluded or unwrapped: the call
+walks again) and build no slot. Where some state does not train, the call notes every
+tensor's version when it starts; the forward's end notes them again, and a forward that
+wrote one in place (a first update) builds the slots from the layout, which report it
+and learn from it as below, and drops the layout. A replay that finds the modules
+holding the same tensors at the same versions (``Modules.layout_unchanged``) has nothing
+to put in place. Anything else (a tensor swapped in by ``functional_call``, a parameter
+changed before backward) builds the slots from the layout and takes the path below, so
+every guarantee is the walk's. A root whose forwards update its state, or which holds
+running statistics in training mode, is walked at every call.
 
 NOTE [ State changed before backward ]
 A parameter or buffer changed in place after a forward that read it and before that
@@ -195,18 +202,23 @@ def _rebound(backend: Backend, live: Any, slot: _Slot) -> bool:
 
 
 class _Layout:
-    """What a walk of one root module found, where all of it trains (no buffer, no
-    parameter without gradients: nothing a forward may update) and the backend can read
-    it again without a walk (``Modules.tree_layout``): later calls of the root read their
-    tensors from ``layout`` and build no slot unless something differs."""
+    """What a walk of one root module found, where the backend can read it again without
+    a walk (``Modules.tree_layout``) and nothing needs a copy: all of it trains, or what
+    a forward may update (buffers, parameters without gradients) no forward of the root
+    in its mode has been seen to update (NOTE [ Calls after the first: layouts ]). Later
+    calls of the root read their tensors from ``layout`` and build no slot unless
+    something differs."""
 
-    __slots__ = ("layout", "meta")
+    __slots__ = ("layout", "meta", "watched")
 
-    def __init__(self, layout: Any, meta: list[tuple[str, weakref.ref[Any], str]]) -> None:
+    def __init__(self, layout: Any, meta: list[tuple[str, weakref.ref[Any], str, str]]) -> None:
         self.layout = layout  # the backend's
-        # Path, module (weakly: the layout lives as long as its root) and name of each
-        # tensor ``layout`` reads.
+        # Path, module (weakly: the layout lives as long as its root), name and kind of
+        # each tensor ``layout`` reads.
         self.meta = meta
+        # Whether some of it is state a forward may update: each call then notes its
+        # versions when the forward starts, to see a forward that does update it.
+        self.watched = any(kind != "parameter" for _, _, _, kind in meta)
 
 
 #: Per root module, by its id: the root (weakly) and its :class:`_Layout`, or None where
@@ -234,6 +246,26 @@ _UPDATED: weakref.WeakKeyDictionary[Any, dict[bool, set[str]]] = weakref.WeakKey
 _REPORTED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+def _updated(backend: Backend, root: Any) -> set[str] | None:
+    """What forwards of ``root`` in its current mode have been seen to update (None before
+    the first)."""
+    modes = _UPDATED.get(root)
+    return None if modes is None else modes.get(backend.modules.is_training(root))
+
+
+def _quiet(backend: Backend, root: Any, slots: list[_Slot]) -> bool:
+    """Whether a call of ``root`` starting with ``slots`` copies nothing: all of it trains,
+    or (where versions show every write) it holds no running statistics in this mode
+    and forwards of it in this mode were seen to update none of its state."""
+    if all(slot.kind == "parameter" for slot in slots):
+        return True
+    return (
+        backend.modules.state_versions_track_writes
+        and all(slot.kind != "statistics" for slot in slots)
+        and _updated(backend, root) == set()
+    )
+
+
 class ModuleState(CallPart):
     """The part of a checkpoint call of a module that makes each replay see the state the
     forward saw and keeps the forward's updates once (see the module docstring)."""
@@ -246,6 +278,7 @@ class ModuleState(CallPart):
         "_replays",
         "_settled",
         "_slots",
+        "_started",
         "_tensors",
         "backend",
         "root",
@@ -262,13 +295,16 @@ class ModuleState(CallPart):
     ) -> None:
         self.backend = backend
         self.root = root
-        # The slots, or (the common case: nothing a forward may update, and a layout
-        # the backend reads without a walk) none until something differs: the tensors
-        # the modules held when the call started, read from ``_layout``, and their
-        # versions when the forward ended.
+        # The slots, or (the common case: nothing to copy, and a layout the backend reads
+        # without a walk) none until something differs: the tensors the modules held
+        # when the call started, read from ``_layout``, their versions then where some
+        # of them a forward may update, and their versions when the forward ended.
         self._slots = slots
         self._layout = layout
         self._tensors = tensors
+        self._started: list[int | None] | None = (
+            backend.versions(tensors) if layout is not None and layout.watched else None  # type: ignore[arg-type]
+        )
         self._settled: list[int | None] | None = None
         # What a forward may update (buffers, parameters without gradients): most
         # layers hold none, and their calls start with nothing to copy.
@@ -281,18 +317,22 @@ class ModuleState(CallPart):
         """One slot per tensor of the replayed modules (built on first use where the call
         started from a layout; from then on the call no longer uses it)."""
         if self._slots is None:
-            layout, tensors, settled = self._layout, self._tensors, self._settled
+            layout, tensors = self._layout, self._tensors
+            started, settled = self._started, self._settled
             assert layout is not None and tensors is not None
             slots = []
-            for index, ((path, ref, name), tensor) in enumerate(zip(layout.meta, tensors)):
+            for index, ((path, ref, name, kind), tensor) in enumerate(zip(layout.meta, tensors)):
                 module = ref()
                 if module is None:
                     continue  # gone from the tree: the replay cannot run it
-                slot = _Slot(path, module, name, tensor, "parameter")
+                slot = _Slot(path, module, name, tensor, kind)
+                if started is not None and slot.watched:
+                    slot.version = started[index]
                 if settled is not None:
                     slot.settled = settled[index]
                 slots.append(slot)
             self._slots, self._layout, self._tensors = slots, None, None
+            self.watched = [slot for slot in slots if slot.watched]
         return self._slots
 
     @classmethod
@@ -326,11 +366,17 @@ class ModuleState(CallPart):
                 if updating and id(tensor) in updating:
                     kind = "statistics"
                 slots.append(_Slot(prefix + name, module, name, tensor, kind))
-        if layout is not None or not seen:
-            # First call, or the modules changed: a layout for the next calls, if all of
-            # it trains and the backend has one.
+        # First call, or the modules changed: a layout for the next calls, if the call
+        # copies nothing and the backend has one. A root walked at every call so far
+        # because it holds state a forward may update is asked again: forwards in this
+        # mode may have been seen to update none of it since.
+        walking = seen and layout is None
+        quiet = (not walking or any(slot.watched for slot in slots)) and _quiet(
+            backend, root, slots
+        )
+        if quiet or not walking:
             found = None
-            if all(slot.kind == "parameter" for slot in slots):
+            if quiet:
                 found = modules.tree_layout(
                     [(m, False) for _, m in walked] + [(m, True) for m in skipped], _REGION
                 )
@@ -338,15 +384,16 @@ class ModuleState(CallPart):
                 root,
                 None
                 if found is None
-                else _Layout(found, [(s.path, weakref.ref(s.module), s.name) for s in slots]),
+                else _Layout(
+                    found, [(s.path, weakref.ref(s.module), s.name, s.kind) for s in slots]
+                ),
             )
         return cls(backend, root, slots) if slots else None
 
     def _updated(self) -> set[str] | None:
         """What forwards of the root in its current mode have been seen to update (None
         before the first)."""
-        modes = _UPDATED.get(self.root)
-        return None if modes is None else modes.get(self.backend.modules.is_training(self.root))
+        return _updated(self.backend, self.root)
 
     def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         watched = self.watched
@@ -387,15 +434,20 @@ class ModuleState(CallPart):
         if not ok:
             return
         if self._slots is None:
-            # Nothing a forward may update: each tensor's version, for the replays to
-            # compare (NOTE [ State changed before backward ]). A tensor the forward put
-            # in a module's place is found by the replay, which puts back the one the
-            # call started with, as a slot that saw it rebound here would.
+            # Nothing copied: each tensor's version, for the replays to compare (NOTE
+            # [ State changed before backward ]). A tensor the forward put in a module's
+            # place is found by the replay, which puts back the one the call started
+            # with, as a slot that saw it rebound here would.
             backend = self.backend
             if backend.versions_need_sync:
                 backend.sync()
-            self._settled = backend.versions(self._tensors)  # type: ignore[arg-type]
-            return
+            settled = backend.versions(self._tensors)  # type: ignore[arg-type]
+            if self._started is None or settled == self._started:
+                self._settled = settled
+                return
+            # The forward wrote a tensor in place: where that is state a forward may
+            # update, the first such forward of this root in this mode, which the slots
+            # report and learn from (and the root's layout is dropped).
         if self.backend.modules.state_versions_track_writes:
             self._find_writes()
         elif self._learning:
@@ -419,6 +471,8 @@ class ModuleState(CallPart):
                 if updated is None:
                     modes = _UPDATED.setdefault(self.root, {})
                     updated = modes.setdefault(backend.modules.is_training(self.root), set())
+                    # Later calls copy what this forward updated: none reads a layout.
+                    _put_layout(self.root, None)
                 updated.add(slot.path)
                 if slot.before is None:
                     # Too late for the value the forward read; a copy of the updated

@@ -51,7 +51,7 @@ def train(model, steps, *, wrapped=(), backwards=1, before_step=None, lr=0.1, **
         loss = run(batch(step)).pow(2).sum()
         for i in range(backwards):
             loss.backward(retain_graph=i + 1 < backwards)
-        grads.append([p.grad.clone() for p in model.parameters()])
+        grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
         opt.step()
     train.last_model = model  # type: ignore[attr-defined]
     return grads, {n: b.clone() for n, b in model.named_buffers()}
@@ -207,21 +207,27 @@ class LateUpdate(nn.Module):
 
 
 @pytest.mark.replay_differs  # the warned step's replay reads the updated value
-def test_a_first_update_after_earlier_forwards_did_none_warns_once_naming_it():
+# From step 3 on: the calls before read the modules from a layout (NOTE [ Calls after the
+# first: layouts ]), and the first update is seen there.
+@pytest.mark.parametrize("first", [1, 3])
+def test_a_first_update_after_earlier_forwards_did_none_warns_once_naming_it(first: int):
     torch.manual_seed(0)
     model = LateUpdate()
 
-    def from_step_one(model: nn.Module, step: int) -> None:
-        model.updating = step >= 1
+    def from_first(model: nn.Module, step: int) -> None:
+        model.updating = step >= first
 
+    steps = first + 3
     # lr=0: the weights stay as they are, so that one step's gradient does not carry over
-    want_grads, want_buffers = train(model, 4, before_step=from_step_one, lr=0.0)
+    want_grads, want_buffers = train(model, steps, before_step=from_first, lr=0.0)
     with pytest.warns(recomp.ReplayStateWarning, match=r"LateUpdate updated scale in place"):
-        got_grads, got_buffers = train(model, 4, wrapped=[""], before_step=from_step_one, lr=0.0)
-    # step 1 is the one the warning is about; the steps before and after it are exact
-    for step in (0, 2, 3):
-        assert all(torch.equal(a, b) for a, b in zip(want_grads[step], got_grads[step])), step
-    assert not all(torch.equal(a, b) for a, b in zip(want_grads[1], got_grads[1]))
+        got_grads, got_buffers = train(
+            model, steps, wrapped=[""], before_step=from_first, lr=0.0
+        )
+    # the first updating step is the one the warning is about; the others are exact
+    for step in range(steps):
+        same = all(torch.equal(a, b) for a, b in zip(want_grads[step], got_grads[step]))
+        assert same is (step != first), step
     assert torch.equal(want_buffers["scale"], got_buffers["scale"])  # updated once per step
 
 
@@ -274,3 +280,97 @@ def test_a_frozen_parameter_written_in_place_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error", recomp.ReplayStateWarning)  # once per module
         block(torch.randn(2, 8, requires_grad=True)).sum().backward()
+
+
+# -- layouts with state a forward may update (NOTE [ Calls after the first: layouts ]) ----
+
+
+def _walks(run: object) -> int:
+    from call_counts import calls_of
+
+    calls = calls_of(run)
+    return sum(n for (_, qual), n in calls.items() if qual == "_replayed_modules")
+
+
+class Masked(nn.Module):
+    """A constant buffer the forward reads and never writes (an attention mask, a
+    relative-position index)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.register_buffer("mask", (torch.arange(6) % 2).float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(self.lin(x) * self.mask)
+
+
+class EvalNorm(nn.Module):
+    """A BatchNorm kept in eval mode inside a model that trains (frozen statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.norm = nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.lin(x)))
+
+
+def _eval_norm() -> EvalNorm:
+    model = EvalNorm()
+    model.norm.eval()
+    return model
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: FrozenBase(6), Masked, _eval_norm], ids=["frozen", "buffer", "eval-norm"]
+)
+def test_state_no_forward_updates_is_read_from_a_layout_and_stays_exact(make):
+    """Once a forward of a module in its mode was seen to update none of its frozen
+    parameters and buffers, later calls read them without a walk, and training stays
+    exact (gradients and buffers)."""
+    torch.manual_seed(0)
+    model = rt.checkpoint_wrapper(make())
+    x = torch.randn(4, 6, requires_grad=True)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    assert [_walks(step) for _ in range(4)] == [1, 1, 0, 0]
+    torch.manual_seed(0)
+    assert_same_training(make(), steps=4, wrapped=[""])
+
+
+@pytest.mark.parametrize("where", ["frozen", "buffer"])
+def test_state_read_from_a_layout_and_changed_before_backward_is_refused(where):
+    torch.manual_seed(0)
+    model = rt.checkpoint_wrapper(FrozenBase(6) if where == "frozen" else Masked())
+    x = torch.randn(4, 6, requires_grad=True)
+    for _ in range(3):
+        model(x).sum().backward()
+    out = model(x).sum()
+    with torch.no_grad():
+        (model.base.weight if where == "frozen" else model.mask).mul_(2)
+    name = r"Parameter 'base\.weight'" if where == "frozen" else r"Buffer 'mask'"
+    with pytest.raises(recomp.errors.ParameterChangedError, match=rf"^{name} of the checkpointed"):
+        out.backward()
+
+
+def test_a_norm_put_back_in_training_mode_updates_its_statistics_once():
+    """The training flag is part of what a layout checks: a BatchNorm read from a layout
+    in eval mode and put in training mode between steps is walked again, and its
+    statistics are restored for the replay (updated once per step, as without recomp)."""
+
+    def switch(model: nn.Module, step: int) -> None:
+        model.norm.train(step >= 3)
+
+    torch.manual_seed(0)
+    want_grads, want_buffers = train(_eval_norm(), 5, before_step=switch)
+    torch.manual_seed(0)
+    got_grads, got_buffers = train(_eval_norm(), 5, wrapped=[""], before_step=switch)
+    for want, got in zip(want_grads, got_grads):
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert int(got_buffers["norm.num_batches_tracked"]) == 2
+    for name, value in want_buffers.items():
+        assert torch.equal(value, got_buffers[name]), name

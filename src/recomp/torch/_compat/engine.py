@@ -237,34 +237,50 @@ def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, str
 
 
 # Per module the replay runs: a weak reference to it, the names of its parameters, the ids
-# of its sub-modules, and which of its parameters hold a tensor (None where all do; a
-# parameter registered as None, a Linear without bias, holds none). Held weakly: the
-# layout is kept between calls for as long as its root lives, and holds no module (a
-# module that refers back to the root would otherwise keep it alive); a module that died
-# is seen as a change (and its id, once reused, is not mistaken for it).
+# of its sub-modules, and None for a module whose parameters all hold a tensor and which
+# has no buffers (the common module), else which of its parameters hold one (a parameter
+# registered as None, a Linear without bias, holds none) and the names of its buffers with
+# which of them hold one. Held weakly: the layout is kept between calls for as long as its
+# root lives, and holds no module (a module that refers back to the root would otherwise
+# keep it alive); a module that died is seen as a change (and its id, once reused, is not
+# mistaken for it).
+_Held = tuple[bool, ...]
 _LayoutEntry = tuple[
-    "weakref.ref[torch.nn.Module]", "tuple[str, ...]", "tuple[int, ...]", "tuple[bool, ...] | None"
+    "weakref.ref[torch.nn.Module]",
+    "tuple[str, ...]",
+    "tuple[int, ...]",
+    "tuple[_Held, tuple[str, ...], _Held] | None",
 ]
 
 
 class TreeLayout:
     """The modules a replay of one module runs, as :func:`tree_layout` found them: per
-    module the names of its parameters, which all train (no buffers), and the ids of its
-    sub-modules; the modules it skips (excluded regions), only that they are."""
+    module the names of its parameters and buffers and the ids of its sub-modules; the
+    modules it skips (excluded regions), only that they are. Where some tensor needs no
+    gradient (a frozen parameter, a buffer: state a forward may update), also which
+    tensors need one and each module's training flag, which decide how the engine
+    treats that state."""
 
-    __slots__ = ("entries", "marker", "owned", "skipped")
+    __slots__ = ("entries", "grads", "marker", "modes", "owned", "skipped")
 
     def __init__(
         self,
         marker: str,
         entries: list[_LayoutEntry],
         skipped: list[weakref.ref[torch.nn.Module]],
+        grads: list[bool] | None,
+        modes: list[bool] | None,
     ) -> None:
         self.marker = marker
         self.entries = entries
         self.skipped = skipped
-        # The modules that hold parameters, in the walk's order.
-        self.owned = [ref for ref, names, _, _ in entries if names]
+        # ``requires_grad`` of each tensor in the read's order (None where all train) and
+        # the training flag of each module of ``entries`` (None then too).
+        self.grads = grads
+        self.modes = modes
+        # The modules that hold tensors, in the walk's order, each with its entry's last
+        # item.
+        self.owned = [(ref, other) for ref, names, _, other in entries if names or other]
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -274,20 +290,23 @@ _HELD = functools.partial(operator.is_not, None)
 
 def tree_layout(walked: list[tuple[torch.nn.Module, bool]], marker: str) -> TreeLayout | None:
     """The layout of ``walked`` (each module with whether the walk skipped it: those that
-    hold the ``marker`` attribute), or None where a module holds a buffer or a parameter
-    without gradients (state a forward may update: the engine reads those one by one).
+    hold the ``marker`` attribute), or None where a module cannot be read without a walk
+    (no weak reference, not the three dictionaries, a buffer that needs gradients).
 
     Why: a checkpoint of a module notes every tensor of the modules its replay runs, at
     every call, and a replay checks that none was changed since; the modules rarely
     change between calls. :func:`layout_tensors` reads all the tensors in a few C loops
     per module and says when the layout no longer holds (a module, parameter or buffer
-    added, removed or replaced, a parameter's ``requires_grad`` or the ``marker``
-    attribute changed), where a walk calls Python per module and per tensor.
+    added, removed or replaced, a tensor's ``requires_grad``, a module's training flag
+    where some tensor needs no gradient, or the ``marker`` attribute changed), where a
+    walk calls Python per module and per tensor.
     If it changes: None (a module without the three dictionaries), and the engine walks.
     Retired by: a cheap public view of a module's own parameters, buffers and children.
     """
     entries: list[_LayoutEntry] = []
     skipped_refs: list[weakref.ref[torch.nn.Module]] = []
+    grads: list[bool] = []
+    modes: list[bool] = []
     for module, skipped in walked:
         state = vars(module)
         if (state.get(marker) is not None) is not skipped:
@@ -302,20 +321,35 @@ def tree_layout(walked: list[tuple[torch.nn.Module, bool]], marker: str) -> Tree
         params = state.get("_parameters")
         buffers = state.get("_buffers")
         children = state.get("_modules")
-        if not isinstance(params, dict) or not isinstance(children, dict) or buffers != {}:
-            return None
-        if any(p is not None and not p.requires_grad for p in params.values()):
+        if not (
+            isinstance(params, dict)
+            and isinstance(children, dict)
+            and isinstance(buffers, dict)
+            and isinstance(state.get("training"), bool)
+        ):
             return None
         held = tuple(map(_HELD, params.values()))
-        entries.append(
-            (ref, tuple(params), tuple(map(id, children.values())), None if all(held) else held)
-        )
-    return TreeLayout(marker, entries, skipped_refs)
+        grads += (p.requires_grad for p in params.values() if p is not None)
+        for b in buffers.values():
+            if b is not None:
+                if b.requires_grad:
+                    return None  # not read as state by the walk either: left to it
+                grads.append(False)
+        other = None
+        if buffers or not all(held):
+            other = (held, tuple(buffers), tuple(map(_HELD, buffers.values())))
+        modes.append(state["training"])
+        entries.append((ref, tuple(params), tuple(map(id, children.values())), other))
+    trains = all(grads)
+    return TreeLayout(
+        marker, entries, skipped_refs, None if trains else grads, None if trains else modes
+    )
 
 
 def layout_tensors(layout: TreeLayout) -> list[torch.Tensor] | None:
-    """The parameters the modules of ``layout`` hold now, in the walk's order (each
-    module's own, in registration order), or None if the layout no longer holds.
+    """The parameters and buffers the modules of ``layout`` hold now, in the walk's order
+    (each module's own parameters, then its buffers, in registration order: as
+    :func:`module_tensors`), or None if the layout no longer holds.
 
     Why and if it changes: as :func:`tree_layout`. (Read at every call of a checkpointed
     module: one pass over the modules, what is empty checked by its truth alone.)
@@ -323,48 +357,79 @@ def layout_tensors(layout: TreeLayout) -> list[torch.Tensor] | None:
     marker = layout.marker
     found: list[torch.Tensor] = []
     try:
-        for ref, names, children, held in layout.entries:
+        for ref, names, children, other in layout.entries:
             state = ref().__dict__  # type: ignore[union-attr]  # None: gone (AttributeError)
             params = state["_parameters"]
             kids = state["_modules"]
             if (
                 state.get(marker) is not None
-                or state["_buffers"]
                 or (tuple(params) != names if names else params)
                 or (tuple(map(id, kids.values())) != children if children else kids)
             ):
                 return None
-            if held is None:
+            if other is None:
+                if state["_buffers"]:
+                    return None
                 found += params.values()  # a None put in a parameter's place: AttributeError
-            elif tuple(map(_HELD, params.values())) == held:
-                found += filter(_HELD, params.values())
-            else:
+            elif not _read_other(state, params, other, found):
                 return None
         for ref in layout.skipped:
             if ref().__dict__.get(marker) is None:  # type: ignore[union-attr]
                 return None
-        if not all(map(_REQUIRES_GRAD, found)):
+        grads = layout.grads
+        if grads is None:
+            if not all(map(_REQUIRES_GRAD, found)):
+                return None
+        elif list(map(_REQUIRES_GRAD, found)) != grads or [
+            ref().__dict__["training"]  # type: ignore[union-attr]
+            for ref, _, _, _ in layout.entries
+        ] != layout.modes:
             return None
     except (AttributeError, KeyError):  # a module gone, None put in a parameter's place
         return None
     return found
 
 
+def _read_other(
+    state: dict[str, Any],
+    params: dict[str, Any],
+    other: tuple[_Held, tuple[str, ...], _Held],
+    found: list[torch.Tensor],
+) -> bool:
+    """Add to ``found`` the tensors of a module that has buffers or a parameter registered
+    as None, where it holds them as ``other`` (its layout entry's last item) says."""
+    held, names, buffers_held = other
+    if tuple(map(_HELD, params.values())) != held:
+        return False
+    found += filter(_HELD, params.values())
+    buffers = state["_buffers"]
+    if buffers or names:
+        if tuple(buffers) != names or tuple(map(_HELD, buffers.values())) != buffers_held:
+            return False
+        found += filter(_HELD, buffers.values())
+    return True
+
+
 def layout_unchanged(
     layout: TreeLayout, tensors: list[torch.Tensor], seen: list[int | None]
 ) -> bool:
-    """Whether the modules of ``layout`` that held parameters hold ``tensors`` now, each
-    at the version in ``seen``. Within one checkpoint call the modules are the call's,
+    """Whether the modules of ``layout`` that held tensors hold ``tensors`` now, each at
+    the version in ``seen``. Within one checkpoint call the modules are the call's,
     whatever the tree holds now: the tree's structure is not checked.
 
     Why and if it changes: as :func:`tree_layout` (asked when every replay starts).
     """
     live: list[torch.Tensor] = []
-    for ref in layout.owned:
+    for ref, other in layout.owned:
         module = ref()
         if module is None:
             return False
-        live.extend(filter(_HELD, module.__dict__["_parameters"].values()))
+        state = module.__dict__
+        if other is None:
+            live += state["_parameters"].values()
+        else:
+            live += filter(_HELD, state["_parameters"].values())
+            live += filter(_HELD, state["_buffers"].values())
     if len(live) != len(tensors) or not all(map(operator.is_, live, tensors)):
         return False
     try:
