@@ -237,19 +237,30 @@ def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, str
 
 
 # Per module the replay runs: a weak reference to it, the names of its parameters, the ids
-# of its sub-modules, and None for a module whose parameters all hold a tensor and which
-# has no buffers (the common module), else which of its parameters hold one (a parameter
-# registered as None, a Linear without bias, holds none) and the names of its buffers with
-# which of them hold one. Held weakly: the layout is kept between calls for as long as its
-# root lives, and holds no module (a module that refers back to the root would otherwise
-# keep it alive); a module that died is seen as a change (and its id, once reused, is not
-# mistaken for it).
+# of its sub-modules, and what else its tensors need: None for a module whose parameters
+# all hold a tensor and which has no buffers (the common module); which of its parameters
+# hold one, for a module with a parameter registered as None (a Linear without bias) and
+# no buffers; else :class:`_WithBuffers`. Held weakly: the layout is kept between calls for
+# as long as its root lives, and holds no module (a module that refers back to the root
+# would otherwise keep it alive); a module that died is seen as a change (and its id, once
+# reused, is not mistaken for it).
 _Held = tuple[bool, ...]
+
+
+class _WithBuffers:
+    """A module with buffers: which of its parameters hold a tensor, the names of its
+    buffers and which of them hold one."""
+
+    __slots__ = ("buffers", "held", "names")
+
+    def __init__(self, held: _Held, names: tuple[str, ...], buffers: _Held) -> None:
+        self.held = held
+        self.names = names
+        self.buffers = buffers
+
+
 _LayoutEntry = tuple[
-    "weakref.ref[torch.nn.Module]",
-    "tuple[str, ...]",
-    "tuple[int, ...]",
-    "tuple[_Held, tuple[str, ...], _Held] | None",
+    "weakref.ref[torch.nn.Module]", "tuple[str, ...]", "tuple[int, ...]", "_Held | _WithBuffers | None"
 ]
 
 
@@ -335,9 +346,11 @@ def tree_layout(walked: list[tuple[torch.nn.Module, bool]], marker: str) -> Tree
                 if b.requires_grad:
                     return None  # not read as state by the walk either: left to it
                 grads.append(False)
-        other = None
-        if buffers or not all(held):
-            other = (held, tuple(buffers), tuple(map(_HELD, buffers.values())))
+        other: _Held | _WithBuffers | None = None
+        if buffers:
+            other = _WithBuffers(held, tuple(buffers), tuple(map(_HELD, buffers.values())))
+        elif not all(held):
+            other = held
         modes.append(state["training"])
         entries.append((ref, tuple(params), tuple(map(id, children.values())), other))
     trains = all(grads)
@@ -371,7 +384,11 @@ def layout_tensors(layout: TreeLayout) -> list[torch.Tensor] | None:
                 if state["_buffers"]:
                     return None
                 found += params.values()  # a None put in a parameter's place: AttributeError
-            elif not _read_other(state, params, other, found):
+            elif other.__class__ is tuple:
+                if state["_buffers"] or tuple(map(_HELD, params.values())) != other:
+                    return None
+                found += filter(_HELD, params.values())
+            elif not _read_with_buffers(state, params, other, found):  # type: ignore[arg-type]
                 return None
         for ref in layout.skipped:
             if ref().__dict__.get(marker) is None:  # type: ignore[union-attr]
@@ -390,23 +407,20 @@ def layout_tensors(layout: TreeLayout) -> list[torch.Tensor] | None:
     return found
 
 
-def _read_other(
-    state: dict[str, Any],
-    params: dict[str, Any],
-    other: tuple[_Held, tuple[str, ...], _Held],
-    found: list[torch.Tensor],
+def _read_with_buffers(
+    state: dict[str, Any], params: dict[str, Any], other: _WithBuffers, found: list[torch.Tensor]
 ) -> bool:
-    """Add to ``found`` the tensors of a module that has buffers or a parameter registered
-    as None, where it holds them as ``other`` (its layout entry's last item) says."""
-    held, names, buffers_held = other
-    if tuple(map(_HELD, params.values())) != held:
+    """Add to ``found`` the tensors of a module with buffers, where it holds them as its
+    layout entry says."""
+    buffers = state["_buffers"]
+    if (
+        tuple(map(_HELD, params.values())) != other.held
+        or tuple(buffers) != other.names
+        or tuple(map(_HELD, buffers.values())) != other.buffers
+    ):
         return False
     found += filter(_HELD, params.values())
-    buffers = state["_buffers"]
-    if buffers or names:
-        if tuple(buffers) != names or tuple(map(_HELD, buffers.values())) != buffers_held:
-            return False
-        found += filter(_HELD, buffers.values())
+    found += filter(_HELD, buffers.values())
     return True
 
 
@@ -429,7 +443,8 @@ def layout_unchanged(
             live += state["_parameters"].values()
         else:
             live += filter(_HELD, state["_parameters"].values())
-            live += filter(_HELD, state["_buffers"].values())
+            if other.__class__ is _WithBuffers:
+                live += filter(_HELD, state["_buffers"].values())
     if len(live) != len(tensors) or not all(map(operator.is_, live, tensors)):
         return False
     try:
