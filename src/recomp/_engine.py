@@ -373,9 +373,24 @@ def begin(
 
 
 def _input_tensors(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The tensors among a checkpoint call's arguments."""
-    leaves, _ = backend.flatten((args, kwargs))
-    return [leaf for leaf in leaves if backend.is_tensor(leaf)]
+    """The tensors among a checkpoint call's arguments, in the order of a flatten."""
+    # Arguments that are tensors, tuples of tensors (HF's position embeddings), None or
+    # plain scalars (the common call) are read without a walk; anything else is walked.
+    tensor = backend.tensor_class
+    found: list[Any] = []
+    for value in (*args, *kwargs.values()):
+        kind = type(value)
+        if isinstance(value, tensor):
+            found.append(value)
+        elif kind is tuple and all(isinstance(item, tensor) for item in value):
+            found += value
+        elif value is not None and kind not in _SCALARS:
+            leaves, _ = backend.flatten((args, kwargs))
+            return [leaf for leaf in leaves if backend.is_tensor(leaf)]
+    return found
+
+
+_SCALARS = frozenset({bool, int, float, str})
 
 
 def check_use_reentrant(use_reentrant: Any, package: str) -> None:

@@ -193,6 +193,45 @@ def test_view_of_input_is_deferred_not_kept():
     assert torch.equal(x.grad, expected)
 
 
+Pair = namedtuple("Pair", "first second")
+
+
+@pytest.mark.parametrize(
+    "how", ["positional", "keyword", "tuple-keyword", "dict-keyword", "list", "namedtuple"]
+)
+def test_a_checkpoint_input_a_region_saves_is_kept_not_deferred_however_it_is_passed(how):
+    """The checkpoint keeps its inputs: a region that saves one keeps it as it is (a
+    deferred handle would ask the replay for a tensor it does not recompute), wherever
+    the input sits among the checkpoint's arguments."""
+    from recomp import _testing
+
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    wrapped = rt.checkpoint_exclude_wrapper(lin)
+    x = torch.randn(4, 8, requires_grad=True)
+    other = torch.randn(4, 8)
+    args, kwargs = {
+        "positional": ((x, 3), {"scale": 1.0}),
+        "keyword": ((), {"x": x, "mask": None}),
+        "tuple-keyword": ((), {"pair": (other, x), "flag": True}),
+        "dict-keyword": ((), {"table": {"x": x}}),
+        "list": (([other, x],), {}),
+        "namedtuple": ((Pair(other, x),), {}),
+    }[how]
+
+    def function(*args, **kwargs):
+        found = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if t is x]
+        return torch.tanh(wrapped(found[0]))
+
+    kinds = []
+    with _testing.observe(deferred=kinds.append):
+        out = rt.checkpoint(function, *args, **kwargs)
+    assert kinds == []
+    out.sum().backward()
+    expected = torch.autograd.grad(torch.tanh(twin(lin)(x)).sum(), x)[0]
+    assert torch.equal(x.grad, expected)
+
+
 def test_block_with_every_kind_of_region():
     ref = Block(8)
     model = twin(ref)
