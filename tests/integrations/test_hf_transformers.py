@@ -639,6 +639,44 @@ def test_lora_gradients_equal_in_either_order(order: str) -> None:
     assert all((r.region_runs, r.region_skips) == (1, 1) for r in regions(model))
 
 
+def test_lora_layers_are_read_without_a_walk_from_the_third_step() -> None:
+    """PEFT's LoRA leaves the base weights frozen and every projection without bias: the
+    checkpointed layers are walked at their first two calls (the first learns that no
+    forward updates the frozen state) and read from a layout after, exact at every step."""
+    peft = pytest.importorskip("peft")
+    from recomp import _module_state
+
+    def lora(model: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(3)
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"])
+        return peft.get_peft_model(model, config)
+
+    base = llama()
+    reference = lora(copy.deepcopy(base))
+    model = lora(copy.deepcopy(base))
+    with_recomp(model, *MODELS["llama-no-exclusion"][1:])
+    walk = _module_state._replayed_modules
+    walks: list[int] = []  # per step
+
+    def counted(*args: object, **kwargs: object) -> object:
+        walks[-1] += 1
+        return walk(*args, **kwargs)
+
+    ids = tokens()
+    _module_state._replayed_modules = counted  # counts, then walks as before
+    try:
+        for _ in range(4):
+            walks.append(0)
+            for m in (reference, model):
+                m.zero_grad()
+                train_step(m, ids, use_cache=False)
+            assert_same_grads(reference, model)
+    finally:
+        _module_state._replayed_modules = walk
+    layers = SMALL["num_hidden_layers"]
+    assert walks == [layers, layers, 0, 0]
+
+
 def test_prefix_tuning_trains_with_excluded_attention_and_refuses_recomputed() -> None:
     peft = pytest.importorskip("peft")
 
