@@ -344,7 +344,7 @@ def tree_layout(walked: list[tuple[torch.nn.Module, bool]], marker: str) -> Tree
         for b in buffers.values():
             if b is not None:
                 if b.requires_grad:
-                    return None  # not read as state by the walk either: left to it
+                    return None  # a buffer that trains (rare): left to the walk
                 grads.append(False)
         other: _Held | _WithBuffers | None = None
         if buffers:
