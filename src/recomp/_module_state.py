@@ -371,29 +371,23 @@ class ModuleState(CallPart):
         # because it holds state a forward may update is asked again: forwards in this
         # mode may have been seen to update none of it since.
         walking = seen and layout is None
-        quiet = (not walking or any(slot.watched for slot in slots)) and _quiet(
-            backend, root, slots
-        )
-        if quiet or not walking:
-            found = None
-            if quiet:
-                found = modules.tree_layout(
-                    [(m, False) for _, m in walked] + [(m, True) for m in skipped], _REGION
+        if not walking or any(slot.watched for slot in slots):
+            quiet = _quiet(backend, root, slots)
+            if quiet or not walking:
+                found = None
+                if quiet:
+                    found = modules.tree_layout(
+                        [(m, False) for _, m in walked] + [(m, True) for m in skipped], _REGION
+                    )
+                _put_layout(
+                    root,
+                    None
+                    if found is None
+                    else _Layout(
+                        found, [(s.path, weakref.ref(s.module), s.name, s.kind) for s in slots]
+                    ),
                 )
-            _put_layout(
-                root,
-                None
-                if found is None
-                else _Layout(
-                    found, [(s.path, weakref.ref(s.module), s.name, s.kind) for s in slots]
-                ),
-            )
         return cls(backend, root, slots) if slots else None
-
-    def _updated(self) -> set[str] | None:
-        """What forwards of the root in its current mode have been seen to update (None
-        before the first)."""
-        return _updated(self.backend, self.root)
 
     def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         watched = self.watched
@@ -413,7 +407,7 @@ class ModuleState(CallPart):
                 keep(slot)
                 slot.changed = True
         watched = [slot for slot in watched if slot.kind != "statistics"]
-        updated = self._updated()
+        updated = _updated(backend, self.root)
         if not backend.modules.state_versions_track_writes:
             self._learning = updated is None
             for slot in watched:
