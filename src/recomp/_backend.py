@@ -323,12 +323,12 @@ class Modules:
         module's training flag changed)."""
         return None
 
-    def layout_unchanged(self, layout: Any, tensors: list[Any], seen: list[int | None]) -> bool:
-        """Whether the modules of ``layout`` hold ``tensors`` (what :meth:`layout_tensors`
-        read when the call started) now, each at the version in ``seen``. Within one
-        checkpoint call the modules are the call's: the tree's structure is not checked.
-        This default (no layouts): False."""
-        return False
+    def layout_versions(self, layout: Any, tensors: list[Any]) -> list[int | None] | None:
+        """The versions of ``tensors`` (what :meth:`layout_tensors` read when the call
+        started; as :meth:`Backend.version`) where the modules of ``layout`` hold them now;
+        None where they hold others. Within one checkpoint call the modules are the
+        call's: the tree's structure is not checked. This default (no layouts): None."""
+        return None
 
     def module_tensor(self, module: Any, name: str) -> Any:
         """The tensor ``module`` holds under ``name`` now (None if none)."""

@@ -57,27 +57,31 @@ then never written again by recomp); the default copies values in and back out.
 
 NOTE [ Calls after the first: layouts ]
 Walking the modules and making a slot per tensor at every call is most of what this part
-costs a layer whose kernels take microseconds. Where a call copies nothing and the
-backend can read the tensors again without a walk (``Modules.tree_layout``, PyTorch), a
+costs a layer whose kernels take microseconds. Where the backend can read the tensors
+again without a walk (``Modules.tree_layout``, PyTorch) and what a call copies is known, a
 walk's result is kept as a layout (holding the modules weakly: it lives as long as its
 root, and a module that refers back to the root does not keep it alive; a module that
-died is a change). A call copies nothing where all of the root's state trains, or where
-its state a forward may update (frozen parameters, as PEFT's adapters leave the base
-weights; buffers, of a BatchNorm in eval mode too) has been seen updated by no forward
-of the root in its mode and holds no running statistics: the first call walks and
-learns, the second builds the layout. Later calls read the tensors from it
-(``Modules.layout_tensors``, which answers None once a module, parameter or buffer was
-added, removed or replaced, a tensor's ``requires_grad`` or, where some state does not
-train, a module's training flag changed, or a region was excluded or unwrapped: the call
-walks again) and build no slot. Where some state does not train, the call notes every
+died is a change). What a call copies is known where all of the root's state trains
+(nothing), or, where versions show every write, once a forward of the root in its mode
+has been seen: its running statistics and what forwards in that mode updated (a
+BatchNorm's statistics and counter in training mode, a running mean kept in a buffer);
+frozen parameters (PEFT's base weights) and buffers no forward updated are read, not
+copied. The first call walks and learns, the second builds the layout. Later calls read
+the tensors from it (``Modules.layout_tensors``, which answers None once a module,
+parameter or buffer was added, removed or replaced, a tensor's ``requires_grad`` or,
+where some state does not train, a module's training flag changed, or a region was
+excluded or unwrapped: the call walks again), copy what the layout says before the
+forward, and build no slot. Where some state does not train, the call notes every
 tensor's version when it starts; the forward's end notes them again, and a forward that
-wrote one in place (a first update) builds the slots from the layout, which report it
-and learn from it as below, and drops the layout. A replay that finds the modules
-holding the same tensors at the same versions (``Modules.layout_unchanged``) has nothing
-to put in place. Anything else (a tensor swapped in by ``functional_call``, a parameter
-changed before backward) builds the slots from the layout and takes the path below, so
-every guarantee is the walk's. A root whose forwards update its state, or which holds
-running statistics in training mode, is walked at every call.
+wrote one it does not copy in place (a first update) builds the slots from the layout
+(the copies made go with them), which report it and learn from it as below, and drops
+the layout. A replay that finds the modules holding the same tensors, those it does not
+copy at the same versions (``Modules.layout_versions``), puts in place only the copies,
+as a slot with a copy would. Anything else (a tensor swapped in by ``functional_call``
+or rebound by the forward, a parameter changed before backward) builds the slots from
+the layout and takes the path below, so every guarantee is the walk's. Where versions do
+not show every write (MindSpore), a root with state a forward may update is walked at
+every call.
 
 NOTE [ State changed before backward ]
 A parameter or buffer changed in place after a forward that read it and before that
@@ -203,15 +207,20 @@ def _rebound(backend: Backend, live: Any, slot: _Slot) -> bool:
 
 class _Layout:
     """What a walk of one root module found, where the backend can read it again without
-    a walk (``Modules.tree_layout``) and nothing needs a copy: all of it trains, or what
-    a forward may update (buffers, parameters without gradients) no forward of the root
-    in its mode has been seen to update (NOTE [ Calls after the first: layouts ]). Later
-    calls of the root read their tensors from ``layout`` and build no slot unless
-    something differs."""
+    a walk (``Modules.tree_layout``) and what each call copies is known: all of it trains,
+    or (where versions show every write) forwards of the root in its mode have been seen,
+    and each call copies the running statistics and what those forwards updated
+    (NOTE [ Calls after the first: layouts ]). Later calls of the root read their tensors
+    from ``layout`` and build no slot unless something differs."""
 
-    __slots__ = ("layout", "meta", "watched")
+    __slots__ = ("copied", "layout", "meta", "watched")
 
-    def __init__(self, layout: Any, meta: list[tuple[str, weakref.ref[Any], str, str]]) -> None:
+    def __init__(
+        self,
+        layout: Any,
+        meta: list[tuple[str, weakref.ref[Any], str, str]],
+        copied: tuple[int, ...],
+    ) -> None:
         self.layout = layout  # the backend's
         # Path, module (weakly: the layout lives as long as its root), name and kind of
         # each tensor ``layout`` reads.
@@ -219,6 +228,9 @@ class _Layout:
         # Whether some of it is state a forward may update: each call then notes its
         # versions when the forward starts, to see a forward that does update it.
         self.watched = any(kind != "parameter" for _, _, _, kind in meta)
+        # Which of the tensors each call copies before its forward (indices into
+        # ``meta``): the forward updates them, and each replay reads the copy.
+        self.copied = copied
 
 
 #: Per root module, by its id: the root (weakly) and its :class:`_Layout`, or None where
@@ -253,16 +265,23 @@ def _updated(backend: Backend, root: Any) -> set[str] | None:
     return None if modes is None else modes.get(backend.modules.is_training(root))
 
 
-def _quiet(backend: Backend, root: Any, slots: list[_Slot]) -> bool:
-    """Whether a call of ``root`` starting with ``slots`` copies nothing: all of it trains,
-    or (where versions show every write) it holds no running statistics in this mode
-    and forwards of it in this mode were seen to update none of its state."""
+def _copied(backend: Backend, root: Any, slots: list[_Slot]) -> tuple[int, ...] | None:
+    """Which of ``slots`` a call of ``root`` that reads them from a layout copies before
+    its forward: none where all of it trains; else (where versions show every write, and
+    forwards of ``root`` in its mode have been seen) its running statistics and what those
+    forwards updated. None where a call must walk: versions do not show every write, or
+    no forward in this mode has been seen yet (the first call learns what it updates)."""
     if all(slot.kind == "parameter" for slot in slots):
-        return True
-    return (
-        backend.modules.state_versions_track_writes
-        and all(slot.kind != "statistics" for slot in slots)
-        and _updated(backend, root) == set()
+        return ()
+    if not backend.modules.state_versions_track_writes:
+        return None
+    updated = _updated(backend, root)
+    if updated is None:
+        return None
+    return tuple(
+        index
+        for index, slot in enumerate(slots)
+        if slot.kind == "statistics" or (slot.watched and slot.path in updated)
     )
 
 
@@ -273,6 +292,7 @@ class ModuleState(CallPart):
     stage = Stage.RESTORED_STATE
 
     __slots__ = (
+        "_before",
         "_layout",
         "_learning",
         "_replays",
@@ -306,6 +326,9 @@ class ModuleState(CallPart):
             backend.versions(tensors) if layout is not None and layout.watched else None  # type: ignore[arg-type]
         )
         self._settled: list[int | None] | None = None
+        # From a layout that copies: the copies made before the forward, one per index of
+        # ``_layout.copied``.
+        self._before: list[Any] | None = None
         # What a forward may update (buffers, parameters without gradients): most
         # layers hold none, and their calls start with nothing to copy.
         self.watched = [slot for slot in slots if slot.watched] if slots is not None else []
@@ -320,6 +343,7 @@ class ModuleState(CallPart):
             layout, tensors = self._layout, self._tensors
             started, settled = self._started, self._settled
             assert layout is not None and tensors is not None
+            before = dict(zip(layout.copied, self._before)) if self._before is not None else {}
             slots = []
             for index, ((path, ref, name, kind), tensor) in enumerate(zip(layout.meta, tensors)):
                 module = ref()
@@ -328,10 +352,13 @@ class ModuleState(CallPart):
                 slot = _Slot(path, module, name, tensor, kind)
                 if started is not None and slot.watched:
                     slot.version = started[index]
-                if settled is not None:
+                if index in before:  # copied before the forward: the replay reads the copy
+                    slot.before = before[index]
+                    slot.changed = True
+                elif settled is not None:
                     slot.settled = settled[index]
                 slots.append(slot)
-            self._slots, self._layout, self._tensors = slots, None, None
+            self._slots, self._layout, self._tensors, self._before = slots, None, None, None
             self.watched = [slot for slot in slots if slot.watched]
         return self._slots
 
@@ -366,16 +393,16 @@ class ModuleState(CallPart):
                 if updating and id(tensor) in updating:
                     kind = "statistics"
                 slots.append(_Slot(prefix + name, module, name, tensor, kind))
-        # First call, or the modules changed: a layout for the next calls, if the call
-        # copies nothing and the backend has one. A root walked at every call so far
-        # because it holds state a forward may update is asked again: forwards in this
-        # mode may have been seen to update none of it since.
+        # First call, or the modules changed: a layout for the next calls, if what a call
+        # copies is known and the backend has one. A root walked at every call so far
+        # because it holds state a forward may update is asked again: a forward in this
+        # mode may have been seen since.
         walking = seen and layout is None
         if not walking or any(slot.watched for slot in slots):
-            quiet = _quiet(backend, root, slots)
-            if quiet or not walking:
+            copied = _copied(backend, root, slots)
+            if copied is not None or not walking:
                 found = None
-                if quiet:
+                if copied is not None:
                     found = modules.tree_layout(
                         [(m, False) for _, m in walked] + [(m, True) for m in skipped], _REGION
                     )
@@ -384,17 +411,32 @@ class ModuleState(CallPart):
                     None
                     if found is None
                     else _Layout(
-                        found, [(s.path, weakref.ref(s.module), s.name, s.kind) for s in slots]
+                        found,
+                        [(s.path, weakref.ref(s.module), s.name, s.kind) for s in slots],
+                        copied,  # type: ignore[arg-type]  # a layout: not None
                     ),
                 )
         return cls(backend, root, slots) if slots else None
 
     def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
+        backend = self.backend
+        copies: dict[int, Any] = {}  # one copy per tensor, also where modules share it
+        layout = self._layout
+        if layout is not None and layout.copied:
+            # From a layout: a copy of what the forward updates, for each replay to read.
+            tensors = self._tensors
+            before = []
+            for index in layout.copied:
+                tensor = tensors[index]  # type: ignore[index]  # a layout: its tensors
+                key = id(tensor)
+                if key not in copies:
+                    copies[key] = backend.copy(tensor)
+                before.append(copies[key])
+            self._before = before
+            return None, self
         watched = self.watched
         if not watched:
             return None, self
-        backend = self.backend
-        copies: dict[int, Any] = {}  # one copy per tensor, also where modules share it
 
         def keep(slot: _Slot) -> None:
             key = id(slot.tensor)
@@ -436,7 +478,14 @@ class ModuleState(CallPart):
             if backend.versions_need_sync:
                 backend.sync()
             settled = backend.versions(self._tensors)  # type: ignore[arg-type]
-            if self._started is None or settled == self._started:
+            started = self._started
+            if started is not None and self._before is not None:
+                # What was copied is read from its copy by each replay: whatever the
+                # forward (or a later one, before this backward) writes there is no change.
+                started = list(started)
+                for index in self._layout.copied:  # type: ignore[union-attr]  # copies: a layout
+                    settled[index] = started[index] = None
+            if started is None or settled == started:
                 self._settled = settled
                 return
             # The forward wrote a tensor in place: where that is state a forward may
@@ -465,9 +514,10 @@ class ModuleState(CallPart):
                 if updated is None:
                     modes = _UPDATED.setdefault(self.root, {})
                     updated = modes.setdefault(backend.modules.is_training(self.root), set())
-                    # Later calls copy what this forward updated: none reads a layout.
+                if slot.path not in updated:
+                    # Later calls copy it too: the root's layout, which does not, goes.
+                    updated.add(slot.path)
                     _put_layout(self.root, None)
-                updated.add(slot.path)
                 if slot.before is None:
                     # Too late for the value the forward read; a copy of the updated
                     # one still keeps the replay's update away from the module.
@@ -517,19 +567,30 @@ class ModuleState(CallPart):
 
     def __enter__(self) -> None:
         backend = self.backend
-        # From a layout: the modules hold the tensors the call started with, which no
-        # write has changed since the forward ended: nothing to put in place.
-        if (
-            self._slots is None
-            and self._settled is not None
-            and backend.modules.layout_unchanged(
-                self._layout.layout,  # type: ignore[union-attr]
-                self._tensors,  # type: ignore[arg-type]
-                self._settled,
-            )
-        ):
-            self._replays.append(None)
-            return
+        layout = self._layout
+        settled = self._settled
+        if layout is not None and settled is not None:
+            now = backend.modules.layout_versions(layout.layout, self._tensors)  # type: ignore[arg-type]
+            before = self._before
+            if now is not None and before is not None:
+                for index in layout.copied:
+                    now[index] = None  # read from its copy: any version
+            if now == settled:
+                # The modules hold the tensors the call started with, which no write has
+                # changed since the forward ended: nothing to put in place but the copies
+                # of what the forward updated, held by the modules during the replay.
+                context = None
+                if before is not None:
+                    meta, tensors = layout.meta, self._tensors
+                    context = backend.modules.state_for_replay(
+                        [
+                            StateChange(meta[i][1](), meta[i][2], tensors[i], copy, True)  # type: ignore[index]
+                            for i, copy in zip(layout.copied, before)
+                        ]
+                    )
+                    context.__enter__()
+                self._replays.append(context)
+                return
         module_tensor = backend.modules.module_tensor
         version = backend.version
         changes: list[StateChange] = []

@@ -374,3 +374,133 @@ def test_a_norm_put_back_in_training_mode_updates_its_statistics_once():
     assert int(got_buffers["norm.num_batches_tracked"]) == 2
     for name, value in want_buffers.items():
         assert torch.equal(value, got_buffers[name]), name
+
+
+# -- layouts with state a forward updates: copied at each call ------------------------
+
+
+class NormBlock(nn.Module):
+    """A Linear and a BatchNorm in training mode: running statistics the kernel updates
+    without a trace in the version counter, and a counter it updates in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.norm = nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.lin(x)))
+
+
+class ConvBlock(nn.Module):
+    """A residual block of two convolutions, each followed by a BatchNorm in training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 2, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(2)
+        self.c2 = nn.Conv2d(2, 2, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(-1, 2, 3, 1).expand(-1, 2, 3, 3)
+        y = self.bn2(self.c2(torch.relu(self.bn1(self.c1(x)))))
+        return (x + y).mean((2, 3)).repeat(1, 3)
+
+
+UPDATING = pytest.mark.parametrize(
+    "make", [RunningMean, NormBlock, ConvBlock], ids=["running-mean", "batchnorm", "conv-bn"]
+)
+
+
+@UPDATING
+def test_state_a_forward_updates_is_read_from_a_layout_with_copies_and_stays_exact(make):
+    """Once a forward of a module in its mode was seen (what it updates is then known),
+    later calls read its tensors from a layout and copy only what forwards update, which
+    each replay reads: no walk after the second call, training exact (gradients, running
+    statistics, counters), with two backward passes over one graph too."""
+    torch.manual_seed(0)
+    model = rt.checkpoint_wrapper(make())
+    x = torch.randn(4, 6, requires_grad=True)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    assert [_walks(step) for _ in range(4)] == [1, 1, 0, 0]
+    for backwards in (1, 2):
+        torch.manual_seed(0)
+        assert_same_training(make(), steps=5, backwards=backwards, wrapped=[""])
+
+
+def train_micro_batches(model, steps, micro=3, wrapped=False):
+    """Steps of ``micro`` forwards (different batches) before one backward of their summed
+    loss: each replay runs after the later forwards have updated the module's state."""
+    model = copy.deepcopy(model)
+    run = rt.checkpoint_wrapper(model) if wrapped else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = sum(run(batch(step * micro + i)).pow(2).sum() for i in range(micro))
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return grads, {n: b.clone() for n, b in model.named_buffers()}
+
+
+@UPDATING
+def test_micro_batches_read_from_a_layout_replay_with_the_state_each_forward_saw(make):
+    torch.manual_seed(0)
+    model = make()
+    want_grads, want_buffers = train_micro_batches(model, 4)
+    got_grads, got_buffers = train_micro_batches(model, 4, wrapped=True)
+    for step, (want, got) in enumerate(zip(want_grads, got_grads)):
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert torch.equal(a, b), f"step {step}, gradient {i}: {(a - b).abs().max()}"
+    for name, value in want_buffers.items():
+        assert torch.equal(value, got_buffers[name]), name
+
+
+@pytest.mark.parametrize("make", [RunningMean, NormBlock], ids=["running-mean", "batchnorm"])
+def test_a_parameter_changed_before_backward_is_refused_where_a_layout_copies(make):
+    torch.manual_seed(0)
+    model = rt.checkpoint_wrapper(make())
+    x = torch.randn(4, 6, requires_grad=True)
+    for _ in range(3):
+        model(x).sum().backward()
+    out = model(x).sum()
+    with torch.no_grad():
+        model.lin.weight.mul_(2)
+    with pytest.raises(recomp.errors.ParameterChangedError, match=r"^Parameter 'lin\.weight'"):
+        out.backward()
+
+
+class MeanThenLate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean = RunningMean()
+        self.late = LateUpdate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.late(self.mean(x))
+
+
+@pytest.mark.replay_differs  # the warned step's replay reads the updated value
+def test_a_first_update_seen_from_a_layout_that_copies_warns_and_is_learnt():
+    """A layout copies what forwards were seen to update (the running mean); a forward
+    that first updates another buffer (from step 3) is reported, the running mean's copy
+    still serves that step's replay, and later calls copy both."""
+    torch.manual_seed(0)
+    model = MeanThenLate()
+
+    def from_third(model: nn.Module, step: int) -> None:
+        model.late.updating = step >= 3
+
+    want_grads, want_buffers = train(model, 6, before_step=from_third, lr=0.0)
+    with pytest.warns(recomp.ReplayStateWarning, match=r"MeanThenLate updated late\.scale"):
+        got_grads, got_buffers = train(model, 6, wrapped=[""], before_step=from_third, lr=0.0)
+    for step in range(6):
+        same = all(torch.equal(a, b) for a, b in zip(want_grads[step], got_grads[step]))
+        assert same is (step != 3), step
+    for name, value in want_buffers.items():
+        assert torch.equal(value, got_buffers[name]), name

@@ -88,7 +88,7 @@ class TorchModules(Modules):
     module_tensor = staticmethod(_compat.module_tensor)
     tree_layout = staticmethod(_compat.tree_layout)
     layout_tensors = staticmethod(_compat.layout_tensors)
-    layout_unchanged = staticmethod(_compat.layout_unchanged)
+    layout_versions = staticmethod(_compat.layout_versions)
 
     def same_values(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.equal(a, b)
@@ -100,7 +100,7 @@ class TorchModules(Modules):
         # functional_call swaps them), a fresh copy of an updated value for each replay:
         # what the replay writes in place goes to that copy, and what it saves for
         # backward is never written again by recomp.
-        return _swapped_state(changes)
+        return _SwappedState(changes)
 
     def module_of(self, fn: Any) -> Any | None:
         owner = getattr(fn, "__self__", fn)
@@ -233,13 +233,22 @@ def _labelled(name: str, inner: contextlib.AbstractContextManager[None]) -> Iter
 BACKEND = TorchBackend()
 
 
-@contextlib.contextmanager
-def _swapped_state(changes: list[StateChange]) -> Iterator[None]:
-    for change in changes:
-        seen = change.seen.detach().clone() if change.updated else change.seen
-        _compat.swap_module_tensor(change.module, change.name, seen)
-    try:
-        yield
-    finally:
-        for change in reversed(changes):
-            _compat.swap_module_tensor(change.module, change.name, change.live)
+class _SwappedState:
+    """The context of :meth:`TorchModules.state_for_replay` (entered once per replay:
+    a class, not a generator)."""
+
+    __slots__ = ("changes",)
+
+    def __init__(self, changes: list[StateChange]) -> None:
+        self.changes = changes
+
+    def __enter__(self) -> None:
+        swap = _compat.swap_module_tensor
+        for change in self.changes:
+            seen = change.seen.detach().clone() if change.updated else change.seen
+            swap(change.module, change.name, seen)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        swap = _compat.swap_module_tensor
+        for change in reversed(self.changes):
+            swap(change.module, change.name, change.live)

@@ -424,12 +424,11 @@ def _read_with_buffers(
     return True
 
 
-def layout_unchanged(
-    layout: TreeLayout, tensors: list[torch.Tensor], seen: list[int | None]
-) -> bool:
-    """Whether the modules of ``layout`` that held tensors hold ``tensors`` now, each at
-    the version in ``seen``. Within one checkpoint call the modules are the call's,
-    whatever the tree holds now: the tree's structure is not checked.
+def layout_versions(layout: TreeLayout, tensors: list[torch.Tensor]) -> list[int | None] | None:
+    """The versions of ``tensors`` (as :func:`versions`) where the modules of ``layout``
+    that held tensors hold ``tensors`` now; None where they hold others. Within one
+    checkpoint call the modules are the call's, whatever the tree holds now: the tree's
+    structure is not checked.
 
     Why and if it changes: as :func:`tree_layout` (asked when every replay starts).
     """
@@ -437,7 +436,7 @@ def layout_unchanged(
     for ref, other in layout.owned:
         module = ref()
         if module is None:
-            return False
+            return None
         state = module.__dict__
         if other is None:
             live += state["_parameters"].values()
@@ -446,11 +445,8 @@ def layout_unchanged(
             if other.__class__ is _WithBuffers:
                 live += filter(_HELD, state["_buffers"].values())
     if len(live) != len(tensors) or not all(map(operator.is_, live, tensors)):
-        return False
-    try:
-        return list(map(_VERSION, tensors)) == seen
-    except (RuntimeError, AttributeError):  # a tensor without a version counter
-        return versions(tensors) == seen
+        return None
+    return versions(tensors)
 
 
 def versions(tensors: list[torch.Tensor]) -> list[int | None]:
