@@ -27,9 +27,10 @@ per region call) measures another loop and is not judged here.
 
 ``--layer`` puts other layers under ``none``, ``torch`` and ``recomp``: ``lora`` (the
 tiny layer with its linears frozen and a trainable low-rank adapter beside each, as
-PEFT's LoRA leaves a model: state that does not train) and ``llama`` (HF Llama's decoder
+PEFT's LoRA leaves a model: state that does not train), ``llama`` (HF Llama's decoder
 layer at hidden size 64: projections without bias, RMSNorm, rotary embeddings passed as
-a keyword, on 2 sequences of 8 tokens)::
+a keyword, on 2 sequences of 8 tokens) and ``conv`` (ResNet's basic block at 8 channels on
+8x8 images: BatchNorms in training mode, whose running statistics each forward updates)::
 
     python benchmarks/host_cost.py                       # R in 1, 4, 16; 200 steps
     python benchmarks/host_cost.py --regions 1,4 --steps 300 --json out/host_cost.json
@@ -107,8 +108,23 @@ class Adapted(nn.Module):
         return x + self.fc2(h) + self.up2(self.down2(h))
 
 
+class Basic(nn.Module):
+    """ResNet's basic block at 8 channels: two 3x3 convolutions, each followed by a
+    BatchNorm in training mode (running statistics the forward updates), and the residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
 #: Layers other than the tiny one (``--layer``): no excluded regions, no torch-remat.
-LAYER_KINDS = ("tiny", "lora", "llama")
+LAYER_KINDS = ("tiny", "lora", "llama", "conv")
 
 
 def _layers(kind: str, count: int) -> tuple[list[nn.Module], Callable[..., Any], torch.Tensor]:
@@ -116,6 +132,8 @@ def _layers(kind: str, count: int) -> tuple[list[nn.Module], Callable[..., Any],
     torch.manual_seed(0)
     if kind == "lora":
         return [Adapted() for _ in range(count)], _call, torch.randn(BATCH, WIDTH)
+    if kind == "conv":
+        return [Basic() for _ in range(count)], _call, torch.randn(2, 8, 8, 8)
     if kind != "llama":
         return [Layer() for _ in range(count)], _call, torch.randn(BATCH, WIDTH)
     # HF Llama's decoder layer at hidden size WIDTH (no bias, RMSNorm, rotary
@@ -327,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         default="tiny",
         help="tiny: Linear, GELU, Linear (every strategy); lora: the same with frozen linears "
         "and trainable rank-4 adapters; llama: HF Llama's decoder layer at hidden size 64 "
-        "(needs transformers). The last two: none, torch and recomp only",
+        "(needs transformers); conv: ResNet's basic block (8 channels, BatchNorm in training "
+        "mode). All but tiny: none, torch and recomp only",
     )
     args = parser.parse_args(argv)
     tiny = args.layer == "tiny"

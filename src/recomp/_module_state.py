@@ -419,10 +419,13 @@ class ModuleState(CallPart):
         return cls(backend, root, slots) if slots else None
 
     def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
+        watched = self.watched
+        layout = self._layout
+        if not watched and (layout is None or not layout.copied):
+            return None, self
         backend = self.backend
         copies: dict[int, Any] = {}  # one copy per tensor, also where modules share it
-        layout = self._layout
-        if layout is not None and layout.copied:
+        if layout is not None:
             # From a layout: a copy of what the forward updates, for each replay to read.
             tensors = self._tensors
             before = []
@@ -433,9 +436,6 @@ class ModuleState(CallPart):
                     copies[key] = backend.copy(tensor)
                 before.append(copies[key])
             self._before = before
-            return None, self
-        watched = self.watched
-        if not watched:
             return None, self
 
         def keep(slot: _Slot) -> None:
@@ -470,7 +470,7 @@ class ModuleState(CallPart):
         if not ok:
             return
         if self._slots is None:
-            # Nothing copied: each tensor's version, for the replays to compare (NOTE
+            # From a layout: each tensor's version, for the replays to compare (NOTE
             # [ State changed before backward ]). A tensor the forward put in a module's
             # place is found by the replay, which puts back the one the call started
             # with, as a slot that saw it rebound here would.
@@ -568,28 +568,16 @@ class ModuleState(CallPart):
     def __enter__(self) -> None:
         backend = self.backend
         layout = self._layout
-        settled = self._settled
-        if layout is not None and settled is not None:
+        if layout is not None and self._settled is not None:
+            # The modules hold the tensors the call started with, which no write has
+            # changed since the forward ended: nothing to put in place (but the copies of
+            # what the forward updated, where the call made some).
             now = backend.modules.layout_versions(layout.layout, self._tensors)  # type: ignore[arg-type]
-            before = self._before
-            if now is not None and before is not None:
-                for index in layout.copied:
-                    now[index] = None  # read from its copy: any version
-            if now == settled:
-                # The modules hold the tensors the call started with, which no write has
-                # changed since the forward ended: nothing to put in place but the copies
-                # of what the forward updated, held by the modules during the replay.
-                context = None
-                if before is not None:
-                    meta, tensors = layout.meta, self._tensors
-                    context = backend.modules.state_for_replay(
-                        [
-                            StateChange(meta[i][1](), meta[i][2], tensors[i], copy, True)  # type: ignore[index]
-                            for i, copy in zip(layout.copied, before)
-                        ]
-                    )
-                    context.__enter__()
-                self._replays.append(context)
+            if self._before is None:
+                if now == self._settled:
+                    self._replays.append(None)
+                    return
+            elif now is not None and self._enter_copies(layout, now):
                 return
         module_tensor = backend.modules.module_tensor
         version = backend.version
@@ -620,6 +608,28 @@ class ModuleState(CallPart):
         if context is not None:
             context.__enter__()
         self._replays.append(context)
+
+    def _enter_copies(self, layout: _Layout, now: list[int | None]) -> bool:
+        """From a layout that copies, where the modules hold the call's tensors at ``now``:
+        whether those it does not copy are at the versions the forward left; if so, the
+        replay runs with the modules holding the copies (entered here)."""
+        before = self._before
+        tensors = self._tensors
+        assert before is not None and tensors is not None
+        for index in layout.copied:
+            now[index] = None  # read from its copy: any version
+        if now != self._settled:
+            return False
+        meta = layout.meta
+        context = self.backend.modules.state_for_replay(
+            [
+                StateChange(meta[i][1](), meta[i][2], tensors[i], copy, True)
+                for i, copy in zip(layout.copied, before)
+            ]
+        )
+        context.__enter__()
+        self._replays.append(context)
+        return True
 
     def __exit__(self, *exc_info: Any) -> None:
         context = self._replays.pop()
