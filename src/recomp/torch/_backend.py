@@ -162,9 +162,7 @@ class TorchBackend(Backend):
         return t.detach()
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
-        # A tensor without gradients (a buffer: copied at every call of a BatchNorm in
-        # training mode) is cloned without the detached view in between.
-        return t.detach().clone() if t.requires_grad else t.clone()
+        return t.detach().clone()
 
     def clone(self, t: torch.Tensor) -> torch.Tensor:
         return t.clone()
@@ -246,9 +244,9 @@ class _SwappedState:
 
     def __enter__(self) -> None:
         swap = _compat.swap_module_tensor
-        copy = BACKEND.copy
         for change in self.changes:
-            swap(change.module, change.name, copy(change.seen) if change.updated else change.seen)
+            seen = change.seen.detach().clone() if change.updated else change.seen
+            swap(change.module, change.name, seen)
 
     def __exit__(self, *exc_info: Any) -> None:
         swap = _compat.swap_module_tensor
