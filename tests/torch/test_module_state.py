@@ -292,6 +292,18 @@ def _walks(run: object) -> int:
     return sum(n for (_, qual), n in calls.items() if qual == "_replayed_modules")
 
 
+def _walks_per_call(make, calls: int = 4) -> list[int]:
+    """How many walks each of ``calls`` steps of a checkpoint-wrapped ``make()`` made."""
+    torch.manual_seed(0)
+    model = rt.checkpoint_wrapper(make())
+    x = torch.randn(4, 6, requires_grad=True)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    return [_walks(step) for _ in range(calls)]
+
+
 class Masked(nn.Module):
     """A constant buffer the forward reads and never writes (an attention mask, a
     relative-position index)."""
@@ -305,8 +317,10 @@ class Masked(nn.Module):
         return torch.sin(self.lin(x) * self.mask)
 
 
-class EvalNorm(nn.Module):
-    """A BatchNorm kept in eval mode inside a model that trains (frozen statistics)."""
+class NormBlock(nn.Module):
+    """A Linear and a BatchNorm. In training mode: running statistics the kernel updates
+    without a trace in the version counter, and a counter it updates in place; kept in
+    eval mode inside a model that trains (``_eval_norm``): frozen statistics."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -317,8 +331,8 @@ class EvalNorm(nn.Module):
         return torch.tanh(self.norm(self.lin(x)))
 
 
-def _eval_norm() -> EvalNorm:
-    model = EvalNorm()
+def _eval_norm() -> NormBlock:
+    model = NormBlock()
     model.norm.eval()
     return model
 
@@ -330,14 +344,7 @@ def test_state_no_forward_updates_is_read_from_a_layout_and_stays_exact(make):
     """Once a forward of a module in its mode was seen to update none of its frozen
     parameters and buffers, later calls read them without a walk, and training stays
     exact (gradients and buffers)."""
-    torch.manual_seed(0)
-    model = rt.checkpoint_wrapper(make())
-    x = torch.randn(4, 6, requires_grad=True)
-
-    def step() -> None:
-        model(x).sum().backward()
-
-    assert [_walks(step) for _ in range(4)] == [1, 1, 0, 0]
+    assert _walks_per_call(make) == [1, 1, 0, 0]
     torch.manual_seed(0)
     assert_same_training(make(), steps=4, wrapped=[""])
 
@@ -379,19 +386,6 @@ def test_a_norm_put_back_in_training_mode_updates_its_statistics_once():
 # -- layouts with state a forward updates: copied at each call ------------------------
 
 
-class NormBlock(nn.Module):
-    """A Linear and a BatchNorm in training mode: running statistics the kernel updates
-    without a trace in the version counter, and a counter it updates in place."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(6, 6)
-        self.norm = nn.BatchNorm1d(6)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.norm(self.lin(x)))
-
-
 class ConvBlock(nn.Module):
     """A residual block of two convolutions, each followed by a BatchNorm in training mode."""
 
@@ -419,14 +413,7 @@ def test_state_a_forward_updates_is_read_from_a_layout_with_copies_and_stays_exa
     later calls read its tensors from a layout and copy only what forwards update, which
     each replay reads: no walk after the second call, training exact (gradients, running
     statistics, counters), with two backward passes over one graph too."""
-    torch.manual_seed(0)
-    model = rt.checkpoint_wrapper(make())
-    x = torch.randn(4, 6, requires_grad=True)
-
-    def step() -> None:
-        model(x).sum().backward()
-
-    assert [_walks(step) for _ in range(4)] == [1, 1, 0, 0]
+    assert _walks_per_call(make) == [1, 1, 0, 0]
     for backwards in (1, 2):
         torch.manual_seed(0)
         assert_same_training(make(), steps=5, backwards=backwards, wrapped=[""])
