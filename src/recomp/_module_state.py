@@ -285,6 +285,16 @@ def _copied(backend: Backend, root: Any, slots: list[_Slot]) -> tuple[int, ...] 
     )
 
 
+def _copy_once(backend: Backend, copies: dict[int, Any], tensor: Any) -> Any:
+    """A copy of ``tensor`` from ``copies`` (by its id), made there on first ask: one copy
+    per tensor in a call, also where modules share it."""
+    key = id(tensor)
+    copy = copies.get(key)
+    if copy is None:
+        copy = copies[key] = backend.copy(tensor)
+    return copy
+
+
 class ModuleState(CallPart):
     """The part of a checkpoint call of a module that makes each replay see the state the
     forward saw and keeps the forward's updates once (see the module docstring)."""
@@ -424,25 +434,18 @@ class ModuleState(CallPart):
         if not watched and (layout is None or not layout.copied):
             return None, self
         backend = self.backend
-        copies: dict[int, Any] = {}  # one copy per tensor, also where modules share it
+        copies: dict[int, Any] = {}  # by tensor id: :func:`_copy_once`
         if layout is not None:
             # From a layout: a copy of what the forward updates, for each replay to read.
             tensors = self._tensors
-            before = []
-            for index in layout.copied:
-                tensor = tensors[index]  # type: ignore[index]  # a layout: its tensors
-                key = id(tensor)
-                if key not in copies:
-                    copies[key] = backend.copy(tensor)
-                before.append(copies[key])
-            self._before = before
+            self._before = [
+                _copy_once(backend, copies, tensors[index])  # type: ignore[index]  # a layout's
+                for index in layout.copied
+            ]
             return None, self
 
         def keep(slot: _Slot) -> None:
-            key = id(slot.tensor)
-            if key not in copies:
-                copies[key] = backend.copy(slot.tensor)
-            slot.before = copies[key]
+            slot.before = _copy_once(backend, copies, slot.tensor)
 
         for slot in watched:
             if slot.kind == "statistics":

@@ -446,10 +446,7 @@ def layout_versions(layout: TreeLayout, tensors: list[torch.Tensor]) -> list[int
                 live += filter(_HELD, state["_buffers"].values())
     if len(live) != len(tensors) or not all(map(operator.is_, live, tensors)):
         return None
-    try:
-        return list(map(_VERSION, tensors))
-    except (RuntimeError, AttributeError):  # a tensor without a version counter
-        return versions(tensors)
+    return versions(tensors)
 
 
 def versions(tensors: list[torch.Tensor]) -> list[int | None]:
