@@ -42,7 +42,7 @@ from ._module_state import ModuleState
 from ._record import Invocation, invocation_of, weak_or_nothing
 from ._region import ExcludedRegion, check_flag
 from ._rng_trackers import replay_trackers_part
-from ._state import CallIdentity, PhaseContext, RecomputeState, get_recompute_state
+from ._state import PhaseContext, RecomputeState, get_recompute_state
 
 __all__ = [
     "CallPart",
@@ -88,8 +88,9 @@ class ComposedContext:
         self.call = call
         self.contexts = contexts
         # Per entry (innermost last), how many of ``contexts`` are entered. Entered once
-        # per forward and replay of every checkpoint call: a count, not an ExitStack.
-        self._entered: list[int] = []
+        # per forward and replay of every checkpoint call: a count, not an ExitStack; a
+        # tuple, empty between entries (NOTE [ What a call keeps ]).
+        self._entered: tuple[int, ...] = ()
 
     def __enter__(self) -> None:
         entered = 0
@@ -99,16 +100,18 @@ class ComposedContext:
                 entered += 1
         except BaseException:
             # Leave the contexts entered so far, innermost first, with the error.
-            self._entered.append(entered)
+            self._entered += (entered,)
             self.__exit__(*sys.exc_info())
             raise
-        self._entered.append(entered)
+        self._entered += (entered,)
 
     def __exit__(self, *exc_info: Any) -> bool:
         """Exit this entry's contexts, innermost first, as nested ``with`` blocks would:
         one that suppresses the error hides it from those outside; an error one raises
         is what those outside see. True if the error given was suppressed."""
-        index = self._entered.pop()
+        entries = self._entered
+        index = entries[-1]
+        self._entered = entries[:-1]
         contexts = self.contexts
         received = exc_info[0] is not None
         pending: BaseException | None = None
@@ -183,16 +186,7 @@ class CheckpointCall:
     invocation, then to the parts.
     """
 
-    __slots__ = (
-        "ending",
-        "invocation",
-        "nested",
-        "on_forward_start",
-        "on_replay_start",
-        "parts",
-        "replaying",
-        "rerun",
-    )
+    __slots__ = ("ending", "invocation", "nested", "parts", "replaying", "rerun")
 
     def __init__(
         self, invocation: Invocation, parts: list[CallPart], *, rerun: bool, nested: bool
@@ -205,19 +199,14 @@ class CheckpointCall:
         self.parts = parts
         # The parts that hear each phase event: those whose class overrides the method
         # (``CallPart.hears_replay``, ``hears_end``); the others' would do nothing.
-        self.replaying: list[CallPart] = []
-        self.ending: list[CallPart] = []
+        # Tuples, most often empty ones (NOTE [ What a call keeps ]).
+        self.replaying: tuple[CallPart, ...] = ()
+        self.ending: tuple[CallPart, ...] = ()
         for part in parts:
             if part.hears_replay:
-                self.replaying.append(part)
+                self.replaying += (part,)
             if part.hears_end:
-                self.ending.append(part)
-        # PhaseListener: where no part hears an event, the invocation's own method (one
-        # Python frame fewer per phase of every call).
-        self.on_forward_start: Callable[[], None] = invocation.on_forward_start
-        self.on_replay_start: Callable[[], None] = (
-            self._replay_started if self.replaying else invocation.on_replay_start
-        )
+                self.ending += (part,)
 
     def context_fn(self) -> tuple[Any, Any]:
         forward: list[Any] = []
@@ -232,7 +221,10 @@ class CheckpointCall:
 
     # -- PhaseListener ---------------------------------------------------------------
 
-    def _replay_started(self) -> None:
+    def on_forward_start(self) -> None:
+        self.invocation.on_forward_start()
+
+    def on_replay_start(self) -> None:
         self.invocation.on_replay_start()
         for part in self.replaying:
             part.replay_started()
@@ -259,10 +251,9 @@ class _RecomputeStatePart(CallPart):
 
     def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
         listener: CheckpointCall = call  # type: ignore[assignment]  # the engine's own part: given one
-        invocation = call.invocation
-        identity = invocation.call
-        forward = RecomputeState(invocation, identity, is_recomputing=call.rerun)
-        replay = RecomputeState(invocation, identity, is_recomputing=True)
+        invocation = call.invocation  # its own identity (the user's id and resources)
+        forward = RecomputeState(invocation, invocation, is_recomputing=call.rerun)
+        replay = RecomputeState(invocation, invocation, is_recomputing=True)
         return PhaseContext(forward, listener), PhaseContext(replay, listener)
 
 
@@ -337,7 +328,6 @@ def begin(
         rerun = True
     else:
         invocation = Invocation(
-            CallIdentity(),
             backend,
             align_rng=align_rng and SWITCHES.rng_alignment,
             rewind=SWITCHES.replay_rewind,

@@ -341,9 +341,13 @@ class ModuleState(CallPart):
         self._before: list[Any] | None = None
         # What a forward may update (buffers, parameters without gradients): most
         # layers hold none, and their calls start with nothing to copy.
-        self.watched = [slot for slot in slots if slot.watched] if slots is not None else []
+        self.watched: list[_Slot] | tuple[()] = (
+            [slot for slot in slots if slot.watched] if slots is not None else ()
+        )
         self._learning = False
-        self._replays: list[Any] = []
+        # Per replay entered (innermost last), the context that put the forward's tensors
+        # back, or None. A tuple, empty between replays (NOTE [ What a call keeps ]).
+        self._replays: tuple[Any, ...] = ()
 
     @property
     def slots(self) -> list[_Slot]:
@@ -578,7 +582,7 @@ class ModuleState(CallPart):
             now = backend.modules.layout_versions(layout.layout, self._tensors)  # type: ignore[arg-type]
             if self._before is None:
                 if now == self._settled:
-                    self._replays.append(None)
+                    self._replays += (None,)
                     return
             elif now is not None and self._enter_copies(layout, now):
                 return
@@ -610,7 +614,7 @@ class ModuleState(CallPart):
         context = backend.modules.state_for_replay(changes) if changes else None
         if context is not None:
             context.__enter__()
-        self._replays.append(context)
+        self._replays += (context,)
 
     def _enter_copies(self, layout: _Layout, now: list[int | None]) -> bool:
         """From a layout that copies, where the modules hold the call's tensors at ``now``:
@@ -631,11 +635,13 @@ class ModuleState(CallPart):
             ]
         )
         context.__enter__()
-        self._replays.append(context)
+        self._replays += (context,)
         return True
 
     def __exit__(self, *exc_info: Any) -> None:
-        context = self._replays.pop()
+        replays = self._replays
+        context = replays[-1]
+        self._replays = replays[:-1]
         if context is not None:
             context.__exit__(*exc_info)
 

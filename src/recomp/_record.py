@@ -20,13 +20,12 @@ import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from ._state import RecomputeState
+from ._state import CallIdentity, RecomputeState
 from .errors import OutputNotSavedError, ReplayMismatchError, internal_error
 
 if TYPE_CHECKING:
     from ._backend import Backend
     from ._hooks import Held
-    from ._state import CallIdentity
 
 
 class Snapshot:
@@ -126,6 +125,12 @@ class StorageRegistry(dict):  # type: ignore[type-arg]
     __slots__ = ()
 
 
+#: What an invocation's registry of region outputs and set of consumed storages are until
+#: a region writes one: read, never written (NOTE [ What a call keeps ]).
+_NO_STORAGES = StorageRegistry()
+_NO_KEYS: frozenset[Hashable] = frozenset()
+
+
 def callee_identity(fn: Any) -> Any:
     """What identifies the code a region runs, across wrapper objects: the module or
     object of a bound method with its function, a function's code, else the callable.
@@ -182,8 +187,15 @@ class EntryLog(Generic[E]):
     def __init__(self, kind: str, rerun_reads: bool = True) -> None:
         self.kind = kind
         self.rerun_reads = rerun_reads
-        self.entries: list[E] = []
+        # A list from the first entry on (``add``); most logs of most calls stay empty.
+        self.entries: list[E] | tuple[()] = ()
         self.cursor = 0
+
+    def add(self, entry: E) -> None:
+        if self.entries:
+            self.entries.append(entry)  # type: ignore[union-attr]  # not empty: a list
+        else:
+            self.entries = [entry]
 
     def peek(self) -> E | None:
         """The entry the replay reaches next, or None when all were read."""
@@ -198,6 +210,11 @@ class EntryLog(Generic[E]):
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+#: An invocation's log of excluded-region calls until the first is recorded: never written
+#: (rewinding it sets its cursor to where it is).
+_NO_REGIONS: EntryLog[Any] = EntryLog("excluded regions")
 
 
 class RegionEntry(LogEntry, Protocol):
@@ -217,7 +234,7 @@ class RegionEntry(LogEntry, Protocol):
         """Raise if a cached output was changed in place since the call returned."""
 
 
-class Invocation:
+class Invocation(CallIdentity):
     """Everything one checkpoint call shares between its forward and its replays.
 
     Held by the recompute state that the framework's checkpoint keeps in its
@@ -237,7 +254,6 @@ class Invocation:
         "_unsaved_outputs",
         "align_rng",
         "backend",
-        "call",
         "child_cursor",
         "children",
         "excluded_outputs",
@@ -248,11 +264,10 @@ class Invocation:
         "root",
     )
 
-    def __init__(
-        self, call: CallIdentity, backend: Backend, *, align_rng: bool = True, rewind: bool = True
-    ) -> None:
-        # What the user sees of this call (its id, its resources), the same in every phase.
-        self.call = call
+    def __init__(self, backend: Backend, *, align_rng: bool = True, rewind: bool = True) -> None:
+        # What the user sees of this call (its id, its resources), the same in every phase:
+        # the invocation itself (one object fewer per call: NOTE [ What a call keeps ]).
+        CallIdentity.__init__(self)
         self.backend = backend
         # Whether the replay restores the RNG state of the forward; only then
         # does skipping a region need to fast-forward the generators.
@@ -263,10 +278,11 @@ class Invocation:
         # Where the excluded regions called inside keep their tensors when they name no
         # place of their own (``checkpoint(..., saved_tensors_hooks=...)``); None: the device.
         self.placer: Any = None
-        # Exclusion cache: one entry per excluded-region call, in call order.
-        self.regions: EntryLog[RegionEntry] = EntryLog("excluded regions")
-        # Every log of the call, regions first; parts add theirs (``log``).
-        self._logs: list[EntryLog[Any]] = [self.regions]
+        # Exclusion cache: one entry per excluded-region call, in call order (the shared
+        # empty log until the first call is recorded: NOTE [ What a call keeps ]).
+        self.regions: EntryLog[RegionEntry] = _NO_REGIONS
+        # The other logs of the call, which parts add (``log``); a tuple, most often empty.
+        self._logs: tuple[EntryLog[Any], ...] = ()
         self.replays = 0  # replays started so far (one per backward that needs this call)
         # The module the checkpoint runs (weakly; None for a plain function), for messages
         # that name modules by their paths in it.
@@ -278,14 +294,15 @@ class Invocation:
         # (``checkpoint_inputs``): most calls run no region.
         self._inputs: Sequence[Any] = ()
         self._input_keys: StorageRegistry | None = None
-        self.excluded_outputs = StorageRegistry()
+        # (Made when a region first returns one: the shared empty registry till then.)
+        self.excluded_outputs: StorageRegistry = _NO_STORAGES
         # save_output=False outputs (storage -> region name) and the storages that
         # later excluded regions took as inputs: each of the former must be among the latter.
         self._unsaved_outputs: dict[Hashable, str] = {}
-        self._consumed: set[Hashable] = set()
+        self._consumed: set[Hashable] | frozenset[Hashable] = _NO_KEYS
         # Recomp checkpoints called inside this one's forward, in call order. The
         # replay re-runs those calls; each reuses its invocation (see next_child).
-        self.children: list[Invocation] = []
+        self.children: list[Invocation] | tuple[()] = ()
         self.child_cursor = 0
         # How many tensors the framework's checkpoint has saved so far, when its
         # replay stops after the last of them (early stop); None if unknown or not
@@ -294,6 +311,11 @@ class Invocation:
         self._save_counter: Callable[[], int | None] | None = None
         # An enclosing recomp checkpoint's replay re-runs this call whole (``add_child``).
         self._rerun_whole = False
+
+    @property
+    def call(self) -> CallIdentity:
+        """What the user sees of this call (``RecomputeState.invocation_id``, resources)."""
+        return self
 
     # -- what the forward records --------------------------------------------------
 
@@ -320,34 +342,39 @@ class Invocation:
         """A recomp checkpoint called inside this one's forward. The parent's replay
         re-runs it in full, beyond where its own replay would stop, so it keeps every
         entry of the logs that re-run reads back (rule 8)."""
-        self.children.append(child)
+        if self.children:
+            self.children.append(child)  # type: ignore[union-attr]  # not empty: a list
+        else:
+            self.children = [child]
         child._rerun_whole = True
 
     def log(self, kind: str, *, rerun_reads: bool = True) -> EntryLog[Any]:
         """The log of calls of ``kind`` (made on first use, with ``rerun_reads``, see
-        :class:`EntryLog`), rewound and pruned with the others."""
+        :class:`EntryLog`), rewound and pruned with the others and the regions' log."""
         for log in self._logs:
             if log.kind == kind:
                 return log
         log = EntryLog[Any](kind, rerun_reads)
-        self._logs.append(log)
+        self._logs = (*self._logs, log)
         return log
 
     def existing_log(self, kind: str) -> EntryLog[Any] | None:
-        """The log of calls of ``kind`` if the forward made one."""
+        """The log of calls of ``kind`` if the forward made one (not the regions')."""
         return next((log for log in self._logs if log.kind == kind), None)
 
     def record(self, log: EntryLog[E], entry: E) -> None:
         """Append ``entry`` to ``log`` with the number of tensors saved so far (rule 8)."""
         counter = self._save_counter
         entry.saves_after = None if counter is None else counter()
-        log.entries.append(entry)
+        log.add(entry)
 
     def record_call(self, call: RegionEntry) -> None:
         """An excluded-region call returned and everything it keeps is recorded (rule 7)."""
         counter = self._save_counter
         call.saves_after = None if counter is None else counter()
-        self.regions.entries.append(call)
+        if self.regions is _NO_REGIONS:
+            self.regions = EntryLog(_NO_REGIONS.kind)
+        self.regions.add(call)
 
     def note_input(self, key: Hashable) -> bool:
         """A region takes a tensor on storage ``key`` as input: whether the replay
@@ -355,13 +382,17 @@ class Invocation:
         checkpoint's own inputs, nor earlier regions' outputs, which now count as
         consumed (D2)."""
         if key in self.excluded_outputs:
-            self._consumed.add(key)
+            if self._consumed is _NO_KEYS:
+                self._consumed = set()
+            self._consumed.add(key)  # type: ignore[union-attr]  # made above
             return False
         return key not in self.checkpoint_inputs
 
     def note_output(self, key: Hashable, tensor: Any, unsaved_by: str | None) -> None:
         """A region returned ``tensor``; ``unsaved_by`` names the region if its output is
         not cached (``save_output=False``), which a later region must then consume."""
+        if self.excluded_outputs is _NO_STORAGES:
+            self.excluded_outputs = StorageRegistry()
         self.excluded_outputs.setdefault(key, tensor)
         if unsaved_by is not None:
             self._unsaved_outputs[key] = unsaved_by
@@ -416,6 +447,7 @@ class Invocation:
         """Each replay starts from the first entry of every log (rule 2)."""
         self.replays += 1
         if self.rewind:
+            self.regions.cursor = 0
             for log in self._logs:
                 log.cursor = 0
             self.child_cursor = 0
@@ -427,20 +459,21 @@ class Invocation:
         if self._input_keys is not None:
             self._input_keys.clear()  # region calls hold the registry itself
         if (
-            len(self._logs) == 1
+            not self._logs
             and not self.regions.entries
             and not self.excluded_outputs
             and not self._unsaved_outputs
         ):
             return  # no region ran, nothing else was recorded: nothing to check or release
         unsaved, consumed = self._unsaved_outputs, self._consumed
-        self._unsaved_outputs, self._consumed = {}, set()
-        self.excluded_outputs.clear()
+        self._unsaved_outputs, self._consumed = {}, _NO_KEYS
+        self.excluded_outputs = _NO_STORAGES
         try:
             if not ok:
                 return
+            logs = (self.regions, *self._logs)
             recorded = False  # any call recorded (no comprehension: read at every call)
-            for log in self._logs:
+            for log in logs:
                 if log.entries:
                     recorded = True
                     break
@@ -449,7 +482,7 @@ class Invocation:
                 # recorded after it: what they hold would only take memory (rule 8);
                 # but a re-run by an enclosing replay reads some logs to their end.
                 total = counter()
-                for log in self._logs if total is not None else ():
+                for log in logs if total is not None else ():
                     if self._rerun_whole and log.rerun_reads:
                         continue
                     for entry in log.entries:
@@ -460,7 +493,7 @@ class Invocation:
             for call in self.regions.entries:
                 call.check_outputs_unchanged()
         finally:
-            for log in self._logs:
+            for log in (self.regions, *self._logs):
                 for entry in log.entries:
                     entry.release()
         for key, name in unsaved.items():

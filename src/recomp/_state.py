@@ -40,13 +40,14 @@ class PhaseListener(Protocol):
 
 class CallIdentity:
     """What the forward and every replay of one checkpoint call share: its id and the
-    user resources stored with ``get_resource``."""
+    user resources stored with ``get_resource`` (a dictionary from the first one on).
+    The engine's record of a call (``recomp._record.Invocation``) is one."""
 
     __slots__ = ("id", "resources")
 
     def __init__(self) -> None:
         self.id: int = next(_call_ids)
-        self.resources: dict[Hashable, Any] = {}
+        self.resources: dict[Hashable, Any] | None = None
 
 
 class RecomputeState:
@@ -77,6 +78,8 @@ class RecomputeState:
         both passes (a routing decision, a communication handle).
         """
         resources = self.call.resources
+        if resources is None:
+            resources = self.call.resources = {}
         if key not in resources:
             resources[key] = factory()
         return resources[key]
@@ -127,17 +130,21 @@ class PhaseContext:
     def __init__(self, state: RecomputeState, listener: PhaseListener) -> None:
         self.state = state
         self.listener = listener
-        self._tokens: list[contextvars.Token[RecomputeState | None]] = []
+        # One token per entry (innermost last); a tuple, empty between entries: a replay
+        # context lives as long as its checkpoint's graph.
+        self._tokens: tuple[contextvars.Token[RecomputeState | None], ...] = ()
 
     def __enter__(self) -> RecomputeState:
         if self.state.is_recomputing:
             self.listener.on_replay_start()
         else:
             self.listener.on_forward_start()
-        self._tokens.append(CURRENT.set(self.state))
+        self._tokens += (CURRENT.set(self.state),)
         return self.state
 
     def __exit__(self, *exc_info: object) -> None:
-        CURRENT.reset(self._tokens.pop())
+        tokens = self._tokens
+        self._tokens = tokens[:-1]
+        CURRENT.reset(tokens[-1])
         if not self.state.is_recomputing:
             self.listener.on_forward_end(ok=exc_info[0] is None)

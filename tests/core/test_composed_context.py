@@ -82,4 +82,4 @@ def test_a_failed_enter_leaves_the_contexts_entered_so_far() -> None:
     with pytest.raises(KeyError), composed:
         log.append("body")
     assert log == ["enter a", "exit a KeyError"]
-    assert composed._entered == []
+    assert composed._entered == ()

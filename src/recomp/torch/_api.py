@@ -148,6 +148,37 @@ def checkpoint(
             "partition_inputs or swap_inputs=True: each keeps the checkpoint's saved "
             "inputs its own way. Pass one of them."
         )
+    return _eager_checkpoint(
+        function,
+        args,
+        kwargs,
+        context_fn,
+        exclude_collectives,
+        user,
+        policy_fn,
+        swap_inputs,
+        group_swap,
+        cpu_pool,
+        partition_inputs,
+    )
+
+
+def _eager_checkpoint(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    exclude_collectives: bool = True,
+    user: Any = None,
+    policy_fn: Callable[..., Any] | list[Any] | None = None,
+    swap_inputs: bool = False,
+    group_swap: bool = False,
+    cpu_pool: Any = None,
+    partition_inputs: Any = None,
+) -> Any:
+    """:func:`checkpoint` in eager mode, its options checked (``user``: the pair of
+    saved-tensors hooks given, as ``UserHooks``). A checkpoint wrapper given no options
+    calls it directly: the defaults need no check."""
     if _TORCH_CALL.pending:
         _TORCH_CALL.pending = False
         raise RecompError(
@@ -297,6 +328,10 @@ def _function_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k not in _TORCH_CHECKPOINT_OPTIONS}
 
 
+#: Names that make a keyword argument of a wrapped module's call an option of its checkpoint.
+_OPTION_NAMES = frozenset(CHECKPOINT_OPTIONS)
+
+
 def _refuse_script(module: nn.Module) -> nn.Module:
     """``torch.jit.script`` asks every module for its scriptable form first: a wrapped one
     answers with an error that names the way out, instead of TorchScript's complaint
@@ -340,13 +375,15 @@ class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         own = self._recomp_instance_method or super().forward
-        if (
-            not torch.is_grad_enabled()
-            and get_recompute_state() is None
-            and not _compile.is_compiling()
-        ):
-            # NOTE [ Nothing to checkpoint without gradients ] (in checkpoint above)
-            return own(*args, **kwargs)
+        if not torch.is_grad_enabled() and get_recompute_state() is None:
+            if not _compile.is_compiling():
+                # NOTE [ Nothing to checkpoint without gradients ] (in checkpoint above)
+                return own(*args, **kwargs)
+        elif not _compile.is_compiling():
+            options = self._recomp_checkpoint_kwargs
+            if not options and (not kwargs or _OPTION_NAMES.isdisjoint(kwargs)):
+                # No option (the common wrapper): the eager call, with no option to check.
+                return _eager_checkpoint(own, args, kwargs)
         return checkpoint(own, *args, **self._recomp_checkpoint_kwargs, **kwargs)
 
     def extra_repr(self) -> str:

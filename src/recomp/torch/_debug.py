@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,7 +74,9 @@ class _PhaseLog(RegionObserver):
 
     def __init__(self, phase: str, owner: _DebugLog | None = None) -> None:
         self.phase = phase
-        self.owner = owner
+        # Weakly: the debug log holds its phase logs, and the call's parts hold the debug
+        # log as long as an error can be explained (no cycle left to the collector).
+        self._owner = None if owner is None else weakref.ref(owner)
         self.lines: list[str] = []
         self.ops: list[tuple[str, bool]] = []  # (op, inside an excluded region)
         self.calls: list[str] = []  # the listed ops with their arguments, as in ``lines``
@@ -108,7 +111,8 @@ class _PhaseLog(RegionObserver):
 
     def explain(self, message: str) -> str:
         # An error in a region's backward, after the replay: add the debug report.
-        return message if self.owner is None else self.owner.report(message)
+        owner = None if self._owner is None else self._owner()
+        return message if owner is None else owner.report(message)
 
     def render(self) -> str:
         extra = len(self.ops) - _MAX_LISTED

@@ -66,8 +66,12 @@ __all__ = [
 ]
 
 
-#: What a handle's two dictionaries are until it keeps something: read, never written.
+#: What a handle's two dictionaries and its set of running passes are until it keeps
+#: something: read, never written. Most handles never keep anything, and each lives as long
+#: as its checkpoint's graph: an object made per handle would count towards the
+#: collector's next run (NOTE [ What a call keeps ] in ``recomp._engine``).
 _EMPTY: Any = weakref.WeakKeyDictionary()
+_NO_PASSES: frozenset[int] = frozenset()
 
 
 class RecomputeHandle:
@@ -85,7 +89,6 @@ class RecomputeHandle:
         "_collector",
         "_consumed",
         "_kept",
-        "_lock",
         "_running",
         "_store",
         "session",
@@ -115,9 +118,13 @@ class RecomputeHandle:
         # The backward passes that read through this handle and have not ended: another
         # pass (one run from a hook inside them) does not read what they kept, and replays
         # for itself.
-        self._running: set[int] = set()
-        self._lock = threading.Lock()
+        self._running: set[int] | frozenset[int] = _NO_PASSES
         self.session: _Session | None = None
+
+    #: Guards what handles keep (taken on the rare paths only: a backward that keeps the
+    #: graph, a session, a replay run ahead). One for all handles, re-entrant: a tensor
+    #: freed under it may run code that reads another handle.
+    _lock = threading.RLock()
 
     # ----------------------------------------------------------------- contexts
 
@@ -254,10 +261,12 @@ class RecomputeHandle:
 
     def _pass_started(self, task: int) -> None:
         with self._lock:
-            self._running.add(task)
+            if self._running is _NO_PASSES:
+                self._running = set()
+            self._running.add(task)  # type: ignore[union-attr]  # made above
         if not _compat.at_pass_end(lambda: self._pass_ended(task)):
             with self._lock:
-                self._running.discard(task)
+                self._running.discard(task)  # type: ignore[union-attr]  # added: a set
 
     def _pass_ended(self, task: int) -> None:
         """What the pass's replay recomputed and no node read is kept for a later pass
@@ -265,7 +274,7 @@ class RecomputeHandle:
         store = self._replay_store()
         leftovers = store.take_leftovers(task) if store is not None else []
         with self._lock:
-            self._running.discard(task)
+            self._running.discard(task)  # type: ignore[union-attr]  # started: a set
             for holder, value in leftovers:
                 if self._consumed.get(holder) != task:
                     self._keep(holder, value, task)
