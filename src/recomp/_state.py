@@ -122,29 +122,35 @@ class PhaseContext:
     """Installs the recompute state for one phase of a checkpoint call.
 
     Re-enterable: the framework enters the same replay context once per
-    backward (``retain_graph``); each entry tells the listener a replay starts.
+    backward (``retain_graph``); each entry tells the listener a replay starts. Each
+    entry installs a state of its own, made then: a replay context lives as long as its
+    checkpoint's graph, and holds as little as it can until its replay.
     """
 
-    __slots__ = ("_tokens", "listener", "state")
+    __slots__ = ("_tokens", "call", "is_recomputing", "listener", "record")
 
-    def __init__(self, state: RecomputeState, listener: PhaseListener) -> None:
-        self.state = state
+    def __init__(
+        self, record: object, call: CallIdentity, is_recomputing: bool, listener: PhaseListener
+    ) -> None:
+        self.record = record
+        self.call = call
+        self.is_recomputing = is_recomputing
         self.listener = listener
-        # One token per entry (innermost last); a tuple, empty between entries: a replay
-        # context lives as long as its checkpoint's graph.
+        # One token per entry (innermost last); a tuple, empty between entries.
         self._tokens: tuple[contextvars.Token[RecomputeState | None], ...] = ()
 
     def __enter__(self) -> RecomputeState:
-        if self.state.is_recomputing:
+        if self.is_recomputing:
             self.listener.on_replay_start()
         else:
             self.listener.on_forward_start()
-        self._tokens += (CURRENT.set(self.state),)
-        return self.state
+        state = RecomputeState(self.record, self.call, self.is_recomputing)
+        self._tokens += (CURRENT.set(state),)
+        return state
 
     def __exit__(self, *exc_info: object) -> None:
         tokens = self._tokens
         self._tokens = tokens[:-1]
         CURRENT.reset(tokens[-1])
-        if not self.state.is_recomputing:
+        if not self.is_recomputing:
             self.listener.on_forward_end(ok=exc_info[0] is None)
