@@ -112,9 +112,24 @@ class ComposedContext:
         entries = self._entered
         index = entries[-1]
         self._entered = entries[:-1]
+        if exc_info[0] is not None:
+            return self._leave(index, exc_info, None)
+        # No error (every forward and replay that runs through): the plain loop, until
+        # a context raises.
         contexts = self.contexts
-        received = exc_info[0] is not None
-        pending: BaseException | None = None
+        try:
+            while index:
+                index -= 1
+                contexts[index].__exit__(None, None, None)
+        except BaseException as exc:
+            self._leave(index, (type(exc), exc, exc.__traceback__), exc)
+        return False
+
+    def _leave(self, index: int, exc_info: Any, pending: BaseException | None) -> bool:
+        """Exit the ``index`` innermost contexts entered with the error ``exc_info``, which
+        ``pending`` raised in one inside them (None: the error given to ``__exit__``)."""
+        contexts = self.contexts
+        received = pending is None
         while index:
             index -= 1
             try:

@@ -136,17 +136,14 @@ class RecomputeHandle:
     # whatever pair is on top, recomp's with it.
 
     def __enter__(self) -> None:
-        hooks = _compat.top_checkpoint_hooks()
-        if hooks is None or not _compat.replay_store_readable(hooks[0]):
+        hooks = _compat.take_checkpoint_unpack(self.unpack)
+        if hooks is None:
             return  # not directly under PyTorch's checkpoint hook: PyTorch's unpack stays
-        pack, unpack = hooks
-        self._checkpoint_pack = pack
-        self._checkpoint_unpack = unpack
+        self._checkpoint_pack, self._checkpoint_unpack = hooks
         if self._collectable:
             collector = self._collector = _COLLECTOR.get()
             if collector is not None:
                 collector.append(self)
-        _compat.set_top_hooks(pack, self.unpack)
 
     def __exit__(self, *exc_info: Any) -> None:
         collector = self._collector

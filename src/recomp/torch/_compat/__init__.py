@@ -71,6 +71,7 @@ from .checkpoint import (
     replay_store,
     replay_store_readable,
     set_top_hooks,
+    take_checkpoint_unpack,
     top_checkpoint_hooks,
 )
 from .compile import (
@@ -277,6 +278,7 @@ __all__ = [
     "set_hf_attention",
     "set_hf_checkpoint_function",
     "set_top_hooks",
+    "take_checkpoint_unpack",
     "simulation_unsupported",
     "stage_held_tensors",
     "stage_index",

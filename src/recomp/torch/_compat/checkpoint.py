@@ -266,6 +266,27 @@ def replay_store_readable(pack: Any) -> bool:
     return readable
 
 
+def take_checkpoint_unpack(
+    unpack: Callable[[Any], Any],
+) -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | None:
+    """Where the hooks on top of the saved-tensors stack are those of a non-reentrant
+    checkpoint (:func:`top_checkpoint_hooks`) whose replay store is readable
+    (:func:`replay_store_readable`): put ``unpack`` in place of its unpack hook (its pack
+    hook stays on top) and return the checkpoint's (pack, unpack); None elsewhere, with
+    nothing changed. The three questions in one call: asked at every checkpoint call.
+    Why and if it changes: as those two functions and :func:`set_top_hooks`."""
+    hooks = top_checkpoint_hooks()
+    if hooks is None:
+        return None
+    pack = hooks[0]
+    readable = _STORE_READABLE.get(getattr(pack, "__code__", None))
+    if not (replay_store_readable(pack) if readable is None else readable):
+        return None
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return hooks
+
+
 def mark_as_checkpoint_hook(hook: Callable[[Any], Any], like: Callable[[Any], Any]) -> None:
     """Give ``hook``, which stands in for the checkpoint pack hook ``like`` on top of the
     hook stack, the marks PyTorch 2.14 reads there.
