@@ -199,7 +199,7 @@ class ComposedContext:
 #
 #   * containers are made on first use: the invocation's logs, registries and children,
 #     a kept-replay handle's dictionaries and running passes, a call identity's
-#     resources; until then each reads a shared empty one that is never written;
+#     resources; until then each is a shared empty one, never written, or None;
 #   * stacks of re-entry (a replay entered once per backward) are tuples, empty between
 #     entries, and lists of parts that hear an event are tuples, most often empty;
 #   * what only the forward needs is let go when it has served: the parts once their
@@ -211,7 +211,7 @@ class ComposedContext:
 # reference counting (tests/torch/test_reference_cycles.py counts what a step leaves).
 #
 # The tiny layer of ``benchmarks/host_cost.py`` kept 89 objects per layer through the
-# forward (PyTorch's checkpoint: 60) and now keeps 70; the collector runs a third fewer times.
+# forward (PyTorch's checkpoint: 60) and now keeps 70; the collector runs a quarter less often.
 
 
 class CheckpointCall:
