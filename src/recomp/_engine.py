@@ -82,15 +82,17 @@ class ComposedContext:
     ``call`` is the checkpoint call the contexts belong to (memory reports find the
     invocation through it)."""
 
-    __slots__ = ("_entered", "call", "contexts")
+    __slots__ = ("call", "contexts")
 
     def __init__(self, call: CheckpointCall | None, *contexts: Any) -> None:
         self.call = call
         self.contexts = contexts
-        # Per entry (innermost last), how many of ``contexts`` are entered. Entered once
-        # per forward and replay of every checkpoint call: a count, not an ExitStack; a
-        # tuple, empty between entries (NOTE [ What a call keeps ]).
-        self._entered: tuple[int, ...] = ()
+
+    # Entered once per forward and replay of every checkpoint call: no ExitStack, and
+    # nothing kept per entry. ``__exit__`` runs only after an ``__enter__`` that entered
+    # every context (a ``with`` statement, an ExitStack); an ``__enter__`` that fails
+    # leaves what it entered itself. So an entry inside another (a replay re-entered)
+    # needs no record of its own: each context keeps what its entries need.
 
     def __enter__(self) -> None:
         entered = 0
@@ -100,23 +102,19 @@ class ComposedContext:
                 entered += 1
         except BaseException:
             # Leave the contexts entered so far, innermost first, with the error.
-            self._entered += (entered,)
-            self.__exit__(*sys.exc_info())
+            self._leave(entered, sys.exc_info(), None)
             raise
-        self._entered += (entered,)
 
     def __exit__(self, *exc_info: Any) -> bool:
-        """Exit this entry's contexts, innermost first, as nested ``with`` blocks would:
-        one that suppresses the error hides it from those outside; an error one raises
-        is what those outside see. True if the error given was suppressed."""
-        entries = self._entered
-        index = entries[-1]
-        self._entered = entries[:-1]
+        """Exit the contexts, innermost first, as nested ``with`` blocks would: one that
+        suppresses the error hides it from those outside; an error one raises is what
+        those outside see. True if the error given was suppressed."""
+        contexts = self.contexts
+        index = len(contexts)
         if exc_info[0] is not None:
             return self._leave(index, exc_info, None)
         # No error (every forward and replay that runs through): the plain loop, until
         # a context raises.
-        contexts = self.contexts
         try:
             while index:
                 index -= 1
@@ -126,8 +124,8 @@ class ComposedContext:
         return False
 
     def _leave(self, index: int, exc_info: Any, pending: BaseException | None) -> bool:
-        """Exit the ``index`` innermost contexts entered with the error ``exc_info``, which
-        ``pending`` raised in one inside them (None: the error given to ``__exit__``)."""
+        """Exit the first ``index`` contexts, innermost first, with the error ``exc_info``,
+        which ``pending`` raised in one inside them (None: the error given to ``__exit__``)."""
         contexts = self.contexts
         received = pending is None
         while index:

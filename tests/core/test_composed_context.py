@@ -82,4 +82,36 @@ def test_a_failed_enter_leaves_the_contexts_entered_so_far() -> None:
     with pytest.raises(KeyError), composed:
         log.append("body")
     assert log == ["enter a", "exit a KeyError"]
-    assert composed._entered == ()
+    # Nothing of the failed entry is left: the next one enters and leaves in full.
+    composed.contexts[1].fail_enter = False
+    log.clear()
+    with composed:
+        log.append("body")
+    assert log == [
+        "enter a",
+        "enter b",
+        "enter c",
+        "body",
+        "exit c None",
+        "exit b None",
+        "exit a None",
+    ]
+
+
+def test_a_context_re_entered_inside_its_own_entry_leaves_each_entry_in_full() -> None:
+    # A replay context entered again inside its own entry: each exit leaves all of its
+    # contexts, the inner entry first, and an error in the inner one reaches the outer.
+    log: list[str] = []
+    composed = ComposedContext(None, Logged("a", log), Logged("b", log))
+    with pytest.raises(ValueError), composed, composed:
+        raise ValueError
+    assert log == [
+        "enter a",
+        "enter b",
+        "enter a",
+        "enter b",
+        "exit b ValueError",
+        "exit a ValueError",
+        "exit b ValueError",
+        "exit a ValueError",
+    ]
