@@ -200,8 +200,10 @@ class ComposedContext:
 #     resources; until then each is a shared empty one, never written, or None;
 #   * stacks of re-entry (a replay entered once per backward) are tuples, empty between
 #     entries, and lists of parts that hear an event are tuples, most often empty;
-#   * what only the forward needs is let go when it has served: the parts once their
-#     contexts are made, the parts that hear the forward's end once it ended;
+#   * what only the forward needs is let go when it has served: the parts that hear the
+#     forward's end once it ended (the parts themselves stay with the call, as long as
+#     its graph: some are found through weak references while it lives, the collective
+#     record by ``recomp.torch.collectives.kept_collective_bytes``);
 #   * one object plays two roles where it can: the invocation is the call's identity; a
 #     replay's recompute state is made when the replay starts.
 #
@@ -209,7 +211,7 @@ class ComposedContext:
 # reference counting (tests/torch/test_reference_cycles.py counts what a step leaves).
 #
 # The tiny layer of ``benchmarks/host_cost.py`` kept 89 objects per layer through the
-# forward (PyTorch's checkpoint: 60) and now keeps 70; the collector runs a quarter less often.
+# forward (PyTorch's checkpoint: 60) and now keeps 71; the collector runs a quarter less often.
 
 
 class CheckpointCall:
@@ -234,7 +236,7 @@ class CheckpointCall:
         self.nested = nested
         parts.append(_RECOMPUTE_STATE)
         parts.sort(key=_STAGE)  # stable: parts of one stage keep their order
-        self.parts: list[CallPart] | tuple[()] = parts
+        self.parts = parts  # held as long as the call: a part lives with its graph
         # The parts that hear each phase event: those whose class overrides the method
         # (``CallPart.hears_replay``, ``hears_end``); the others' would do nothing.
         # Tuples, most often empty ones (NOTE [ What a call keeps ]).
@@ -247,12 +249,9 @@ class CheckpointCall:
                 self.ending += (part,)
 
     def context_fn(self) -> tuple[Any, Any]:
-        """The contexts of the call's forward and replay (asked once, by the framework's
-        checkpoint: the parts are let go then, NOTE [ What a call keeps ])."""
-        parts, self.parts = self.parts, ()
         forward: list[Any] = []
         replay: list[Any] = []
-        for part in parts:
+        for part in self.parts:
             f, r = part.contexts(self)
             if f is not None:
                 forward.append(f)

@@ -312,11 +312,6 @@ class Invocation(CallIdentity):
         # An enclosing recomp checkpoint's replay re-runs this call whole (``add_child``).
         self._rerun_whole = False
 
-    @property
-    def call(self) -> CallIdentity:
-        """What the user sees of this call (``RecomputeState.invocation_id``, resources)."""
-        return self
-
     # -- what the forward records --------------------------------------------------
 
     def set_checkpoint_inputs(self, tensors: Sequence[Any]) -> None:
