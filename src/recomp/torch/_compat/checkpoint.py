@@ -273,17 +273,11 @@ def take_checkpoint_unpack(
     checkpoint (:func:`top_checkpoint_hooks`) whose replay store is readable
     (:func:`replay_store_readable`): put ``unpack`` in place of its unpack hook (its pack
     hook stays on top) and return the checkpoint's (pack, unpack); None elsewhere, with
-    nothing changed. The three questions in one call: asked at every checkpoint call.
-    Why and if it changes: as those two functions and :func:`set_top_hooks`."""
+    nothing changed. Why and if it changes: as those two functions and :func:`set_top_hooks`."""
     hooks = top_checkpoint_hooks()
-    if hooks is None:
+    if hooks is None or not replay_store_readable(hooks[0]):
         return None
-    pack = hooks[0]
-    readable = _STORE_READABLE.get(getattr(pack, "__code__", None))
-    if not (replay_store_readable(pack) if readable is None else readable):
-        return None
-    torch._C._autograd._pop_saved_tensors_default_hooks()
-    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    set_top_hooks(hooks[0], unpack)
     return hooks
 
 
