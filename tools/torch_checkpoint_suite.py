@@ -44,11 +44,6 @@ from typing import Any
 
 #: Tests of PyTorch's suite that recomp fails on purpose, and why.
 DIFFERENCES = {
-    "test_checkpoint_graph_execution_group": (
-        "recomp keeps what a replay recomputed for the later backward passes over the "
-        "graph, so it replays fewer times than the test counts (docs/mechanism.md, "
-        "'Several backward passes over one graph')"
-    ),
     "test_checkpoint_detects_non_determinism": (
         "with debug=True recomp prints its own log of the forward's and the replay's ops "
         "(PyTorch's debug mode refuses the context_fn recomp always passes); the test "

@@ -9,6 +9,7 @@ once the graph is gone. The session API runs a replay ahead of backward.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import weakref
@@ -88,6 +89,40 @@ def test_double_backward_still_replays():
     assert block.calls - 1 == 2
     assert torch.equal(x.grad, 2 * first)
     assert block.attn.region_runs == 1
+
+
+def _disjoint_passes(checkpoint, group: bool) -> tuple[int, list[torch.Tensor]]:
+    """Two passes that free the graph as they go over disjoint parts of one checkpoint's
+    graph (the later outputs' gradient, then the earlier ones'), as PyTorch's suite runs
+    them; the body's runs and the gradients."""
+    runs = [0]
+
+    def body(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        runs[0] += 1
+        y = x.sin().cos()
+        return y, y.sin().cos()
+
+    x = torch.linspace(-1.0, 1.0, 9, requires_grad=True)
+    y, z = checkpoint(body, x)
+    with torch.utils.checkpoint.GraphExecGroup() if group else contextlib.nullcontext():
+        (gy,) = torch.autograd.grad(z, [y], grad_outputs=torch.ones_like(z))
+        (gx,) = torch.autograd.grad(y, [x], grad_outputs=gy)
+    return runs[0], [gy, gx]
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["passes", "graph_exec_group"])
+def test_disjoint_passes_that_free_the_graph_replay_as_pytorch_does(group):
+    # A pass that frees the graph keeps nothing for a later one (no node runs twice), so
+    # each pass replays, as with PyTorch's checkpoint; under PyTorch's GraphExecGroup both
+    # passes share one replay, as with PyTorch's.
+    if not hasattr(torch.utils.checkpoint, "GraphExecGroup"):
+        pytest.skip("torch.utils.checkpoint.GraphExecGroup is new in this PyTorch")
+    ours = _disjoint_passes(rt.checkpoint, group)
+    theirs = _disjoint_passes(
+        lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False), group
+    )
+    assert ours[0] == theirs[0] == (2 if group else 3)
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1], strict=True))
 
 
 def test_input_gradient_pass_keeps_only_what_a_later_pass_reads():

@@ -154,7 +154,7 @@ def test_checkpoint_routed():
     # recomp's state in the replay: recomp's checkpoint ran
     assert phases(lambda f, x: checkpoint(f, x, use_reentrant=False)) == [False, True]
 
-def test_checkpoint_graph_execution_group():
+def test_checkpoint_detects_non_determinism():
     assert False  # named as a deliberate difference: an expected failure
 
 def test_checkpoint_wrapper_routed():
