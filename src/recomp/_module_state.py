@@ -241,11 +241,14 @@ _LAYOUTS: dict[int, tuple[weakref.ref[Any], _Layout | None]] = {}
 
 def _put_layout(root: Any, layout: _Layout | None) -> None:
     key = id(root)
+    # The callback reads the dictionary it was put in, not this module's global: a root
+    # that dies while the interpreter exits may outlive the module's globals.
+    layouts = _LAYOUTS
 
     def forget(ref: weakref.ref[Any]) -> None:
-        entry = _LAYOUTS.get(key)
+        entry = layouts.get(key)
         if entry is not None and entry[0] is ref:
-            del _LAYOUTS[key]
+            del layouts[key]
 
     with contextlib.suppress(TypeError):  # no weak reference: walked at every call
         _LAYOUTS[key] = (weakref.ref(root, forget), layout)

@@ -460,3 +460,26 @@ def test_a_module_that_refers_back_to_its_checkpointed_parent_is_freed() -> None
     del wrapped, layer
     gc.collect()
     assert gone() is None
+
+
+def test_a_model_freed_while_the_interpreter_exits_leaves_no_error() -> None:
+    """A checkpointed model that dies after the modules' globals are gone (the record of
+    its layout still referenced at exit) frees its entry without an error."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, recomp.torch as rt\n"
+        "from torch import nn\n"
+        "from recomp import _module_state\n"
+        "m = rt.checkpoint_wrapper(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))\n"
+        "x = torch.randn(2, 4, requires_grad=True)\n"
+        "for _ in range(3):\n"
+        "    m(x).sum().backward()\n"
+        "held = list(_module_state._LAYOUTS.values())  # outlives the module's globals\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert "Exception ignored" not in run.stderr, run.stderr
