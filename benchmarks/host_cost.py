@@ -11,7 +11,14 @@ slows all of them, and reports per layer per step, above no checkpointing:
 * Python function calls (``sys.setprofile``) and Python bytecodes executed
   (``sys.settrace`` opcode events): counts that are the same on every run, where CPU time
   moves by a few per cent between processes. The bytecodes are the finer measure of
-  what a change removed (in this loop one of recomp's costs about 40 ns).
+  what a change removed (in this loop one of recomp's costs about 40 ns);
+* the cyclic garbage collector's passes, each strategy run alone for ``--collector-steps``
+  steps after a full collection: young-generation and full passes per 100 steps, and the
+  CPU time all its passes took per layer per step (``gc.callbacks``). Every object a
+  checkpoint keeps until its backward lives through the rest of the forward; the more
+  of them, the more often the collector runs, and the more often the survivors of its
+  passes bring on a full pass over every object of the process. The median step
+  leaves the full passes out (one step in many takes one); they count in a long run.
 
 Strategies: ``torch`` (``torch.utils.checkpoint``, non-reentrant), ``recomp``
 (``checkpoint_wrapper``, nothing excluded), ``recomp-R`` (R excluded regions per layer:
@@ -42,6 +49,7 @@ Run it with recomp importable (``PYTHONPATH=src``, or the development environmen
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import statistics
@@ -299,7 +307,40 @@ def count_events(run: Callable[[], Any], event: str) -> int:
     return count
 
 
-def measure(strategies: list[str], steps: int, layer: str = "tiny") -> dict[str, dict[str, float]]:
+def collector_passes(
+    forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, steps: int
+) -> dict[str, float]:
+    """The cyclic collector's passes while ``steps`` steps of ``forward`` run alone, from
+    a full collection: young-generation and full passes per 100 steps, and the CPU
+    microseconds all passes took per step."""
+    passes = [0, 0, 0]
+    spent = started = 0.0
+
+    def watch(phase: str, info: dict[str, int]) -> None:
+        nonlocal spent, started
+        if phase == "start":
+            passes[info["generation"]] += 1
+            started = time.process_time()
+        else:
+            spent += time.process_time() - started
+
+    gc.collect()
+    gc.callbacks.append(watch)
+    try:
+        for _ in range(steps):
+            step(forward, x)
+    finally:
+        gc.callbacks.remove(watch)
+    return {
+        "young_per_100_steps": passes[0] * 100 / steps,
+        "full_per_100_steps": passes[2] * 100 / steps,
+        "collector_us_per_step": spent / steps * 1e6,
+    }
+
+
+def measure(
+    strategies: list[str], steps: int, layer: str = "tiny", collector_steps: int = 0
+) -> dict[str, dict[str, float]]:
     torch.set_num_threads(1)
     x = _layers(layer, 0)[2].requires_grad_()
     forwards = {s: build(s, layer) for s in strategies}
@@ -314,6 +355,9 @@ def measure(strategies: list[str], steps: int, layer: str = "tiny") -> dict[str,
             times[s].append(time.process_time() - start)
     calls = {s: count_events(lambda f=f: step(f, x), "call") for s, f in forwards.items()}
     codes = {s: count_events(lambda f=f: step(f, x), "opcode") for s, f in forwards.items()}
+    collector = {
+        s: collector_passes(f, x, collector_steps) for s, f in forwards.items() if collector_steps
+    }
     base_time = statistics.median(times["none"])
     base_calls = calls["none"]
     result = {}
@@ -326,6 +370,13 @@ def measure(strategies: list[str], steps: int, layer: str = "tiny") -> dict[str,
             "step_ms": median * 1e3,
             "spread_us_per_layer": _iqr(times[s]) / LAYERS * 1e6,
         }
+        if collector:
+            passes = collector[s]
+            result[s]["gc_young_per_100_steps"] = passes["young_per_100_steps"]
+            result[s]["gc_full_per_100_steps"] = passes["full_per_100_steps"]
+            result[s]["gc_us_per_layer"] = (
+                passes["collector_us_per_step"] - collector["none"]["collector_us_per_step"]
+            ) / LAYERS
     return result
 
 
@@ -339,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--regions", default="1,4,16", help="regions per layer, comma-separated")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument(
+        "--collector-steps",
+        type=int,
+        default=100,
+        help="steps each strategy runs alone to count the garbage collector's passes (0: none)",
+    )
     parser.add_argument(
         "--layer",
         choices=LAYER_KINDS,
@@ -357,17 +414,27 @@ def main(argv: list[str] | None = None) -> int:
         strategies.append(f"recomp-{c}")
         if remat:
             strategies.append(f"remat-{c}")
-    result = measure(strategies, args.steps, args.layer)
+    result = measure(strategies, args.steps, args.layer, args.collector_steps)
     print(
         f"per layer per step above no checkpointing ({LAYERS} {args.layer} layers, "
         f"torch {torch.__version__})"
     )
-    print(f"{'strategy':<12} {'CPU us':>9} {'spread':>8} {'py calls':>9} {'bytecodes':>10}")
+    collector = args.collector_steps > 0
+    print(
+        f"{'strategy':<12} {'CPU us':>9} {'spread':>8} {'py calls':>9} {'bytecodes':>10}"
+        + (f" {'gc us':>7} {'gc young/100':>12} {'gc full/100':>11}" if collector else "")
+    )
     for s, r in result.items():
         if s != "none":
             print(
                 f"{s:<12} {r['us_per_layer']:9.1f} {r['spread_us_per_layer']:8.1f} "
                 f"{r['calls_per_layer']:9.1f} {r['bytecodes_per_layer']:10.1f}"
+                + (
+                    f" {r['gc_us_per_layer']:7.1f} {r['gc_young_per_100_steps']:12.0f} "
+                    f"{r['gc_full_per_100_steps']:11.2f}"
+                    if collector
+                    else ""
+                )
             )
     ratios = {"recomp/torch": result["recomp"]["us_per_layer"] / result["torch"]["us_per_layer"]}
     for c in counts:
