@@ -144,6 +144,33 @@ class ComposedContext:
         return received and exc_info[0] is None
 
 
+class _ComposedPair(ComposedContext):
+    """A :class:`ComposedContext` of two contexts (a plain call's forward and replay), its
+    loops unrolled; the same behaviour."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        first, second = self.contexts
+        first.__enter__()
+        try:
+            second.__enter__()
+        except BaseException:
+            self._leave(1, sys.exc_info(), None)
+            raise
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        if exc_info[0] is not None:
+            return self._leave(2, exc_info, None)
+        first, second = self.contexts
+        try:
+            second.__exit__(None, None, None)
+        except BaseException as exc:
+            self._leave(1, (type(exc), exc, exc.__traceback__), exc)
+        first.__exit__(None, None, None)
+        return False
+
+
 # NOTE [ The parts of a checkpoint call ]
 #
 # recomp hands the framework's checkpoint one ``context_fn``, composed here from the
@@ -259,7 +286,11 @@ class CheckpointCall:
                 replay.append(r)
         # (The replay's context is not the call itself: its recompute state's context
         # holds the call, which would then hold it back, a cycle the collector must free.)
-        return ComposedContext(self, *forward), ComposedContext(self, *replay)
+        # Two contexts (a plain call's forward and replay): the loops unrolled.
+        return (
+            (_ComposedPair if len(forward) == 2 else ComposedContext)(self, *forward),
+            (_ComposedPair if len(replay) == 2 else ComposedContext)(self, *replay),
+        )
 
     # -- PhaseListener ---------------------------------------------------------------
 
