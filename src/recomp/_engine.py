@@ -160,15 +160,27 @@ class _ComposedPair(ComposedContext):
             raise
 
     def __exit__(self, *exc_info: Any) -> bool:
-        if exc_info[0] is not None:
-            return self._leave(2, exc_info, None)
         first, second = self.contexts
+        error = exc_info[1]
         try:
-            second.__exit__(None, None, None)
+            suppressed = second.__exit__(*exc_info)
         except BaseException as exc:
-            self._leave(1, (type(exc), exc, exc.__traceback__), exc)
-        first.__exit__(None, None, None)
-        return False
+            # What the second raised is what the first and the outside see, unless the
+            # first suppresses it (and with it the error given, if any).
+            if exc is not error and exc.__context__ is None and error is not None:
+                exc.__context__ = error
+            if first.__exit__(type(exc), exc, exc.__traceback__):
+                return error is not None
+            raise
+        if error is None:
+            first.__exit__(None, None, None)
+            return False
+        # An error (a replay that stops early ends this way): suppressed by the second,
+        # the first sees none.
+        if suppressed:
+            first.__exit__(None, None, None)
+            return True
+        return bool(first.__exit__(*exc_info))
 
 
 # NOTE [ The parts of a checkpoint call ]

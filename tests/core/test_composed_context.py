@@ -153,3 +153,18 @@ def test_an_exit_that_raises_without_an_error_reaches_the_outside(
     with pytest.raises(OSError, match=failing), composed:
         log.append("body")
     assert log[-2:] == ["exit b None", f"exit a {'OSError' if failing == 'b' else None}"]
+
+
+def test_the_outer_context_suppressing_what_the_inner_one_raised_ends_the_block(
+    compose: Any,
+) -> None:
+    # As nested with blocks: the inner exit raises, the outer one suppresses that error,
+    # and the block ends without one, the error of the body included.
+    log: list[str] = []
+    with compose(Logged("a", log, suppress=True), Logged("b", log, fail_exit=True)):
+        raise ValueError
+    assert log == ["enter a", "enter b", "exit b ValueError", "exit a OSError"]
+    log.clear()
+    with compose(Logged("a", log, suppress=True), Logged("b", log, fail_exit=True)):
+        log.append("body")
+    assert log[-2:] == ["exit b None", "exit a OSError"]
