@@ -253,7 +253,8 @@ class _ComposedPair(ComposedContext):
 # The tiny layer of ``benchmarks/host_cost.py`` kept 89 objects per layer through the
 # forward (PyTorch's checkpoint: 60) and now keeps 71; after that round the collector ran a
 # quarter less often (young passes per 100 steps: 367, then 275). Twelve more objects kept
-# per call did not change that count later, but made each pass longer.
+# per call (lists, or instances of a class) did not change that count later, but made each
+# pass longer.
 
 
 class CheckpointCall:
