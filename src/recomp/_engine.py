@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from ._backend import Backend
@@ -144,43 +144,124 @@ class ComposedContext:
         return received and exc_info[0] is None
 
 
-class _ComposedPair(ComposedContext):
-    """A :class:`ComposedContext` of two contexts (a plain call's forward and replay), its
-    loops unrolled; the same behaviour."""
+class _PhaseAndPart(PhaseContext):
+    """A phase's context and one part's context, entered as nested ``with`` blocks would
+    be, the part's inside the phase's (``inner``) or outside it: a plain call's forward
+    (the kept-replay handle, then the phase) and replay (the phase, then the module
+    state). Behaves as a :class:`ComposedContext` of the two, with no object of its own
+    per phase (NOTE [ What a call keeps ]); the recompute state it installs is itself."""
 
-    __slots__ = ()
+    __slots__ = ("inner", "other")
 
-    def __enter__(self) -> None:
-        first, second = self.contexts
-        first.__enter__()
-        try:
-            second.__enter__()
-        except BaseException:
-            self._leave(1, sys.exc_info(), None)
-            raise
+    def __init__(
+        self,
+        record: object,
+        call: Any,
+        is_recomputing: bool,
+        listener: Any,
+        other: Any,
+        inner: bool,
+    ) -> None:
+        # PhaseContext's fields, set here (no second frame: one is made per call and phase).
+        self.record = record
+        self.call = call
+        self.is_recomputing = is_recomputing
+        self.listener = listener
+        self._tokens = ()
+        self.other = other
+        self.inner = inner
+
+    @property
+    def contexts(self) -> tuple[Any, ...]:
+        """The part's context (what a walk of a call's contexts reads, as of a
+        :class:`ComposedContext`)."""
+        return (self.other,)
+
+    def __enter__(self) -> Any:
+        other = self.other
+        if self.inner:
+            PhaseContext.__enter__(self)
+            try:
+                other.__enter__()
+            except BaseException:
+                PhaseContext.__exit__(self, *sys.exc_info())
+                raise
+        else:
+            other.__enter__()
+            try:
+                PhaseContext.__enter__(self)
+            except BaseException:
+                type(other).__exit__(other, *sys.exc_info())
+                raise
+        return self
 
     def __exit__(self, *exc_info: Any) -> bool:
-        first, second = self.contexts
-        error = exc_info[1]
-        try:
-            suppressed = second.__exit__(*exc_info)
-        except BaseException as exc:
-            # What the second raised is what the first and the outside see, unless the
-            # first suppresses it (and with it the error given, if any).
-            if exc is not error and exc.__context__ is None and error is not None:
-                exc.__context__ = error
-            if first.__exit__(type(exc), exc, exc.__traceback__):
-                return error is not None
-            raise
-        if error is None:
-            first.__exit__(None, None, None)
+        other = self.other
+        if exc_info[0] is None:
+            # No error (every forward and replay that runs through): both left in turn,
+            # as ``_exit_pair`` would with no error given (a phase suppresses nothing).
+            # Measured: with the helper for every exit, and PhaseContext.__init__ called
+            # above, a call cost 11,800 more instructions (docs/benchmarks.md).
+            if self.inner:
+                try:
+                    other.__exit__(None, None, None)
+                except BaseException as exc:
+                    PhaseContext.__exit__(self, type(exc), exc, exc.__traceback__)
+                    raise
+                PhaseContext.__exit__(self, None, None, None)
+            else:
+                try:
+                    PhaseContext.__exit__(self, None, None, None)
+                except BaseException as exc:
+                    if other.__exit__(type(exc), exc, exc.__traceback__):
+                        return False  # suppressed: the block ends without an error
+                    raise
+                other.__exit__(None, None, None)
             return False
-        # An error (a replay that stops early ends this way): suppressed by the second,
-        # the first sees none.
-        if suppressed:
-            first.__exit__(None, None, None)
-            return True
-        return bool(first.__exit__(*exc_info))
+        if self.inner:
+            return _exit_pair(PhaseContext.__exit__, self, type(other).__exit__, other, exc_info)
+        return _exit_pair(type(other).__exit__, other, PhaseContext.__exit__, self, exc_info)
+
+
+def _exit_pair(first_exit: Any, first: Any, second_exit: Any, second: Any, exc_info: Any) -> bool:
+    """Leave ``second`` (inside) then ``first`` (outside), each by its class's
+    ``__exit__``, as two nested ``with`` blocks would: an error either raises is what the
+    other and the outside see, unless one outside it suppresses it. True if the error
+    given (``exc_info``) was suppressed."""
+    error = exc_info[1]
+    try:
+        suppressed = second_exit(second, *exc_info)
+    except BaseException as exc:
+        # What the second raised is what the first and the outside see, unless the
+        # first suppresses it (and with it the error given, if any).
+        if exc is not error and exc.__context__ is None and error is not None:
+            exc.__context__ = error
+        if first_exit(first, type(exc), exc, exc.__traceback__):
+            return error is not None
+        raise
+    if error is None:
+        first_exit(first, None, None, None)
+        return False
+    # An error (a replay that stops early ends this way): suppressed by the second, the
+    # first sees none.
+    if suppressed:
+        first_exit(first, None, None, None)
+        return True
+    return bool(first_exit(first, *exc_info))
+
+
+def _phase(
+    invocation: Invocation, recomputing: bool, call: CheckpointCall, others: list[Any], at: int
+) -> Any:
+    """One phase's context: the recompute state's (``recomputing``: a replay's, or a
+    forward that an enclosing replay re-runs) with the parts' contexts ``others`` around
+    and inside it (the state's at index ``at``)."""
+    if not others:
+        return PhaseContext(invocation, invocation, recomputing, call)
+    if len(others) == 1:
+        return _PhaseAndPart(invocation, invocation, recomputing, call, others[0], at == 0)
+    others.insert(at, PhaseContext(invocation, invocation, recomputing, call))
+    return ComposedContext(call, *others)
 
 
 # NOTE [ The parts of a checkpoint call ]
@@ -244,17 +325,19 @@ class _ComposedPair(ComposedContext):
 #     forward's end once it ended (the parts themselves stay with the call, as long as
 #     its graph: some are found through weak references while it lives, the collective
 #     record by ``recomp.torch.collectives.kept_collective_bytes``);
-#   * one object plays two roles where it can: the invocation is the call's identity; a
-#     replay's recompute state is made when the replay starts.
+#   * one object plays two roles where it can: the invocation is the call's identity;
+#     each phase's context is the recompute state it installs.
 #
 # None of it may close a reference cycle: the call's objects must go with its graph, by
 # reference counting (tests/torch/test_reference_cycles.py counts what a step leaves).
 #
 # The tiny layer of ``benchmarks/host_cost.py`` kept 89 objects per layer through the
-# forward (PyTorch's checkpoint: 60) and now keeps 71; after that round the collector ran a
-# quarter less often (young passes per 100 steps: 367, then 275). Twelve more objects kept
-# per call (lists, or instances of a class) did not change that count later, but made each
-# pass longer.
+# forward (PyTorch's checkpoint: 60), then 71, and now keeps 69; after the first of those
+# rounds the collector ran a quarter less often (young passes per 100 steps: 367, then
+# 275). Twelve more objects kept per call (lists, or instances of a class) did not change
+# that count later, nor did the last two fewer, but they make each pass longer; and each
+# instance of a class costs about 1,900 machine instructions to make, where a Python call
+# costs about 400 (docs/benchmarks.md, the eleventh round).
 
 
 class CheckpointCall:
@@ -294,18 +377,23 @@ class CheckpointCall:
     def context_fn(self) -> tuple[Any, Any]:
         forward: list[Any] = []
         replay: list[Any] = []
+        at_forward = at_replay = 0
         for part in self.parts:
+            if part is _RECOMPUTE_STATE:
+                # Where the phases' own contexts go among the others (made by ``_phase``).
+                at_forward, at_replay = len(forward), len(replay)
+                continue
             f, r = part.contexts(self)
             if f is not None:
                 forward.append(f)
             if r is not None:
                 replay.append(r)
-        # (The replay's context is not the call itself: its recompute state's context
-        # holds the call, which would then hold it back, a cycle the collector must free.)
-        # Two contexts (a plain call's forward and replay): the loops unrolled.
+        # (The replay's context is not the call itself: its recompute state holds the
+        # call, which would then hold it back, a cycle the collector must free.)
+        invocation = self.invocation
         return (
-            (_ComposedPair if len(forward) == 2 else ComposedContext)(self, *forward),
-            (_ComposedPair if len(replay) == 2 else ComposedContext)(self, *replay),
+            _phase(invocation, self.rerun, self, forward, at_forward),
+            _phase(invocation, True, self, replay, at_replay),
         )
 
     # -- PhaseListener ---------------------------------------------------------------
@@ -334,18 +422,12 @@ _STAGE = operator.attrgetter("stage")
 
 
 class _RecomputeStatePart(CallPart):
-    """The recompute state of each phase; its contexts tell the call when phases start
-    and end. Holds nothing: one serves every call."""
+    """Where the recompute state of each phase sits among the parts (its stage); its
+    contexts, which tell the call when phases start and end, are made by the call around
+    the other parts' (``CheckpointCall.context_fn``: one object per phase where it can).
+    Holds nothing: one serves every call."""
 
     stage = Stage.RECOMPUTE_STATE
-
-    def contexts(self, call: CheckpointCallView) -> tuple[Any, Any]:
-        listener: CheckpointCall = call  # type: ignore[assignment]  # the engine's own part: given one
-        invocation = call.invocation  # its own identity (the user's id and resources)
-        return (
-            PhaseContext(invocation, invocation, call.rerun, listener),
-            PhaseContext(invocation, invocation, True, listener),
-        )
 
 
 _RECOMPUTE_STATE = _RecomputeStatePart()
@@ -392,7 +474,7 @@ def begin(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     user_context_fn: Callable[[], tuple[Any, Any]] | None,
-    parts: Iterable[CallPart] = (),
+    parts: list[CallPart] | None = None,
     *,
     align_rng: bool,
     restore_rng: bool = False,
@@ -404,7 +486,8 @@ def begin(
     A checkpoint called inside the replay of another recomp checkpoint is a
     re-run of a call that already ran in that checkpoint's forward: it gets
     the same invocation back, so its excluded regions are not executed again.
-    ``parts`` are the framework's parts of the call; the engine adds the recompute
+    ``parts`` are the framework's parts of the call, a list the call takes and adds to
+    (made per call by the framework's checkpoint: no copy); the engine adds the recompute
     state, the user's ``context_fn``, the state of the modules the replay re-runs (if
     ``function`` is a module or a module's bound method, see ``_module_state``),
     with ``restore_rng`` the replay's RNG, and with ``align_rng`` the states of the RNG
@@ -438,7 +521,7 @@ def begin(
         if parent is not None:
             invocation_of(parent).add_child(invocation)
         rerun = False
-    all_parts = list(parts)
+    all_parts = [] if parts is None else parts
     if user_context_fn is not None:
         all_parts.append(UserContext(user_context_fn))
     module_state = None if root is None else ModuleState.of(backend, root)

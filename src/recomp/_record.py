@@ -17,7 +17,8 @@ Also here: the pieces a region call is made of (:class:`Snapshot`,
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ._state import CallIdentity, RecomputeState
@@ -125,9 +126,11 @@ class StorageRegistry(dict):  # type: ignore[type-arg]
     __slots__ = ()
 
 
-#: What an invocation's registry of region outputs and set of consumed storages are until
-#: a region writes one: read, never written (NOTE [ What a call keeps ]).
+#: What an invocation's registry of region outputs, its uncached outputs and its set of
+#: consumed storages are until a region writes one: read, never written (NOTE [ What a
+#: call keeps ]).
 _NO_STORAGES = StorageRegistry()
+_NO_UNSAVED: Mapping[Hashable, str] = MappingProxyType({})
 _NO_KEYS: frozenset[Hashable] = frozenset()
 
 
@@ -298,7 +301,7 @@ class Invocation(CallIdentity):
         self.excluded_outputs: StorageRegistry = _NO_STORAGES
         # save_output=False outputs (storage -> region name) and the storages that
         # later excluded regions took as inputs: each of the former must be among the latter.
-        self._unsaved_outputs: dict[Hashable, str] = {}
+        self._unsaved_outputs: dict[Hashable, str] | Mapping[Hashable, str] = _NO_UNSAVED
         self._consumed: set[Hashable] | frozenset[Hashable] = _NO_KEYS
         # Recomp checkpoints called inside this one's forward, in call order. The
         # replay re-runs those calls; each reuses its invocation (see next_child).
@@ -390,7 +393,9 @@ class Invocation(CallIdentity):
             self.excluded_outputs = StorageRegistry()
         self.excluded_outputs.setdefault(key, tensor)
         if unsaved_by is not None:
-            self._unsaved_outputs[key] = unsaved_by
+            if self._unsaved_outputs is _NO_UNSAVED:
+                self._unsaved_outputs = {}
+            self._unsaved_outputs[key] = unsaved_by  # type: ignore[index]  # made above
 
     # -- what a replay reads -------------------------------------------------------
 
@@ -461,7 +466,7 @@ class Invocation(CallIdentity):
         ):
             return  # no region ran, nothing else was recorded: nothing to check or release
         unsaved, consumed = self._unsaved_outputs, self._consumed
-        self._unsaved_outputs, self._consumed = {}, _NO_KEYS
+        self._unsaved_outputs, self._consumed = _NO_UNSAVED, _NO_KEYS
         self.excluded_outputs = _NO_STORAGES
         try:
             if not ok:

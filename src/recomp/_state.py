@@ -118,16 +118,18 @@ def is_recomputing() -> bool:
     return state is not None and state.is_recomputing
 
 
-class PhaseContext:
-    """Installs the recompute state for one phase of a checkpoint call.
+class PhaseContext(RecomputeState):
+    """Installs the recompute state for one phase of a checkpoint call: itself.
 
     Re-enterable: the framework enters the same replay context once per
-    backward (``retain_graph``); each entry tells the listener a replay starts. Each
-    entry installs a state of its own, made then: a replay context lives as long as its
-    checkpoint's graph, and holds as little as it can until its replay.
+    backward (``retain_graph``); each entry tells the listener a replay starts and
+    installs the context as the state (its fields are the same at every entry). One
+    object per phase, not one more per entry: a checkpoint call's contexts live as long
+    as its graph, in every layer at once (NOTE [ What a call keeps ] in
+    ``recomp._engine``).
     """
 
-    __slots__ = ("_tokens", "call", "is_recomputing", "listener", "record")
+    __slots__ = ("_tokens", "listener")
 
     def __init__(
         self, record: object, call: CallIdentity, is_recomputing: bool, listener: PhaseListener
@@ -144,13 +146,13 @@ class PhaseContext:
             self.listener.on_replay_start()
         else:
             self.listener.on_forward_start()
-        state = RecomputeState(self.record, self.call, self.is_recomputing)
-        self._tokens += (CURRENT.set(state),)
-        return state
+        self._tokens += (CURRENT.set(self),)
+        return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, *exc_info: object) -> bool | None:
         tokens = self._tokens
         self._tokens = tokens[:-1]
         CURRENT.reset(tokens[-1])
         if not self.is_recomputing:
             self.listener.on_forward_end(ok=exc_info[0] is None)
+        return None  # suppresses nothing (a composed phase's context may)

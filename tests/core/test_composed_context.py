@@ -1,26 +1,53 @@
 """``recomp._engine.ComposedContext`` enters its contexts as nested ``with`` blocks would:
 in order, left in reverse, errors passed outwards, suppression and errors raised on the
 way out seen by the contexts outside, and one entry per replay (re-entrant). The same of
-its unrolled form for two contexts (a plain call's forward and replay)."""
+a phase's context composed with one part's (``_PhaseAndPart``: a plain call's forward and
+replay), the phase outside or inside the part, where its listener stands for the other
+context (a phase raises where its listener does, and suppresses nothing)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
 
-from recomp._engine import ComposedContext, _ComposedPair
+from recomp._engine import ComposedContext, _PhaseAndPart
+from recomp._state import CallIdentity, get_recompute_state
 
 
-@pytest.fixture(params=["loop", "unrolled"])
+class _AsListener:
+    """A phase's listener that logs and fails as the ``Logged`` context it stands for."""
+
+    def __init__(self, logged: Logged) -> None:
+        self.logged = logged
+
+    def on_forward_start(self) -> None:
+        self.logged.__enter__()
+
+    def on_replay_start(self) -> None:
+        raise AssertionError("a forward phase")
+
+    def on_forward_end(self, ok: bool) -> None:
+        logged = self.logged
+        # The error the phase leaves with is the one being handled.
+        kind = None if ok else sys.exc_info()[0]
+        logged.log.append(f"exit {logged.name} {kind.__name__ if kind else None}")
+        if logged.fail_exit:
+            raise OSError(logged.name)
+
+
+@pytest.fixture(params=["loop", "phase-outside", "phase-inside"])
 def compose(request: Any) -> Any:
-    """Compose contexts as the engine does: unrolled for two, when asked."""
+    """Compose contexts as the engine does: for two, one of them may be a phase's."""
 
-    def make(*contexts: Any) -> ComposedContext:
-        if request.param == "unrolled" and len(contexts) == 2:
-            composed = _ComposedPair(None, *contexts)
-            assert isinstance(composed, ComposedContext)
-            return composed
+    def make(*contexts: Any) -> Any:
+        if request.param != "loop" and len(contexts) == 2:
+            inner = request.param == "phase-outside"
+            phase, other = contexts if inner else contexts[::-1]
+            if not phase.suppress:  # a phase suppresses nothing
+                identity = CallIdentity()
+                return _PhaseAndPart(identity, identity, False, _AsListener(phase), other, inner)
         return ComposedContext(None, *contexts)
 
     return make
@@ -91,9 +118,7 @@ def test_an_error_raised_on_the_way_out_is_what_the_outside_sees(compose: Any) -
 
 def test_a_failed_enter_leaves_the_contexts_entered_so_far(compose: Any) -> None:
     log: list[str] = []
-    composed = compose(
-        Logged("a", log), Logged("b", log, fail_enter=True), Logged("c", log)
-    )
+    composed = compose(Logged("a", log), Logged("b", log, fail_enter=True), Logged("c", log))
     with pytest.raises(KeyError), composed:
         log.append("body")
     assert log == ["enter a", "exit a KeyError"]
@@ -168,3 +193,30 @@ def test_the_outer_context_suppressing_what_the_inner_one_raised_ends_the_block(
     with compose(Logged("a", log, suppress=True), Logged("b", log, fail_exit=True)):
         log.append("body")
     assert log[-2:] == ["exit b None", "exit a OSError"]
+
+
+@pytest.mark.parametrize("inner", [True, False])
+def test_a_phase_with_a_part_installs_itself_as_the_state_where_the_part_is_inside_it(
+    inner: bool,
+) -> None:
+    # The part's context sees the phase's state where it is entered inside the phase (a
+    # replay's module state), none where outside (the forward's kept-replay handle).
+    seen: list[Any] = []
+
+    class Part:
+        def __enter__(self) -> None:
+            seen.append(get_recompute_state())
+
+        def __exit__(self, *exc_info: Any) -> None:
+            seen.append(get_recompute_state())
+
+    log: list[str] = []
+    identity = CallIdentity()
+    phase = _PhaseAndPart(identity, identity, False, _AsListener(Logged("p", log)), Part(), inner)
+    assert phase.contexts == (phase.other,)
+    with phase as state:
+        assert state is phase and get_recompute_state() is phase
+        assert state.invocation_id == identity.id and not state.is_recomputing
+    assert get_recompute_state() is None
+    assert seen == ([phase, phase] if inner else [None, None])
+    assert log == ["enter p", "exit p None"]

@@ -120,13 +120,17 @@ def _kept_through_forward(model: nn.Module) -> int:
 
 def test_a_call_keeps_few_objects_of_its_own_through_the_forward(collector_off: None) -> None:
     # The tiny layer, PyTorch's checkpoint against recomp's: 60 and 89 per layer before
-    # the objects a call keeps were cut (NOTE [ What a call keeps ]), 60 and 71 after (11 of its own, per layer, also on this small model).
-    # The difference is recomp's own (its replay context, invocation, module state,
-    # kept-replay handle), the same on every PyTorch version.
+    # the objects a call keeps were cut (NOTE [ What a call keeps ]), 60 and 71 after,
+    # then 60 and 69 once a phase's context was also its recompute state and held its one
+    # part's context itself: 9 more per layer, also on this small model, on PyTorch 2.9
+    # and 2.14 (five instances of recomp's classes: the call, its invocation, the module
+    # state, the kept-replay handle, the replay's context; three lists: the parts, the
+    # module state's tensors and their versions; two bound methods; one of PyTorch's
+    # nullcontexts fewer).
     pytorch = _kept_through_forward(_pytorch())
     recomp = _kept_through_forward(_recomp())
     assert pytorch > 0
-    assert (recomp - pytorch) / LAYERS <= 12
+    assert (recomp - pytorch) / LAYERS <= 9
 
 
 class AllReduced(nn.Module):

@@ -53,6 +53,7 @@ from .._report import (
     ReportRow,
     SavedTensorsReport,
 )
+from .._state import RecomputeState
 from . import _compat
 from ._backend import BACKEND
 from ._offload import OffloadHandle
@@ -464,7 +465,12 @@ class _GraphWalk:
 
 
 def _invocation_of(context: Any) -> Invocation | None:
-    """recomp's record of a checkpoint call, from the replay context it gave PyTorch."""
+    """recomp's record of a checkpoint call, from the replay context it gave PyTorch: the
+    recompute state a replay installs (the context itself, where the replay enters no
+    other part's) or a composed context of the call's."""
+    if isinstance(context, RecomputeState):
+        record = context.record
+        return record if isinstance(record, Invocation) else None
     call = context.call if isinstance(context, ComposedContext) else None
     return None if call is None else call.invocation
 
@@ -563,5 +569,3 @@ def _op_name(node: Any) -> str:
     if type(node).__module__ != "builtins":
         return _BACKWARD_SUFFIX.sub("", name) or name
     return _CAMEL.sub("_", _BACKWARD_SUFFIX.sub("", name)).lower() or name
-
-
