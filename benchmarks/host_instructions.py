@@ -11,7 +11,10 @@ code). For each strategy this runs the loop twice under cachegrind (``--cache-si
 ``--short`` and ``--long`` steps after the warm-up, and reports the difference divided by
 the extra steps and the layers: the count per layer per step, without the start-up
 (imports, building the model), above the ``none`` strategy. A difference between two
-versions of the code smaller than about 3,000 instructions per layer is not seen.
+versions of the code smaller than about 3,000 instructions per layer is not seen. Where
+the sources lie counts too: compare two versions from copies at paths of the same length
+(``PYTHONPATH=/tmp/old/src`` against ``PYTHONPATH=/tmp/new/src``), or the difference of
+the paths moves the count by several thousand instructions per layer.
 
 The garbage collector is off by default (a full collection, then ``gc.disable()``, after
 the warm-up): its passes depend on everything the process made before, and one full pass
