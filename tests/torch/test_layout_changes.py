@@ -10,6 +10,12 @@ them to a plain copy and to a recomp-wrapped copy alike, and compares every grad
 buffer bit for bit after each step; in a last step a weight is clipped between the
 forward and the backward, which recomp must refuse (PyTorch's checkpoint replays with
 the clipped weight).
+
+The "plain" cases draw trees of modules that hold a tensor in every parameter slot and
+have no buffers (a transformer's, whose calls read every tensor from the layout with
+nothing to copy), and changes that keep them so (a parameter or a module replaced, a
+parameter frozen, a module added, a region excluded) or end it (a bias removed, a buffer
+registered).
 """
 
 from __future__ import annotations
@@ -34,19 +40,22 @@ class Block(nn.Module):
     """A linear layer, then what the draw gave: a constant scale buffer, a BatchNorm, a
     step counter the forward updates at every call."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, plain: bool) -> None:
         super().__init__()
-        self.lin = nn.Linear(WIDTH, WIDTH, bias=rng.random() < 0.5)
-        if rng.random() < 0.4:
+        self.lin = nn.Linear(WIDTH, WIDTH, bias=plain or rng.random() < 0.5)
+        if not plain and rng.random() < 0.4:
             self.register_buffer("scale", torch.linspace(0.5, 1.5, WIDTH))
-        self.norm = nn.BatchNorm1d(WIDTH) if rng.random() < 0.4 else None
+        self.norm = nn.BatchNorm1d(WIDTH) if not plain and rng.random() < 0.4 else None
         if self.norm is not None and rng.random() < 0.6:
             self.norm.eval()  # frozen statistics
-        if rng.random() < 0.1:
+        if not plain and rng.random() < 0.1:
             self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
+        post = self._modules.get("post")  # a module added by a change
+        if post is not None:
+            h = post(h)
         scale = self._buffers.get("scale")
         if scale is not None:
             h = h * scale
@@ -60,19 +69,30 @@ class Block(nn.Module):
         return torch.tanh(h)
 
 
-def _changes(rng: random.Random, blocks: int) -> list[tuple[str, int]]:
+def _changes(rng: random.Random, blocks: int, plain: bool) -> list[tuple[str, int]]:
     """Eight steps' changes; half the steps change nothing (later calls read a layout)."""
-    kinds = ["freeze", "unfreeze", "bias", "replace", "mode", "buffer", "rebind"]
+    kinds = ["freeze", "unfreeze", "bias", "replace", "parameter", "post", "exclude"]
+    kinds += ["replace", "parameter", "freeze"] if plain else ["mode", "buffer", "rebind"]
     return [
         (rng.choice(kinds) if rng.random() < 0.5 else "none", rng.randrange(blocks))
         for _ in range(8)
     ]
 
 
-def _apply(model: nn.Module, kind: str, index: int, seed: int) -> None:
-    """Change ``model`` (the plain or the wrapped copy: the same change, the same values)."""
+def _apply(model: nn.Module, kind: str, index: int, seed: int, wrapped: bool) -> None:
+    """Change ``model`` (the plain or the wrapped copy: the same change, the same values;
+    a region is excluded in the wrapped copy only)."""
     block = model[index]
     values = torch.Generator().manual_seed(seed)
+    if kind == "parameter":  # another Parameter object in the slot, the same values
+        block.lin.weight = nn.Parameter(block.lin.weight.detach().clone())
+    elif kind == "post" and "post" not in block._modules:
+        block.post = nn.Linear(WIDTH, WIDTH)
+        with torch.no_grad():
+            for p in block.post.parameters():
+                p.copy_(torch.randn(p.shape, generator=values) * 0.3)
+    elif kind == "exclude" and wrapped:
+        block.lin = rt.checkpoint_exclude_wrapper(block.lin)
     if kind == "freeze":
         block.lin.weight.requires_grad_(False)
     elif kind == "unfreeze":
@@ -108,11 +128,12 @@ def _step(model: nn.Module, run: nn.Module, x: torch.Tensor) -> tuple[list, dict
     return grads, {n: b.clone() for n, b in model.named_buffers()}
 
 
+@pytest.mark.parametrize("plain_tree", [False, True], ids=["any", "plain"])
 @pytest.mark.parametrize("seed", range(24))
-def test_random_changes_between_steps_stay_exact(seed: int) -> None:
+def test_random_changes_between_steps_stay_exact(seed: int, plain_tree: bool) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    plain = nn.Sequential(*(Block(rng) for _ in range(3)))
+    plain = nn.Sequential(*(Block(rng, plain_tree) for _ in range(3)))
     if rng.random() < 0.5:
         plain[rng.randrange(3)].lin.requires_grad_(False)  # PEFT-like frozen weights
     wrapped = copy.deepcopy(plain)
@@ -120,9 +141,15 @@ def test_random_changes_between_steps_stay_exact(seed: int) -> None:
     x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(seed))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no change here is one recomp cannot see coming
-        for step, (kind, index) in enumerate([("none", 0), ("none", 0), *_changes(rng, 3)]):
+        changes = _changes(rng, 3, plain_tree)
+        excluded: set[int] = set()  # blocks whose linear is an excluded region
+        for step, (kind, index) in enumerate([("none", 0)] * 3 + changes):
             for model in (plain, wrapped):
-                _apply(model, kind, index, seed * 100 + step)
+                _apply(model, kind, index, seed * 100 + step, model is wrapped)
+            if kind == "exclude":
+                excluded.add(index)
+            elif kind == "replace":
+                excluded.discard(index)
             want, want_buffers = _step(plain, plain, x)
             got, got_buffers = _step(wrapped, run, x)
             assert len(want) == len(got)
@@ -132,8 +159,12 @@ def test_random_changes_between_steps_stay_exact(seed: int) -> None:
             assert want_buffers.keys() == got_buffers.keys()
             for name, value in want_buffers.items():
                 assert torch.equal(value, got_buffers[name]), (step, kind, name)
-    # A weight clipped between the forward and its backward is refused, layout or not.
-    trained = [m for m in wrapped if m.lin.weight.requires_grad]
+    # A weight clipped between the forward and its backward is refused, layout or not,
+    # where the replay would read it (an excluded region is not replayed: its own check
+    # is in test_parameter_changes.py).
+    trained = [
+        m for i, m in enumerate(wrapped) if m.lin.weight.requires_grad and i not in excluded
+    ]
     if trained:
         out = run(x).sum()
         with torch.no_grad():

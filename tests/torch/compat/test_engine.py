@@ -161,3 +161,99 @@ def test_pass_keeps_graph_follows_retain_graph():
     torch.autograd.grad(Probe.apply(x).sum(), [x])
     assert seen == [True, False, False]
     assert _compat.pass_keeps_graph() is True  # outside backward
+
+
+# -- layouts (NOTE [ Calls after the first: layouts ] in recomp._module_state) ----------
+
+_MARKER = "_test_marker"
+
+
+class _Pair(torch.nn.Module):
+    def __init__(self, plain: bool) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 3)
+        self.b = torch.nn.Linear(3, 3, bias=plain)  # a bias slot that holds None
+        if not plain:
+            self.register_buffer("scale", torch.ones(3))
+        self.act = torch.nn.GELU()
+
+
+def _layout_of(root: torch.nn.Module, skip: tuple[torch.nn.Module, ...] = ()) -> object:
+    walked = [(m, m in skip) for m in root.modules()]
+    layout = _compat.tree_layout(walked, _MARKER)
+    assert layout is not None
+    return layout
+
+
+def _tensors_of(root: torch.nn.Module, skip: tuple[torch.nn.Module, ...] = ()) -> list:
+    return [t for m in root.modules() if m not in skip for _, t, _ in _compat.module_tensors(m)]
+
+
+def _swap_children(root: torch.nn.Module) -> None:
+    root.a, root.b = root.b, root.a  # both modules stay alive; the names keep their order
+
+
+_CHANGES = {
+    "a parameter added": lambda r: r.act.register_parameter("p", torch.nn.Parameter(torch.ones(1))),
+    "a parameter removed": lambda r: r.a._parameters.pop("bias"),
+    "a parameter renamed": lambda r: r.a._parameters.__setitem__("w", r.a._parameters.pop("weight")),
+    "a parameter frozen": lambda r: r.a.weight.requires_grad_(False),
+    "a module replaced": lambda r: setattr(r, "a", torch.nn.Linear(3, 3)),
+    "two modules swapped": _swap_children,
+    # The same modules in the same order, under other parents:
+    "a module moved": lambda r: setattr(r.a, "moved", r._modules.pop("act")),
+    "a module added": lambda r: setattr(r.act, "inner", torch.nn.Identity()),
+    "a buffer registered": lambda r: r.act.register_buffer("s", torch.ones(1)),
+    "a module marked": lambda r: setattr(r.a, _MARKER, object()),
+    "a dictionary replaced": lambda r: r.act.__dict__.__setitem__("_parameters", None),
+}
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["parameters", "with-buffers"])
+@pytest.mark.parametrize("change", sorted(_CHANGES))
+def test_a_layout_reads_the_tensors_until_the_tree_changes(plain: bool, change: str) -> None:
+    root = _Pair(plain)
+    layout = _layout_of(root)
+    found = _compat.layout_tensors(layout)
+    assert found is not None
+    assert [id(t) for t in found] == [id(t) for t in _tensors_of(root)]
+    assert _compat.layout_versions(layout, found) == _compat.versions(found)
+    _CHANGES[change](root)
+    assert _compat.layout_tensors(layout) is None
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["parameters", "with-buffers"])
+def test_a_layout_skips_the_marked_modules_until_one_is_unmarked(plain: bool) -> None:
+    root = _Pair(plain)
+    setattr(root.a, _MARKER, object())
+    layout = _layout_of(root, skip=(root.a,))
+    found = _compat.layout_tensors(layout)
+    assert found is not None
+    assert [id(t) for t in found] == [id(t) for t in _tensors_of(root, skip=(root.a,))]
+    delattr(root.a, _MARKER)
+    assert _compat.layout_tensors(layout) is None
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["parameters", "with-buffers"])
+def test_a_layout_of_modules_that_died_reads_nothing(plain: bool) -> None:
+    root = _Pair(plain)
+    layout = _layout_of(root)
+    del root
+    assert _compat.layout_tensors(layout) is None
+    assert _compat.layout_versions(layout, []) is None
+
+
+def test_layout_versions_are_read_while_the_modules_hold_the_same_tensors() -> None:
+    root = _Pair(True)
+    layout = _layout_of(root)
+    found = _compat.layout_tensors(layout)
+    assert found is not None
+    with torch.no_grad():
+        root.a.weight.add_(1)
+    assert _compat.layout_versions(layout, found) == _compat.versions(found)
+    # Another tensor in a slot: the layout holds (it reads what the modules hold now), the
+    # versions of what a call read before are not read.
+    root.a.weight = torch.nn.Parameter(root.a.weight.detach().clone())
+    assert _compat.layout_versions(layout, found) is None
+    now = _compat.layout_tensors(layout)
+    assert now is not None and now[0] is root.a.weight
