@@ -29,8 +29,8 @@ def uses_cache(kwargs: dict[str, Any]) -> bool:
 def written_once(
     layer: Any, children: Callable[[Any], Iterable[Any]], is_excluded: Callable[[Any], bool]
 ) -> bool:
-    """True if every module below ``layer`` that addresses the cache (an int
-    ``layer_idx``, as HF attention modules have) runs inside an excluded region."""
+    """True if every module below ``layer`` that writes the cache (:func:`_cache_writers`)
+    runs inside an excluded region."""
     writers, excluded = _cache_writers(layer, children, is_excluded)
     return writers > 0 and writers == excluded
 
@@ -38,10 +38,10 @@ def written_once(
 def rewritten(
     layer: Any, children: Callable[[Any], Iterable[Any]], is_excluded: Callable[[Any], bool]
 ) -> bool:
-    """True if some module below ``layer`` that addresses the cache (an int ``layer_idx``)
+    """True if some module below ``layer`` that writes the cache (:func:`_cache_writers`)
     runs outside every excluded region, so that a replay of ``layer`` writes the cache
-    again. A layer with no such module (an encoder layer: its attention has no
-    ``layer_idx``) writes no cache, whatever ``use_cache`` it is given."""
+    again. A layer with no such module (an encoder layer) writes no cache, whatever
+    ``use_cache`` it is given."""
     writers, excluded = _cache_writers(layer, children, is_excluded)
     return writers > excluded
 
@@ -49,7 +49,13 @@ def rewritten(
 def _cache_writers(
     layer: Any, children: Callable[[Any], Iterable[Any]], is_excluded: Callable[[Any], bool]
 ) -> tuple[int, int]:
-    """(modules below ``layer`` with an int ``layer_idx``, how many of them are excluded)."""
+    """(modules below ``layer`` that write the cache, how many of them are excluded).
+
+    A module writes the cache where it addresses it (an int ``layer_idx``, as HF's
+    attention modules have) and is no encoder's: an attention module that says
+    ``is_decoder=False`` (BERT's, RoBERTa's and ELECTRA's encoders, BART's and T5's
+    encoder stacks: they carry a ``layer_idx`` too) never writes one; Whisper's encoder
+    attention has no ``layer_idx``."""
     # An explicit stack, not a recursive local function: a closure that refers to itself
     # is a reference cycle, left to the garbage collector on every call (every step).
     writers = excluded = 0
@@ -58,8 +64,9 @@ def _cache_writers(
         module, in_region = stack.pop()
         in_region = in_region or is_excluded(module)
         if module is not layer and isinstance(getattr(module, "layer_idx", None), int):
-            writers += 1
-            excluded += in_region
+            if getattr(module, "is_decoder", True) is not False:
+                writers += 1
+                excluded += in_region
             continue
         stack.extend((child, in_region) for child in children(module))
     return writers, excluded

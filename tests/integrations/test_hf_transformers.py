@@ -559,6 +559,100 @@ def test_use_cache_in_training_is_turned_off_for_recomputed_attention() -> None:
     assert _cache_length(model(ids, use_cache=True)) == SEQ
 
 
+
+def _encoder_cache_cases() -> dict[str, tuple]:
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        BertConfig,
+        BertForMaskedLM,
+        BertLMHeadModel,
+        RobertaConfig,
+        RobertaForMaskedLM,
+    )
+    from transformers.models.bart import modeling_bart
+    from transformers.models.bert import modeling_bert
+    from transformers.models.roberta import modeling_roberta
+
+    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+    small.update(intermediate_size=64, vocab_size=100)
+    bart = {"d_model": 32, "encoder_layers": 1, "decoder_layers": 1, "vocab_size": 100}
+    bart.update(encoder_attention_heads=4, decoder_attention_heads=4)
+    bart.update(encoder_ffn_dim=64, decoder_ffn_dim=64)
+    return {
+        # (model, its checkpointed layers, whether their replay would write a cache)
+        "bert": (lambda: BertForMaskedLM(BertConfig(**small)), (modeling_bert.BertLayer,), False),
+        "roberta": (
+            lambda: RobertaForMaskedLM(RobertaConfig(**small)),
+            (modeling_roberta.RobertaLayer,),
+            False,
+        ),
+        # BART's encoder layers only: its encoder is called without use_cache.
+        "bart-encoder": (
+            lambda: BartForConditionalGeneration(BartConfig(**bart)),
+            (modeling_bart.BartEncoderLayer,),
+            False,
+        ),
+        "bert-decoder": (
+            lambda: BertLMHeadModel(BertConfig(**small, is_decoder=True)),
+            (modeling_bert.BertLayer,),
+            True,
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta", "bart-encoder", "bert-decoder"])
+def test_use_cache_of_encoders_is_left_alone_without_a_warning(name: str) -> None:
+    """An encoder's attention carries a layer_idx but says is_decoder=False: its layers
+    write no cache, so recomp turns nothing off and warns about nothing, with the
+    config's use_cache=True; a decoder built from the same classes still gets the
+    warning. Gradients equal the unwrapped model's either way."""
+    make, layers, writes = _encoder_cache_cases()[name]
+    torch.manual_seed(0)
+    reference = make().train()
+    model = with_recomp(copy.deepcopy(reference), layers, ())
+    assert reference.config.use_cache
+    ids = tokens()
+    train_step(reference, ids)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_step(model, ids)
+    cache_warnings = [w for w in caught if "KV cache is turned off" in str(w.message)]
+    assert bool(cache_warnings) is writes, [str(w.message) for w in cache_warnings]
+    assert_same_grads(reference, model)
+
+
+def test_falcon_mlp_excluded_needs_its_output_copied() -> None:
+    """Falcon's layer (parallel_attn, the default) adds the attention output into the
+    MLP's output in place: with the MLP excluded and dropout after it, recomp refuses
+    the write to its cached output, naming the option; with the MLP also in
+    copy_output_fn the gradients equal the unwrapped model's."""
+    from transformers import FalconConfig, FalconForCausalLM
+    from transformers.models.falcon import modeling_falcon
+
+    def falcon() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = FalconConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100,
+            hidden_dropout=0.1, attention_dropout=0.1,
+        )
+        return FalconForCausalLM(config).train()
+
+    layer, mlp = modeling_falcon.FalconDecoderLayer, modeling_falcon.FalconMLP
+    ids = tokens()
+    model = apply_activation_checkpointing(falcon(), checkpoint_fn=layer, exclude_fn=mlp)
+    with pytest.raises(recomp.errors.CachedValueMutatedError, match="copy_output_fn"):
+        train_step(model, ids, use_cache=False)
+    reference = falcon()
+    model = apply_activation_checkpointing(
+        falcon(), checkpoint_fn=layer, exclude_fn=mlp, copy_output_fn=mlp
+    )
+    train_step(reference, ids, use_cache=False)
+    train_step(model, ids, use_cache=False)
+    assert_same_grads(reference, model)
+    assert all(r.region_runs == r.region_skips == 1 for r in regions(model))
+
+
 def test_use_cache_in_training_kept_when_attention_is_excluded() -> None:
     reference = llama()
     model = with_recomp(copy.deepcopy(reference), *MODELS["llama-attention"][1:])
