@@ -8,6 +8,7 @@ program calls it once per execution, so a recomputed region shows up as a second
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections.abc import Callable
@@ -259,6 +260,69 @@ def test_graph_break_inside_a_checkpoint_falls_back_with_a_warning() -> None:
     compiled = torch.compile(model, backend="aot_eager")
     with pytest.warns(ForeignCheckpointWarning, match="not in effect"):
         assert_equal(grads_of(model, lambda: compiled(x)), eager)
+
+
+
+class _Store:
+    """An object from outside the model that an excluded region writes to (as HF's
+    KV cache lazily sets its device at its first update)."""
+
+    ready = False
+
+
+class _Writing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, store: _Store) -> torch.Tensor:
+        y = self.lin(x)
+        if not store.ready:
+            store.device = y.device
+            store.ready = True
+        return y.to(store.device)
+
+
+class _WritingBlock(nn.Module):
+    def __init__(self, exclude: bool) -> None:
+        super().__init__()
+        writing = _Writing()
+        self.attn = checkpoint_exclude_wrapper(writing) if exclude else writing
+        self.mlp = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, store: _Store) -> torch.Tensor:
+        return self.mlp(torch.relu(self.attn(x, store)))
+
+
+@pytest.mark.parametrize("exclude", [True, False], ids=["excluded", "nothing-excluded"])
+def test_a_block_dynamo_gives_up_on_runs_recomp_eagerly(exclude: bool) -> None:
+    # A write to an object from outside inside the checkpoint is a side effect Dynamo
+    # will not capture: it gives up on the wrapper's frame and runs it eagerly, with its
+    # frame callback still set. recomp's eager checkpoint then runs untraced (traced, it
+    # gave Dynamo an internal error), so the exclusion is in effect and the gradients
+    # are eager recomp's, step after step.
+    torch.manual_seed(0)
+    blocks = [_WritingBlock(exclude) for _ in range(2)]
+    reference = nn.ModuleList(blocks)
+    model = nn.ModuleList(checkpoint_wrapper(copy.deepcopy(b)) for b in blocks)
+
+    def run(layers: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def forward() -> torch.Tensor:
+            store, h = _Store(), x
+            for i in range(2):
+                h = layers(i, h, store)
+            return h
+
+        return forward
+
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = grads_of(reference, run(lambda i, h, store: reference[i](h, store)))
+    compiled = torch.compile(lambda i, h, store: model[i](h, store), backend="aot_eager")
+    for _ in range(2):
+        assert_equal(grads_of(model, run(compiled)), expected)
+    if exclude:
+        assert [b.attn.region_runs for b in model] == [2, 2]
+        assert [b.attn.region_skips for b in model] == [2, 2]
 
 
 def test_without_the_marking_op_a_compiled_checkpoint_recomputes_with_one_warning(

@@ -148,7 +148,8 @@ def checkpoint(
             "partition_inputs or swap_inputs=True: each keeps the checkpoint's saved "
             "inputs its own way. Pass one of them."
         )
-    return _eager_checkpoint(
+    eager = _eager_checkpoint if _compat.dynamo_frame_callback() is None else _untraced_checkpoint
+    return eager(
         function,
         args,
         kwargs,
@@ -258,6 +259,12 @@ def _eager_checkpoint(
     )
     with torch_debug_off or contextlib.nullcontext(), scope as finish:
         return _run_checkpoint(function, args, kwargs, call, finish, partitioned)
+
+
+#: ``_eager_checkpoint`` where Dynamo runs the frames a compiled function calls but runs
+#: this call's caller eagerly (it gave up on that frame): untraced, with everything it
+#: calls (``_compat.dynamo_frame_callback``). PyTorch's checkpoint runs that way too.
+_untraced_checkpoint = torch._disable_dynamo(_eager_checkpoint)
 
 
 def _identity(out: Any) -> Any:
@@ -382,8 +389,12 @@ class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):
         elif not _compile.is_compiling():
             options = self._recomp_checkpoint_kwargs
             if not options and (not kwargs or _OPTION_NAMES.isdisjoint(kwargs)):
-                # No option (the common wrapper): the eager call, with no option to check.
-                return _eager_checkpoint(own, args, kwargs)
+                # No option (the common wrapper): the eager call, with no option to check
+                # (untraced where Dynamo gave up on a compiled function's frame that
+                # called this one: ``_untraced_checkpoint``).
+                if _compat.dynamo_frame_callback() is None:
+                    return _eager_checkpoint(own, args, kwargs)
+                return _untraced_checkpoint(own, args, kwargs)
         return checkpoint(own, *args, **self._recomp_checkpoint_kwargs, **kwargs)
 
     def extra_repr(self) -> str:

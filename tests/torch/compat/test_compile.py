@@ -68,3 +68,27 @@ def test_run_at_trace_time_runs_when_traced_not_when_run():
     compiled(torch.randn(3))
     torch._dynamo.reset()
     assert calls == [1]
+
+
+def test_dynamo_frame_callback_is_set_only_where_dynamo_runs_frames() -> None:
+    import warnings
+
+    seen = []
+
+    def probe() -> None:
+        seen.append(_compat.dynamo_frame_callback() is not None)
+
+    def body(x):  # type: ignore[no-untyped-def]
+        y = x + 1
+        torch._dynamo.graph_break()
+        probe()  # Dynamo cannot trace the question: this frame runs eagerly
+        return y
+
+    probe()
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.compile(body, backend="eager")(torch.ones(2))
+    torch._dynamo.reset()
+    probe()
+    assert seen == [False, True, False]

@@ -46,6 +46,33 @@ def dynamo_bypassing_wrapper() -> Callable[..., Any] | None:
     return wrapper  # type: ignore[no-any-return]
 
 
+def _no_callback() -> None:
+    return None
+
+
+#: Dynamo's frame callback on this thread (None where Dynamo runs no frame), asked by
+#: code that runs eagerly (``torch.compiler.is_compiling()`` is False).
+#:
+#: Why: a frame of a compiled function that Dynamo gave up on (a graph break it could not
+#: resume: it "falls back to eager") runs as it is, with the callback still set, and
+#: Dynamo then tries to compile each frame that one calls. recomp's eager checkpoint,
+#: called from such a frame (a checkpointed layer whose excluded region writes to an
+#: object from outside, as HF's KV cache does), must then run untraced: traced, it hands
+#: PyTorch's checkpoint a ``context_fn`` that Dynamo refuses with an internal error.
+#: Outside ``torch.compile`` the callback is None: one C call per checkpoint call.
+#: ``torch._C._dynamo.eval_frame.get_eval_frame_callback`` itself, not a wrapper (asked at
+#: every eager checkpoint call). Versions: present from 2.1 to 2.14 (checked: 2.14.1; the
+#: type stubs of 2.9 list it).
+#: If it changes: a function that answers None, and such a frame's checkpoint is traced as
+#: before (the error above; plain eager is unaffected).
+#: Retired by: a public way to tell that Dynamo runs frames.
+dynamo_frame_callback: Callable[[], Any] = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
+    "get_eval_frame_callback",
+    _no_callback,
+)
+
+
 def run_at_trace_time(fn: Callable[[], Any]) -> Callable[[], Any]:
     """Make Dynamo call ``fn`` when it traces a call of it, instead of tracing into it.
 
