@@ -423,19 +423,17 @@ class ExcludeWrapper(RegionCounters, _wrapping.WrapperMixin, nn.Module):
         return object.__new__(cls)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _compile.is_compiling():
+            # Nothing of the region's own is read: a value read here would be a guard of
+            # the compiled graph (its name differs per layer: one graph per layer).
+            return _compile.excluded_call(super().__call__, args, kwargs)
         region = self._recomp_region
-        if (
-            not torch.is_grad_enabled()
-            and get_recompute_state() is None
-            and not _compile.is_compiling()
-        ):
+        if not torch.is_grad_enabled() and get_recompute_state() is None:
             # NOTE [ Nothing to checkpoint without gradients ]: what region.call does
             # there, without its checks (each needs gradients or a checkpoint).
             out = super().__call__(*args, **kwargs)
             region.runs += 1
             return out
-        if _compile.is_compiling():
-            return _compile.excluded_call(region.name, super().__call__, args, kwargs)
         return region.call(super().__call__, args, kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -45,7 +45,6 @@ each random op so that a recomputed dropout draws the same mask).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import warnings
@@ -120,15 +119,17 @@ def checkpoint(
 
 
 def excluded_call(
-    name: str, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """An excluded region's call in a compiled program."""
+    """An excluded region's call in a compiled program. It takes nothing of the region's
+    (its name, its counters): what the trace reads becomes a guard, and regions of the
+    same code in every layer share one graph (per-layer compile, as torchtitan does)."""
     if _checkpoint_depth == 0:
         return function(*args, **kwargs)
     if _BYPASS is None:
         _warn_recomputed_once()
         return function(*args, **kwargs)
-    return _BYPASS(functools.partial(_keep_region_nodes, name), function, *args, **kwargs)
+    return _BYPASS(_keep_region_nodes, function, *args, **kwargs)
 
 
 # The op that lets a region mark its nodes; None on a PyTorch without it (see
@@ -158,7 +159,7 @@ if _BYPASS is None:  # only then: marking it imports Dynamo
     _warn_recomputed_once = _compat.run_at_trace_time(_warn_recomputed_once)
 
 
-def _keep_region_nodes(name: str, body: Callable[..., Any]) -> Callable[..., Any]:
+def _keep_region_nodes(body: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper ``dynamo_bypassing_wrapper`` applies to the region's traced body.
 
     While AOTAutograd traces (a proxy mode is active), the nodes the body appends
@@ -179,7 +180,7 @@ def _keep_region_nodes(name: str, body: Callable[..., Any]) -> Callable[..., Any
         for node in itertools.islice(reversed(nodes), len(nodes) - before):
             if node.op == "call_function":
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-                node.meta["recomp_region"] = name
+                node.meta["recomp_region"] = True
         return out
 
     return run
