@@ -263,6 +263,11 @@ class ModelOps:
     # The framework's list and dict containers (where a model's layers are found:
     # NOTE [ A model's layers ] in _selection.py).
     layer_containers: tuple[type, ...] = ()
+    # Whether a module hook that the compiler traces now may write to a Python object (a
+    # side effect the compiler replays after its graph): where it may, a compiled call of
+    # a wrapped module counts as reaching it (a model whose layers were compiled one by one
+    # before its first forward).
+    hooks_may_write_while_compiling: Callable[[], bool] = lambda: False
 
 
 def same_region(
@@ -758,6 +763,7 @@ class ReachCheck:
 
     def __init__(self, ops: ModelOps, model: Any, wrapped: list[tuple[Any, str]]) -> None:
         self.is_compiling = ops.is_compiling
+        self.may_write_compiled = ops.hooks_may_write_while_compiling
         self.remove_running_hook = ops.hooks_may_remove_themselves
         self.model_name = type(model).__qualname__
         self.paths = [path or "(the model itself)" for _, path in wrapped]
@@ -777,10 +783,11 @@ class ReachCheck:
                 self.check(module, args, None)
 
     def mark(self, module: Any, args: Any) -> None:
-        # Only eager calls count (``check`` skips compiled ones too). Under compilation
-        # the hook may be traced inside a checkpoint's body, where Dynamo of PyTorch 2.9
-        # refuses a write to an object from outside it (a graph break; 2.13 allows it).
-        if not self.is_compiling():
+        # A compiled call counts where the hook may write (``check`` itself skips
+        # compiled calls of the model): traced inside a checkpoint's body, Dynamo of
+        # PyTorch 2.9 refuses a write to an object from outside it (a graph break; 2.13
+        # allows it); a checkpointed layer's own hook runs outside its checkpoint.
+        if not self.is_compiling() or self.may_write_compiled():
             self.reached = True
 
     def check(self, module: Any, args: Any, output: Any) -> None:
@@ -816,7 +823,7 @@ def _not_compiling() -> bool:
 
 def _finished_check() -> ReachCheck:
     check = ReachCheck.__new__(ReachCheck)
-    check.is_compiling = _not_compiling
+    check.is_compiling = check.may_write_compiled = _not_compiling
     check.remove_running_hook = True
     check.model_name, check.paths, check.handles = "", [], []
     check.model_calls = 0

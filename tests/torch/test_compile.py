@@ -223,6 +223,37 @@ def test_per_block_compile_shares_one_graph_across_blocks() -> None:
     assert_equal(grads_of(model, lambda: model(x)), eager)
 
 
+
+def test_blocks_compiled_before_the_first_forward_count_as_reached() -> None:
+    # The reach check's hooks run traced in the compiled blocks: a checkpointed block's
+    # own hook (outside its checkpoint) records the call, so the first forward does not
+    # say that no wrapper was reached; the check then removes its hooks as in eager mode.
+    import recomp
+
+    model = make_stack("recomp")
+    for i, layer in enumerate(list(model.layers)):
+        model.layers[i] = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x = example()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", recomp.WrapperNotReachedWarning)
+        grads_of(model, lambda: model(x))
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    # A compiled forward that bypasses the wrappers (the blocks' forwards bound before
+    # wrapping) is still found out.
+    plain = Stack(2)
+    forwards = [block.forward for block in plain.layers]
+    apply_activation_checkpointing(plain, checkpoint_fn=lambda m: isinstance(m, Block))
+
+    def bypass(h: torch.Tensor) -> torch.Tensor:
+        for forward in forwards:
+            h = forward(h)
+        return h
+
+    plain.forward = torch.compile(bypass, backend="aot_eager")  # type: ignore[method-assign]
+    with pytest.warns(recomp.WrapperNotReachedWarning, match="wrapped 'layers.0'"):
+        plain(x)
+
+
 def test_checkpoint_function_and_wrapper_compile_fullgraph() -> None:
     torch.manual_seed(0)
     w = torch.randn(8, 8, requires_grad=True)

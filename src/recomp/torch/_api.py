@@ -148,7 +148,7 @@ def checkpoint(
             "partition_inputs or swap_inputs=True: each keeps the checkpoint's saved "
             "inputs its own way. Pass one of them."
         )
-    eager = _eager_checkpoint if _compat.dynamo_frame_callback() is None else _untraced_checkpoint
+    eager = _eager_checkpoint if _compat.dynamo_frame_callback() is None else _untraced()
     return eager(
         function,
         args,
@@ -261,10 +261,18 @@ def _eager_checkpoint(
         return _run_checkpoint(function, args, kwargs, call, finish, partitioned)
 
 
-#: ``_eager_checkpoint`` where Dynamo runs the frames a compiled function calls but runs
-#: this call's caller eagerly (it gave up on that frame): untraced, with everything it
-#: calls (``_compat.dynamo_frame_callback``). PyTorch's checkpoint runs that way too.
-_untraced_checkpoint = torch._disable_dynamo(_eager_checkpoint)
+def _untraced() -> Callable[..., Any]:
+    """``_eager_checkpoint`` for where Dynamo runs the frames a compiled function calls
+    but runs this call's caller eagerly (it gave up on that frame): untraced, with
+    everything it calls (``_compat.dynamo_frame_callback``), as PyTorch's checkpoint runs.
+    Made on first use: disabling Dynamo imports it, which a program that never compiles
+    does not load (and one asked here has)."""
+    if not _UNTRACED:
+        _UNTRACED.append(torch.compiler.disable(_eager_checkpoint))
+    return _UNTRACED[0]
+
+
+_UNTRACED: list[Callable[..., Any]] = []
 
 
 def _identity(out: Any) -> Any:
@@ -391,10 +399,10 @@ class CheckpointWrapper(_wrapping.WrapperMixin, nn.Module):
             if not options and (not kwargs or _OPTION_NAMES.isdisjoint(kwargs)):
                 # No option (the common wrapper): the eager call, with no option to check
                 # (untraced where Dynamo gave up on a compiled function's frame that
-                # called this one: ``_untraced_checkpoint``).
+                # called this one: ``_untraced``).
                 if _compat.dynamo_frame_callback() is None:
                     return _eager_checkpoint(own, args, kwargs)
-                return _untraced_checkpoint(own, args, kwargs)
+                return _untraced()(own, args, kwargs)
         return checkpoint(own, *args, **self._recomp_checkpoint_kwargs, **kwargs)
 
     def extra_repr(self) -> str:
@@ -803,6 +811,8 @@ MODEL_OPS = _wrapping.ModelOps(
     check_reachable=lambda module, api: None,
     rebase_foreign=_rebase_parametrization,
     layer_containers=(nn.ModuleList, nn.Sequential, nn.ModuleDict),
+    # Outside every recomp checkpoint's traced body (a checkpointed layer's own hook).
+    hooks_may_write_while_compiling=_compile.outside_checkpoints,
 )
 
 

@@ -118,6 +118,11 @@ def checkpoint(
         _checkpoint_depth -= 1
 
 
+def outside_checkpoints() -> bool:
+    """Whether the code Dynamo traces now lies outside every recomp checkpoint."""
+    return _checkpoint_depth == 0
+
+
 def excluded_call(
     function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

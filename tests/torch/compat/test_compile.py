@@ -92,3 +92,15 @@ def test_dynamo_frame_callback_is_set_only_where_dynamo_runs_frames() -> None:
     torch._dynamo.reset()
     probe()
     assert seen == [False, True, False]
+
+
+def test_importing_recomp_does_not_load_dynamo() -> None:
+    # Loading Dynamo takes a second or more; recomp's import leaves it to the first
+    # compile or checkpoint call (PyTorch's checkpoint loads it at its first call).
+    import subprocess
+    import sys
+
+    code = "import sys, torch, recomp.torch\nprint('torch._dynamo' in sys.modules)\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
