@@ -559,7 +559,6 @@ def test_use_cache_in_training_is_turned_off_for_recomputed_attention() -> None:
     assert _cache_length(model(ids, use_cache=True)) == SEQ
 
 
-
 def _encoder_cache_cases() -> dict[str, tuple]:
     from transformers import (
         BartConfig,

@@ -199,7 +199,6 @@ def test_per_block_compile_like_torchtitan() -> None:
     assert_equal(grads_of(model, lambda: model(x)), eager)
 
 
-
 def test_per_block_compile_shares_one_graph_across_blocks() -> None:
     # More blocks than Dynamo compiles of one code object before it gives up (8): the
     # blocks' regions differ only in their names, which the compiled graph must not read
@@ -221,7 +220,6 @@ def test_per_block_compile_shares_one_graph_across_blocks() -> None:
     assert tally_calls(lambda: grads_of(model, lambda: model(x))) == blocks  # one per block
     assert counters["stats"]["unique_graphs"] <= 2
     assert_equal(grads_of(model, lambda: model(x)), eager)
-
 
 
 def test_blocks_compiled_before_the_first_forward_count_as_reached() -> None:
@@ -315,7 +313,6 @@ def test_graph_break_inside_a_checkpoint_falls_back_with_a_warning() -> None:
     compiled = torch.compile(model, backend="aot_eager")
     with pytest.warns(ForeignCheckpointWarning, match="not in effect"):
         assert_equal(grads_of(model, lambda: compiled(x)), eager)
-
 
 
 class _Store:
