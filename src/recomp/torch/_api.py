@@ -732,16 +732,26 @@ def hf_activation_checkpointing(
     options pass to :func:`checkpoint` (HF's keyword arguments win on a key both name).
     :func:`unwrap` undoes it. ``model`` is the HF model (a ``PreTrainedModel``, or a
     ``PeftModel`` around one); wraps in place and returns it.
+
+    A ``diffusers`` model (a UNet, a Flux or SD3 transformer: a ``ModelMixin`` that supports
+    gradient checkpointing) is taken the same way: its switch,
+    ``enable_gradient_checkpointing()`` (what its training scripts call for
+    ``--gradient_checkpointing``), is turned on with recomp's checkpoint as the function,
+    and keeps it when turned on again with diffusers' default function;
+    ``disable_gradient_checkpointing()`` turns it off. diffusers checkpoints sub-modules of
+    its blocks (resnets, transformer blocks): ``exclude_fn`` takes effect for the modules
+    inside those.
     """
     api = "hf_activation_checkpointing"
     if isinstance(model, type):
         raise _wrapping.instance_required(model, api, "Hugging Face model")
-    layers = _hf.hf_layers(model) if isinstance(model, nn.Module) else []
+    layers, diffusers = _hf.hf_switch_modules(model) if isinstance(model, nn.Module) else ([], False)
     if not layers:
         raise ValueError(
             f"hf_activation_checkpointing found no transformers GradientCheckpointingLayer in "
-            f"{type(model).__name__}: it makes recomp the checkpoint function of a Hugging Face "
-            f"model's layers. For other models use apply_activation_checkpointing."
+            f"{type(model).__name__}, and it is not a diffusers model that supports gradient "
+            f"checkpointing: it makes recomp the checkpoint function of a Hugging Face model's "
+            f"own switch. For other models use apply_activation_checkpointing."
         )
     selected = _wrapping.read_selections(
         MODEL_OPS,
@@ -750,7 +760,13 @@ def hf_activation_checkpointing(
         {"exclude_fn": exclude_fn, "offload_fn": offload_fn, "copy_output_fn": copy_output_fn},
     )
     exclude_region = exclusion_options(api, selected, checkpoint_kwargs)
-    doubled = [path or "(the model itself)" for path, m in layers if isinstance(m, CheckpointWrapper)]
+    # A transformers layer checkpoints itself; a diffusers block hands the function any of
+    # its sub-modules.
+    doubled = [
+        path or "(the model itself)"
+        for path, m in (model.named_modules() if diffusers else layers)
+        if isinstance(m, CheckpointWrapper)
+    ]
     if doubled:
         raise ValueError(
             f"hf_activation_checkpointing: recomp's checkpoint_wrapper already checkpoints "
@@ -758,8 +774,11 @@ def hf_activation_checkpointing(
             f"checkpointing on as well they would be checkpointed twice. Call "
             f"recomp.torch.unwrap(model) first (then pass exclude_fn here)."
         )
-    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
-        model, "gradient_checkpointing_enable", None
+    enable: Callable[[], Any] | None = (
+        getattr(model, "enable_gradient_checkpointing", None)
+        if diffusers
+        else getattr(model, "activation_checkpointing_enable", None)
+        or getattr(model, "gradient_checkpointing_enable", None)
     )
     if enable is None or not getattr(model, "supports_gradient_checkpointing", True):
         raise ValueError(

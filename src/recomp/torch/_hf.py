@@ -54,6 +54,7 @@ __all__ = [
     "adapt_hf_layer_call",
     "guard_model_cache",
     "hf_layers",
+    "hf_switch_modules",
     "recomp_hf_layers",
     "undo_hf_checkpointing",
 ]
@@ -236,6 +237,19 @@ def hf_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(path, m) for path, m in model.named_modules() if isinstance(m, layer_type)]
 
 
+def hf_switch_modules(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], bool]:
+    """The modules of ``model`` whose checkpoint function HF's switch sets, with their paths,
+    and whether ``model`` is a diffusers model: a transformers model's layers (each
+    checkpoints its own forward), else the modules of a diffusers model that checkpoint
+    sub-modules they hand the function (its blocks' resnets and transformer blocks); empty
+    for any other model."""
+    layers = hf_layers(model)
+    if layers:
+        return layers, False
+    blocks = _compat.diffusers_checkpointing_modules(model)
+    return blocks, bool(blocks)
+
+
 class HFCheckpointFunction:
     """What an HF layer finds as its checkpoint function under ``hf_activation_checkpointing``:
     recomp's ``checkpoint`` with the options given to recomp and the keyword arguments HF
@@ -301,7 +315,11 @@ class HFCheckpointing:
         if _compat.is_hf_offload_checkpoint(base):
             # HF's offload=True: the checkpoint's inputs in host memory until the replay
             keywords["swap_inputs"] = True
-        elif base is not torch.utils.checkpoint.checkpoint and base is not self.checkpoint:
+        elif not (
+            base is torch.utils.checkpoint.checkpoint
+            or base is self.checkpoint
+            or _compat.is_diffusers_default_checkpoint(base)  # PyTorch's, non-reentrant
+        ):
             raise RecompError(_foreign_function_message(layer, current))
         if keywords.pop("use_reentrant", None):
             warnings.warn(

@@ -104,3 +104,59 @@ def test_hfs_offload_checkpoint_function_is_told_from_pytorchs():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
         torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False)
     assert any(t is x for t in seen)
+
+
+def _tiny_unet():
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    return diffusers.UNet2DConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16,
+        attention_head_dim=4,
+        norm_num_groups=8,
+    )
+
+
+def test_diffusers_models_list_the_modules_their_switch_sets():
+    model = _tiny_unet()
+    found = dict(_compat.diffusers_checkpointing_modules(model))
+    # Each down, mid and up block and each Transformer2DModel: where diffusers' switch
+    # stores its function (not what they hand it: resnets, transformer blocks).
+    assert set(found) == {
+        "down_blocks.0",
+        "down_blocks.0.attentions.0",
+        "down_blocks.1",
+        "mid_block",
+        "mid_block.attentions.0",
+        "up_blocks.0",
+        "up_blocks.1",
+        "up_blocks.1.attentions.0",
+        "up_blocks.1.attentions.1",
+    }
+    model.enable_gradient_checkpointing()
+    stored = {
+        path for path, m in model.named_modules() if vars(m).get("_gradient_checkpointing_func")
+    }
+    assert stored == set(found)
+    assert _compat.diffusers_checkpointing_modules(_tiny_llama()) == []
+    assert _compat.diffusers_checkpointing_modules(torch.nn.Linear(2, 2)) == []
+
+
+def test_diffusers_default_checkpoint_function_is_told_from_others():
+    model = _tiny_unet()
+    model.enable_gradient_checkpointing()
+    function = vars(model.down_blocks[0])["_gradient_checkpointing_func"]
+    assert _compat.is_diffusers_default_checkpoint(function)
+    import torch.utils.checkpoint
+
+    assert not _compat.is_diffusers_default_checkpoint(torch.utils.checkpoint.checkpoint)
+    model.enable_gradient_checkpointing(gradient_checkpointing_func=lambda m, *a: m(*a))
+    assert not _compat.is_diffusers_default_checkpoint(
+        vars(model.down_blocks[0])["_gradient_checkpointing_func"]
+    )

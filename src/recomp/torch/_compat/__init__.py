@@ -49,8 +49,8 @@ with one test per entry that fails when PyTorch changes underneath.
     Building ``torch.distributed.pipelining``'s schedules on stand-in stages and
     reading their per-rank action lists: for the whole-job memory estimate.
 ``hf``
-    transformers' private layer and model attributes: for the Hugging Face integration
-    and the planner's layer finder.
+    transformers' and diffusers' private layer and model attributes: for the Hugging Face
+    integration and the planner's layer finder.
 ``kernels``
     ATen's FlashAttention op, grouped matrix multiplies and a transformers config's
     attention setting: for the simulated published models (``recomp.plan.models``).
@@ -137,11 +137,13 @@ from .fake import (
     target_attention_kernels,
 )
 from .hf import (
+    diffusers_checkpointing_modules,
     hf_causal_mask_as_on_device,
     hf_checkpoint_function,
     hf_grouped_mm_as_on_device,
     hf_layer_keeps_cache,
     hf_no_split_modules,
+    is_diffusers_default_checkpoint,
     is_hf_checkpoint_call,
     is_hf_offload_checkpoint,
     set_hf_checkpoint_function,
@@ -206,6 +208,7 @@ __all__ = [
     "cpu_attention_ops",
     "default_group_exists",
     "device_mesh_grid",
+    "diffusers_checkpointing_modules",
     "dtensor_meta_as_on_device",
     "dynamo_bypassing_wrapper",
     "dynamo_frame_callback",
@@ -231,6 +234,7 @@ __all__ = [
     "in_backward",
     "in_tracing_context",
     "is_compiled_graph_node",
+    "is_diffusers_default_checkpoint",
     "is_early_stop",
     "is_fake",
     "is_hf_checkpoint_call",

@@ -1,5 +1,5 @@
-"""Private API of transformers (Hugging Face), the library built on PyTorch that recomp
-works with most closely: it is fenced here too.
+"""Private API of transformers and diffusers (Hugging Face), the libraries built on PyTorch
+that recomp works with most closely: it is fenced here too.
 
 Consumers: ``torch/_hf.py`` (which layers keep their KV cache; the checkpoint function
 HF's own checkpointing calls, which ``hf_activation_checkpointing`` makes recomp's) and
@@ -9,6 +9,7 @@ the planner's layer finder (``plan/_layers.py``). Tested by ``tests/torch/compat
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 
@@ -120,6 +121,55 @@ def is_hf_offload_checkpoint(function: Any) -> bool:
         getattr(function, "__module__", None) == "transformers.modeling_utils"
         and getattr(function, "__qualname__", "")
         == "PreTrainedModel._activation_checkpointing_enable.<locals>.checkpoint_func"
+    )
+
+
+def diffusers_checkpointing_modules(model: Any) -> list[tuple[str, Any]]:
+    """The modules of a diffusers model (a ``ModelMixin``) that call diffusers' checkpoint
+    function when its gradient checkpointing is on, with their paths; empty for any other
+    model, and for one whose class says it does not support gradient checkpointing
+    (``_supports_gradient_checkpointing``, which ``enable_gradient_checkpointing`` reads).
+
+    Why: diffusers' switch (``enable_gradient_checkpointing()``, which its training scripts
+    call for ``--gradient_checkpointing``) stores the function as
+    ``_gradient_checkpointing_func`` on every module that has a ``gradient_checkpointing``
+    attribute (``ModelMixin._set_gradient_checkpointing``), and the forward of each such
+    module hands it the sub-modules it checkpoints (resnets, transformer blocks) with their
+    arguments. ``hf_activation_checkpointing`` puts recomp's checkpoint there.
+    If it changes: a model whose modules no longer carry the attribute gives an empty list,
+    and ``hf_activation_checkpointing`` refuses it with its error before wrapping anything.
+    Retired by: a public list of the modules diffusers checkpoints through.
+    Checked on diffusers 0.42.1.
+    """
+    mixin = getattr(sys.modules.get("diffusers.models.modeling_utils"), "ModelMixin", None)
+    if (
+        mixin is None
+        or not isinstance(model, mixin)
+        or not getattr(model, "_supports_gradient_checkpointing", False)
+    ):
+        return []
+    return [(path, m) for path, m in model.named_modules() if hasattr(m, "gradient_checkpointing")]
+
+
+def is_diffusers_default_checkpoint(function: Any) -> bool:
+    """Whether ``function`` is the checkpoint function diffusers makes when
+    ``enable_gradient_checkpointing()`` is given none: PyTorch's non-reentrant
+    ``checkpoint`` of the module it is handed (``module.__call__``), with no other option.
+
+    Why: diffusers defines it as a closure (``_gradient_checkpointing_func``) local to
+    ``ModelMixin.enable_gradient_checkpointing``, with nothing else saying what it is;
+    ``hf_activation_checkpointing`` takes it for PyTorch's checkpoint and puts recomp's in
+    its place.
+    If it changes: False, and diffusers' switch is refused with the error for a checkpoint
+    function recomp does not know (never PyTorch's checkpoint in recomp's place, which
+    would replay the excluded regions).
+    Retired by: diffusers storing ``torch.utils.checkpoint.checkpoint`` with its options.
+    Checked on diffusers 0.42.1.
+    """
+    return (
+        getattr(function, "__module__", None) == "diffusers.models.modeling_utils"
+        and getattr(function, "__qualname__", "")
+        == "ModelMixin.enable_gradient_checkpointing.<locals>._gradient_checkpointing_func"
     )
 
 
