@@ -352,14 +352,23 @@ class CheckpointCall:
     invocation, then to the parts.
     """
 
-    __slots__ = ("ending", "invocation", "nested", "parts", "replaying", "rerun")
+    __slots__ = ("ending", "function", "invocation", "nested", "parts", "replaying", "rerun")
 
     def __init__(
-        self, invocation: Invocation, parts: list[CallPart], *, rerun: bool, nested: bool
+        self,
+        invocation: Invocation,
+        parts: list[CallPart],
+        *,
+        rerun: bool,
+        nested: bool,
+        function: Any = None,
     ) -> None:
         self.invocation = invocation
         self.rerun = rerun
         self.nested = nested
+        # What the framework's checkpoint is to call: the checkpointed function, or where
+        # its arguments hold lists or dicts, an ``ArgumentsAtCall`` around it.
+        self.function = function
         parts.append(_RECOMPUTE_STATE)
         parts.sort(key=_STAGE)  # stable: parts of one stage keep their order
         self.parts = parts  # held as long as the call: a part lives with its graph
@@ -497,6 +506,8 @@ def begin(
     """
     parent = get_recompute_state()
     root = backend.modules.module_of(function)
+    # One tensor alone (the common call): no walk of the arguments, no container to copy.
+    one_tensor = not kwargs and len(args) == 1 and isinstance(args[0], backend.tensor_class)
     if parent is not None and parent.is_recomputing:
         invocation = invocation_of(parent).next_child()
         rerun = True
@@ -510,12 +521,7 @@ def begin(
         if placer is None and parent is not None:
             placer = invocation_of(parent).placer
         invocation.placer = placer
-        # One tensor alone (the common call) needs no walk.
-        if not kwargs and len(args) == 1 and isinstance(args[0], backend.tensor_class):
-            leaves: Any = args
-        else:
-            leaves = _input_tensors(backend, args, kwargs)
-        invocation.set_checkpoint_inputs(leaves)
+        invocation.set_checkpoint_inputs(args if one_tensor else _input_tensors(backend, args, kwargs))
         for observer in OBSERVERS.get():
             observer.checkpoint_started(invocation, function)
         if parent is not None:
@@ -533,7 +539,88 @@ def begin(
         trackers = replay_trackers_part()  # RNG trackers: restored by recomp everywhere
         if trackers is not None:
             all_parts.append(trackers)
-    return CheckpointCall(invocation, all_parts, rerun=rerun, nested=parent is not None)
+    return CheckpointCall(
+        invocation,
+        all_parts,
+        rerun=rerun,
+        nested=parent is not None,
+        function=function if one_tensor else ArgumentsAtCall.around(function, args, kwargs),
+    )
+
+
+# NOTE [ Arguments a replay sees ]
+# A checkpoint keeps its arguments for the replay, and the framework's checkpoint keeps a
+# list or dict among them as the object itself. What the caller does to that object after
+# the call then reaches the replay: a list of earlier hidden states that the caller
+# appends to after each layer (a layer reading ``history[-1]``) makes the replay compute
+# with a later layer's output, and the gradients are wrong without an error wherever the
+# shapes agree (PyTorch's checkpoint too). And what the forward writes into such an
+# argument (an auxiliary loss appended to a list it was given) the replay writes a second
+# time, during backward. So where an argument is, or a tuple holds, a list or a dict, the
+# framework's checkpoint calls an ``ArgumentsAtCall``: the forward runs with the arguments
+# themselves, and each replay with copies of those containers as they were when the call
+# started, holding the same tensors and other objects (copied down through lists, dicts
+# and tuples; any other object is handed over as it is, as before). The cost is one look
+# at the arguments per call that has more than one tensor argument; a call of one tensor
+# alone does not look.
+
+
+class ArgumentsAtCall:
+    """The function a checkpoint's framework calls where its arguments hold lists or dicts
+    (NOTE [ Arguments a replay sees ]): its first call (the forward) runs ``function`` with
+    the arguments it is given; each later call (a replay) with copies of the containers as
+    they were when the checkpoint call started."""
+
+    __slots__ = ("args", "function", "kwargs", "ran")
+
+    def __init__(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.function = function
+        # Per positional argument, a copy of its containers (None: what the framework
+        # hands over is used); per keyword, the copies of those that hold containers.
+        self.args = tuple(_copy_containers(a) if _holds_containers(a) else None for a in args)
+        self.kwargs = {k: _copy_containers(v) for k, v in kwargs.items() if _holds_containers(v)}
+        self.ran = False
+
+    @classmethod
+    def around(cls, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``function`` itself where no argument holds a list or a dict, else one around it."""
+        for value in (*args, *kwargs.values()):
+            kind = type(value)  # (tensors, the common arguments, without a call)
+            if kind is list or kind is dict or (kind is tuple and _holds_containers(value)):
+                return cls(function, args, kwargs)
+        return function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.ran:
+            self.ran = True
+            return self.function(*args, **kwargs)
+        args = tuple(
+            given if kept is None else _copy_containers(kept)
+            for given, kept in zip(args, self.args)
+        ) + args[len(self.args) :]
+        for name, kept in self.kwargs.items():
+            kwargs[name] = _copy_containers(kept)
+        return self.function(*args, **kwargs)
+
+
+def _holds_containers(value: Any) -> bool:
+    """Whether ``value`` is a list or a dict, or a tuple that holds one."""
+    kind = type(value)
+    if kind is list or kind is dict:
+        return True
+    return kind is tuple and any(map(_holds_containers, value))
+
+
+def _copy_containers(value: Any) -> Any:
+    """``value`` with its lists, dicts and tuples copied, down to what they hold."""
+    kind = type(value)
+    if kind is list:
+        return [_copy_containers(v) for v in value]
+    if kind is dict:
+        return {k: _copy_containers(v) for k, v in value.items()}
+    if kind is tuple:
+        return tuple(_copy_containers(v) for v in value)
+    return value
 
 
 def _input_tensors(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -250,6 +250,40 @@ def test_region_that_writes_its_own_output_in_place_is_not_a_mutation(fw):
     assert (region.region_runs, region.region_skips) == (1, 1)
 
 
+# --------------------------------------------------------------------------- arguments changed after the call
+
+
+def history_net(fw):
+    """(reference, model): blocks that each read the last entry of the list of hidden
+    states so far, the list growing after each block; the model checkpoints each block
+    (NOTE [ Arguments a replay sees ] in ``recomp._engine``)."""
+    ops = fw.ops
+    block = fw.layer_class("Block", lambda b, history: ops.tanh(b.dense(history[-1])))
+
+    def net_body(net, x):
+        history = [x]
+        for layer in net.layers:
+            history.append(fw.api.checkpoint(layer, history) if net.checkpointed else layer(history))
+        return history[-1]
+
+    net = fw.layer_class("Net", net_body)
+    ref, model = fw.twins(
+        lambda: net(layers=fw.layer_list([block(dense=fw.dense(8, 8)) for _ in range(3)]))
+    )
+    ref.checkpointed, model.checkpointed = False, True
+    return ref, model
+
+
+def test_a_list_argument_appended_to_after_the_call_is_replayed_as_it_was(fw):
+    ref, model = history_net(fw)
+    x = fw.tensor(2, 8)
+    _, expected = fw.grads(ref, x)
+    _, actual = fw.grads(model, x)
+    # A replay that read the list as it is at backward would compute with the last
+    # block's output (the same shape): wrong gradients, no error.
+    assert_same(expected, actual)
+
+
 # --------------------------------------------------------------------------- foreign checkpoints
 
 

@@ -535,7 +535,9 @@ def assert_region_output_type(
     def region_of(layer: Any) -> Callable[[Any], Any]:
         return lambda h: build(ops.tanh(layer(h)), ops.sin(h))
 
-    def body(t: Any, region: Any, seen: list[type]) -> Any:
+    seen: list[type] = []  # what the region returned, in the forward and in the replay
+
+    def body(t: Any, region: Any) -> Any:
         out = region(ops.cos(t))
         seen.append(type(out))
         return ops.exp(read(out))
@@ -546,12 +548,12 @@ def assert_region_output_type(
     x = fw.tensor(3, 4)
     expected_type = type(region_of(ref)(x))
     _, expected = fw.grads(
-        lambda t: body(t, region_of(ref), []), x, params=fw.parameters(ref), loss=total
+        lambda t: body(t, region_of(ref)), x, params=fw.parameters(ref), loss=total
     )
     region = fw.api.checkpoint_exclude_wrapper(region_of(dense), name=name)
-    seen: list[type] = []
+    seen.clear()
     _, got = fw.grads(
-        lambda t: fw.api.checkpoint(body, t, region, seen),
+        lambda t: fw.api.checkpoint(body, t, region),
         x,
         params=fw.parameters(dense),
         loss=total,

@@ -142,7 +142,7 @@ def checkpoint(
     )
     if policy_fn is None and not swap_inputs:
         return mindspore.recompute(
-            function,
+            call.function,
             *args,
             use_reentrant=False,
             context_fn=call.context_fn,
@@ -155,7 +155,7 @@ def checkpoint(
     with _swap.layer_scope(function, hooks=swap_inputs) as finish:
         return finish(
             mindspore.recompute(
-                function,
+                call.function,
                 *args,
                 use_reentrant=False,
                 context_fn=call.context_fn,

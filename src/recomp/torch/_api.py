@@ -242,7 +242,7 @@ def _eager_checkpoint(
     )
     if swap is None and torch_debug_off is None:
         try:
-            return _torch_checkpoint(function, args, kwargs, call.context_fn)
+            return _torch_checkpoint(call.function, args, kwargs, call.context_fn)
         except BaseException as exc:
             _compat.finish_failed_checkpoint(exc)  # PyTorch 2.9 leaves it open
             raise
@@ -288,7 +288,7 @@ def _run_checkpoint(
     partitioned: _partition.PartitionedInputs | None = None,
 ) -> Any:
     try:
-        out = _torch_checkpoint(function, args, kwargs, call.context_fn)
+        out = _torch_checkpoint(call.function, args, kwargs, call.context_fn)
         if finish is not None:
             out = finish(out)
         if partitioned is not None:
