@@ -508,9 +508,12 @@ def begin(
     root = backend.modules.module_of(function)
     # One tensor alone (the common call): no walk of the arguments, no container to copy.
     one_tensor = not kwargs and len(args) == 1 and isinstance(args[0], backend.tensor_class)
+    runs = function  # what the framework's checkpoint calls
     if parent is not None and parent.is_recomputing:
         invocation = invocation_of(parent).next_child()
         rerun = True
+        if not one_tensor:
+            runs = ArgumentsAtCall.around(function, args, kwargs)
     else:
         invocation = Invocation(
             backend,
@@ -521,7 +524,11 @@ def begin(
         if placer is None and parent is not None:
             placer = invocation_of(parent).placer
         invocation.placer = placer
-        invocation.set_checkpoint_inputs(args if one_tensor else _input_tensors(backend, args, kwargs))
+        leaves = args if one_tensor else _input_tensors(backend, args, kwargs)
+        if leaves is None:  # arguments that hold more than tensors: walked
+            leaves = [leaf for leaf in backend.flatten((args, kwargs))[0] if backend.is_tensor(leaf)]
+            runs = ArgumentsAtCall.around(function, args, kwargs)
+        invocation.set_checkpoint_inputs(leaves)
         for observer in OBSERVERS.get():
             observer.checkpoint_started(invocation, function)
         if parent is not None:
@@ -544,7 +551,7 @@ def begin(
         all_parts,
         rerun=rerun,
         nested=parent is not None,
-        function=function if one_tensor else ArgumentsAtCall.around(function, args, kwargs),
+        function=runs,
     )
 
 
@@ -584,10 +591,17 @@ class ArgumentsAtCall:
     @classmethod
     def around(cls, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``function`` itself where no argument holds a list or a dict, else one around it."""
+        # Read without a call per argument: most are tensors, None, flags, or a tuple of
+        # tensors (HF's position embeddings).
         for value in (*args, *kwargs.values()):
-            kind = type(value)  # (tensors, the common arguments, without a call)
-            if kind is list or kind is dict or (kind is tuple and _holds_containers(value)):
+            kind = type(value)
+            if kind is list or kind is dict:
                 return cls(function, args, kwargs)
+            if kind is tuple:
+                for item in value:
+                    kind = type(item)
+                    if kind is list or kind is dict or (kind is tuple and _holds_containers(item)):
+                        return cls(function, args, kwargs)
         return function
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -623,10 +637,12 @@ def _copy_containers(value: Any) -> Any:
     return value
 
 
-def _input_tensors(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The tensors among a checkpoint call's arguments, in the order of a flatten."""
-    # Arguments that are tensors, tuples of tensors (HF's position embeddings), None or
-    # plain scalars (the common call) are read without a walk; anything else is walked.
+def _input_tensors(
+    backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[Any] | None:
+    """The tensors among a checkpoint call's arguments where these are tensors, tuples of
+    tensors (HF's position embeddings), None or plain scalars (the common call: read
+    without a walk, and no list or dict among them); None for anything else."""
     tensor = backend.tensor_class
     found: list[Any] = []
     for value in (*args, *kwargs.values()):
@@ -636,8 +652,7 @@ def _input_tensors(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, An
         elif kind is tuple and all(isinstance(item, tensor) for item in value):
             found += value
         elif value is not None and kind not in _SCALARS:
-            leaves, _ = backend.flatten((args, kwargs))
-            return [leaf for leaf in leaves if backend.is_tensor(leaf)]
+            return None
     return found
 
 
