@@ -51,6 +51,8 @@ class Backend:
     name = "framework"
     #: the framework's own checkpoint, named in the warning about foreign replays
     foreign_checkpoint = "checkpoint"
+    #: what that warning adds for a model zoo's own checkpointing switch, if anything
+    foreign_switch_fix = ""
     #: True where reading a version counter needs the framework's work queue drained
     #: first; the engine then calls :meth:`sync` once per batch of reads
     versions_need_sync = False

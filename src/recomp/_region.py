@@ -245,7 +245,8 @@ class ExcludedRegion:
             f"checkpoint that recomp does not control (for example a plain "
             f"{backend.foreign_checkpoint} or a reentrant checkpoint), so its exclusion is not "
             "in effect and it is replayed. Checkpoint the enclosing block with "
-            f"{backend.package}.checkpoint or {backend.package}.checkpoint_wrapper instead.",
+            f"{backend.package}.checkpoint or {backend.package}.checkpoint_wrapper instead."
+            + backend.foreign_switch_fix,
             ForeignCheckpointWarning,
             stacklevel=4,
         )

@@ -220,3 +220,18 @@ def test_a_model_without_diffusers_checkpointing_is_refused() -> None:
     with pytest.raises(ValueError, match="not a diffusers model that supports"):
         hf_activation_checkpointing(model, exclude_fn=torch.nn.Linear)
     assert not any(isinstance(m, ExcludeWrapper) for m in model.modules())
+
+
+def test_diffusers_own_function_with_exclusions_warns_naming_the_fix() -> None:
+    reference = unet()
+    model = copy.deepcopy(reference)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Attention):
+                setattr(module, name, recomp.torch.checkpoint_exclude_wrapper(child))
+    model.enable_gradient_checkpointing()  # PyTorch's checkpoint replays the regions
+    unet_step(reference)
+    with pytest.warns(recomp.ForeignCheckpointWarning, match="hf_activation_checkpointing"):
+        unet_step(model)
+    assert_same_grads(reference, model)  # not in effect, and still right
+    assert region_counts(model) == {(2, 0)}

@@ -119,6 +119,12 @@ class TorchBackend(Backend):
     modules_class = TorchModules
     tensor_class = torch.Tensor
     foreign_checkpoint = "torch.utils.checkpoint"
+    foreign_switch_fix = (
+        " Where Hugging Face's switch checkpoints it (transformers' "
+        "activation_checkpointing_enable(), diffusers' enable_gradient_checkpointing()), "
+        "recomp.torch.hf_activation_checkpointing(model, exclude_fn=...) makes recomp's "
+        "checkpoint the one that switch calls."
+    )
 
     def is_tensor(self, x: Any) -> bool:
         return isinstance(x, torch.Tensor)
