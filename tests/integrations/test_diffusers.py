@@ -235,3 +235,13 @@ def test_diffusers_own_function_with_exclusions_warns_naming_the_fix() -> None:
         unet_step(model)
     assert_same_grads(reference, model)  # not in effect, and still right
     assert region_counts(model) == {(2, 0)}
+
+
+def test_recomp_checkpoints_under_diffusers_own_switch_are_refused_naming_it() -> None:
+    from diffusers.models.resnet import ResnetBlock2D
+
+    model = unet()
+    recomp.torch.apply_activation_checkpointing(model, checkpoint_fn=ResnetBlock2D)
+    model.enable_gradient_checkpointing()  # PyTorch's checkpoint around recomp's
+    with pytest.raises(recomp.DoubleCheckpointError, match="enable_gradient_checkpointing"):
+        unet_step(model)

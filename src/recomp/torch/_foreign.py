@@ -48,8 +48,12 @@ __all__ = ["refuse_double_checkpoint", "refuse_enclosing_checkpoint"]
 TRAINER_SWITCHES = (
     "Lightning: leave FSDPStrategy's activation_checkpointing_policy (and the older "
     "activation_checkpointing) unset. Accelerate: FullyShardedDataParallelPlugin("
-    "activation_checkpointing=False). Your own code: do not apply PyTorch's checkpoint_wrapper "
-    "or apply_activation_checkpointing to modules that recomp wrapped."
+    "activation_checkpointing=False). timm: leave model.set_grad_checkpointing() off (train.py's "
+    "--grad-checkpointing). diffusers: leave enable_gradient_checkpointing() off, or let recomp "
+    "be its function (recomp.torch.unwrap(model), then "
+    "recomp.torch.hf_activation_checkpointing(model, exclude_fn=...)). Your own code: do not "
+    "apply PyTorch's checkpoint_wrapper or apply_activation_checkpointing to modules that recomp "
+    "wrapped."
 )
 
 
