@@ -567,9 +567,9 @@ def begin(
 # framework's checkpoint calls an ``ArgumentsAtCall``: the forward runs with the arguments
 # themselves, and each replay with copies of those containers as they were when the call
 # started, holding the same tensors and other objects (copied down through lists, dicts
-# and tuples; any other object is handed over as it is, as before). The cost is one look
-# at the arguments per call that has more than one tensor argument; a call of one tensor
-# alone does not look.
+# and tuples; any other object is handed over as it is, as before). Only calls whose
+# arguments are walked anyway (anything but tensors, tuples of tensors, None and plain
+# scalars: ``_input_tensors``) look for containers; the common call does not.
 
 
 class ArgumentsAtCall:
