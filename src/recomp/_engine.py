@@ -512,7 +512,7 @@ def begin(
     if parent is not None and parent.is_recomputing:
         invocation = invocation_of(parent).next_child()
         rerun = True
-        if not one_tensor:
+        if not one_tensor and _input_tensors(backend, args, kwargs) is None:
             runs = ArgumentsAtCall.around(function, args, kwargs)
     else:
         invocation = Invocation(
