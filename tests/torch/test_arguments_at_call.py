@@ -165,3 +165,18 @@ def test_densenet_layers_checkpointed_one_by_one() -> None:
         assert_equal(grads(reference, x), grads(model, x))
     for (name, a), (_, b) in zip(reference.named_buffers(), model.named_buffers()):
         assert torch.equal(a, b), name
+
+
+def test_nested_checkpoints_re_run_in_an_enclosing_replay_read_their_lists_as_they_were() -> None:
+    torch.manual_seed(0)
+    reference = History()
+    x = torch.randn(2, 4, requires_grad=True)
+    expected = grads(reference, x)
+    model = copy.deepcopy(reference)
+    model.how = "checkpoint"  # each layer a checkpoint, inside one around the whole net
+    outer = nn.Module()
+    outer.forward = lambda t: rt.checkpoint(model, t)  # type: ignore[method-assign]
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    outer(x).pow(2).sum().backward()
+    assert_equal(expected, [p.grad for p in model.parameters()] + [x.grad])
