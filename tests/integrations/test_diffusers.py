@@ -245,3 +245,20 @@ def test_recomp_checkpoints_under_diffusers_own_switch_are_refused_naming_it() -
     model.enable_gradient_checkpointing()  # PyTorch's checkpoint around recomp's
     with pytest.raises(recomp.DoubleCheckpointError, match="enable_gradient_checkpointing"):
         unet_step(model)
+
+
+@pytest.mark.parametrize("how", ["add_adapter", "get_peft_model"])
+def test_lora_on_a_unet_both_ways(how: str) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["to_q", "to_v"], init_lora_weights="gaussian")
+    reference = unet().requires_grad_(False)
+    if how == "add_adapter":  # diffusers' own: the model stays a UNet
+        reference.add_adapter(config)
+    else:
+        reference = get_peft_model(reference, config)
+    model = hf_activation_checkpointing(copy.deepcopy(reference), exclude_fn=Attention)
+    unet_step(reference)
+    unet_step(model)
+    assert_same_grads(reference, model)
+    assert region_counts(model) == {(1, 1)}

@@ -734,7 +734,7 @@ def hf_activation_checkpointing(
     ``PeftModel`` around one); wraps in place and returns it.
 
     A ``diffusers`` model (a UNet, a Flux or SD3 transformer: a ``ModelMixin`` that supports
-    gradient checkpointing) is taken the same way: its switch,
+    gradient checkpointing, or a ``PeftModel`` around one) is taken the same way: its switch,
     ``enable_gradient_checkpointing()`` (what its training scripts call for
     ``--gradient_checkpointing``), is turned on with recomp's checkpoint as the function,
     and keeps it when turned on again with diffusers' default function;
@@ -745,7 +745,7 @@ def hf_activation_checkpointing(
     api = "hf_activation_checkpointing"
     if isinstance(model, type):
         raise _wrapping.instance_required(model, api, "Hugging Face model")
-    layers, diffusers = _hf.hf_switch_modules(model) if isinstance(model, nn.Module) else ([], False)
+    layers, diffusers = _hf.hf_switch_modules(model) if isinstance(model, nn.Module) else ([], None)
     if not layers:
         raise ValueError(
             f"hf_activation_checkpointing found no transformers GradientCheckpointingLayer in "
@@ -764,7 +764,7 @@ def hf_activation_checkpointing(
     # its sub-modules.
     doubled = [
         path or "(the model itself)"
-        for path, m in (model.named_modules() if diffusers else layers)
+        for path, m in (model.named_modules() if diffusers is not None else layers)
         if isinstance(m, CheckpointWrapper)
     ]
     if doubled:
@@ -775,8 +775,8 @@ def hf_activation_checkpointing(
             f"recomp.torch.unwrap(model) first (then pass exclude_fn here)."
         )
     enable: Callable[[], Any] | None = (
-        getattr(model, "enable_gradient_checkpointing", None)
-        if diffusers
+        diffusers.enable_gradient_checkpointing
+        if diffusers is not None
         else getattr(model, "activation_checkpointing_enable", None)
         or getattr(model, "gradient_checkpointing_enable", None)
     )

@@ -237,17 +237,18 @@ def hf_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(path, m) for path, m in model.named_modules() if isinstance(m, layer_type)]
 
 
-def hf_switch_modules(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], bool]:
-    """The modules of ``model`` whose checkpoint function HF's switch sets, with their paths,
-    and whether ``model`` is a diffusers model: a transformers model's layers (each
-    checkpoints its own forward), else the modules of a diffusers model that checkpoint
-    sub-modules they hand the function (its blocks' resnets and transformer blocks); empty
-    for any other model."""
+def hf_switch_modules(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], Any]:
+    """The modules of ``model`` whose checkpoint function HF's switch sets, with their
+    paths, and the diffusers model whose switch that is (None for transformers): a
+    transformers model's layers (each checkpoints its own forward), else the modules of a
+    diffusers model, or of one that ``model`` holds (a PEFT ``PeftModel`` around it), that
+    checkpoint sub-modules they hand the function (its blocks' resnets and transformer
+    blocks); empty for any other model."""
     layers = hf_layers(model)
     if layers:
-        return layers, False
+        return layers, None
     blocks = _compat.diffusers_checkpointing_modules(model)
-    return blocks, bool(blocks)
+    return blocks, _compat.diffusers_model(model) if blocks else None
 
 
 class HFCheckpointFunction:

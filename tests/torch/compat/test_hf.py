@@ -146,6 +146,13 @@ def test_diffusers_models_list_the_modules_their_switch_sets():
     assert stored == set(found)
     assert _compat.diffusers_checkpointing_modules(_tiny_llama()) == []
     assert _compat.diffusers_checkpointing_modules(torch.nn.Linear(2, 2)) == []
+    # Held by another module (PEFT's PeftModel): found, with paths in the holder.
+    holder = torch.nn.ModuleDict({"base": model})
+    assert _compat.diffusers_model(holder) is model
+    assert {path for path, _ in _compat.diffusers_checkpointing_modules(holder)} == {
+        f"base.{path}" for path in found
+    }
+    assert _compat.diffusers_model(torch.nn.Linear(2, 2)) is None
 
 
 def test_diffusers_default_checkpoint_function_is_told_from_others():

@@ -138,6 +138,7 @@ from .fake import (
 )
 from .hf import (
     diffusers_checkpointing_modules,
+    diffusers_model,
     hf_causal_mask_as_on_device,
     hf_checkpoint_function,
     hf_grouped_mm_as_on_device,
@@ -209,6 +210,7 @@ __all__ = [
     "default_group_exists",
     "device_mesh_grid",
     "diffusers_checkpointing_modules",
+    "diffusers_model",
     "dtensor_meta_as_on_device",
     "dynamo_bypassing_wrapper",
     "dynamo_frame_callback",

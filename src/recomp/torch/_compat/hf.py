@@ -124,11 +124,33 @@ def is_hf_offload_checkpoint(function: Any) -> bool:
     )
 
 
+def diffusers_model(model: Any) -> Any:
+    """The diffusers model (a ``ModelMixin``) that ``model`` is or holds (PEFT's
+    ``PeftModel`` around one), the outermost; None where there is none, or where its class
+    says it does not support gradient checkpointing (``_supports_gradient_checkpointing``,
+    which ``enable_gradient_checkpointing`` reads).
+
+    Why: ``hf_activation_checkpointing`` turns diffusers' switch on at that model and puts
+    recomp's checkpoint where the switch stores its function
+    (:func:`diffusers_checkpointing_modules`).
+    If it changes: None, and ``hf_activation_checkpointing`` refuses the model with its
+    error before wrapping anything.
+    Retired by: a public flag of a diffusers model that says it can be checkpointed.
+    Checked on diffusers 0.42.1.
+    """
+    mixin = getattr(sys.modules.get("diffusers.models.modeling_utils"), "ModelMixin", None)
+    if mixin is None:
+        return None
+    for module in model.modules():
+        if isinstance(module, mixin):
+            return module if getattr(module, "_supports_gradient_checkpointing", False) else None
+    return None
+
+
 def diffusers_checkpointing_modules(model: Any) -> list[tuple[str, Any]]:
-    """The modules of a diffusers model (a ``ModelMixin``) that call diffusers' checkpoint
-    function when its gradient checkpointing is on, with their paths; empty for any other
-    model, and for one whose class says it does not support gradient checkpointing
-    (``_supports_gradient_checkpointing``, which ``enable_gradient_checkpointing`` reads).
+    """The modules of ``model`` (a diffusers model, or one that holds one: see
+    :func:`diffusers_model`) that call diffusers' checkpoint function when its gradient
+    checkpointing is on, with their paths in ``model``; empty for any other model.
 
     Why: diffusers' switch (``enable_gradient_checkpointing()``, which its training scripts
     call for ``--gradient_checkpointing``) stores the function as
@@ -141,14 +163,15 @@ def diffusers_checkpointing_modules(model: Any) -> list[tuple[str, Any]]:
     Retired by: a public list of the modules diffusers checkpoints through.
     Checked on diffusers 0.42.1.
     """
-    mixin = getattr(sys.modules.get("diffusers.models.modeling_utils"), "ModelMixin", None)
-    if (
-        mixin is None
-        or not isinstance(model, mixin)
-        or not getattr(model, "_supports_gradient_checkpointing", False)
-    ):
+    found = diffusers_model(model)
+    if found is None:
         return []
-    return [(path, m) for path, m in model.named_modules() if hasattr(m, "gradient_checkpointing")]
+    inside = {id(m) for m in found.modules()}
+    return [
+        (path, m)
+        for path, m in model.named_modules()
+        if id(m) in inside and hasattr(m, "gradient_checkpointing")
+    ]
 
 
 def is_diffusers_default_checkpoint(function: Any) -> bool:
