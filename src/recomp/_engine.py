@@ -43,6 +43,7 @@ from ._record import Invocation, invocation_of, weak_or_nothing
 from ._region import ExcludedRegion, check_flag
 from ._rng_trackers import replay_trackers_part
 from ._state import PhaseContext, get_recompute_state
+from .errors import ParameterChangedError, changed_argument
 
 __all__ = [
     "CallPart",
@@ -508,12 +509,9 @@ def begin(
     root = backend.modules.module_of(function)
     # One tensor alone (the common call): no walk of the arguments, no container to copy.
     one_tensor = not kwargs and len(args) == 1 and isinstance(args[0], backend.tensor_class)
-    runs = function  # what the framework's checkpoint calls
     if parent is not None and parent.is_recomputing:
         invocation = invocation_of(parent).next_child()
         rerun = True
-        if not one_tensor and _input_tensors(backend, args, kwargs) is None:
-            runs = ArgumentsAtCall.around(function, args, kwargs)
     else:
         invocation = Invocation(
             backend,
@@ -527,7 +525,6 @@ def begin(
         leaves = args if one_tensor else _input_tensors(backend, args, kwargs)
         if leaves is None:  # arguments that hold more than tensors: walked
             leaves = [leaf for leaf in backend.flatten((args, kwargs))[0] if backend.is_tensor(leaf)]
-            runs = ArgumentsAtCall.around(function, args, kwargs)
         invocation.set_checkpoint_inputs(leaves)
         for observer in OBSERVERS.get():
             observer.checkpoint_started(invocation, function)
@@ -551,7 +548,8 @@ def begin(
         all_parts,
         rerun=rerun,
         nested=parent is not None,
-        function=runs,
+        # What the framework's checkpoint calls (NOTE [ Arguments a replay sees ]).
+        function=function if one_tensor else ArgumentsAtCall.around(backend, function, args, kwargs),
     )
 
 
@@ -563,66 +561,178 @@ def begin(
 # with a later layer's output, and the gradients are wrong without an error wherever the
 # shapes agree (PyTorch's checkpoint too). And what the forward writes into such an
 # argument (an auxiliary loss appended to a list it was given) the replay writes a second
-# time, during backward. So where an argument is, or a tuple holds, a list or a dict, the
-# framework's checkpoint calls an ``ArgumentsAtCall``: the forward runs with the arguments
-# themselves, and each replay with copies of those containers as they were when the call
-# started, holding the same tensors and other objects (copied down through lists, dicts
-# and tuples; any other object is handed over as it is, as before). Only calls whose
-# arguments are walked anyway (anything but tensors, tuples of tensors, None and plain
-# scalars: ``_input_tensors``) look for containers; the common call does not.
+# time, during backward. So where an argument is, or a tuple holds, a list or a dict, each
+# replay gets copies of those containers as they were when the call started, holding the
+# same tensors and other objects (copied down through lists, dicts and tuples; any other
+# object is handed over as it is, as before).
+#
+# The tensors themselves can change too. PyTorch's checkpoint saves its positional tensor
+# arguments for the replay as autograd saves a tensor, so a write to one of them between
+# the forward and the replay is refused, as it would be without checkpointing. A tensor
+# given as a keyword argument, or held in a list, dict or tuple, it keeps as a plain
+# reference: written in place before the replay (a buffer reused for the next
+# micro-batch), it would be read with its new values, without an error. Where version
+# counters show every write (``Modules.state_versions_track_writes``, PyTorch), their
+# versions are noted when the forward returns and compared when each replay starts, and a
+# replay that finds one changed raises ``ParameterChangedError`` naming the argument, as a
+# changed parameter does (NOTE [ State changed before backward ] in ``_module_state``).
+#
+# Both are the work of an ``ArgumentsAtCall``, which the framework's checkpoint calls in
+# place of the function: its first call (the forward) runs the function with the arguments
+# themselves. Only a call whose arguments hold a list or a dict, or (PyTorch) a tensor by
+# keyword or in a tuple gets one; a call of one tensor alone does not look.
 
 
 class ArgumentsAtCall:
-    """The function a checkpoint's framework calls where its arguments hold lists or dicts
-    (NOTE [ Arguments a replay sees ]): its first call (the forward) runs ``function`` with
-    the arguments it is given; each later call (a replay) with copies of the containers as
-    they were when the checkpoint call started."""
+    """The function a checkpoint's framework calls where its arguments hold lists, dicts
+    or tensors it does not save itself (NOTE [ Arguments a replay sees ]): its first call
+    (the forward) runs ``function`` with the arguments it is given; each later call (a
+    replay) checks those tensors and runs it with copies of the containers as they were when
+    the checkpoint call started."""
 
-    __slots__ = ("args", "function", "kwargs", "ran")
+    __slots__ = (
+        "backend",
+        "call_args",
+        "call_kwargs",
+        "copied_args",
+        "copied_kwargs",
+        "function",
+        "ran",
+        "versions",
+        "watched",
+    )
 
-    def __init__(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self, backend: Backend, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        self.backend = backend
         self.function = function
-        # Per positional argument, a copy of its containers (None: what the framework
-        # hands over is used); per keyword, the copies of those that hold containers.
-        self.args = tuple(_copy_containers(a) if _holds_containers(a) else None for a in args)
-        self.kwargs = {k: _copy_containers(v) for k, v in kwargs.items() if _holds_containers(v)}
+        # The call's own argument tuple and keyword dictionary (the framework's checkpoint
+        # holds them too), for naming a changed tensor.
+        self.call_args, self.call_kwargs = args, kwargs
+        tensor = backend.tensor_class
+        # The tensors whose versions each replay compares (where versions show writes): all
+        # but positional tensors, which the framework's checkpoint keeps itself.
+        watched: list[Any] | None = [] if backend.modules.state_versions_track_writes else None
+        # Copies of the arguments that hold a list or a dict, as they are now.
+        self.copied_args: list[Any] | None = None
+        for i, value in enumerate(args):
+            if value is not None and not isinstance(value, tensor) and _scan(value, tensor, watched):
+                if self.copied_args is None:
+                    self.copied_args = [None] * len(args)
+                self.copied_args[i] = _copy_containers(value)
+        self.copied_kwargs: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            if isinstance(value, tensor):
+                if watched is not None:
+                    watched.append(value)
+            elif value is not None and _scan(value, tensor, watched):
+                self.copied_kwargs[name] = _copy_containers(value)
+        self.watched = watched or ()
+        self.versions: list[int | None] | None = None
         self.ran = False
 
     @classmethod
-    def around(cls, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``function`` itself where no argument holds a list or a dict, else one around it."""
+    def around(
+        cls, backend: Backend, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``function`` itself where the arguments hold no list or dict and no tensor the
+        framework leaves unsaved, else one around it."""
+        # Tensors the framework leaves unsaved matter where versions show writes.
+        tensor = backend.tensor_class if backend.modules.state_versions_track_writes else ()
         # Read without a call per argument: most are tensors, None, flags, or a tuple of
         # tensors (HF's position embeddings).
         for value in (*args, *kwargs.values()):
             kind = type(value)
             if kind is list or kind is dict:
-                return cls(function, args, kwargs)
+                return cls(backend, function, args, kwargs)
             if kind is tuple:
                 for item in value:
                     kind = type(item)
-                    if kind is list or kind is dict or (kind is tuple and _holds_containers(item)):
-                        return cls(function, args, kwargs)
+                    if kind is list or kind is dict or kind is tuple or isinstance(item, tensor):
+                        return cls(backend, function, args, kwargs)
+        for value in kwargs.values():
+            if isinstance(value, tensor):
+                return cls(backend, function, args, kwargs)
         return function
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.ran:
             self.ran = True
-            return self.function(*args, **kwargs)
-        args = tuple(
-            given if kept is None else _copy_containers(kept)
-            for given, kept in zip(args, self.args)
-        ) + args[len(self.args) :]
-        for name, kept in self.kwargs.items():
+            out = self.function(*args, **kwargs)
+            if self.watched:
+                self.versions = self.backend.versions(self.watched)  # type: ignore[arg-type]
+            return out
+        if self.versions is not None and self.backend.versions(self.watched) != self.versions:  # type: ignore[arg-type]
+            raise self._changed()
+        copied = self.copied_args
+        if copied is not None:
+            args = tuple(
+                given if kept is None else _copy_containers(kept)
+                for given, kept in zip(args, copied)
+            ) + args[len(copied) :]
+        for name, kept in self.copied_kwargs.items():
             kwargs[name] = _copy_containers(kept)
         return self.function(*args, **kwargs)
 
+    def _changed(self) -> ParameterChangedError:
+        """The error naming the watched tensors whose versions changed."""
+        tensor = self.backend.tensor_class
+        named: list[tuple[str, Any]] = []
+        copied = self.copied_args or [None] * len(self.call_args)
+        for i, (value, kept) in enumerate(zip(self.call_args, copied)):
+            if value is not None and not isinstance(value, tensor):
+                _named_tensors(value if kept is None else kept, tensor, f"argument {i}", named)
+        for name, value in self.call_kwargs.items():
+            _named_tensors(self.copied_kwargs.get(name, value), tensor, name, named)
+        assert self.versions is not None
+        version = self.backend.version
+        changed = [path for (path, t), v in zip(named, self.versions) if version(t) != v]
+        return changed_argument(changed, _called(self.function))
 
-def _holds_containers(value: Any) -> bool:
-    """Whether ``value`` is a list or a dict, or a tuple that holds one."""
+
+def _scan(value: Any, tensor: Any, watched: list[Any] | None) -> bool:
+    """Add the tensors in ``value`` (through lists, dicts and tuples) to ``watched`` (if
+    given), in order; whether it holds a list or a dict."""
     kind = type(value)
-    if kind is list or kind is dict:
-        return True
-    return kind is tuple and any(map(_holds_containers, value))
+    if kind is tuple or kind is list:
+        holds = kind is list
+        items: Any = value
+    elif kind is dict:
+        holds, items = True, value.values()
+    else:
+        if watched is not None and isinstance(value, tensor):
+            watched.append(value)
+        return False
+    for item in items:
+        if isinstance(item, tensor):
+            if watched is not None:
+                watched.append(item)
+        elif item is not None and _scan(item, tensor, watched):
+            holds = True
+    return holds
+
+
+def _named_tensors(value: Any, tensor: Any, path: str, found: list[tuple[str, Any]]) -> None:
+    """Add to ``found`` the tensors in ``value`` with where they are (``"mask"``,
+    ``"argument 0[2]"``), in the order of :func:`_scan`."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        for i, item in enumerate(value):
+            _named_tensors(item, tensor, f"{path}[{i}]", found)
+    elif kind is dict:
+        for key, item in value.items():
+            _named_tensors(item, tensor, f"{path}[{key!r}]", found)
+    elif isinstance(value, tensor):
+        found.append((path, value))
+
+
+def _called(function: Any) -> str:
+    """How an error names what a checkpoint runs: a module's class, else the function's
+    name."""
+    owner = getattr(function, "__self__", function)
+    name = getattr(function, "__qualname__", None)
+    return type(owner).__name__ if name is None or owner is not function else name
 
 
 def _copy_containers(value: Any) -> Any:

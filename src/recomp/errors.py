@@ -120,7 +120,10 @@ class ParameterChangedError(RecompError):
     ``g_loss.backward()``). The replay would recompute with the new values, and the
     gradients would be wrong; without checkpointing autograd refuses the same step. Run
     every backward that needs a forward before changing the parameters it read, or run
-    the forward again after the change. The message names the module and the tensor."""
+    the forward again after the change. The message names the module and the tensor.
+    Also raised for a tensor among a checkpoint's arguments that the framework's
+    checkpoint does not save itself (a keyword argument, a tensor in a list, dict or
+    tuple) and that changed in place before the replay (PyTorch)."""
 
 
 def changed_before_backward(
@@ -150,6 +153,25 @@ def changed_before_backward(
         "every backward that needs this forward before the change (step after backward), or "
         "run the forward again after it (in a GAN step: the generator's loss through a new "
         "forward of the discriminator after its optimizer step)."
+    )
+
+
+def changed_argument(paths: list[str], called: str) -> ParameterChangedError:
+    """The error for tensors among the arguments of a checkpoint of ``called`` (given as
+    keyword arguments, or in lists, dicts and tuples: ``paths``, such as ``"mask"`` or
+    ``"argument 0[2]"``) that changed in place between its forward and its replay."""
+    shown = ", ".join(repr(p) for p in paths[:4]) + (
+        f" and {len(paths) - 4} more" if len(paths) > 4 else ""
+    )
+    return ParameterChangedError(
+        f"The tensor{'s' if len(paths) > 1 else ''} {shown} among the arguments of the "
+        f"checkpoint of {called} changed in place between its forward and its backward, so "
+        "its replay would read the new values and the gradients would be wrong (without "
+        "checkpointing, autograd refuses this step too wherever the forward saved them; "
+        "PyTorch's checkpoint refuses it for positional tensor arguments). A buffer reused "
+        "for the next micro-batch or step before this backward is the usual cause: pass "
+        "a tensor that stays as it is until the backward (a new one, or a clone), or run the "
+        "backward before the write."
     )
 
 

@@ -10,12 +10,14 @@ appends to a list it is given would append again during backward.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
+import recomp  # noqa: E402
 import recomp.torch as rt  # noqa: E402
 
 
@@ -180,3 +182,48 @@ def test_nested_checkpoints_re_run_in_an_enclosing_replay_read_their_lists_as_th
     x.grad = None
     outer(x).pow(2).sum().backward()
     assert_equal(expected, [p.grad for p in model.parameters()] + [x.grad])
+
+
+# --------------------------------------------------------------------------- tensors written before the replay
+
+
+def scaled_tanh(x: torch.Tensor, *, bias: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x * bias * weight)
+
+
+@pytest.mark.parametrize("where", ["keyword", "list", "tuple", "dict"])
+def test_a_tensor_argument_written_before_the_replay_is_refused_naming_it(where: str) -> None:
+    weight = torch.randn(4, requires_grad=True)
+    x = torch.randn(4, requires_grad=True)
+    bias = torch.randn(4)  # a buffer the caller reuses
+    if where == "keyword":
+        out, name = rt.checkpoint(scaled_tanh, x, bias=bias, weight=weight), "bias"
+    elif where == "list":
+        out = rt.checkpoint(lambda t, held: scaled_tanh(t, bias=held[1], weight=weight), x, [x, bias])
+        name = "argument 1[1]"
+    elif where == "tuple":
+        out = rt.checkpoint(lambda t, held: scaled_tanh(t, bias=held[0], weight=weight), x, (bias,))
+        name = "argument 1[0]"
+    else:
+        out = rt.checkpoint(lambda t, held: scaled_tanh(t, bias=held["b"], weight=weight), x, {"b": bias})
+        name = "argument 1['b']"
+    bias.mul_(3)  # before the backward: the replay would read the new values
+    with pytest.raises(recomp.ParameterChangedError, match=re.escape(repr(name))):
+        out.sum().backward()
+
+
+def test_a_tensor_argument_written_by_the_forward_itself_or_after_the_backward_is_fine() -> None:
+    weight = torch.randn(4, requires_grad=True)
+    x = torch.randn(4, requires_grad=True)
+    counter = torch.zeros(1)
+
+    def counting(t: torch.Tensor, *, seen: torch.Tensor) -> torch.Tensor:
+        if not recomp.is_recomputing():
+            seen.add_(1)  # the forward's own write: the replay reads what the forward left
+        return torch.tanh(t * weight)
+
+    out = rt.checkpoint(counting, x, seen=counter)
+    out.sum().backward()
+    expected = torch.autograd.grad(torch.tanh(x * weight).sum(), weight)[0]
+    assert torch.equal(weight.grad, expected) and counter.item() == 1
+    counter.add_(1)  # after the backward: nothing reads it any more

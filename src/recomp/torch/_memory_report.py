@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._engine import ComposedContext
+from .._engine import ArgumentsAtCall, ComposedContext
 from .._record import Invocation
 from .._region import ExcludedRegion, RegionCall, saved_by_region
 from .._report import (
@@ -286,6 +286,8 @@ class _GraphWalk:
         self.frames[id(frame)] = frame
         self.keep_alive.append(frame)
         function, replay_context = _compat.checkpoint_function(frame)
+        if isinstance(function, ArgumentsAtCall):  # recomp's, around what it checkpoints
+            function = function.function
         owner = None
         while isinstance(function, functools.partial):  # HF: partial(forward, layer, **kwargs)
             args = function.args
