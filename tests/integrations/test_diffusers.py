@@ -27,6 +27,7 @@ from diffusers.models.attention_processor import Attention  # noqa: E402
 from diffusers.models.transformers.transformer_flux import FluxAttention  # noqa: E402
 
 import recomp  # noqa: E402
+from diffusers_models import tiny_unet  # noqa: E402
 from recomp.torch import (  # noqa: E402
     ExcludeWrapper,
     checkpoint_wrapper,
@@ -36,20 +37,7 @@ from recomp.torch import (  # noqa: E402
 
 
 def unet() -> UNet2DConditionModel:
-    torch.manual_seed(0)
-    return UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(16, 32),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=16,
-        attention_head_dim=4,
-        norm_num_groups=8,
-        dropout=0.1,
-    ).train()
+    return tiny_unet(dropout=0.1).train()
 
 
 def unet_step(model: torch.nn.Module) -> torch.Tensor:

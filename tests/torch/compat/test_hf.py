@@ -107,20 +107,10 @@ def test_hfs_offload_checkpoint_function_is_told_from_pytorchs():
 
 
 def _tiny_unet():
-    diffusers = pytest.importorskip("diffusers")
-    torch.manual_seed(0)
-    return diffusers.UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(16, 32),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=16,
-        attention_head_dim=4,
-        norm_num_groups=8,
-    )
+    pytest.importorskip("diffusers")
+    from diffusers_models import tiny_unet
+
+    return tiny_unet()
 
 
 def test_diffusers_models_list_the_modules_their_switch_sets():
