@@ -367,8 +367,8 @@ class CheckpointCall:
         self.invocation = invocation
         self.rerun = rerun
         self.nested = nested
-        # What the framework's checkpoint is to call: the checkpointed function, or where
-        # its arguments hold lists or dicts, an ``ArgumentsAtCall`` around it.
+        # What the framework's checkpoint is to call: the checkpointed function, or an
+        # ``ArgumentsAtCall`` around it (NOTE [ Arguments a replay sees ]).
         self.function = function
         parts.append(_RECOMPUTE_STATE)
         parts.sort(key=_STAGE)  # stable: parts of one stage keep their order
@@ -522,10 +522,7 @@ def begin(
         if placer is None and parent is not None:
             placer = invocation_of(parent).placer
         invocation.placer = placer
-        leaves = args if one_tensor else _input_tensors(backend, args, kwargs)
-        if leaves is None:  # arguments that hold more than tensors: walked
-            leaves = [leaf for leaf in backend.flatten((args, kwargs))[0] if backend.is_tensor(leaf)]
-        invocation.set_checkpoint_inputs(leaves)
+        invocation.set_checkpoint_inputs(args if one_tensor else _input_tensors(backend, args, kwargs))
         for observer in OBSERVERS.get():
             observer.checkpoint_started(invocation, function)
         if parent is not None:
@@ -610,25 +607,22 @@ class ArgumentsAtCall:
         # The call's own argument tuple and keyword dictionary (the framework's checkpoint
         # holds them too), for naming a changed tensor.
         self.call_args, self.call_kwargs = args, kwargs
-        tensor = backend.tensor_class
         # The tensors whose versions each replay compares (where versions show writes): all
         # but positional tensors, which the framework's checkpoint keeps itself.
-        watched: list[Any] | None = [] if backend.modules.state_versions_track_writes else None
+        watched: list[Any] = []
         # Copies of the arguments that hold a list or a dict, as they are now.
         self.copied_args: list[Any] | None = None
         for i, value in enumerate(args):
-            if value is not None and not isinstance(value, tensor) and _scan(value, tensor, watched):
+            if _unsaved(backend, value, watched):
                 if self.copied_args is None:
                     self.copied_args = [None] * len(args)
                 self.copied_args[i] = _copy_containers(value)
-        self.copied_kwargs: dict[str, Any] = {}
-        for name, value in kwargs.items():
-            if isinstance(value, tensor):
-                if watched is not None:
-                    watched.append(value)
-            elif value is not None and _scan(value, tensor, watched):
-                self.copied_kwargs[name] = _copy_containers(value)
-        self.watched = watched or ()
+        self.copied_kwargs = {
+            name: _copy_containers(value)
+            for name, value in kwargs.items()
+            if _walk(value, backend.tensor_class, watched)
+        }
+        self.watched = watched if backend.modules.state_versions_track_writes else []
         self.versions: list[int | None] | None = None
         self.ran = False
 
@@ -636,34 +630,19 @@ class ArgumentsAtCall:
     def around(
         cls, backend: Backend, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """``function`` itself where the arguments hold no list or dict and no tensor the
-        framework leaves unsaved, else one around it."""
-        # Tensors the framework leaves unsaved matter where versions show writes.
-        tensor = backend.tensor_class if backend.modules.state_versions_track_writes else ()
-        # Read without a call per argument: most are tensors, None, flags, or a tuple of
-        # tensors (HF's position embeddings).
-        for value in (*args, *kwargs.values()):
-            kind = type(value)
-            if kind is list or kind is dict:
-                return cls(backend, function, args, kwargs)
-            if kind is tuple:
-                for item in value:
-                    kind = type(item)
-                    if kind is list or kind is dict or kind is tuple or isinstance(item, tensor):
-                        return cls(backend, function, args, kwargs)
-        for value in kwargs.values():
-            if isinstance(value, tensor):
-                return cls(backend, function, args, kwargs)
-        return function
+        """``function`` itself where the arguments hold no list or dict and (where versions
+        show writes) no tensor the framework leaves unsaved, else one around it."""
+        call = cls(backend, function, args, kwargs)
+        return call if call.watched or call.copied_args or call.copied_kwargs else function
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.ran:
             self.ran = True
             out = self.function(*args, **kwargs)
             if self.watched:
-                self.versions = self.backend.versions(self.watched)  # type: ignore[arg-type]
+                self.versions = self.backend.versions(self.watched)
             return out
-        if self.versions is not None and self.backend.versions(self.watched) != self.versions:  # type: ignore[arg-type]
+        if self.versions is not None and self.backend.versions(self.watched) != self.versions:
             raise self._changed()
         copied = self.copied_args
         if copied is not None:
@@ -676,55 +655,45 @@ class ArgumentsAtCall:
         return self.function(*args, **kwargs)
 
     def _changed(self) -> ParameterChangedError:
-        """The error naming the watched tensors whose versions changed."""
-        tensor = self.backend.tensor_class
-        named: list[tuple[str, Any]] = []
+        """The error naming the watched tensors whose versions changed (walked again, with
+        their places, in the order of ``__init__``)."""
+        named: list[Any] = []
         copied = self.copied_args or [None] * len(self.call_args)
         for i, (value, kept) in enumerate(zip(self.call_args, copied)):
-            if value is not None and not isinstance(value, tensor):
-                _named_tensors(value if kept is None else kept, tensor, f"argument {i}", named)
+            _unsaved(self.backend, value if kept is None else kept, named, f"argument {i}")
         for name, value in self.call_kwargs.items():
-            _named_tensors(self.copied_kwargs.get(name, value), tensor, name, named)
+            _walk(self.copied_kwargs.get(name, value), self.backend.tensor_class, named, name)
         assert self.versions is not None
         version = self.backend.version
         changed = [path for (path, t), v in zip(named, self.versions) if version(t) != v]
         return changed_argument(changed, _called(self.function))
 
 
-def _scan(value: Any, tensor: Any, watched: list[Any] | None) -> bool:
-    """Add the tensors in ``value`` (through lists, dicts and tuples) to ``watched`` (if
-    given), in order; whether it holds a list or a dict."""
-    kind = type(value)
-    if kind is tuple or kind is list:
-        holds = kind is list
-        items: Any = value
-    elif kind is dict:
-        holds, items = True, value.values()
-    else:
-        if watched is not None and isinstance(value, tensor):
-            watched.append(value)
+def _unsaved(backend: Backend, value: Any, found: list[Any], path: str | None = None) -> bool:
+    """:func:`_walk` of a positional argument, except a tensor: the framework's checkpoint
+    keeps that one itself."""
+    if isinstance(value, backend.tensor_class):
         return False
-    for item in items:
-        if isinstance(item, tensor):
-            if watched is not None:
-                watched.append(item)
-        elif item is not None and _scan(item, tensor, watched):
-            holds = True
-    return holds
+    return _walk(value, backend.tensor_class, found, path)
 
 
-def _named_tensors(value: Any, tensor: Any, path: str, found: list[tuple[str, Any]]) -> None:
-    """Add to ``found`` the tensors in ``value`` with where they are (``"mask"``,
-    ``"argument 0[2]"``), in the order of :func:`_scan`."""
+def _walk(value: Any, tensor: Any, found: list[Any], path: str | None = None) -> bool:
+    """Add to ``found`` the tensors in ``value`` (itself, or through lists, dicts and
+    tuples), in order, each with where it is where a ``path`` is given (``("mask",
+    t)``, ``("argument 0[2]", t)``); whether ``value`` holds a list or a dict."""
     kind = type(value)
     if kind is list or kind is tuple:
+        holds = kind is list
         for i, item in enumerate(value):
-            _named_tensors(item, tensor, f"{path}[{i}]", found)
-    elif kind is dict:
+            holds |= _walk(item, tensor, found, None if path is None else f"{path}[{i}]")
+        return holds
+    if kind is dict:
         for key, item in value.items():
-            _named_tensors(item, tensor, f"{path}[{key!r}]", found)
-    elif isinstance(value, tensor):
-        found.append((path, value))
+            _walk(item, tensor, found, None if path is None else f"{path}[{key!r}]")
+        return True
+    if isinstance(value, tensor):
+        found.append(value if path is None else (path, value))
+    return False
 
 
 def _called(function: Any) -> str:
@@ -747,12 +716,10 @@ def _copy_containers(value: Any) -> Any:
     return value
 
 
-def _input_tensors(
-    backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[Any] | None:
-    """The tensors among a checkpoint call's arguments where these are tensors, tuples of
-    tensors (HF's position embeddings), None or plain scalars (the common call: read
-    without a walk, and no list or dict among them); None for anything else."""
+def _input_tensors(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The tensors among a checkpoint call's arguments, in the order of a flatten."""
+    # Arguments that are tensors, tuples of tensors (HF's position embeddings), None or
+    # plain scalars (the common call) are read without a walk; anything else is walked.
     tensor = backend.tensor_class
     found: list[Any] = []
     for value in (*args, *kwargs.values()):
@@ -762,7 +729,8 @@ def _input_tensors(
         elif kind is tuple and all(isinstance(item, tensor) for item in value):
             found += value
         elif value is not None and kind not in _SCALARS:
-            return None
+            leaves, _ = backend.flatten((args, kwargs))
+            return [leaf for leaf in leaves if backend.is_tensor(leaf)]
     return found
 
 

@@ -247,8 +247,11 @@ def hf_switch_modules(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], An
     layers = hf_layers(model)
     if layers:
         return layers, None
-    blocks = _compat.diffusers_checkpointing_modules(model)
-    return blocks, _compat.diffusers_model(model) if blocks else None
+    diffusers = _compat.diffusers_model(model)
+    if diffusers is None:
+        return [], None
+    blocks = _compat.diffusers_checkpointing_modules(model, diffusers)
+    return blocks, diffusers if blocks else None
 
 
 class HFCheckpointFunction:

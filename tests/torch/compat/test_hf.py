@@ -115,7 +115,8 @@ def _tiny_unet():
 
 def test_diffusers_models_list_the_modules_their_switch_sets():
     model = _tiny_unet()
-    found = dict(_compat.diffusers_checkpointing_modules(model))
+    assert _compat.diffusers_model(model) is model
+    found = dict(_compat.diffusers_checkpointing_modules(model, model))
     # Each down, mid and up block and each Transformer2DModel: where diffusers' switch
     # stores its function (not what they hand it: resnets, transformer blocks).
     assert set(found) == {
@@ -134,12 +135,11 @@ def test_diffusers_models_list_the_modules_their_switch_sets():
         path for path, m in model.named_modules() if vars(m).get("_gradient_checkpointing_func")
     }
     assert stored == set(found)
-    assert _compat.diffusers_checkpointing_modules(_tiny_llama()) == []
-    assert _compat.diffusers_checkpointing_modules(torch.nn.Linear(2, 2)) == []
+    assert _compat.diffusers_model(_tiny_llama()) is None
     # Held by another module (PEFT's PeftModel): found, with paths in the holder.
     holder = torch.nn.ModuleDict({"base": model})
     assert _compat.diffusers_model(holder) is model
-    assert {path for path, _ in _compat.diffusers_checkpointing_modules(holder)} == {
+    assert {path for path, _ in _compat.diffusers_checkpointing_modules(holder, model)} == {
         f"base.{path}" for path in found
     }
     assert _compat.diffusers_model(torch.nn.Linear(2, 2)) is None

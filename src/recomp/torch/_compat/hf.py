@@ -147,10 +147,10 @@ def diffusers_model(model: Any) -> Any:
     return None
 
 
-def diffusers_checkpointing_modules(model: Any) -> list[tuple[str, Any]]:
-    """The modules of ``model`` (a diffusers model, or one that holds one: see
+def diffusers_checkpointing_modules(model: Any, diffusers: Any) -> list[tuple[str, Any]]:
+    """The modules of the diffusers model ``diffusers`` (``model`` itself or held by it:
     :func:`diffusers_model`) that call diffusers' checkpoint function when its gradient
-    checkpointing is on, with their paths in ``model``; empty for any other model.
+    checkpointing is on, with their paths in ``model``.
 
     Why: diffusers' switch (``enable_gradient_checkpointing()``, which its training scripts
     call for ``--gradient_checkpointing``) stores the function as
@@ -163,10 +163,7 @@ def diffusers_checkpointing_modules(model: Any) -> list[tuple[str, Any]]:
     Retired by: a public list of the modules diffusers checkpoints through.
     Checked on diffusers 0.42.1.
     """
-    found = diffusers_model(model)
-    if found is None:
-        return []
-    inside = {id(m) for m in found.modules()}
+    inside = {id(m) for m in diffusers.modules()}
     return [
         (path, m)
         for path, m in model.named_modules()
