@@ -64,7 +64,7 @@ class MechanismSwitches:
     guarantee depends on them. Read once per checkpoint call, by :func:`begin`
     (``kept_replays`` by the framework's checkpoint that has it)."""
 
-    __slots__ = ("kept_replays", "replay_rewind", "rng_alignment")
+    __slots__ = ("kept_replays", "own_replay", "replay_rewind", "rng_alignment")
 
     def __init__(self) -> None:
         self.rng_alignment = True
@@ -72,6 +72,9 @@ class MechanismSwitches:
         # What a replay recomputed stays until a backward pass reads it (PyTorch:
         # ``recomp.torch._kept``), instead of one replay per backward pass.
         self.kept_replays = True
+        # The framework's checkpoint's replay run by recomp where it can, with what the
+        # framework's own would leave (PyTorch: NOTE [ Replaying PyTorch's checkpoint ]).
+        self.own_replay = True
 
 
 SWITCHES = MechanismSwitches()

@@ -71,6 +71,17 @@ def without_rng_alignment() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def without_own_replay() -> Iterator[None]:
+    """Checkpoint calls started here are replayed by the framework's checkpoint itself
+    (PyTorch's unpack hook), not by recomp's replay of it."""
+    SWITCHES.own_replay = False
+    try:
+        yield
+    finally:
+        SWITCHES.own_replay = True
+
+
+@contextlib.contextmanager
 def without_replay_rewind() -> Iterator[None]:
     """Replays of checkpoint calls started here continue from where the last replay stopped."""
     SWITCHES.replay_rewind = False

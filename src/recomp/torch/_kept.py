@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointError
 
+from .._engine import SWITCHES
 from .._hooks import CallPart, CheckpointCallView, Stage
 from ..errors import ParameterChangedError, RecompError
 from . import _compat
@@ -88,6 +89,7 @@ class RecomputeHandle:
         "_collectable",
         "_collector",
         "_consumed",
+        "_frame",
         "_kept",
         "_running",
         "_store",
@@ -101,6 +103,10 @@ class RecomputeHandle:
         # needed (PyTorch's unpack hook holds that frame too).
         self._checkpoint_pack: Callable[[Any], Any] | None = None
         self._checkpoint_unpack: Callable[[Any], Any] | None = None
+        # The checkpoint's frame where recomp runs its replay (NOTE [ Replaying PyTorch's
+        # checkpoint ] in ``_compat.checkpoint``), False where PyTorch's unpack does;
+        # looked for at the first read (None until then: the forward makes nothing).
+        self._frame: Any = None if SWITCHES.own_replay else False
         self._collector: list[RecomputeHandle] | None = None
         # Holder -> the backward pass (graph task) whose replay kept it -> the tensor, with
         # its version when kept: a parameter the replay saved that changes before a later
@@ -159,9 +165,9 @@ class RecomputeHandle:
         if session is None and self._kept is _EMPTY and not _compat.pass_keeps_graph():
             # A plain backward: a pass that frees the graph, with nothing kept and no
             # session, keeps nothing and leaves nothing for a later pass (no pass reads
-            # after it): PyTorch's own read, with no frame of recomp's around it.
+            # after it): the checkpoint's own read, with nothing of recomp's around it.
             try:
-                return self._checkpoint_unpack(holder)  # type: ignore[misc]
+                return self._read(holder)
             except CheckpointError as exc:
                 _raise_mismatch(exc)
                 raise
@@ -196,15 +202,23 @@ class RecomputeHandle:
         return value
 
     def _replayed(self, holder: Any) -> Any:
-        """PyTorch's unpack of ``holder``: replays once in this pass, then reads."""
-        unpack = self._checkpoint_unpack
-        if unpack is None:  # not reached: the hook is installed only with it
-            raise RecompError("recomp: a kept-replay unpack ran without its checkpoint")
+        """The checkpoint's unpack of ``holder``: replays once in this pass, then reads."""
         try:
-            return unpack(holder)
+            return self._read(holder)
         except CheckpointError as exc:
             _raise_mismatch(exc)
             raise
+
+    def _read(self, holder: Any) -> Any:
+        frame = self._frame
+        if frame is None:
+            if self._checkpoint_unpack is None:  # not reached: installed only with it
+                raise RecompError("recomp: a kept-replay unpack ran without its checkpoint")
+            found = _compat.replay_frame(self._checkpoint_pack, self._checkpoint_unpack)  # type: ignore[arg-type]
+            frame = self._frame = False if found is None else found
+        if frame is False:
+            return self._checkpoint_unpack(holder)  # type: ignore[misc]
+        return _compat.replay_unpack(frame, self._checkpoint_unpack, holder)  # type: ignore[arg-type]
 
     def _read_kept(
         self, holder: Any, current: int, keeper: int, kept: tuple[torch.Tensor, int | None]
@@ -298,7 +312,7 @@ class RecomputeHandle:
             if first in self._kept:
                 return  # its replay already ran and nothing has been read since
         current = _compat.graph_task_id()
-        value = unpack(first)
+        value = self._read(first)
         # Outside backward PyTorch files the replay under a pass id of its own: every pass
         # but those running here is that one.
         leftovers = store.take_leftovers(current if current != -1 else None, self._running)

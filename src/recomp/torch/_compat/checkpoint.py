@@ -16,6 +16,7 @@ import functools
 import inspect
 import os
 import sys
+import uuid
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -279,6 +280,208 @@ def take_checkpoint_unpack(
         return None
     set_top_hooks(hooks[0], unpack)
     return hooks
+
+
+# --------------------------------------------------------------------------- recomp's replay
+
+# NOTE [ Replaying PyTorch's checkpoint ]
+#
+# PyTorch's non-reentrant checkpoint replays its forward from the unpack hook of its
+# saved tensors, the first time a backward pass (graph task) reads one of them: it pushes
+# a second pair of hooks (``_recomputation_hook``) whose pack hook files the n-th tensor
+# the replay saves under the n-th placeholder (``_Holder``) of the forward, runs the
+# forward's function again (``frame.recompute_fn``: the RNG, autocast and ``context_fn``
+# of the forward restored), then compares the number and metadata of what was saved.
+# PyTorch 2.14 makes a Dynamo-disabled copy of that pack hook for every replay and runs
+# every saved tensor through Dynamo's wrapper; with the comparison, this is about a third
+# of what a checkpoint costs the host (``docs/benchmarks.md``, the thirteenth round).
+#
+# :func:`replay_unpack` gives recomp's checkpoints (through the kept-replay handle,
+# which already stands in for PyTorch's unpack) an unpack that runs the same replay
+# itself and leaves the frame as PyTorch's would: ``is_recomputed``, ``recomp_counter``,
+# ``recomputed`` and each holder's ``handles`` per pass, so that every reader of the
+# frame (kept replays, the memory report, PyTorch's own unpack) finds what it expects.
+# The same function replays (``frame.recompute_fn`` through PyTorch's
+# ``_run_fn_with_dynamo_disabled``), under gradients, with the same early stop
+# (PyTorch's ``_StopRecomputationError``) and the same pass ids. The replay's pack hook
+# carries PyTorch 2.14's marks (``_checkpoint_internal``, ``_user_hooks``), and holds
+# the frame only while the replay runs. Every error is PyTorch's own: a replay that saved
+# another number of tensors or other metadata is handed to the frame's
+# ``check_recomputed_tensors_match``, a second unpack of a tensor to PyTorch's unpack;
+# only a replay that saves more tensors than the forward stops with recomp's message,
+# from inside the replay as PyTorch's does. With PyTorch's debug mode (its unpack wraps
+# an error callback), another determinism check than the shape/dtype/device one, or a
+# frame without these fields, PyTorch's unpack stays.
+#
+# Why not Dynamo-disable the replay's pack hook as 2.14 does: it is disabled for frames
+# Dynamo would otherwise trace, and it runs only inside ``_run_fn_with_dynamo_disabled``,
+# which disables Dynamo for everything the replay calls except functions compiled on
+# their own; their saved tensors are packed by AOTAutograd's runtime (the hook is
+# called, not traced). 2.9 to 2.13 do not disable it either.
+# Retired by: a cheaper replay in PyTorch's checkpoint.
+
+_tuc: Any = torch.utils.checkpoint
+_Handle = getattr(_tuc, "_Handle", None)
+_StopRecomputation = getattr(_tuc, "_StopRecomputationError", None)
+_RUN_DISABLED = getattr(_tuc, "_run_fn_with_dynamo_disabled", None)
+_DEFAULT_META = getattr(_tuc, "_default_meta_extractor", None)
+_NO_META = getattr(_tuc, "_allowed_determinism_checks_to_fns", {}).get("none")
+_USER_HOOKS = getattr(_tuc, "_current_user_saved_tensors_hooks", None)
+_EXEC_GROUP = getattr(torch._C, "_get_graph_exec_group", None)
+_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_set_grad = torch._C._set_grad_enabled
+_FRAME_FIELDS = (
+    "recompute_fn",
+    "weak_holders",
+    "recomputed",
+    "recomp_counter",
+    "is_recomputed",
+    "early_stop",
+    "forward_completed",
+    "ignore_saved_mismatch",
+    "x_metadatas",
+    "metadata_fn",
+    "unpack_error_cb",
+    "check_recomputed_tensors_match",
+)
+# Per code object of a checkpoint's unpack hook: whether it is PyTorch's own (not a
+# debug wrapper, not another stand-in) and its frame has every field the replay uses.
+_REPLAYABLE: dict[Any, bool] = {}
+
+
+def _replayable(unpack: Any, frame: Any) -> bool:
+    code = getattr(unpack, "__code__", None)
+    known = _REPLAYABLE.get(code)
+    if known is None:
+        known = (
+            code is not None
+            and None not in (_Handle, _StopRecomputation, _RUN_DISABLED, _DEFAULT_META, _TASK_ID)
+            and getattr(unpack, "__module__", None) == "torch.utils.checkpoint"
+            and unpack.__qualname__ == "_checkpoint_hook.__init__.<locals>.unpack_hook"
+            and "frame" in code.co_freevars
+            and all(hasattr(frame, name) for name in _FRAME_FIELDS)
+            and (hasattr(frame, "get_inputs") or hasattr(frame, "input_saver"))
+        )
+        _REPLAYABLE[code] = known
+    return known
+
+
+def replay_frame(pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
+    """The frame of the checkpoint whose hooks are (``pack``, ``unpack``) where
+    :func:`replay_unpack` can read its tensors (NOTE [ Replaying PyTorch's checkpoint ]);
+    None where PyTorch's ``unpack`` must."""
+    frame = _checkpoint_frame(pack)
+    if (
+        frame is None
+        or not _replayable(unpack, frame)
+        or frame.unpack_error_cb is not None
+        or frame.metadata_fn not in (_DEFAULT_META, _NO_META)
+    ):
+        return None
+    return frame
+
+
+def replay_unpack(frame: Any, unpack: Callable[[Any], Any], holder: Any) -> Any:
+    """What PyTorch's unpack hook ``unpack`` of ``frame``'s checkpoint gives for
+    ``holder``, the replay run by recomp (NOTE [ Replaying PyTorch's checkpoint ])."""
+    gid: Any = None if _EXEC_GROUP is None else _EXEC_GROUP()
+    if gid is None:
+        gid = _TASK_ID()  # type: ignore[misc]  # checked by _replayable
+        if gid == -1:  # outside backward: a pass of its own, as PyTorch's
+            gid = uuid.uuid4().int
+    if not frame.is_recomputed[gid]:
+        _replay(frame, gid)
+    handles = holder.handles
+    handle = handles.get(gid)
+    value = None if handle is None else frame.recomputed[gid].get(handle)
+    if value is None:  # read twice, or never filed: PyTorch's unpack says which
+        return unpack(holder)
+    handles[gid] = None
+    return value
+
+
+def _replay(frame: Any, gid: Any) -> None:
+    """Run ``frame``'s replay for pass ``gid`` as PyTorch's unpack hook would."""
+    if hasattr(frame, "get_inputs"):
+        args = frame.get_inputs()
+    else:  # 2.9 to 2.13: the inputs were saved by an autograd node
+        saver = frame.input_saver.grad_fn
+        args = saver.get_args(saver.saved_tensors)
+    holders = frame.weak_holders
+    recomputed = frame.recomputed[gid]
+    metadata = frame.x_metadatas if frame.metadata_fn is _DEFAULT_META else None
+    early = frame.early_stop
+    count = frame.recomp_counter[gid]
+    differs = False
+    handle_type = _Handle
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        nonlocal count, differs
+        if x.requires_grad:
+            x = x.detach()
+        index = count
+        count = index + 1
+        if index >= len(holders):
+            if early:
+                raise AssertionError("recomp: an early-stopping replay ran past its last tensor")
+            if not frame.forward_completed:  # a backward inside the forward
+                frame.ignore_saved_mismatch = True
+                return x
+            raise _tuc.CheckpointError(
+                "torch.utils.checkpoint: trying to save more tensors during recomputation "
+                f"than during the original forward pass (this replay saved more than "
+                f"{len(holders)}): the checkpointed function does other work when it is "
+                "replayed. Pass debug=True to the checkpoint to see the operations of both."
+            )
+        holder = holders[index]()
+        if holder is not None:
+            handles = holder.handles
+            if handles.get(gid) is not None:
+                raise AssertionError("recomp: a replay filed a tensor twice in one pass")
+            handle = handles[gid] = handle_type()  # type: ignore[misc]  # checked by _replayable
+            recomputed[handle] = x
+            if metadata is not None:
+                saved = metadata[index]
+                if (
+                    saved["shape"] != x.shape
+                    or saved["dtype"] != x.dtype
+                    or saved["device"] != x.device
+                ):
+                    differs = True
+        if early and count == len(holders):
+            raise _StopRecomputation  # type: ignore[misc]
+        return x
+
+    # Marked as PyTorch marks its replay's pack hook (2.14; recomp's contexts of the
+    # replay, as :func:`top_checkpoint_hooks`, read the mark on every version).
+    pack._checkpoint_internal = True  # type: ignore[attr-defined]
+    if _USER_HOOKS is not None:
+        pack._user_hooks = _USER_HOOKS()  # type: ignore[attr-defined]
+    owner = frame
+    grad = torch.is_grad_enabled()
+    _push_hooks(pack, _same)
+    try:
+        _set_grad(True)
+        _RUN_DISABLED(owner.recompute_fn, *args)  # type: ignore[misc]
+    except _StopRecomputation:  # type: ignore[misc]
+        pass
+    finally:
+        _set_grad(grad)
+        _pop_hooks()
+        if _USER_HOOKS is not None:
+            del pack._user_hooks  # type: ignore[attr-defined]
+        owner.recomp_counter[gid] = count
+        # The replay's graph may hold its pack hook: the hook lets go of the frame.
+        frame = holders = recomputed = metadata = None
+    owner.is_recomputed[gid] = True
+    if not owner.ignore_saved_mismatch and (differs or count != len(owner.weak_holders)):
+        owner.check_recomputed_tensors_match(gid)  # raises PyTorch's error
+
+
+def _same(x: Any) -> Any:
+    return x
 
 
 def mark_as_checkpoint_hook(hook: Callable[[Any], Any], like: Callable[[Any], Any]) -> None:
