@@ -354,3 +354,56 @@ def test_a_grouped_backward_replays_once() -> None:
     refused = _run("recomp", overlapping)
     _same(refused, _run("pytorch", overlapping), fails=True)
     assert "overlap" in str(refused)
+
+
+class _SavesAtABreak(torch.autograd.Function):
+    """Saves a tensor where Dynamo breaks the graph: run eagerly, from a compiled frame."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = x.sin()
+        ctx.save_for_backward(y)
+        torch._dynamo.graph_break()
+        return y * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return grad * 2 * torch.cos(torch.asin(y))
+
+
+class _Compiled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SavesAtABreak.apply(self.linear(x)).tanh()
+
+
+def test_dynamo_leaves_the_replay_alone_inside_a_module_compiled_on_its_own() -> None:
+    """A module compiled with ``nn.Module.compile()`` inside the checkpoint runs its
+    frames with Dynamo's callback on, and saves a tensor at a graph break: the replay's
+    pack hook is called there. Dynamo compiles no frame of recomp's (as many frames as
+    under PyTorch's checkpoint), and the gradients are PyTorch's."""
+    import torch._dynamo.utils
+
+    def run(kind: str) -> tuple[int, list[torch.Tensor]]:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), _Compiled())
+        block[2].compile(backend="eager")
+        for _ in range(3):
+            x = torch.randn(3, 6, requires_grad=True)
+            if kind == "torch":
+                out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                out = rt.checkpoint(block, x)
+            out.sum().backward()
+        return torch._dynamo.utils.counters["frames"]["total"], _grads(block, x)
+
+    frames, grads = run("recomp")
+    pytorch_frames, pytorch_grads = run("torch")
+    assert frames == pytorch_frames
+    _same(grads, pytorch_grads)

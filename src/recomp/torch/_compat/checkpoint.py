@@ -12,6 +12,7 @@ Tested by ``tests/torch/compat/test_checkpoint.py``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -363,6 +364,8 @@ def _replayable(unpack: Any, frame: Any) -> bool:
             and "frame" in code.co_freevars
             and all(hasattr(frame, name) for name in _FRAME_FIELDS)
             and (hasattr(frame, "get_inputs") or hasattr(frame, "input_saver"))
+            and getattr(frame.recomputed, "default_factory", None) is weakref.WeakKeyDictionary
+            and hasattr(weakref.WeakKeyDictionary(), "_remove")
             # What the replay compares where the frame's check is PyTorch's default one.
             and set(_DEFAULT_META(torch.empty(0))) == {"shape", "dtype", "device"}  # type: ignore[misc]
         )
@@ -413,6 +416,7 @@ def _replay(frame: Any, gid: Any) -> None:
         args = saver.get_args(saver.saved_tensors)
     holders = frame.weak_holders
     recomputed = frame.recomputed[gid]
+    table, remove = recomputed.data, recomputed._remove
     metadata = frame.x_metadatas if frame.metadata_fn is _DEFAULT_META else None
     early = frame.early_stop
     count = frame.recomp_counter[gid]
@@ -443,7 +447,9 @@ def _replay(frame: Any, gid: Any) -> None:
             if handles.get(gid) is not None:
                 raise AssertionError("recomp: a replay filed a tensor twice in one pass")
             handle = handles[gid] = handle_type()  # type: ignore[misc]  # checked by _replayable
-            recomputed[handle] = x
+            # ``recomputed[handle] = x``, without the Python frame of the dictionary's
+            # method (see the note on Dynamo above).
+            table[_weak(handle, remove)] = x
             if metadata is not None:
                 saved = metadata[index]
                 if (
@@ -459,6 +465,8 @@ def _replay(frame: Any, gid: Any) -> None:
     # Marked as PyTorch marks its replay's pack hook (2.14; recomp's contexts of the
     # replay, as :func:`top_checkpoint_hooks`, read the mark on every version).
     pack._checkpoint_internal = True  # type: ignore[attr-defined]
+    if not _PACK_SKIPPED and "torch._dynamo" in sys.modules:
+        _skip_in_dynamo(pack)
     if _USER_HOOKS is not None:
         pack._user_hooks = _USER_HOOKS()  # type: ignore[attr-defined]
     owner = frame
@@ -476,7 +484,7 @@ def _replay(frame: Any, gid: Any) -> None:
             del pack._user_hooks  # type: ignore[attr-defined]
         owner.recomp_counter[gid] = count
         # The replay's graph may hold its pack hook: the hook lets go of the frame.
-        frame = holders = recomputed = metadata = None
+        frame = holders = table = remove = metadata = None
     owner.is_recomputed[gid] = True
     if not owner.ignore_saved_mismatch and (differs or count != len(owner.weak_holders)):
         owner.check_recomputed_tensors_match(gid)  # raises PyTorch's error
@@ -484,6 +492,35 @@ def _replay(frame: Any, gid: Any) -> None:
 
 def _same(x: Any) -> Any:
     return x
+
+
+_weak = weakref.ref
+# Whether the code of the replay's pack hook is marked for Dynamo to leave alone.
+_PACK_SKIPPED: list[bool] = []
+
+
+def _skip_in_dynamo(pack: Callable[[Any], Any]) -> None:
+    """Have Dynamo never compile the replay's pack hook (every closure of its code).
+
+    Why: PyTorch's replay runs under ``_run_fn_with_dynamo_disabled``, but a module
+    compiled on its own (``nn.Module.compile()``) runs its frames with Dynamo's callback
+    on, and an op it runs eagerly there (at a graph break) calls the pack hook with the
+    callback on: Dynamo would compile the hook, guard on what it changes and compile it
+    again at each call (PyTorch 2.13 and 2.14 disable their replay's hook for this). The
+    hook calls no Python function of its own on its common path, so skipping its frame
+    suffices, and costs nothing per call.
+    How: ``torch._dynamo.decorators.skip`` marks the code object (2.9 to 2.14); asked
+    at a replay once Dynamo is loaded (before, no callback can be on).
+    If it changes: nothing is marked, and Dynamo traces the hook where such a module
+    calls it (its guards then decide).
+    Retired by: a public way to keep a function out of Dynamo at no cost per call.
+    """
+    decorators = sys.modules.get("torch._dynamo.decorators")
+    skip = getattr(decorators, "skip", None)
+    if callable(skip):
+        with contextlib.suppress(TypeError, AttributeError, RuntimeError):  # a Dynamo that refuses
+            skip(pack)
+    _PACK_SKIPPED.append(True)
 
 
 def mark_as_checkpoint_hook(hook: Callable[[Any], Any], like: Callable[[Any], Any]) -> None:
