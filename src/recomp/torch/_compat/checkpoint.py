@@ -293,7 +293,7 @@ def take_checkpoint_unpack(
 # the replay saves under the n-th placeholder (``_Holder``) of the forward, runs the
 # forward's function again (``frame.recompute_fn``: the RNG, autocast and ``context_fn``
 # of the forward restored), then compares the number and metadata of what was saved.
-# PyTorch 2.14 makes a Dynamo-disabled copy of that pack hook for every replay and runs
+# PyTorch 2.13 and 2.14 make a Dynamo-disabled copy of that pack hook for every replay and run
 # every saved tensor through Dynamo's wrapper; with the comparison, this is about a third
 # of what a checkpoint costs the host (``docs/benchmarks.md``, the thirteenth round).
 #
@@ -314,11 +314,12 @@ def take_checkpoint_unpack(
 # an error callback), another determinism check than the shape/dtype/device one, or a
 # frame without these fields, PyTorch's unpack stays.
 #
-# Why not Dynamo-disable the replay's pack hook as 2.14 does: it is disabled for frames
-# Dynamo would otherwise trace, and it runs only inside ``_run_fn_with_dynamo_disabled``,
-# which disables Dynamo for everything the replay calls except functions compiled on
-# their own; their saved tensors are packed by AOTAutograd's runtime (the hook is
-# called, not traced). 2.9 to 2.13 do not disable it either.
+# Dynamo: the replay runs inside ``_run_fn_with_dynamo_disabled``, as PyTorch's. A module
+# compiled on its own (``nn.Module.compile()``) turns Dynamo's callback back on for its
+# frames, and an op it runs eagerly at a graph break calls the replay's pack hook with
+# the callback on. PyTorch 2.13 and 2.14 wrap their hook in ``torch._dynamo.disable`` at
+# every replay (2.9 does not); recomp's hook calls no Python function on its common path
+# and its code is marked skipped once (``_skip_in_dynamo``), which costs nothing per call.
 # Retired by: a cheaper replay in PyTorch's checkpoint.
 
 _tuc: Any = torch.utils.checkpoint
