@@ -384,7 +384,7 @@ class _Compiled(nn.Module):
 def test_dynamo_leaves_the_replay_alone_inside_a_module_compiled_on_its_own() -> None:
     """A module compiled with ``nn.Module.compile()`` inside the checkpoint runs its
     frames with Dynamo's callback on, and saves a tensor at a graph break: the replay's
-    pack hook is called there. Dynamo compiles no frame of recomp's (as many frames as
+    pack hook is called there. Dynamo compiles no frame of recomp's (no more frames than
     under PyTorch's checkpoint), and the gradients are PyTorch's."""
     import torch._dynamo.utils
 
@@ -405,5 +405,6 @@ def test_dynamo_leaves_the_replay_alone_inside_a_module_compiled_on_its_own() ->
 
     frames, grads = run("recomp")
     pytorch_frames, pytorch_grads = run("torch")
-    assert frames == pytorch_frames
+    # PyTorch 2.9's own replay leaves Dynamo the weak dictionary's method: one more there.
+    assert frames <= pytorch_frames
     _same(grads, pytorch_grads)
