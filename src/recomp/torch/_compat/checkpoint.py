@@ -412,7 +412,7 @@ def _replay(frame: Any, gid: Any) -> None:
     """Run ``frame``'s replay for pass ``gid`` as PyTorch's unpack hook would."""
     if hasattr(frame, "get_inputs"):
         args = frame.get_inputs()
-    else:  # 2.9 to 2.13: the inputs were saved by an autograd node
+    else:  # older frames (2.9): the inputs were saved by an autograd node
         saver = frame.input_saver.grad_fn
         args = saver.get_args(saver.saved_tensors)
     holders = frame.weak_holders
