@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from .engine import graph_task_id
+
 # --------------------------------------------------------------------------- saved-tensors hook stack
 
 
@@ -330,7 +332,6 @@ _DEFAULT_META = getattr(_tuc, "_default_meta_extractor", None)
 _NO_META = getattr(_tuc, "_allowed_determinism_checks_to_fns", {}).get("none")
 _USER_HOOKS = getattr(_tuc, "_current_user_saved_tensors_hooks", None)
 _EXEC_GROUP = getattr(torch._C, "_get_graph_exec_group", None)
-_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _set_grad = torch._C._set_grad_enabled
@@ -359,7 +360,8 @@ def _replayable(unpack: Any, frame: Any) -> bool:
     if known is None:
         known = (
             code is not None
-            and None not in (_Handle, _StopRecomputation, _RUN_DISABLED, _DEFAULT_META, _TASK_ID)
+            and None not in (_Handle, _StopRecomputation, _RUN_DISABLED, _DEFAULT_META)
+            and hasattr(torch._C, "_current_graph_task_id")  # else graph_task_id gives -1
             and getattr(unpack, "__module__", None) == "torch.utils.checkpoint"
             and unpack.__qualname__ == "_checkpoint_hook.__init__.<locals>.unpack_hook"
             and "frame" in code.co_freevars
@@ -394,7 +396,7 @@ def replay_unpack(frame: Any, unpack: Callable[[Any], Any], holder: Any) -> Any:
     ``holder``, the replay run by recomp (NOTE [ Replaying PyTorch's checkpoint ])."""
     gid: Any = None if _EXEC_GROUP is None else _EXEC_GROUP()
     if gid is None:
-        gid = _TASK_ID()  # type: ignore[misc]  # checked by _replayable
+        gid = graph_task_id()
         if gid == -1:  # outside backward: a pass of its own, as PyTorch's
             gid = uuid.uuid4().int
     if not frame.is_recomputed[gid]:
@@ -472,7 +474,7 @@ def _replay(frame: Any, gid: Any) -> None:
         pack._user_hooks = _USER_HOOKS()  # type: ignore[attr-defined]
     owner = frame
     grad = torch.is_grad_enabled()
-    _push_hooks(pack, _same)
+    _push_hooks(pack, _identity)
     try:
         _set_grad(True)
         _RUN_DISABLED(owner.recompute_fn, *args)  # type: ignore[misc]
@@ -491,7 +493,7 @@ def _replay(frame: Any, gid: Any) -> None:
         owner.check_recomputed_tensors_match(gid)  # raises PyTorch's error
 
 
-def _same(x: Any) -> Any:
+def _identity(x: Any) -> Any:
     return x
 
 
